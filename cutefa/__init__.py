@@ -1,0 +1,30 @@
+"""cutefa: FlashAttention kernels generated in NVIDIA's CuTe DSL.
+
+``import cutefa`` is light: torch and the kernels' modules load on first use of the API, and the
+CuTe DSL compiler only when a kernel is first compiled.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cutefa.ops import explain, flash_attn_func
+
+__all__ = ["__version__", "explain", "flash_attn_func"]
+
+try:
+    __version__ = importlib.metadata.version("cutefa")
+except importlib.metadata.PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+_LAZY = {"flash_attn_func", "explain"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from cutefa import ops
+
+        return getattr(ops, name)
+    raise AttributeError(f"module 'cutefa' has no attribute {name!r}")

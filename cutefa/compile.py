@@ -1,0 +1,542 @@
+"""Compile variants with the CuTe DSL over fake tensors, cache them on disk, load them through TVM-FFI.
+
+One compiled kernel serves every batch size, sequence length and head count: the DSL sees fake
+tensors whose dynamic dims are shared ``SymInt`` objects. The kernel is exported with the TVM-FFI
+calling convention, linked into ``kernel.so`` and loaded with ``tvm_ffi.load_module``, so a cached
+kernel loads in about a millisecond without the DSL compiler, takes torch tensors directly and runs
+on the caller's current torch stream.
+
+Disk layout (``CUTEFA_CACHE_DIR``, default ``~/.cache/cutefa``)::
+
+    <dir>/<target>/<name>-<fingerprint[:16]>/kernel.so   the linked kernel
+                                            /meta.json   written last: the commit marker
+                                            /.lock       flock'ed while building
+    <dir>/sources/<arch>/<name>.py                        rendered modules of non-default variants
+
+The DSL reads ``CUTE_DSL_ARCH`` once, at ``import cutlass``, and only compiles for that target. So
+a process compiles in-process only for the target its DSL was set up for (the first compile picks
+it when ``cutlass`` is not imported yet); other targets compile in child processes
+(``python -m cutefa.compile ...``, one per variant) started with ``CUTE_DSL_ARCH`` set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from cutefa.spec import VariantSpec, parse_name, target_cc
+
+log = logging.getLogger("cutefa")
+
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+# Bump when the compiled calling convention below changes (fake-tensor signature, export flavour).
+_ABI = "tvm-ffi-v1"
+_DSL_DIST = "nvidia-cutlass-dsl"
+_DSL_DTYPES = {"fp16": "Float16", "bf16": "BFloat16", "e4m3": "Float8E4M3FN"}
+_ROW_ALIGN_BYTES = 16
+
+# (variant name, target) -> callable(q, k, v, o, lse, softmax_scale)
+_KERNELS: dict[tuple[str, str], Callable[..., Any]] = {}
+_KERNELS_LOCK = threading.Lock()
+# Loaded tvm_ffi modules, kept alive for as long as their functions may be called.
+_MODULES: dict[Path, Any] = {}
+_RUNTIMES: dict[Path, ctypes.CDLL] = {}
+
+# (ok, seconds, error) of one build
+_Outcome = tuple[bool, float, "str | None"]
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """Outcome of compiling one variant for one target."""
+
+    spec: VariantSpec
+    ok: bool
+    seconds: float
+    error: str | None = None
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One cache entry: a variant's source compiled for one target."""
+
+    name: str
+    target: str
+    source: Path
+    fingerprint: str
+    root: Path
+
+    @property
+    def dir(self) -> Path:
+        return self.root / self.target / f"{self.name}-{self.fingerprint[:16]}"
+
+    @property
+    def so_path(self) -> Path:
+        return self.dir / "kernel.so"
+
+    @property
+    def meta_path(self) -> Path:
+        return self.dir / "meta.json"
+
+    def read_meta(self) -> dict[str, Any] | None:
+        """The committed meta.json, or None when the entry is not (validly) committed."""
+        try:
+            meta = json.loads(self.meta_path.read_text())
+        except (OSError, ValueError):
+            return None
+        if meta.get("fingerprint") != self.fingerprint or not self.so_path.is_file():
+            return None
+        return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths, sources and fingerprints
+
+
+def cache_dir() -> Path:
+    """The on-disk cache root: ``$CUTEFA_CACHE_DIR`` or ``~/.cache/cutefa``."""
+    return Path(os.environ.get("CUTEFA_CACHE_DIR") or Path.home() / ".cache" / "cutefa").expanduser()
+
+
+def kernel_source_path(spec: VariantSpec) -> Path:
+    """The variant's generated module: the committed file, else one rendered into the cache dir."""
+    from cutefa import codegen
+
+    committed = Path(codegen.module_path(spec))
+    if committed.is_file():
+        return committed
+    text = codegen.render_source(spec)
+    path = cache_dir() / "sources" / spec.arch / f"{spec.name}.py"
+    if not path.is_file() or path.read_text() != text:
+        _atomic_write(path, text)
+    return path
+
+
+def load_kernel_module(spec: VariantSpec) -> ModuleType:
+    """Import the variant's generated module from its file (the DSL reads kernel source with inspect).
+
+    Importing it imports ``cutlass``: set the target up first (see module docs).
+    """
+    return _import_file(kernel_source_path(spec), spec.name)
+
+
+def fingerprint(spec: VariantSpec, target: str) -> str:
+    """sha256 over everything the compiled kernel depends on (see :func:`_fingerprint`)."""
+    return _fingerprint(kernel_source_path(spec).read_text(), target)
+
+
+def _fingerprint(source: str, target: str) -> str:
+    """Hash the generated source, cutefa's kernel building blocks, the DSL version, target and ABI."""
+    h = hashlib.sha256()
+    for part in (_ABI, importlib.metadata.version(_DSL_DIST), target, _building_blocks_digest(), source):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def _building_blocks_digest() -> str:
+    """Digest of ``cutefa/kernels/**/*.py`` (paths and contents), computed once per process."""
+    h = hashlib.sha256()
+    for path in sorted(KERNELS_DIR.rglob("*.py")):
+        h.update(path.relative_to(KERNELS_DIR).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _entry(spec: VariantSpec, target: str) -> _Entry:
+    target_cc(target)  # raises ValueError naming the known targets
+    if not spec.runs_on(target):
+        raise ValueError(f"{spec.name}: kernel family {spec.arch} does not run on target {target!r}")
+    source = kernel_source_path(spec)
+    return _Entry(spec.name, target, source, _fingerprint(source.read_text(), target), cache_dir())
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to a temp file next to ``path`` and rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _import_file(path: Path, module_name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import kernel module from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # inspect finds a class's source through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Target set-up and the fake-tensor compile
+
+
+def dsl_target() -> str | None:
+    """The target this process's DSL compiles for; None while ``cutlass`` is not imported yet."""
+    if "cutlass" not in sys.modules:
+        return None
+    return os.environ.get("CUTE_DSL_ARCH", "auto-detected")
+
+
+def can_compile_here(target: str) -> bool:
+    """Whether this process can compile for ``target`` without a child process."""
+    return dsl_target() in (None, target)
+
+
+def _import_dsl(target: str) -> tuple[ModuleType, ModuleType]:
+    """Import the DSL set up for ``target`` (setting ``CUTE_DSL_ARCH`` first if still possible)."""
+    current = dsl_target()
+    if current is None:
+        os.environ["CUTE_DSL_ARCH"] = target
+    elif current != target:
+        raise RuntimeError(f"this process's CuTe DSL compiles for {current}, not {target}")
+    import cutlass
+    from cutlass import cute
+
+    return cutlass, cute
+
+
+def _fake_arguments(spec: VariantSpec, cutlass: ModuleType, cute: ModuleType) -> tuple[Any, ...]:
+    """Fake (q, k, v, o, lse, softmax_scale, stream) for one shape-polymorphic compile."""
+    dtype = getattr(cutlass, _DSL_DTYPES[spec.dtype])
+    row_align = _ROW_ALIGN_BYTES // spec.elem_bytes
+    batch, seqlen_q, seqlen_k = cute.sym_int(symbol="b"), cute.sym_int(symbol="sq"), cute.sym_int(symbol="sk")
+    heads_q, heads_kv = cute.sym_int(symbol="hq"), cute.sym_int(symbol="hkv")
+
+    def bshd(seqlen: Any, heads: Any) -> Any:
+        strides = tuple(cute.sym_int64(divisibility=row_align) for _ in range(3)) + (1,)
+        shape = (batch, seqlen, heads, spec.head_dim)
+        return cute.runtime.make_fake_tensor(dtype, shape, strides, assumed_align=_ROW_ALIGN_BYTES)
+
+    lse_strides = (cute.sym_int64(), cute.sym_int64(), 1)
+    lse = cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads_q, seqlen_q), lse_strides)
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    q, o = bshd(seqlen_q, heads_q), bshd(seqlen_q, heads_q)
+    k, v = bshd(seqlen_k, heads_kv), bshd(seqlen_k, heads_kv)
+    return q, k, v, o, lse, cutlass.Float32(1.0), stream
+
+
+def compile_object(spec: VariantSpec, target: str) -> Any:
+    """Trace and compile ``spec`` for ``target`` in this process, bypassing every cache (inspection,
+    SASS dumps). The process must be set up for ``target`` (see :func:`can_compile_here`)."""
+    return _compile(_entry(spec, target))
+
+
+def _compile(entry: _Entry) -> Any:
+    """Trace and compile the entry's kernel module in this process; returns the DSL's compiled object."""
+    cutlass, cute = _import_dsl(entry.target)
+    module = _import_file(entry.source, entry.name)
+    if getattr(module, "SPEC_NAME", None) != entry.name:
+        raise RuntimeError(
+            f"{entry.source} defines SPEC_NAME={getattr(module, 'SPEC_NAME', None)!r}, "
+            f"expected {entry.name!r}"
+        )
+    args = _fake_arguments(parse_name(entry.name), cutlass, cute)
+    return cute.compile(module.Kernel(), *args, options="--enable-tvm-ffi")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building an entry: lock, compile, export, link, commit
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(entry: _Entry, force: bool = False) -> Any:
+    """Compile ``entry`` here and commit it to disk unless already committed.
+
+    Returns the compiled object when this call compiled it, None when the entry was already
+    committed (perhaps by another process while we waited for the lock).
+    """
+    if not force and entry.read_meta():
+        return None
+    entry.dir.mkdir(parents=True, exist_ok=True)
+    with _locked(entry.dir / ".lock"):
+        if not force and entry.read_meta():
+            return None
+        entry.meta_path.unlink(missing_ok=True)
+        start = time.perf_counter()
+        compiled = _compile(entry)
+        seconds = time.perf_counter() - start
+        runtime = _export(compiled, entry)
+        if runtime is not None:
+            _commit(entry, runtime, seconds)
+        return compiled
+
+
+def _export(compiled: Any, entry: _Entry) -> Path | None:
+    """Export the TVM-FFI object and link ``kernel.so``; returns the DSL runtime library linked against.
+
+    Returns None (after a warning) when no linker is available or linking fails.
+    """
+    linker = shutil.which("gcc") or shutil.which("cc")
+    if linker is None:
+        log.warning("cutefa: no gcc/cc found; %s stays in memory and is not cached on disk", entry.name)
+        return None
+    from cutlass import cute
+
+    libs = [Path(p) for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)]
+    runtime = next((p for p in libs if p.name.startswith("libcute_dsl_runtime")), None)
+    if runtime is None:
+        raise RuntimeError(f"the installed {_DSL_DIST} has no libcute_dsl_runtime library to link against")
+    tmp = f"{os.getpid()}.{threading.get_ident()}"
+    obj, so = entry.dir / f".kernel.{tmp}.o", entry.dir / f".kernel.{tmp}.so"
+    try:
+        compiled.export_to_c(str(obj), function_name=entry.name, enable_pic=True)
+        proc = subprocess.run(
+            [linker, "-shared", "-o", str(so), str(obj), *map(str, libs)],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            log.warning("cutefa: linking %s failed; keeping it in memory only:\n%s", entry.name, proc.stderr)
+            return None
+        os.replace(so, entry.so_path)
+    finally:
+        obj.unlink(missing_ok=True)
+        so.unlink(missing_ok=True)
+    return runtime
+
+
+def _commit(entry: _Entry, runtime: Path, seconds: float) -> None:
+    """Write meta.json last and atomically: its presence means kernel.so is complete."""
+    meta = {
+        "name": entry.name,
+        "target": entry.target,
+        "fingerprint": entry.fingerprint,
+        "function_name": entry.name,
+        "dsl_version": importlib.metadata.version(_DSL_DIST),
+        "abi": _ABI,
+        # the DSL runtime flavour linked against (e.g. cu12), relative to the nvidia_cutlass_dsl wheel
+        "runtime": runtime.parent.parent.name,
+        "compile_seconds": round(seconds, 3),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    _atomic_write(entry.meta_path, json.dumps(meta, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading committed entries (no DSL import)
+
+
+def runtime_library(flavour: str) -> Path:
+    """``libcute_dsl_runtime.so`` of the installed DSL wheel for ``flavour`` (e.g. 'cu12')."""
+    import nvidia_cutlass_dsl
+
+    for base in nvidia_cutlass_dsl.__path__:
+        path = Path(base) / flavour / "lib" / "libcute_dsl_runtime.so"
+        if path.is_file():
+            return path
+    raise RuntimeError(f"the installed {_DSL_DIST} has no {flavour}/lib/libcute_dsl_runtime.so")
+
+
+def _load(entry: _Entry) -> Callable[..., Any]:
+    """Load a committed entry's ``kernel.so`` through tvm_ffi and return its function."""
+    meta = entry.read_meta()
+    if meta is None:
+        raise RuntimeError(f"cache entry {entry.dir} is not committed")
+    lib = runtime_library(meta["runtime"])
+    if lib not in _RUNTIMES:
+        _RUNTIMES[lib] = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    import tvm_ffi
+
+    module = tvm_ffi.load_module(str(entry.so_path))
+    _MODULES[entry.so_path] = module
+    return module[meta["function_name"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def get_kernel(spec: VariantSpec, target: str) -> Callable[..., Any]:
+    """The kernel for ``spec`` on ``target``: ``fn(q, k, v, o, lse, softmax_scale)``.
+
+    Memoized per (name, target); the first call loads the cached ``.so`` or compiles it.
+    """
+    fn = _KERNELS.get((spec.name, target))
+    if fn is not None:
+        return fn
+    with _KERNELS_LOCK:
+        key = (spec.name, target)
+        if key not in _KERNELS:
+            _KERNELS[key] = _prepare(spec, target)
+        return _KERNELS[key]
+
+
+def _prepare(spec: VariantSpec, target: str) -> Callable[..., Any]:
+    entry = _entry(spec, target)
+    if entry.read_meta():
+        return _load(entry)
+    if can_compile_here(target):
+        compiled = _build(entry)
+        return _load(entry) if entry.read_meta() else compiled
+    ok, _, error = _build_isolated(entry, False)
+    if not ok:
+        raise RuntimeError(f"compiling {spec.name} for {target} failed: {error}")
+    if not entry.read_meta():
+        raise RuntimeError(
+            f"{spec.name} for {target} was compiled in a child process but could not be "
+            "linked (is gcc installed?); compile it in-process instead"
+        )
+    return _load(entry)
+
+
+def compile_variant(spec: VariantSpec, target: str, *, force: bool = False) -> Path | None:
+    """Fill the disk cache for ``spec`` on ``target``; returns ``kernel.so``, or None if it could not be linked.
+
+    Compiler errors propagate; from a child process (another target) they come as ``RuntimeError``.
+    """
+    entry = _entry(spec, target)
+    if can_compile_here(target):
+        _build(entry, force)
+    else:
+        ok, _, error = _build_isolated(entry, force)
+        if not ok:
+            raise RuntimeError(f"compiling {spec.name} for {target} failed: {error}")
+    return entry.so_path if entry.read_meta() else None
+
+
+def compile_variants(
+    specs: Sequence[VariantSpec], *, target: str, jobs: int = 1, progress: bool = True, force: bool = False
+) -> list[CompileResult]:
+    """Compile many variants for ``target`` in ``jobs`` processes; a failure does not stop the others."""
+    from tqdm import tqdm
+
+    results: dict[int, CompileResult] = {}
+    entries: dict[int, _Entry] = {}
+    for i, spec in enumerate(specs):
+        try:
+            entries[i] = _entry(spec, target)
+        except Exception as exc:  # noqa: BLE001 -- a broken render or bad target fails that variant only
+            results[i] = CompileResult(spec, False, 0.0, _describe(exc))
+    here = jobs <= 1 and can_compile_here(target)
+    outcomes = _run_here(entries, force) if here else _run_in_processes(entries, force, jobs)
+    with tqdm(total=len(specs), disable=not progress, desc=f"cutefa compile {target}", unit="kernel") as bar:
+        bar.update(len(results))
+        for i, (ok, seconds, error) in outcomes:
+            path = entries[i].so_path if ok and entries[i].read_meta() else None
+            results[i] = CompileResult(specs[i], ok, seconds, error, path)
+            bar.set_postfix_str(specs[i].name if ok else f"FAILED {specs[i].name}")
+            bar.update(1)
+    return [results[i] for i in range(len(specs))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Running builds here or in child processes (``python -m cutefa.compile``)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _build_outcome(entry: _Entry, force: bool) -> _Outcome:
+    """Build one entry in this process, catching its failure."""
+    start = time.perf_counter()
+    try:
+        _build(entry, force)
+    except Exception as exc:  # noqa: BLE001 -- any compiler error fails this variant only
+        return False, time.perf_counter() - start, _describe(exc)
+    return True, time.perf_counter() - start, None
+
+
+def _run_here(entries: dict[int, _Entry], force: bool) -> Iterator[tuple[int, _Outcome]]:
+    for i, entry in entries.items():
+        yield i, _build_outcome(entry, force)
+
+
+def _run_in_processes(entries: dict[int, _Entry], force: bool, jobs: int) -> Iterator[tuple[int, _Outcome]]:
+    """Build each entry in its own child process, ``jobs`` at a time."""
+    with ThreadPoolExecutor(max(1, jobs)) as threads:
+        futures = {threads.submit(_build_isolated, entry, force): i for i, entry in entries.items()}
+        for fut in as_completed(futures):
+            yield futures[fut], fut.result()
+
+
+def _build_isolated(entry: _Entry, force: bool) -> _Outcome:
+    """Build one entry in a child process set up for its target; a crash there fails this entry only."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "cutefa.compile",
+        "--target",
+        entry.target,
+        "--name",
+        entry.name,
+        "--source",
+        str(entry.source),
+        "--fingerprint",
+        entry.fingerprint,
+        "--cache-dir",
+        str(entry.root),
+    ]
+    package_root = str(Path(__file__).resolve().parent.parent)
+    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "CUTE_DSL_ARCH": entry.target, "PYTHONPATH": pythonpath}
+    start = time.perf_counter()
+    proc = subprocess.run(
+        cmd + (["--force"] if force else []), env=env, capture_output=True, text=True, check=False
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(_RESULT_TAG):
+            ok, seconds, error = json.loads(line[len(_RESULT_TAG) :])
+            return ok, seconds, error
+    tail = "\n".join(proc.stderr.strip().splitlines()[-20:])
+    return False, time.perf_counter() - start, f"the compiler process exited with {proc.returncode}:\n{tail}"
+
+
+_RESULT_TAG = "cutefa-compile-result: "
+
+
+def _worker_main(argv: Sequence[str] | None = None) -> int:
+    """Child-process entry: build one cache entry and print its outcome as a tagged JSON line."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cutefa.compile", description=_worker_main.__doc__)
+    for flag in ("--target", "--name", "--source", "--fingerprint", "--cache-dir"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+    entry = _Entry(args.name, args.target, Path(args.source), args.fingerprint, Path(args.cache_dir))
+    ok, seconds, error = _build_outcome(entry, args.force)
+    print(_RESULT_TAG + json.dumps([ok, seconds, error]), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())

@@ -1,0 +1,404 @@
+"""Problem shape -> kernel variant, with the reasons behind the choice.
+
+For a compile target, every kernel family that runs there is tried, newest first. Within a family
+a tuned table measured on a real GPU (``cutefa/tuned/<arch>_<gpu>.json``, schema in
+``cutefa/tuned/README.md``) is consulted first, then the heuristic default tiles
+(:data:`cutefa.space.DEFAULT_TILES`). Each candidate must pass :func:`cutefa.space.why_invalid`;
+rejected candidates keep their reason so :func:`explain_problem` can say why they lost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cutefa.space import DEFAULT_TILES, why_invalid, why_no_kernel
+from cutefa.spec import (
+    ARCHS,
+    TARGETS,
+    TORCH_DTYPE_NAMES,
+    VariantSpec,
+    families_for_target,
+    parse_name,
+    target_for_capability,
+)
+
+log = logging.getLogger("cutefa")
+
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+# Problems are bucketed by seqlen_k rounded up to a power of two; longer ones share one bucket.
+MAX_SEQLEN_BUCKET = 65536
+MIN_CC = 80
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The shape facts dispatch looks at."""
+
+    target: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    seqlen_q: int
+    seqlen_k: int
+    batch: int
+    heads_q: int
+    heads_kv: int
+    gpu_name: str | None = None
+
+    @property
+    def bucket(self) -> int | None:
+        """seqlen_k rounded up to a power of two, or None above :data:`MAX_SEQLEN_BUCKET`."""
+        return seqlen_bucket(self.seqlen_k)
+
+    def describe(self) -> str:
+        where = f"{self.target} ({self.gpu_name})" if self.gpu_name else self.target
+        return (
+            f"q=({self.batch}, {self.seqlen_q}, {self.heads_q}, {self.head_dim}) "
+            f"k=({self.batch}, {self.seqlen_k}, {self.heads_kv}, {self.head_dim}) "
+            f"{self.dtype} causal={self.causal} on {where}"
+        )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The variant to run, the target it is compiled for, why, and which candidates lost and why."""
+
+    spec: VariantSpec
+    target: str
+    reason: str
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TunedEntry:
+    """One row of a tuned table: the variant to use up to ``max_seqlen_k`` (None: any length)."""
+
+    dtype: str
+    head_dim: int
+    causal: bool
+    max_seqlen_k: int | None
+    variant: str
+
+    def matches(self, problem: Problem) -> bool:
+        if (self.dtype, self.head_dim, self.causal) != (problem.dtype, problem.head_dim, problem.causal):
+            return False
+        return self.max_seqlen_k is None or (
+            problem.bucket is not None and problem.bucket <= self.max_seqlen_k
+        )
+
+    def describe(self) -> str:
+        return (
+            f"dtype={self.dtype} head_dim={self.head_dim} causal={self.causal} "
+            f"max_seqlen_k={self.max_seqlen_k}"
+        )
+
+
+@dataclass(frozen=True)
+class TunedTable:
+    """A dispatch table measured on one GPU for one kernel family compiled for one target."""
+
+    path: Path
+    arch: str
+    gpu: str
+    target: str
+    measured_on: str
+    entries: tuple[TunedEntry, ...]
+
+    def lookup(self, problem: Problem) -> TunedEntry | None:
+        """The matching entry with the tightest ``max_seqlen_k``."""
+        hits = [e for e in self.entries if e.matches(problem)]
+        return min(hits, key=lambda e: (e.max_seqlen_k is None, e.max_seqlen_k or 0), default=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets and devices
+
+
+def seqlen_bucket(seqlen_k: int) -> int | None:
+    """``seqlen_k`` rounded up to a power of two; None when above :data:`MAX_SEQLEN_BUCKET`."""
+    bucket = 1 << max(0, seqlen_k - 1).bit_length()
+    return bucket if bucket <= MAX_SEQLEN_BUCKET else None
+
+
+_DEVICES: dict[int, tuple[str, str]] = {}
+
+
+def device_target(device: Any = None) -> tuple[str, str]:
+    """(compile target, GPU name) of a CUDA device (default: the current one), memoized per device."""
+    import torch
+
+    index = torch.device(device).index if isinstance(device, (str, torch.device)) else device
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _DEVICES:
+        major, minor = torch.cuda.get_device_capability(index)
+        _DEVICES[index] = (target_for_capability(major, minor), torch.cuda.get_device_name(index))
+    return _DEVICES[index]
+
+
+def current_target(device: Any = None) -> str:
+    """The compile target of a CUDA device (default: the current one), e.g. 'sm_90a' on an H100."""
+    return device_target(device)[0]
+
+
+def _target_cc(target: str) -> int:
+    m = re.fullmatch(r"sm_(\d+)[a-z]?", target)
+    if not m:
+        raise ValueError(f"target={target!r} is not a compile target like 'sm_90a'; known: {TARGETS}")
+    return int(m[1])
+
+
+def check_target(target: str, gpu_name: str | None = None) -> None:
+    """Raise ``NotImplementedError`` naming the GPU and what is supported when cutefa has no kernel there."""
+    if target in TARGETS:
+        return
+    where = f"{gpu_name} ({target})" if gpu_name else target
+    if _target_cc(target) < MIN_CC:
+        need = f"cutefa needs compute capability {MIN_CC // 10}.{MIN_CC % 10}+"
+    else:
+        need = "cutefa has no build for it"
+    raise NotImplementedError(f"no cutefa kernel for {where}: {need} (supported compile targets: {TARGETS})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuned tables
+
+
+_TABLES: list[TunedTable] | None = None
+
+
+def _parse_entry(raw: dict[str, Any]) -> TunedEntry:
+    max_seqlen_k = raw["max_seqlen_k"]
+    if max_seqlen_k is not None and (max_seqlen_k > MAX_SEQLEN_BUCKET or max_seqlen_k & (max_seqlen_k - 1)):
+        raise ValueError(f"max_seqlen_k={max_seqlen_k} is not null or a power of two <= {MAX_SEQLEN_BUCKET}")
+    return TunedEntry(raw["dtype"], int(raw["head_dim"]), bool(raw["causal"]), max_seqlen_k, raw["variant"])
+
+
+def load_table(path: Path) -> TunedTable:
+    """Read one tuned table; raises ``ValueError``/``KeyError`` when it does not follow the schema."""
+    raw = json.loads(Path(path).read_text())
+    entries = tuple(_parse_entry(e) for e in raw["entries"])
+    return TunedTable(Path(path), raw["arch"], raw["gpu"], raw["target"], raw["measured_on"], entries)
+
+
+def tuned_tables() -> list[TunedTable]:
+    """Every readable table in :data:`TUNED_DIR` (malformed ones are skipped with a warning)."""
+    global _TABLES
+    if _TABLES is None:
+        tables = []
+        for path in sorted(TUNED_DIR.glob("*.json")):
+            try:
+                tables.append(load_table(path))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("cutefa: ignoring tuned table %s: %s: %s", path.name, type(exc).__name__, exc)
+        _TABLES = tables
+    return _TABLES
+
+
+def _table_for(family: str, problem: Problem) -> TunedTable | None:
+    """The family's table for this target, preferring one measured on this GPU."""
+    tables = [t for t in tuned_tables() if t.arch == family and t.target == problem.target]
+    gpu = (problem.gpu_name or "").lower()
+    same_gpu = [t for t in tables if gpu and t.gpu.lower() in gpu]
+    return (same_gpu or tables or [None])[0]
+
+
+def clear_caches() -> None:
+    """Forget memoized choices, device facts and loaded tables (after editing :data:`TUNED_DIR`)."""
+    global _TABLES
+    _TABLES = None
+    _CHOICES.clear()
+    _DEVICES.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing
+
+
+def _dtype_token(dtype: Any) -> str:
+    """'fp16'/'bf16'/'e4m3' from a spec token or a torch dtype."""
+    token = TORCH_DTYPE_NAMES.get(str(dtype).removeprefix("torch."), str(dtype))
+    if token not in TORCH_DTYPE_NAMES.values():
+        raise ValueError(f"dtype={dtype!r} is not one of {tuple(TORCH_DTYPE_NAMES.values())}")
+    return token
+
+
+def _table_candidate(family: str, problem: Problem) -> tuple[str, VariantSpec | None, str] | None:
+    """(label, spec or None, how it was picked or why it is unusable) from the tuned table, if any."""
+    table = _table_for(family, problem)
+    entry = table.lookup(problem) if table else None
+    if table is None or entry is None:
+        return None
+    where = f"tuned table {table.path.name} (measured on {table.measured_on})"
+    try:
+        spec = parse_name(entry.variant)
+    except ValueError as exc:
+        return entry.variant, None, f"{where}: {exc}"
+    wanted = (family, "fwd", problem.dtype, problem.head_dim, problem.causal)
+    if (spec.arch, spec.direction, spec.dtype, spec.head_dim, spec.causal) != wanted:
+        return spec.name, None, f"{where}: entry {entry.describe()} names a variant for another problem"
+    if table.gpu.lower() not in (problem.gpu_name or "").lower():
+        where += f", a {table.gpu}; no table for this GPU"
+    return spec.name, spec, f"{where}: entry {entry.describe()}"
+
+
+def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpec | None, str]:
+    tile = DEFAULT_TILES.get(family, {}).get(problem.head_dim)
+    if tile is None:
+        return family, None, f"no tuned entry and no default tile for {family} head_dim={problem.head_dim}"
+    spec = VariantSpec(family, "fwd", problem.dtype, problem.head_dim, *tile, causal=problem.causal)
+    rule = (
+        f"heuristic: DEFAULT_TILES[{family!r}][{problem.head_dim}] = {spec.tile_m}x{spec.tile_n} tile, "
+        f"{spec.stages} stage(s), {spec.warps} warps"
+    )
+    return spec.name, spec, rule
+
+
+def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpec | None, str]]:
+    """A family's candidates in preference order: (label, spec or None, reason)."""
+    probe = VariantSpec(family, "fwd", problem.dtype, problem.head_dim, 128, 64, 1, 4, causal=problem.causal)
+    missing = why_no_kernel(probe)
+    if missing:
+        yield family, None, missing
+        return
+    from_table = _table_candidate(family, problem)
+    if from_table:
+        yield from_table
+    yield _heuristic_candidate(family, problem)
+
+
+def _search(problem: Problem) -> tuple[Choice | None, list[tuple[str, str]]]:
+    """The first valid candidate over the families newest first, and every rejection before it."""
+    check_target(problem.target, problem.gpu_name)
+    runs = families_for_target(problem.target)
+    rejected = [(f, f"family {f} does not run on {problem.target}") for f in reversed(ARCHS) if f not in runs]
+    for family in runs:
+        for label, spec, reason in _candidates(family, problem):
+            why_not = reason if spec is None else why_invalid(spec)
+            if why_not is None:
+                return Choice(spec, problem.target, reason, list(rejected)), rejected
+            rejected.append((label, why_not))
+    return None, rejected
+
+
+_CHOICES: dict[tuple[Any, ...], Choice] = {}
+
+
+def choose(
+    *,
+    target: str,
+    dtype: Any,
+    head_dim: int,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    gpu_name: str | None = None,
+) -> Choice:
+    """Pick the variant for a problem; memoized per (target, GPU, dtype, head_dim, causal, seqlen_k bucket).
+
+    ``dtype`` is a spec token ('bf16') or a torch dtype; ``gpu_name`` picks among tuned tables and
+    names the GPU in errors. Raises ``NotImplementedError`` when no family has a kernel.
+    """
+    key = (target, gpu_name, dtype, head_dim, causal, seqlen_bucket(seqlen_k))
+    choice = _CHOICES.get(key)
+    if choice is None:
+        p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
+                    gpu_name)  # fmt: skip
+        choice, rejected = _search(p)
+        if choice is None:
+            lost = "; ".join(f"{label}: {why}" for label, why in rejected)
+            raise NotImplementedError(f"no cutefa kernel for {p.describe()}: {lost}")
+        _CHOICES[key] = choice
+    return choice
+
+
+def explain_problem(
+    *,
+    target: str,
+    dtype: Any,
+    head_dim: int,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    gpu_name: str | None = None,
+) -> str:
+    """Human-readable account of :func:`choose` for a problem: the pick, why, and every rejection."""
+    p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
+                gpu_name)  # fmt: skip
+    lines = [f"cutefa forward: {p.describe()}"]
+    try:
+        choice, rejected = _search(p)
+    except NotImplementedError as exc:
+        return "\n".join([*lines, f"no kernel: {exc}"])
+    if choice is None:
+        lines.append("no kernel: every candidate was rejected")
+    else:
+        lines.append(f"chosen: {choice.spec.name} (family {choice.spec.arch}, compiled for {choice.target})")
+        lines.append(f"  why: {choice.reason}")
+    if rejected:
+        lines.append("rejected:")
+        lines += [f"  {label}: {why}" for label, why in rejected]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging which kernel ran
+
+
+_LOG_RUNS = False
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (it may be replaced after set-up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+_HANDLER: logging.Handler | None = None
+
+
+def set_logging(enabled: bool) -> None:
+    """Log one INFO line to stderr per kernel run (also enabled by ``CUTEFA_LOG=1`` at import)."""
+    global _LOG_RUNS, _HANDLER
+    _LOG_RUNS = enabled
+    if enabled:
+        log.setLevel(logging.INFO)
+        if _HANDLER is None:
+            _HANDLER = _StderrHandler()
+            log.addHandler(_HANDLER)
+
+
+def log_run(choice: Choice, q_shape: tuple[int, ...], k_shape: tuple[int, ...], causal: bool) -> None:
+    """Record one kernel run (a no-op unless logging is enabled)."""
+    if _LOG_RUNS:
+        log.info(
+            "cutefa: ran %s on %s for q=%s k=%s causal=%s",
+            choice.spec.name, choice.target, tuple(q_shape), tuple(k_shape), causal,
+        )  # fmt: skip
+
+
+set_logging(os.environ.get("CUTEFA_LOG", "").strip() not in ("", "0"))

@@ -1,0 +1,271 @@
+"""The user-facing forward: input validation, the ``cutefa::flash_fwd`` custom op, autograd, the API.
+
+Layout is (batch, seqlen, heads, head_dim) for q, k and v; k and v may have fewer heads than q
+(grouped-query attention: query head ``h`` reads key/value head ``h // (heads_q // heads_kv)``).
+Causal masking is aligned bottom-right: query ``i`` attends key ``j`` iff
+``j <= i + seqlen_k - seqlen_q``.
+
+Edge cases: an empty problem (batch, seqlen_q or heads_q of 0) returns empty results without a
+launch. With ``seqlen_k == 0`` and ``seqlen_q > 0`` every query row attends no key: the output is
+0 and the log-sum-exp is ``-inf``, again without a launch. Inputs whose strides (other than the
+last) are not multiples of 16 bytes, or whose data pointer is not 16-byte aligned, are copied to a
+contiguous tensor first; a last dim that is not contiguous (``stride(-1) != 1``) is an error.
+
+``torch.compile``, autograd and dispatch modes go through the ``cutefa::flash_fwd`` op; a plain
+eager call with nothing to differentiate calls its implementation directly, skipping the op
+dispatcher (tens of microseconds per call).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from cutefa import dispatch
+from cutefa.compile import get_kernel
+from cutefa.spec import HEAD_DIMS
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+)
+# Device types the kernels run on; the validation tests widen it.
+DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+_ALIGN_BYTES = 16
+_NAMES = ("q", "k", "v")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (metadata only: also runs on fake tensors while torch.compile traces)
+
+
+def _check_tensors(tensors: Sequence[object]) -> tuple[torch.Tensor, ...]:
+    for name, t in zip(_NAMES, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seqlen, heads, head_dim); got {t.dim()}-D shape {tuple(t.shape)}"
+            )
+    return tuple(tensors)  # type: ignore[arg-type]  # each was checked above
+
+
+def _check_dtypes(tensors: Sequence[torch.Tensor]) -> None:
+    for name, t in zip(_NAMES, tensors):
+        if t.dtype in FP8_DTYPES:
+            raise NotImplementedError(
+                f"fp8 forward is not implemented yet: {name} has dtype {t.dtype}; use torch.float16 or "
+                "torch.bfloat16"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; cutefa accepts torch.float16 or torch.bfloat16")
+    if len({t.dtype for t in tensors}) > 1:
+        got = ", ".join(f"{n} {t.dtype}" for n, t in zip(_NAMES, tensors))
+        raise TypeError(f"q, k and v must have one dtype; got {got}")
+
+
+def _check_devices(tensors: Sequence[torch.Tensor], device_types: Sequence[str]) -> None:
+    for name, t in zip(_NAMES, tensors):
+        if t.device.type not in device_types:
+            raise ValueError(f"cutefa runs on CUDA tensors; got {name} on {t.device}")
+    if len({t.device for t in tensors}) > 1:
+        got = ", ".join(f"{n} on {t.device}" for n, t in zip(_NAMES, tensors))
+        raise ValueError(f"q, k and v must be on one device; got {got}")
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k has {k.shape[0]}, v has {v.shape[0]}")
+    if not q.shape[3] == k.shape[3] == v.shape[3]:
+        raise ValueError(
+            f"head_dim differs: q has {q.shape[3]}, k has {k.shape[3]}, v has {v.shape[3]}; they must be equal"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"q's heads ({heads_q}) must be a multiple of k/v's heads ({heads_kv}) (grouped-query attention)"
+        )
+    if q.shape[3] not in HEAD_DIMS:
+        raise ValueError(f"head_dim={q.shape[3]} is not supported; cutefa supports head_dim in {HEAD_DIMS}")
+
+
+def _check_strides(tensors: Sequence[torch.Tensor]) -> None:
+    for name, t in zip(_NAMES, tensors):
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}.stride(-1) must be 1 (contiguous head_dim); got {t.stride(-1)}; pass {name}.contiguous()"
+            )
+
+
+def _check_options(causal: object, softmax_scale: object) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
+
+
+def validate_inputs(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    causal: object = False,
+    softmax_scale: object = None,
+    device_types: Sequence[str] | None = None,
+) -> None:
+    """Raise ``TypeError``/``ValueError``/``NotImplementedError`` naming what is wrong with the inputs.
+
+    ``device_types`` defaults to :data:`DEVICE_TYPES` (CUDA). Only metadata is read.
+    """
+    tensors = _check_tensors((q, k, v))
+    _check_dtypes(tensors)
+    _check_devices(tensors, DEVICE_TYPES if device_types is None else device_types)
+    _check_shapes(*tensors)
+    _check_strides(tensors)
+    _check_options(causal, softmax_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom op
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when the kernel's 16-byte row/pointer alignment holds, else a contiguous copy."""
+    step = _ALIGN_BYTES // t.element_size()
+    if t.data_ptr() % _ALIGN_BYTES == 0 and all(s % step == 0 for s in t.stride()[:-1]):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _choose(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dispatch.Choice:
+    target, gpu_name = dispatch.device_target(q.device)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    return dispatch.choose(
+        target=target, dtype=q.dtype, head_dim=head_dim, causal=causal, seqlen_q=seqlen_q,
+        seqlen_k=k.shape[1], batch=batch, heads_q=heads_q, heads_kv=k.shape[2], gpu_name=gpu_name,
+    )  # fmt: skip
+
+
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, softmax_scale: float,
+) -> None:  # fmt: skip
+    """Dispatch and run the kernel on the current stream of q's device, writing ``out`` and ``lse``."""
+    choice = _choose(q, k, causal)
+    kernel = get_kernel(choice.spec, choice.target)
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    if q.device.index == torch.cuda.current_device():
+        kernel(q, k, v, out, lse, softmax_scale)
+    else:
+        with torch.cuda.device(q.device):
+            kernel(q, k, v, out, lse, softmax_scale)
+    dispatch.log_run(choice, q.shape, k.shape, causal)
+
+
+def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return out, torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+
+
+def _flash_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward: returns (out like q, lse float32 (batch, heads_q, seqlen_q))."""
+    validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    out, lse = _empty_outputs(q)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:  # no keys: every row attends nothing
+        return out.zero_(), lse.fill_(-math.inf)
+    _launch(q, k, v, out, lse, causal, softmax_scale)
+    return out, lse
+
+
+flash_fwd = torch.library.custom_op("cutefa::flash_fwd", _flash_fwd, mutates_args=())
+
+
+@flash_fwd.register_fake
+def _flash_fwd_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return _empty_outputs(q)
+
+
+def _backward(ctx: object, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> None:
+    raise NotImplementedError(
+        "cutefa: the backward pass is not implemented yet: neither the output nor the lse "
+        "(return_lse=True) of cutefa.flash_attn_func can be differentiated. Run it under "
+        "torch.no_grad()/torch.inference_mode(), or use torch.nn.functional.scaled_dot_product_attention "
+        "for training"
+    )
+
+
+torch.library.register_autograd("cutefa::flash_fwd", _backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward on CUDA tensors of shape (batch, seqlen, heads, head_dim).
+
+    ``softmax_scale`` defaults to ``1/sqrt(head_dim)``. Returns ``out`` (like q), or ``(out, lse)``
+    with ``return_lse``: lse is float32 (batch, heads_q, seqlen_q), the natural-log sum of
+    exp(scaled scores) per query row. See the module docstring for masking and edge cases.
+    """
+    _check_tensors((q, k, v))  # the op validates the rest; these are needed to call it at all
+    _check_options(causal, softmax_scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    op = _flash_fwd if _plain_eager(q, k, v) else flash_fwd
+    out, lse = op(q, k, v, causal, scale)
+    return (out, lse) if return_lse else out
+
+
+def _plain_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether calling the implementation directly is the same as calling the op, minus the op's
+    dispatch overhead: plain tensors, no gradient to track, no tracing and no dispatch mode."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+
+
+def explain(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, target: str | None = None
+) -> str:
+    """Which variant :func:`flash_attn_func` would run for these inputs, why, and what was rejected.
+
+    ``target`` (e.g. 'sm_90a') explains for that compile target instead of the tensors' GPU, so
+    the inputs may then be CPU or meta tensors.
+    """
+    validate_inputs(q, k, v, causal=causal, device_types=None if target is None else (q.device.type,))
+    gpu_name = None
+    if target is None:
+        target, gpu_name = dispatch.device_target(q.device)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    return dispatch.explain_problem(
+        target=target, dtype=q.dtype, head_dim=head_dim, causal=causal, seqlen_q=seqlen_q,
+        seqlen_k=k.shape[1], batch=batch, heads_q=heads_q, heads_kv=k.shape[2], gpu_name=gpu_name,
+    )  # fmt: skip

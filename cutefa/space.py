@@ -1,0 +1,221 @@
+"""The variant space: enumeration per arch, the one validity predicate, the committed default set.
+
+:func:`why_invalid` is the only place that decides whether a spec can be built. Enumeration, the
+CLI, code generation and dispatch all ask it. Each resource budget is its own function
+(:func:`smem_bytes`, :func:`est_registers`) so callers can print the numbers behind a verdict.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from cutefa.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, VariantSpec
+
+# Kernel templates that exist, (arch, direction) -> dtypes they handle. Mirrors templates/.
+IMPLEMENTED: dict[tuple[str, str], tuple[str, ...]] = {("sm80", "fwd"): ("fp16", "bf16")}
+
+# Families whose tensor cores take fp8 operands; e4m3 is a forward-only dtype there.
+FP8_FAMILIES = ("sm90", "sm100")
+
+SM80_SMEM_LIMIT = 163 * 1024  # A100 per-block opt-in limit; the sm80 family must fit the A100
+SMEM_RESERVE = 1024  # alignment slack of the shared-storage struct (1 KiB swizzle atoms)
+MAX_REGISTERS = 255  # per thread, on every family
+SM80_REG_OVERHEAD = 64  # row max/sum, Q/K/V operand fragments in flight, addresses, counters
+
+
+class Tile(NamedTuple):
+    """The tiling part of a spec."""
+
+    tile_m: int
+    tile_n: int
+    stages: int
+    warps: int
+
+
+# FlashAttention-2's forward tiles on the A100, per head dim (flash_fwd_launch_template.h).
+DEFAULT_TILES: dict[str, dict[int, Tile]] = {
+    "sm80": {
+        64: Tile(128, 64, 1, 4),
+        96: Tile(128, 64, 1, 8),
+        128: Tile(128, 128, 1, 8),
+        192: Tile(128, 64, 1, 8),
+        256: Tile(128, 64, 1, 8),
+    },
+}
+
+# Extra tiles committed next to the default one so dispatch and benchmarks can compare.
+TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
+    "sm80": {
+        64: (Tile(128, 128, 1, 8),),
+        128: (Tile(128, 64, 1, 8), Tile(128, 64, 2, 8), Tile(64, 64, 1, 4)),
+        256: (Tile(64, 64, 1, 4),),
+    },
+}
+
+_TILE_GRID: dict[str, tuple[Tile, ...]] = {
+    "sm80": tuple(itertools.starmap(Tile, itertools.product((64, 128), (32, 64, 128), (1, 2), (4, 8)))),
+    # FA3: one producer warpgroup plus one consumer warpgroup per 64 query rows.
+    "sm90": tuple(Tile(m, n, 2, 4 * (m // 64 + 1)) for m in (64, 128, 192) for n in range(64, 193, 16)),
+    # FA4: 16 warps (two softmax warpgroups, correction, MMA, load, epilogue).
+    "sm100": tuple(Tile(m, n, s, 16) for m in (128, 256) for n in (64, 128) for s in (2, 3)),
+}
+
+
+def _require(argument: str, value: str, accepted: Sequence[str]) -> None:
+    if value not in accepted:
+        raise ValueError(f"{argument}={value!r} is not one of {tuple(accepted)}")
+
+
+def _candidate_dtypes(arch: str, direction: str) -> tuple[str, ...]:
+    if direction == "fwd" and arch in FP8_FAMILIES:
+        return DTYPES
+    return ("fp16", "bf16")
+
+
+def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
+    """Every spec of the raw tile product for ``arch``, valid or not."""
+    _require("arch", arch, ARCHS)
+    _require("direction", direction, DIRECTIONS)
+    return [
+        VariantSpec(arch, direction, dtype, head_dim, *tile, causal=causal)
+        for dtype in _candidate_dtypes(arch, direction)
+        for head_dim in HEAD_DIMS
+        for tile in _TILE_GRID[arch]
+        for causal in (False, True)
+    ]
+
+
+def smem_bytes(spec: VariantSpec) -> int:
+    """Shared memory of one CTA: the Q tile plus ``stages`` buffers each of K and V."""
+    elements = (spec.tile_m + 2 * spec.stages * spec.tile_n) * spec.head_dim
+    return elements * spec.elem_bytes + SMEM_RESERVE
+
+
+def _sm80_registers(spec: VariantSpec) -> int:
+    # fp32 O and S accumulators plus P (S packed to 16 bit), which ptxas keeps live beside S
+    # while it hoists the V ldmatrix loads. Calibrated on compiled SASS (sm_90a, DSL 4.8.1):
+    # hd128 128x64 w4 (estimate 288) and hd96 128x64 w4 (256) spill; hd64 128x64 w4 (224),
+    # hd128 128x128 w8 (224) and hd256 128x64 w8 (240) compile to <= 255 registers, no spill.
+    acc_o = spec.tile_m * spec.head_dim // spec.threads
+    acc_s = spec.tile_m * spec.tile_n // spec.threads
+    return acc_o + acc_s + acc_s // 2 + SM80_REG_OVERHEAD
+
+
+_REGISTER_MODELS: dict[str, Callable[[VariantSpec], int]] = {"sm80": _sm80_registers}
+
+
+def est_registers(spec: VariantSpec) -> int | None:
+    """Estimated registers per thread at the peak, or None where the family has no model."""
+    model = _REGISTER_MODELS.get(spec.arch)
+    return model(spec) if model else None
+
+
+def _fp8_rule(spec: VariantSpec) -> str | None:
+    if spec.dtype == "e4m3" and (spec.arch not in FP8_FAMILIES or spec.direction != "fwd"):
+        return f"e4m3 is only for sm90/sm100 forward kernels, not {spec.arch} {spec.direction}"
+    return None
+
+
+def _head_dim_rule(spec: VariantSpec) -> str | None:
+    if spec.head_dim not in HEAD_DIMS:
+        return f"head_dim={spec.head_dim} is not one of {HEAD_DIMS}"
+    return None
+
+
+def why_no_kernel(spec: VariantSpec) -> str | None:
+    """Why no template exists yet for this spec's (arch, direction, dtype), or None."""
+    dtypes = IMPLEMENTED.get((spec.arch, spec.direction))
+    if dtypes is None:
+        return f"no {spec.arch} {spec.direction} kernel exists yet"
+    if spec.dtype not in dtypes:
+        return f"no {spec.dtype} {spec.arch} {spec.direction} kernel exists yet"
+    return None
+
+
+def _sm80_warp_rows(spec: VariantSpec) -> str | None:
+    rows = 16 * spec.warps
+    if spec.tile_m % rows:
+        return (
+            f"tile_m={spec.tile_m} is not a multiple of 16*warps={rows} "
+            f"(each of the {spec.warps} warps owns 16-row MMA slabs)"
+        )
+    return None
+
+
+def _sm80_tile_n(spec: VariantSpec) -> str | None:
+    if spec.tile_n % 16:
+        return f"tile_n={spec.tile_n} is not a multiple of 16 (the k-step of the P@V MMA)"
+    return None
+
+
+def _sm80_head_dim(spec: VariantSpec) -> str | None:
+    if spec.head_dim % 32:
+        return f"head_dim={spec.head_dim} is not a multiple of 32 (the narrowest swizzled smem atom)"
+    return None
+
+
+def _sm80_copy(spec: VariantSpec) -> str | None:
+    per_round = spec.threads * (16 // spec.elem_bytes)  # one 128-bit copy per thread
+    for operand, rows in (("Q", spec.tile_m), ("K/V", spec.tile_n)):
+        if rows * spec.head_dim % per_round:
+            return (
+                f"the {operand} tile ({rows}x{spec.head_dim}) does not split into 128-bit copies "
+                f"over {spec.threads} threads ({per_round} elements per round)"
+            )
+    return None
+
+
+def _sm80_smem(spec: VariantSpec) -> str | None:
+    needed = smem_bytes(spec)
+    if needed > SM80_SMEM_LIMIT:
+        return (
+            f"needs {needed / 1024:.1f} KiB of shared memory, over the "
+            f"{SM80_SMEM_LIMIT // 1024} KiB per-block opt-in limit of the A100 (sm80 family)"
+        )
+    return None
+
+
+def _sm80_regs(spec: VariantSpec) -> str | None:
+    estimate = _sm80_registers(spec)
+    if estimate > MAX_REGISTERS:
+        return f"would spill registers (estimated {estimate} > {MAX_REGISTERS} per thread)"
+    return None
+
+
+Rule = Callable[[VariantSpec], str | None]
+
+_COMMON_RULES: tuple[Rule, ...] = (_fp8_rule, _head_dim_rule, why_no_kernel)
+_ARCH_RULES: dict[str, tuple[Rule, ...]] = {
+    "sm80": (_sm80_warp_rows, _sm80_tile_n, _sm80_head_dim, _sm80_copy, _sm80_smem, _sm80_regs),
+    "sm90": (),
+    "sm100": (),
+}
+
+
+def why_invalid(spec: VariantSpec) -> str | None:
+    """The first rule ``spec`` breaks, as a sentence naming it; None when the spec can be built."""
+    for rule in _COMMON_RULES + _ARCH_RULES[spec.arch]:
+        reason = rule(spec)
+        if reason is not None:
+            return reason
+    return None
+
+
+def valid_variants(arch: str, direction: str = "fwd") -> list[VariantSpec]:
+    """The candidates of ``arch`` that pass :func:`why_invalid`."""
+    return [spec for spec in candidates(arch, direction) if why_invalid(spec) is None]
+
+
+def default_variants(arch: str) -> list[VariantSpec]:
+    """The forward variants committed to generated/ for ``arch``, sorted."""
+    _require("arch", arch, ARCHS)
+    tiles = list(DEFAULT_TILES.get(arch, {}).items())
+    tiles += [(hd, t) for hd, alts in TUNING_ALTERNATIVES.get(arch, {}).items() for t in alts]
+    return sorted(
+        VariantSpec(arch, "fwd", dtype, head_dim, *tile, causal=causal)
+        for dtype in IMPLEMENTED.get((arch, "fwd"), ())
+        for head_dim, tile in tiles
+        for causal in (False, True)
+    )

@@ -1,0 +1,153 @@
+"""Kernel variant specifications: the spec is the identity, its name is the key.
+
+A :class:`VariantSpec` holds every input to code generation. Its :meth:`~VariantSpec.name` is the
+generated file name, the compile-cache key, the CLI filter target and the log tag, and
+:func:`parse_name` turns a name back into the spec. One function makes names, one parses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+# Kernel families (the design a kernel uses). A family runs on any compile target at or above it.
+ARCHS = ("sm80", "sm90", "sm100")
+DIRECTIONS = ("fwd", "bwd")
+DTYPES = ("fp16", "bf16", "e4m3")
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+# Compile targets (the GPU a cubin is built for) and the family each one can run.
+TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
+DEFAULT_TARGET = {"sm80": "sm_80", "sm90": "sm_90a", "sm100": "sm_100a"}
+_TARGET_CC = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90a": 90, "sm_100a": 100}
+_FAMILY_CC = {"sm80": 80, "sm90": 90, "sm100": 100}
+
+# torch dtype name <-> spec dtype token
+TORCH_DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
+
+_NAME_RE = re.compile(
+    r"^cutefa_(?P<arch>sm\d+)_(?P<direction>fwd|bwd)_(?P<dtype>[a-z0-9]+)_hd(?P<head_dim>\d+)"
+    r"_(?P<tile_m>\d+)x(?P<tile_n>\d+)_s(?P<stages>\d+)_w(?P<warps>\d+)(?P<flags>(?:_[a-z]+)*)$"
+)
+# Boolean spec fields and the name token each one adds when true, in name order.
+_FLAG_TOKENS = (("causal", "causal"),)
+
+
+@dataclass(frozen=True, order=True)
+class VariantSpec:
+    """One kernel variant. Every field changes the generated code, so every field is in the name."""
+
+    arch: str  # kernel family: sm80 (FA2 design), sm90 (FA3 design), sm100 (FA4 design)
+    direction: str  # fwd | bwd
+    dtype: str  # fp16 | bf16 | e4m3
+    head_dim: int
+    tile_m: int  # query rows per CTA tile
+    tile_n: int  # key/value rows per mainloop step
+    stages: int  # shared-memory buffers for each of K and V
+    warps: int  # warps per CTA
+    causal: bool = False
+
+    def __post_init__(self) -> None:
+        for field, allowed in (("arch", ARCHS), ("direction", DIRECTIONS), ("dtype", DTYPES)):
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ValueError(f"VariantSpec.{field}={value!r} is not one of {allowed}")
+        for field in ("head_dim", "tile_m", "tile_n", "stages", "warps"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"VariantSpec.{field}={value!r} must be a positive int")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"VariantSpec.causal={self.causal!r} must be a bool")
+
+    @property
+    def name(self) -> str:
+        flags = "".join(f"_{tok}" for field, tok in _FLAG_TOKENS if getattr(self, field))
+        return (
+            f"cutefa_{self.arch}_{self.direction}_{self.dtype}_hd{self.head_dim}"
+            f"_{self.tile_m}x{self.tile_n}_s{self.stages}_w{self.warps}{flags}"
+        )
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def elem_bytes(self) -> int:
+        return 1 if self.dtype == "e4m3" else 2
+
+    def replace(self, **changes) -> VariantSpec:
+        return dataclasses.replace(self, **changes)
+
+    def runs_on(self, target: str) -> bool:
+        """Whether this family's kernels are valid on compile target ``target`` (e.g. 'sm_90a')."""
+        cc = target_cc(target)
+        fam = _FAMILY_CC[self.arch]
+        if self.arch == "sm80":
+            return cc >= fam
+        # WGMMA/setmaxnreg (sm90a) and tcgen05 (sm100a) are arch-specific, not forward compatible.
+        return cc == fam
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def parse_name(name: str) -> VariantSpec:
+    """Inverse of :attr:`VariantSpec.name`. Raises ``ValueError`` naming what is wrong."""
+    m = _NAME_RE.match(name)
+    if not m:
+        raise ValueError(
+            f"not a cutefa variant name: {name!r} "
+            "(expected like 'cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4_causal')"
+        )
+    flags = [f for f in m["flags"].split("_") if f]
+    known = {tok: field for field, tok in _FLAG_TOKENS}
+    unknown = [f for f in flags if f not in known]
+    if unknown:
+        raise ValueError(f"variant name {name!r} has unknown flag(s) {unknown}; known: {sorted(known)}")
+    order = [tok for _, tok in _FLAG_TOKENS]
+    if flags != sorted(set(flags), key=order.index):
+        raise ValueError(f"variant name {name!r}: flags must appear once each, in the order {order}")
+    spec = VariantSpec(
+        arch=m["arch"],
+        direction=m["direction"],
+        dtype=m["dtype"],
+        head_dim=int(m["head_dim"]),
+        tile_m=int(m["tile_m"]),
+        tile_n=int(m["tile_n"]),
+        stages=int(m["stages"]),
+        warps=int(m["warps"]),
+        **{known[f]: True for f in flags},
+    )
+    if spec.name != name:  # e.g. leading zeros in a number
+        raise ValueError(f"variant name {name!r} is not canonical; the canonical form is {spec.name!r}")
+    return spec
+
+
+def target_cc(target: str) -> int:
+    """Compute capability number (80, 90, 100...) of a compile target like 'sm_90a'."""
+    if target not in _TARGET_CC:
+        raise ValueError(f"unknown compile target {target!r}; known targets: {TARGETS}")
+    return _TARGET_CC[target]
+
+
+def target_for_capability(major: int, minor: int) -> str:
+    """The compile target cutefa uses for a GPU of compute capability (major, minor)."""
+    cc = major * 10 + minor
+    if cc >= 100:
+        return "sm_100a" if major == 10 else f"sm_{cc}"
+    if cc >= 90:
+        return "sm_90a"
+    if cc in (86, 87):
+        return "sm_86"
+    if cc >= 89:
+        return "sm_89"
+    if cc >= 80:
+        return "sm_80"
+    return f"sm_{cc}"
+
+
+def families_for_target(target: str) -> list[str]:
+    """Kernel families that can run on ``target``, best (newest) first."""
+    target_cc(target)  # validates the name
+    return [a for a in reversed(ARCHS) if VariantSpec(a, "fwd", "bf16", 128, 128, 64, 1, 4).runs_on(target)]

@@ -1,0 +1,245 @@
+"""The cutefa command, run in-process: listings, generate --check, show, and user errors."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+
+from cutefa import cli, space
+from cutefa.spec import VariantSpec
+
+TEMPLATE = '"""{{ name }}"""\nTHREADS = {{ threads }}\n'
+DEFAULTS = [s for arch in ("sm80", "sm90", "sm100") for s in space.default_variants(arch)]
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "fwd_sm80.py.j2").write_text(TEMPLATE)
+    return ["--out-dir", str(tmp_path / "generated"), "--templates-dir", str(templates)]
+
+
+def _names(text: str) -> list[str]:
+    return [line.split()[0] for line in text.splitlines() if line.startswith("cutefa_")]
+
+
+def _row(text: str, name: str) -> list[str]:
+    """The cells of the table row that starts with ``name``."""
+    line = next(line for line in text.splitlines() if line.split() and line.split()[0] == name)
+    return re.split(r"\s{2,}", line)
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("list", "generate", "compile", "show", "explain", "bench", "tune"):
+        assert command in out
+
+
+def test_no_command(capsys):
+    assert cli.main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_list_defaults(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert re.split(r"\s{2,}", out.splitlines()[0]) == ["name", "smem KiB", "est regs", "status"]
+    assert _names(out) == [s.name for s in DEFAULTS]
+    name = "cutefa_sm80_fwd_bf16_hd64_128x64_s1_w4_causal"
+    assert _row(out, name) == [name, "33.0", "224", "ok"]
+    assert out.endswith(f"{len(DEFAULTS)} variant(s)\n")
+
+
+@pytest.mark.parametrize("pattern", ["sm80_fwd_bf16*hd128*", "cutefa_sm80_fwd_bf16*hd128*"])
+def test_list_glob(capsys, pattern):
+    assert cli.main(["list", "--kernels", pattern]) == 0
+    names = _names(capsys.readouterr().out)
+    assert names == [s.name for s in DEFAULTS if s.dtype == "bf16" and s.head_dim == 128]
+    assert len(names) == 8
+
+
+def test_list_all_and_invalid(capsys):
+    assert cli.main(["list", "--all", "--arch", "sm80"]) == 0
+    assert _names(capsys.readouterr().out) == [s.name for s in space.valid_variants("sm80")]
+    assert cli.main(["list", "--invalid", "--arch", "sm90", "--kernels", "*hd64_64x64*"]) == 0
+    out = capsys.readouterr().out
+    assert "cutefa_sm90_fwd_e4m3_hd64_64x64_s2_w8  " in out
+    assert "no sm90 fwd kernel exists yet" in out
+    assert " ok" not in out
+
+
+def test_list_marks_untested_hardware(capsys, monkeypatch):
+    blackwell = VariantSpec("sm100", "fwd", "bf16", 128, 128, 128, 2, 16)
+    monkeypatch.setattr(space, "IMPLEMENTED", {("sm100", "fwd"): ("bf16",)})
+    assert cli.main(["list", "--all", "--arch", "sm100", "--kernels", blackwell.name]) == 0
+    assert "ok (compiled, not hardware-tested)" in capsys.readouterr().out
+
+
+def test_list_user_errors(capsys):
+    assert cli.main(["list", "--kernels", "nothing*"]) == 2
+    assert "--kernels 'nothing*' matches none" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["list", "--arch", "sm70"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--arch" in err and "'sm70'" in err and "sm80" in err
+    with pytest.raises(SystemExit):
+        cli.main(["list", "--all", "--invalid"])
+
+
+def test_generate_and_check(capsys, dirs, tmp_path):
+    assert cli.main(["generate", "--check", *dirs]) == 1
+    assert "missing: generated/sm80/" in capsys.readouterr().out
+    assert cli.main(["generate", *dirs]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"generated {len(DEFAULTS)} variants into ")
+    assert f"{len(DEFAULTS) + 1} file(s) written, 0 removed" in out
+    assert cli.main(["generate", "--check", *dirs]) == 0
+    assert "is up to date" in capsys.readouterr().out
+
+    edited = tmp_path / "generated" / "sm80" / f"{DEFAULTS[0].name}.py"
+    edited.write_text("# hand edit\n")
+    assert cli.main(["generate", "--check", *dirs]) == 1
+    out = capsys.readouterr().out
+    assert f"differs: generated/sm80/{DEFAULTS[0].name}.py" in out
+    assert "is out of date" in out
+    assert cli.main(["generate", "--kernels", DEFAULTS[0].name, *dirs]) == 0
+    assert "1 file(s) written" in capsys.readouterr().out  # the module; the manifest follows the disk
+    assert cli.main(["generate", "--check", *dirs]) == 0
+
+
+def test_show(capsys, dirs):
+    assert cli.main(["show", "sm80_fwd_bf16_hd64_128x64_s1_w4_causal", "--source", *dirs]) == 0
+    out = capsys.readouterr().out
+    for line in (
+        "tile_n          64",
+        "smem_bytes      33792 (33.0 KiB)",
+        "est_registers   224",
+        "valid           yes",
+        "in default set  yes",
+        "(not generated)",
+        "# Generated by cutefa from templates/fwd_sm80.py.j2 -- do not edit.",
+        "THREADS = 128",
+    ):
+        assert line in out
+
+
+def test_show_invalid(capsys):
+    name = "cutefa_sm80_fwd_bf16_hd128_128x128_s1_w4"
+    assert cli.main(["show", name]) == 0
+    assert (
+        "valid           no: would spill registers (estimated 384 > 255 per thread)"
+        in capsys.readouterr().out
+    )
+    assert cli.main(["show", name, "--source"]) == 2
+    assert "--source: cannot render" in capsys.readouterr().err
+    assert cli.main(["show", "cutefa_sm80_fwd_bf16_hd128"]) == 2
+    assert "NAME: not a cutefa variant name" in capsys.readouterr().err
+
+
+def test_tune(capsys):
+    assert cli.main(["tune", "--arch", "sm80", "--whatever"]) == 2
+    assert "tuning is not implemented yet; the dispatcher uses cutefa/tuned/*.json" in capsys.readouterr().err
+
+
+def test_bench_needs_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_local_target", lambda: None)
+    assert cli.main(["bench", "--help"]) == 2
+    assert "a CUDA GPU is required" in capsys.readouterr().err
+
+
+def test_explain(capsys, monkeypatch):
+    calls = []
+    fake = types.ModuleType("cutefa.dispatch")
+    fake.explain_problem = lambda **kwargs: calls.append(kwargs) or "would run X"
+    monkeypatch.setitem(sys.modules, "cutefa.dispatch", fake)
+    assert cli.main(["explain", "--shape", "2,1024,4096,32,8,128", "--causal", "--gpu", "sm_90a"]) == 0
+    assert capsys.readouterr().out == "would run X\n"
+    assert calls == [
+        {
+            "target": "sm_90a",
+            "dtype": "bf16",
+            "causal": True,
+            "batch": 2,
+            "seqlen_q": 1024,
+            "seqlen_k": 4096,
+            "heads_q": 32,
+            "heads_kv": 8,
+            "head_dim": 128,
+        }
+    ]
+
+
+def test_explain_user_errors(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_local_target", lambda: None)
+    assert cli.main(["explain", "--shape", "1,128,128,8,8,64"]) == 2
+    assert "give --gpu" in capsys.readouterr().err
+    for shape in ("1,2,3", "1,2,3,4,5,x", "0,128,128,8,8,64"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["explain", "--shape", shape, "--gpu", "sm_90a"])
+        assert exit_info.value.code == 2
+        assert "argument --shape" in capsys.readouterr().err
+
+
+@dataclass
+class _Result:
+    spec: VariantSpec
+    ok: bool
+    seconds: float
+    error: str | None = None
+    path: str | None = None
+
+
+def _fake_compile(monkeypatch, calls):
+    def compile_variants(specs, *, target, jobs, progress):
+        calls.append((list(specs), target, jobs))
+        return [_Result(s, i != 0, 1.5, None if i else "boom") for i, s in enumerate(specs)]
+
+    fake = types.ModuleType("cutefa.compile")
+    fake.compile_variants = compile_variants
+    monkeypatch.setitem(sys.modules, "cutefa.compile", fake)
+
+
+def test_compile_plan_and_summary(capsys, monkeypatch):
+    calls = []
+    _fake_compile(monkeypatch, calls)
+    sm80 = space.default_variants("sm80")
+    assert cli.main(["compile", "--target", "sm_90a", "--jobs", "3"]) == 1
+    assert calls == [(sm80, "sm_90a", 3)]
+    captured = capsys.readouterr()
+    assert f"{len(sm80) - 1} compiled, 1 failed in " in captured.out
+    assert _row(captured.out, sm80[0].name) == [sm80[0].name, "FAILED", "1.5"]
+    assert _row(captured.out, sm80[1].name) == [sm80[1].name, "ok", "1.5"]
+    assert "boom" in captured.err
+    assert cli.main(["compile", "--arch", "sm80", "--kernels", "*hd64*"]) == 1
+    assert calls[-1][1] == "sm_80" and all(s.head_dim == 64 for s in calls[-1][0])
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["compile"], "give --arch"),
+        (["compile", "--arch", "sm90"], "no sm90 variants yet"),
+        (
+            ["compile", "--arch", "sm90", "--target", "sm_100a"],
+            "--arch sm90 kernels cannot run on --target sm_100a",
+        ),
+    ],
+)
+def test_compile_user_errors(capsys, argv, words):
+    assert cli.main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_compile_rejects_bad_jobs(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["compile", "--arch", "sm80", "--jobs", "0"])
+    assert "argument --jobs: '0' is not a positive integer" in capsys.readouterr().err

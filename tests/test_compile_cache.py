@@ -1,0 +1,381 @@
+"""The compile cache: fingerprints, entry layout, the meta.json commit marker, locking, export + load.
+
+Tests that run the CuTe DSL (marked ``compile``) do so in child processes, so this pytest process
+never imports ``cutlass`` (whose target is fixed at import) and other tests keep a clean slate.
+They compile ``tests/tiny_kernel.py`` (O = Q, LSE = 0) under real variant names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cutefa import compile as cc
+from cutefa.spec import VariantSpec, parse_name
+
+TINY = Path(__file__).with_name("tiny_kernel.py")
+FP16 = parse_name("cutefa_sm80_fwd_fp16_hd64_128x128_s1_w4")
+BF16 = parse_name("cutefa_sm80_fwd_bf16_hd64_128x128_s1_w4")
+BROKEN = parse_name("cutefa_sm80_fwd_fp16_hd128_128x64_s1_w4")
+
+
+def tiny_source(spec: VariantSpec, *, broken: bool = False) -> str:
+    text = TINY.read_text().replace(
+        'SPEC_NAME = "cutefa_sm80_fwd_fp16_hd64_128x128_s1_w4"', f"SPEC_NAME = {spec.name!r}"
+    )
+    if broken:
+        text = text.replace(
+            "batch, seqlen_q, heads_q, head_dim = mQ.shape", "undefined_name_in_kernel  # noqa"
+        )
+    return text
+
+
+@pytest.fixture
+def sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory of tiny kernel modules named after their variants; kernel_source_path reads it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for spec in (FP16, BF16):
+        (src / f"{spec.name}.py").write_text(tiny_source(spec))
+    (src / f"{BROKEN.name}.py").write_text(tiny_source(BROKEN, broken=True))
+    monkeypatch.setattr(cc, "kernel_source_path", lambda spec: src / f"{spec.name}.py")
+    return src
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CUTEFA_CACHE_DIR", str(root))
+    monkeypatch.setattr(cc, "_KERNELS", {})
+    return root
+
+
+def child_env(cache: Path) -> dict[str, str]:
+    """This environment with the test cache dir and no DSL target (each child picks its own)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    return {**env, "CUTEFA_CACHE_DIR": str(cache)}
+
+
+def run_script(body: str, sources: Path, cache: Path) -> dict:
+    """Run ``body`` in a fresh interpreter with kernel sources redirected; it prints one JSON object."""
+    prelude = f"""
+        import json, sys
+        from pathlib import Path
+        import cutefa.compile as cc
+        from cutefa.spec import parse_name
+        cc.kernel_source_path = lambda spec: Path({str(sources)!r}) / f"{{spec.name}}.py"
+    """
+    code = textwrap.dedent(prelude) + textwrap.dedent(body)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=child_env(cache),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def commit_fake(entry: cc._Entry) -> None:
+    """Make ``entry`` look committed without compiling (a dummy kernel.so and a matching meta)."""
+    entry.dir.mkdir(parents=True, exist_ok=True)
+    entry.so_path.write_bytes(b"not really an ELF")
+    entry.meta_path.write_text(json.dumps({"fingerprint": entry.fingerprint, "function_name": entry.name}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths, fingerprints, markers (no DSL)
+
+
+def test_cache_dir_from_env_or_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTEFA_CACHE_DIR", str(tmp_path / "x"))
+    assert cc.cache_dir() == tmp_path / "x"
+    monkeypatch.delenv("CUTEFA_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cc.cache_dir() == tmp_path / ".cache" / "cutefa"
+
+
+def test_fingerprint_tracks_source_target_dsl_and_building_blocks(sources, cache, monkeypatch):
+    base = cc.fingerprint(FP16, "sm_80")
+    assert base == cc.fingerprint(FP16, "sm_80") and len(base) == 64
+    assert cc.fingerprint(FP16, "sm_90a") != base
+
+    path = sources / f"{FP16.name}.py"
+    path.write_text(path.read_text() + "# a comment changes the fingerprint\n")
+    edited = cc.fingerprint(FP16, "sm_80")
+    assert edited != base
+
+    monkeypatch.setattr(cc.importlib.metadata, "version", lambda dist: "99.0")
+    other_dsl = cc.fingerprint(FP16, "sm_80")
+    assert other_dsl != edited
+
+    monkeypatch.setattr(cc, "_building_blocks_digest", lambda: "other building blocks")
+    assert cc.fingerprint(FP16, "sm_80") not in (base, edited, other_dsl)
+
+
+def test_building_blocks_digest_covers_kernel_sources():
+    files = sorted(cc.KERNELS_DIR.rglob("*.py"))
+    assert files, "cutefa/kernels has building blocks to hash"
+    assert len(cc._building_blocks_digest()) == 64
+
+
+def test_entry_layout(sources, cache):
+    entry = cc._entry(FP16, "sm_80")
+    fp = cc.fingerprint(FP16, "sm_80")
+    assert entry.dir == cache / "sm_80" / f"{FP16.name}-{fp[:16]}"
+    assert entry.so_path == entry.dir / "kernel.so"
+    assert entry.meta_path == entry.dir / "meta.json"
+    assert entry.source == sources / f"{FP16.name}.py"
+
+
+def test_entry_rejects_unknown_target_and_family_mismatch(sources, cache):
+    with pytest.raises(ValueError, match="unknown compile target 'sm_75'"):
+        cc._entry(FP16, "sm_75")
+    sm90 = VariantSpec("sm90", "fwd", "bf16", 128, 128, 128, 2, 12)
+    with pytest.raises(ValueError, match="family sm90 does not run on target 'sm_80'"):
+        cc._entry(sm90, "sm_80")
+
+
+def test_meta_marker_semantics(sources, cache):
+    entry = cc._entry(FP16, "sm_80")
+    assert entry.read_meta() is None  # nothing there
+    entry.dir.mkdir(parents=True)
+    entry.so_path.write_bytes(b"x")
+    assert entry.read_meta() is None  # kernel.so without meta.json is not committed
+    entry.meta_path.write_text("{not json")
+    assert entry.read_meta() is None
+    entry.meta_path.write_text(json.dumps({"fingerprint": "0" * 64}))
+    assert entry.read_meta() is None  # meta of another fingerprint
+    entry.meta_path.write_text(json.dumps({"fingerprint": entry.fingerprint}))
+    assert entry.read_meta() == {"fingerprint": entry.fingerprint}
+    entry.so_path.unlink()
+    assert entry.read_meta() is None  # meta without its kernel.so is not committed either
+
+
+def test_build_skips_committed_entry_and_force_drops_the_marker_first(sources, cache, monkeypatch):
+    entry = cc._entry(FP16, "sm_80")
+    commit_fake(entry)
+
+    def no_compile(e):
+        raise AssertionError("a committed entry must not be recompiled")
+
+    monkeypatch.setattr(cc, "_compile", no_compile)
+    assert cc._build(entry) is None
+
+    def failing_compile(e):
+        assert not e.meta_path.exists(), "the marker must be gone while rebuilding"
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(cc, "_compile", failing_compile)
+    with pytest.raises(RuntimeError, match="compiler exploded"):
+        cc._build(entry, force=True)
+    assert entry.read_meta() is None  # a failed forced rebuild leaves nothing committed
+
+
+def test_commit_writes_meta_last_with_its_facts(sources, cache):
+    entry = cc._entry(FP16, "sm_80")
+    entry.dir.mkdir(parents=True)
+    entry.so_path.write_bytes(b"x")
+    cc._commit(entry, Path("/somewhere/nvidia_cutlass_dsl/cu12/lib/libcute_dsl_runtime.so"), 1.25)
+    meta = entry.read_meta()
+    assert meta["name"] == meta["function_name"] == FP16.name
+    assert (meta["target"], meta["runtime"], meta["compile_seconds"]) == ("sm_80", "cu12", 1.25)
+    assert meta["dsl_version"] == cc.importlib.metadata.version("nvidia-cutlass-dsl")
+    assert [p.name for p in entry.dir.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_no_linker_keeps_the_kernel_in_memory(sources, cache, monkeypatch, caplog):
+    compiled = object()
+    monkeypatch.setattr(cc, "_compile", lambda entry: compiled)
+    monkeypatch.setattr(cc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cc, "can_compile_here", lambda target: True)
+    with caplog.at_level("WARNING", logger="cutefa"):
+        assert cc.get_kernel(FP16, "sm_80") is compiled
+    assert "no gcc/cc found" in caplog.text
+    assert cc._entry(FP16, "sm_80").read_meta() is None
+    assert cc.compile_variant(FP16, "sm_80") is None
+
+
+def test_get_kernel_is_memoized(sources, cache, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cc, "_prepare", lambda spec, target: calls.append((spec.name, target)) or object())
+    first = cc.get_kernel(FP16, "sm_80")
+    assert cc.get_kernel(FP16, "sm_80") is first
+    assert cc.get_kernel(FP16, "sm_90a") is not first
+    assert calls == [(FP16.name, "sm_80"), (FP16.name, "sm_90a")]
+
+
+def test_compile_here_only_for_the_dsl_target(monkeypatch):
+    monkeypatch.delitem(sys.modules, "cutlass", raising=False)
+    assert cc.dsl_target() is None
+    assert cc.can_compile_here("sm_90a")  # not imported yet: the first compile picks the target
+    monkeypatch.setitem(sys.modules, "cutlass", object())
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_80")
+    assert cc.can_compile_here("sm_80") and not cc.can_compile_here("sm_90a")
+    monkeypatch.delenv("CUTE_DSL_ARCH")
+    assert not cc.can_compile_here("sm_80")  # imported with an auto-detected arch: use a child
+    with pytest.raises(RuntimeError, match="compiles for auto-detected, not sm_80"):
+        cc._import_dsl("sm_80")
+
+
+def test_compile_variants_reports_each_failure_and_continues(sources, cache, monkeypatch):
+    """In-process path with the DSL stubbed: a compile error and a render error fail only their variant."""
+    unrenderable = parse_name("cutefa_sm80_fwd_bf16_hd256_128x64_s1_w8")
+    real_source = cc.kernel_source_path
+
+    def source(spec):
+        if spec == unrenderable:
+            raise ValueError("template exploded")
+        return real_source(spec)
+
+    def fake_compile(entry):
+        if entry.name == BROKEN.name:
+            raise RuntimeError("DSL said no")
+        return object()
+
+    def fake_export(compiled, entry):
+        entry.so_path.write_bytes(b"x")
+        return Path("/x/nvidia_cutlass_dsl/cu12/lib/libcute_dsl_runtime.so")
+
+    monkeypatch.setattr(cc, "kernel_source_path", source)
+    monkeypatch.setattr(cc, "can_compile_here", lambda target: True)
+    monkeypatch.setattr(cc, "_compile", fake_compile)
+    monkeypatch.setattr(cc, "_export", fake_export)
+    results = cc.compile_variants([FP16, BROKEN, unrenderable, BF16], target="sm_80", progress=False)
+    assert [r.spec for r in results] == [FP16, BROKEN, unrenderable, BF16]
+    assert [r.ok for r in results] == [True, False, False, True]
+    assert results[1].error == "RuntimeError: DSL said no" and results[1].path is None
+    assert results[2].error == "ValueError: template exploded"
+    for r in (results[0], results[3]):
+        assert r.error is None and r.path == cc._entry(r.spec, "sm_80").so_path and r.seconds >= 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Real compiles with the CuTe DSL on this CPU (in child processes)
+
+
+@pytest.mark.compile
+def test_sm80_compile_export_link_and_tvm_ffi_load(sources, cache):
+    built = run_script(
+        """
+        import os
+        spec = parse_name("cutefa_sm80_fwd_fp16_hd64_128x128_s1_w4")
+        path = cc.compile_variant(spec, "sm_80")
+        print(json.dumps({"path": str(path), "arch": os.environ["CUTE_DSL_ARCH"]}))
+        """,
+        sources,
+        cache,
+    )
+    assert built["arch"] == "sm_80"  # compiled in that process, which the first compile set up
+    so = Path(built["path"])
+    entry = cc._entry(FP16, "sm_80")
+    assert so == entry.so_path and so.read_bytes()[:4] == b"\x7fELF"
+    meta = entry.read_meta()
+    assert meta["target"] == "sm_80" and meta["function_name"] == FP16.name
+    assert sorted(p.name for p in entry.dir.iterdir()) == [".lock", "kernel.so", "meta.json"]
+    assert cc.runtime_library(meta["runtime"]).is_file()
+
+    loaded = run_script(
+        """
+        import time, torch
+        spec = parse_name("cutefa_sm80_fwd_fp16_hd64_128x128_s1_w4")
+        start = time.perf_counter()
+        fn = cc.get_kernel(spec, "sm_80")
+        seconds = time.perf_counter() - start
+        q = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
+        try:
+            fn(q, q, q, q, torch.zeros(1, 2, 4), 0.125)
+            error = None
+        except Exception as exc:
+            error = str(exc)
+        print(json.dumps({"type": type(fn).__name__, "cutlass": "cutlass" in sys.modules,
+                          "seconds": seconds, "error": error}))
+        """,
+        sources,
+        cache,
+    )
+    assert loaded["cutlass"] is False, "loading a cached kernel must not import the DSL"
+    assert loaded["type"] == "Function"  # a tvm_ffi.Function from kernel.so
+    # the TVM-FFI entry checks its arguments: CPU tensors are refused (and there is no GPU to run on)
+    assert "device_type=cuda" in loaded["error"]
+
+
+@pytest.mark.compile
+def test_other_target_compiles_in_a_child_process(sources, cache):
+    out = run_script(
+        """
+        import os
+        spec = parse_name("cutefa_sm80_fwd_fp16_hd64_128x128_s1_w4")
+        cc.compile_variant(spec, "sm_80")  # this process's DSL is now set up for sm_80
+        path = cc.compile_variant(spec, "sm_90a")
+        print(json.dumps({"path": str(path), "arch": os.environ["CUTE_DSL_ARCH"]}))
+        """,
+        sources,
+        cache,
+    )
+    assert out["arch"] == "sm_80"
+    entry = cc._entry(FP16, "sm_90a")
+    assert Path(out["path"]) == entry.so_path
+    assert entry.read_meta()["target"] == "sm_90a"
+    assert cc._entry(FP16, "sm_80").read_meta()["target"] == "sm_80"
+
+
+@pytest.mark.compile
+def test_concurrent_compiles_of_one_entry_leave_one_valid_entry(sources, cache):
+    code = textwrap.dedent(
+        f"""
+        import json
+        from pathlib import Path
+        import cutefa.compile as cc
+        from cutefa.spec import parse_name
+        cc.kernel_source_path = lambda spec: Path({str(sources)!r}) / f"{{spec.name}}.py"
+        compiles = []
+        real = cc._compile
+        cc._compile = lambda entry: compiles.append(entry.name) or real(entry)
+        path = cc.compile_variant(parse_name({FP16.name!r}), "sm_80")
+        print(json.dumps({{"path": str(path), "compiled": len(compiles)}}))
+        """
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(cache),
+        )
+        for _ in range(2)
+    ]
+    outs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    entry = cc._entry(FP16, "sm_80")
+    assert {o["path"] for o in outs} == {str(entry.so_path)}
+    assert sorted(o["compiled"] for o in outs) == [0, 1], "exactly one process compiles; the other reuses it"
+    assert sorted(p.name for p in entry.dir.iterdir()) == [".lock", "kernel.so", "meta.json"]
+    assert entry.read_meta() is not None
+    assert [p.name for p in (cache / "sm_80").iterdir()] == [entry.dir.name]
+
+
+@pytest.mark.compile
+def test_compile_variants_in_parallel_processes_survive_a_broken_variant(sources, cache):
+    start = time.perf_counter()
+    results = cc.compile_variants([FP16, BROKEN, BF16], target="sm_80", jobs=2, progress=False)
+    assert [r.ok for r in results] == [True, False, True]
+    assert "undefined_name_in_kernel" in results[1].error and results[1].path is None
+    for r in (results[0], results[2]):
+        assert r.path == cc._entry(r.spec, "sm_80").so_path and r.path.is_file()
+        assert 0 < r.seconds < time.perf_counter() - start
+    again = cc.compile_variants([FP16], target="sm_80", jobs=2, progress=False)
+    assert again[0].ok and again[0].path == results[0].path

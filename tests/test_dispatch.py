@@ -1,0 +1,258 @@
+"""Dispatch: problem -> variant per head dim, tuned-table precedence, rejection reasons, explain, logging."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cutefa import dispatch, space
+from cutefa.space import DEFAULT_TILES
+from cutefa.spec import HEAD_DIMS, VariantSpec
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty tuned-table dir, only the sm80 forward implemented, and fresh memo caches."""
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    monkeypatch.setattr(dispatch, "TUNED_DIR", tuned)
+    monkeypatch.setattr(space, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16")})
+    dispatch.clear_caches()
+    yield tuned
+    dispatch.clear_caches()
+
+
+def problem(**overrides) -> dict:
+    base = {"target": "sm_80", "dtype": "bf16", "head_dim": 128, "causal": False, "seqlen_q": 1024}
+    base.update(seqlen_k=1024, batch=2, heads_q=16, heads_kv=4)
+    return {**base, **overrides}
+
+
+def heuristic_name(dtype: str = "bf16", head_dim: int = 128, causal: bool = False) -> str:
+    return VariantSpec("sm80", "fwd", dtype, head_dim, *DEFAULT_TILES["sm80"][head_dim], causal=causal).name
+
+
+def write_table(directory: Path, name: str, entries: list[dict], **fields) -> Path:
+    table = {"arch": "sm80", "gpu": "A100", "target": "sm_80", "measured_on": "A100-SXM4-80GB, test fixture"}
+    path = directory / name
+    path.write_text(json.dumps({**table, **fields, "entries": entries}))
+    return path
+
+
+def entry(variant: str, max_seqlen_k: int | None, **fields) -> dict:
+    return {
+        "dtype": "bf16",
+        "head_dim": 128,
+        "causal": False,
+        "max_seqlen_k": max_seqlen_k,
+        "variant": variant,
+        **fields,
+    }
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_heuristic_choice_per_head_dim(head_dim, dtype, causal):
+    choice = dispatch.choose(**problem(head_dim=head_dim, dtype=dtype, causal=causal))
+    tile = DEFAULT_TILES["sm80"][head_dim]
+    assert choice.spec == VariantSpec("sm80", "fwd", dtype, head_dim, *tile, causal=causal)
+    assert choice.target == "sm_80"
+    assert choice.reason.startswith(
+        f"heuristic: DEFAULT_TILES['sm80'][{head_dim}] = {tile[0]}x{tile[1]} tile"
+    )
+
+
+def test_torch_dtypes_are_accepted_and_others_refused():
+    assert dispatch.choose(**problem(dtype=torch.float16)).spec.dtype == "fp16"
+    with pytest.raises(ValueError, match="dtype=torch.float32 is not one of"):
+        dispatch.choose(**problem(dtype=torch.float32))
+
+
+def test_rejected_candidates_carry_reasons_on_hopper():
+    choice = dispatch.choose(**problem(target="sm_90a"))
+    assert choice.spec.arch == "sm80" and choice.target == "sm_90a"
+    assert choice.rejected == [
+        ("sm100", "family sm100 does not run on sm_90a"),
+        ("sm90", "no sm90 fwd kernel exists yet"),
+    ]
+
+
+def test_blackwell_falls_back_to_sm80_family():
+    choice = dispatch.choose(**problem(target="sm_100a"))
+    assert choice.spec.arch == "sm80" and choice.target == "sm_100a"
+    assert ("sm100", "no sm100 fwd kernel exists yet") in choice.rejected
+
+
+def test_tuned_table_takes_precedence_by_seqlen_bucket(isolated):
+    short, longer = "cutefa_sm80_fwd_bf16_hd128_64x64_s1_w4", "cutefa_sm80_fwd_bf16_hd128_128x128_s1_w8"
+    write_table(isolated, "sm80_a100.json", [entry(longer, None), entry(short, 1024)])
+    for seqlen_k, want in ((1, short), (1000, short), (1024, short), (1025, longer), (10**6, longer)):
+        choice = dispatch.choose(**problem(seqlen_k=seqlen_k, gpu_name="NVIDIA A100-SXM4-80GB"))
+        assert choice.spec.name == want, seqlen_k
+        assert "tuned table sm80_a100.json (measured on A100-SXM4-80GB, test fixture)" in choice.reason
+        assert "another GPU" not in choice.reason and "no table for this GPU" not in choice.reason
+    # problems the table does not cover use the heuristic
+    assert dispatch.choose(**problem(dtype="fp16")).reason.startswith("heuristic")
+    assert dispatch.choose(**problem(causal=True)).reason.startswith("heuristic")
+    assert dispatch.choose(**problem(target="sm_86")).reason.startswith("heuristic")
+
+
+def test_table_of_this_gpu_wins_over_another_gpu_of_the_target(isolated):
+    write_table(isolated, "sm80_a100.json", [entry("cutefa_sm80_fwd_bf16_hd128_64x64_s1_w4", None)])
+    write_table(
+        isolated, "sm80_a800.json", [entry("cutefa_sm80_fwd_bf16_hd128_128x128_s1_w8", None)], gpu="A800"
+    )
+    assert dispatch.choose(**problem(gpu_name="NVIDIA A800 80GB")).spec.name.endswith("128x128_s1_w8")
+    other = dispatch.choose(**problem(gpu_name="NVIDIA A30"))
+    assert other.spec.name.endswith("64x64_s1_w4")
+    assert "a A100; no table for this GPU" in other.reason
+
+
+def test_invalid_tuned_entry_is_rejected_and_the_heuristic_used(isolated):
+    bad = "cutefa_sm80_fwd_bf16_hd128_64x64_s1_w8"  # 64 rows cannot feed 8 warps of 16-row slabs
+    write_table(isolated, "sm80_a100.json", [entry(bad, None)])
+    choice = dispatch.choose(**problem())
+    assert choice.reason.startswith("heuristic")
+    assert (bad, space.why_invalid(VariantSpec("sm80", "fwd", "bf16", 128, 64, 64, 1, 8))) in choice.rejected
+
+
+def test_tuned_entry_for_another_problem_is_rejected(isolated):
+    write_table(isolated, "sm80_a100.json", [entry("cutefa_sm80_fwd_bf16_hd64_128x128_s1_w4", None)])
+    choice = dispatch.choose(**problem())
+    label, why = choice.rejected[-1]
+    assert label == "cutefa_sm80_fwd_bf16_hd64_128x128_s1_w4"
+    assert "names a variant for another problem" in why
+    assert choice.reason.startswith("heuristic")
+
+
+_HEADER = {"arch": "sm80", "gpu": "A100", "target": "sm_80"}
+_ODD_ENTRY = {"dtype": "bf16", "head_dim": 128, "causal": False, "max_seqlen_k": 1000, "variant": "v"}
+MALFORMED = {
+    "not-json": "{not json",
+    "missing-measured_on": json.dumps({**_HEADER, "entries": []}),
+    "max_seqlen_k-not-power-of-two": json.dumps({**_HEADER, "measured_on": "x", "entries": [_ODD_ENTRY]}),
+}
+
+
+@pytest.mark.parametrize("text", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_tables_are_skipped_with_a_warning(isolated, caplog, text):
+    (isolated / "sm80_broken.json").write_text(text)
+    with caplog.at_level("WARNING", logger="cutefa"):
+        choice = dispatch.choose(**problem())
+    assert choice.reason.startswith("heuristic")
+    assert "ignoring tuned table sm80_broken.json" in caplog.text
+
+
+def test_explain_names_choice_reason_and_rejections(isolated):
+    bad = "cutefa_sm80_fwd_bf16_hd128_64x64_s1_w8"
+    write_table(isolated, "sm80_a100.json", [entry(bad, None)], target="sm_90a")
+    text = dispatch.explain_problem(**problem(target="sm_90a", causal=True, gpu_name="NVIDIA H200"))
+    lines = text.splitlines()
+    assert (
+        lines[0]
+        == "cutefa forward: q=(2, 1024, 16, 128) k=(2, 1024, 4, 128) bf16 causal=True on sm_90a (NVIDIA H200)"
+    )
+    assert lines[1] == f"chosen: {heuristic_name(causal=True)} (family sm80, compiled for sm_90a)"
+    assert lines[2].startswith("  why: heuristic: DEFAULT_TILES['sm80'][128]")
+    assert lines[3:] == [
+        "rejected:",
+        "  sm100: family sm100 does not run on sm_90a",
+        "  sm90: no sm90 fwd kernel exists yet",
+    ]  # the table entry is for non-causal problems, so it is not a candidate here
+    text = dispatch.explain_problem(**problem(target="sm_90a", gpu_name="NVIDIA H200"))
+    assert f"  {bad}: tile_m=64 is not a multiple of 16*warps=128" in text
+
+
+def test_explain_reports_no_kernel():
+    text = dispatch.explain_problem(**problem(dtype="e4m3"))
+    assert "no kernel: every candidate was rejected" in text
+    assert "  sm80: no e4m3 sm80 fwd kernel exists yet" in text
+    with pytest.raises(NotImplementedError, match="no cutefa kernel for q=.* e4m3 .*sm80: no e4m3"):
+        dispatch.choose(**problem(dtype="e4m3"))
+
+
+def test_unsupported_arch_names_gpu_and_what_is_supported():
+    with pytest.raises(NotImplementedError) as err:
+        dispatch.choose(**problem(target="sm_75", gpu_name="Tesla T4"))
+    message = str(err.value)
+    assert message.startswith("no cutefa kernel for Tesla T4 (sm_75): cutefa needs compute capability 8.0+")
+    assert "'sm_80'" in message and "'sm_90a'" in message
+    with pytest.raises(NotImplementedError, match=r"no cutefa kernel for sm_120: cutefa has no build for it"):
+        dispatch.choose(**problem(target="sm_120"))
+    with pytest.raises(ValueError, match="is not a compile target like 'sm_90a'"):
+        dispatch.choose(**problem(target="ampere"))
+    assert "no kernel: no cutefa kernel for Tesla T4 (sm_75)" in dispatch.explain_problem(
+        **problem(target="sm_75", gpu_name="Tesla T4")
+    )
+
+
+def test_choices_are_memoized_per_seqlen_bucket(monkeypatch):
+    calls = []
+    search = dispatch._search
+    monkeypatch.setattr(dispatch, "_search", lambda p: calls.append(p.bucket) or search(p))
+    first = dispatch.choose(**problem(seqlen_k=600))
+    assert dispatch.choose(**problem(seqlen_k=1024, seqlen_q=7, batch=9, heads_q=8, heads_kv=8)) is first
+    dispatch.choose(**problem(seqlen_k=1025))
+    dispatch.choose(**problem(seqlen_k=70000))
+    dispatch.choose(**problem(seqlen_k=10**7))
+    dispatch.choose(**problem(seqlen_k=600, causal=True))
+    assert calls == [1024, 2048, None, 1024]
+
+
+def test_seqlen_bucket():
+    assert [dispatch.seqlen_bucket(n) for n in (0, 1, 2, 3, 1000, 65536)] == [1, 1, 2, 4, 1024, 65536]
+    assert dispatch.seqlen_bucket(65537) is None
+
+
+def test_current_target_from_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: {0: (9, 0), 1: (8, 6)}[d])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: {0: "NVIDIA H200", 1: "NVIDIA RTX A6000"}[d])
+    assert dispatch.current_target() == "sm_90a"
+    assert dispatch.device_target(torch.device("cuda", 1)) == ("sm_86", "NVIDIA RTX A6000")
+    assert dispatch.current_target("cuda:0") == "sm_90a"
+
+
+def test_run_log_line(caplog, capsys):
+    choice = dispatch.choose(**problem())
+    try:
+        dispatch.set_logging(False)
+        with caplog.at_level("INFO", logger="cutefa"):
+            dispatch.log_run(choice, (2, 1024, 16, 128), (2, 1024, 4, 128), False)
+        assert caplog.records == []
+        dispatch.set_logging(True)
+        dispatch.log_run(choice, torch.Size((2, 1024, 16, 128)), (2, 1024, 4, 128), False)
+    finally:
+        dispatch.set_logging(False)
+    line = (
+        f"cutefa: ran {heuristic_name()} on sm_80 for q=(2, 1024, 16, 128) k=(2, 1024, 4, 128) causal=False"
+    )
+    assert [r.getMessage() for r in caplog.records] == [line]
+    assert capsys.readouterr().err == line + "\n"  # the stderr of the moment, not the one at set-up
+
+
+def test_cutefa_log_env_enables_run_logging_to_stderr(isolated):
+    code = (
+        "from pathlib import Path\n"
+        "from cutefa import dispatch as d\n"
+        f"d.TUNED_DIR = Path({str(isolated)!r})\n"
+        "c = d.choose(target='sm_80', dtype='fp16', head_dim=64, causal=True, seqlen_q=5, seqlen_k=5,"
+        " batch=1, heads_q=2, heads_kv=1)\n"
+        "d.log_run(c, (1, 5, 2, 64), (1, 5, 1, 64), True)\n"
+    )
+    env = {**os.environ, "CUTEFA_LOG": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    name = heuristic_name("fp16", 64, causal=True)
+    assert (
+        proc.stderr.strip() == f"cutefa: ran {name} on sm_80 for q=(1, 5, 2, 64) k=(1, 5, 1, 64) causal=True"
+    )
+    env["CUTEFA_LOG"] = "0"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert proc.stderr == ""

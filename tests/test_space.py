@@ -1,0 +1,124 @@
+"""The variant space: each validity rule fires with its own reason, and the default set is valid."""
+
+from __future__ import annotations
+
+import pytest
+
+from cutefa import space
+from cutefa.spec import ARCHS, HEAD_DIMS, VariantSpec
+
+SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (SM80.replace(arch="sm90", warps=12, stages=2), "no sm90 fwd kernel exists yet"),
+        (SM80.replace(arch="sm100", warps=16, stages=2), "no sm100 fwd kernel exists yet"),
+        (SM80.replace(direction="bwd"), "no sm80 bwd kernel exists yet"),
+        (SM80.replace(dtype="e4m3"), "e4m3 is only for sm90/sm100 forward kernels, not sm80 fwd"),
+        (SM80.replace(arch="sm90", direction="bwd", dtype="e4m3"), "e4m3 is only for sm90/sm100 forward"),
+        (SM80.replace(head_dim=80), f"head_dim=80 is not one of {HEAD_DIMS}"),
+        (
+            SM80.replace(tile_m=64, warps=8),
+            "tile_m=64 is not a multiple of 16*warps=128 (each of the 8 warps",
+        ),
+        (SM80.replace(tile_n=40), "tile_n=40 is not a multiple of 16"),
+        (
+            SM80.replace(head_dim=96, tile_n=32, warps=8),
+            "the K/V tile (32x96) does not split into 128-bit copies over 256 threads",
+        ),
+        (
+            SM80.replace(head_dim=256, stages=2, warps=8),
+            "needs 193.0 KiB of shared memory, over the 163 KiB per-block opt-in limit of the A100",
+        ),
+        (SM80.replace(tile_n=128), "would spill registers (estimated 320 > 255 per thread)"),
+    ],
+    ids=lambda x: x.name if isinstance(x, VariantSpec) else None,
+)
+def test_each_rule_names_itself(spec, reason):
+    assert space.why_invalid(spec) == space.why_invalid(spec)  # pure
+    assert reason in space.why_invalid(spec)
+
+
+def test_head_dim_multiple_of_32(monkeypatch):
+    monkeypatch.setattr(space, "HEAD_DIMS", (*HEAD_DIMS, 80))
+    assert "head_dim=80 is not a multiple of 32" in space.why_invalid(SM80.replace(head_dim=80))
+
+
+def test_fp8_waits_for_its_kernel(monkeypatch):
+    monkeypatch.setattr(space, "IMPLEMENTED", {("sm90", "fwd"): ("fp16", "bf16")})
+    hopper = SM80.replace(arch="sm90", warps=12, stages=2)
+    assert space.why_invalid(hopper) is None
+    assert space.why_invalid(hopper.replace(dtype="e4m3")) == "no e4m3 sm90 fwd kernel exists yet"
+    assert space.why_invalid(SM80) == "no sm80 fwd kernel exists yet"
+
+
+def test_budgets():
+    assert space.smem_bytes(SM80) == (128 + 2 * 64) * 64 * 2 + space.SMEM_RESERVE
+    assert space.smem_bytes(SM80.replace(stages=2)) == (128 + 4 * 64) * 64 * 2 + space.SMEM_RESERVE
+    assert space.est_registers(SM80) == 64 + 64 + 32 + space.SM80_REG_OVERHEAD
+    assert space.est_registers(SM80.replace(warps=8)) == 32 + 32 + 16 + space.SM80_REG_OVERHEAD
+    assert space.est_registers(SM80.replace(arch="sm90", warps=12)) is None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_default_variants_are_valid_and_unique(arch):
+    defaults = space.default_variants(arch)
+    for spec in defaults:
+        assert space.why_invalid(spec) is None, spec.name
+    assert len(set(defaults)) == len(defaults)
+    assert defaults == sorted(defaults)
+    assert set(defaults) <= set(space.valid_variants(arch))
+
+
+def test_sm80_default_set():
+    defaults = space.default_variants("sm80")
+    for dtype in ("fp16", "bf16"):
+        for head_dim, tile in space.DEFAULT_TILES["sm80"].items():
+            for causal in (False, True):
+                assert VariantSpec("sm80", "fwd", dtype, head_dim, *tile, causal=causal) in defaults
+    alternatives = [
+        s
+        for s in defaults
+        if (s.tile_m, s.tile_n, s.stages, s.warps) != space.DEFAULT_TILES["sm80"][s.head_dim]
+    ]
+    extra = space.TUNING_ALTERNATIVES["sm80"]
+    assert {s.head_dim for s in alternatives} == set(extra)
+    assert len(alternatives) == 2 * 2 * sum(len(tiles) for tiles in extra.values())
+    assert len(defaults) == 2 * 2 * (len(HEAD_DIMS) + sum(len(tiles) for tiles in extra.values()))
+
+
+def test_other_archs_have_no_defaults_yet():
+    assert space.default_variants("sm90") == []
+    assert space.default_variants("sm100") == []
+
+
+def test_candidates():
+    sm80 = space.candidates("sm80")
+    assert len(sm80) == 2 * len(HEAD_DIMS) * (2 * 3 * 2 * 2) * 2
+    assert {s.dtype for s in sm80} == {"fp16", "bf16"}
+    assert {s.dtype for s in space.candidates("sm90")} == {"fp16", "bf16", "e4m3"}
+    assert {s.dtype for s in space.candidates("sm90", "bwd")} == {"fp16", "bf16"}
+    assert {s.warps for s in space.candidates("sm90") if s.tile_m == 192} == {16}
+    assert {s.tile_n for s in space.candidates("sm90")} == set(range(64, 193, 16))
+
+
+def test_valid_variants():
+    valid = space.valid_variants("sm80")
+    assert valid and all(space.why_invalid(s) is None for s in valid)
+    assert len(valid) < len(space.candidates("sm80"))
+    assert space.valid_variants("sm90") == []
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda: space.candidates("sm70"), "arch='sm70' is not one of"),
+        (lambda: space.candidates("sm80", "both"), "direction='both' is not one of"),
+        (lambda: space.default_variants("hopper"), "arch='hopper' is not one of"),
+    ],
+)
+def test_bad_arguments(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()

@@ -1,0 +1,113 @@
+"""Variant names are the identity: they round-trip, every field shows in them, bad ones are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cutefa.space import candidates
+from cutefa.spec import (
+    ARCHS,
+    DIRECTIONS,
+    DTYPES,
+    VariantSpec,
+    families_for_target,
+    parse_name,
+    target_cc,
+    target_for_capability,
+)
+
+BASE = VariantSpec("sm80", "fwd", "bf16", 128, 128, 64, 1, 4, causal=True)
+CHOICES = {"arch": ARCHS, "direction": DIRECTIONS, "dtype": DTYPES}
+
+
+def _perturbed(spec: VariantSpec, field: dataclasses.Field) -> object:
+    value = getattr(spec, field.name)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value * 2
+    if field.name in CHOICES:
+        return next(c for c in CHOICES[field.name] if c != value)
+    raise AssertionError(f"teach this test how to perturb VariantSpec.{field.name}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_every_candidate_name_round_trips(arch, direction):
+    specs = candidates(arch, direction)
+    assert specs
+    for spec in specs:
+        assert parse_name(spec.name) == spec
+    assert len({s.name for s in specs}) == len(specs)
+
+
+@pytest.mark.parametrize("field", dataclasses.fields(VariantSpec), ids=lambda f: f.name)
+def test_every_field_changes_the_name(field):
+    changed = BASE.replace(**{field.name: _perturbed(BASE, field)})
+    assert changed.name != BASE.name
+    assert parse_name(changed.name) == changed
+
+
+def test_name_format():
+    assert BASE.name == "cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4_causal"
+    assert str(BASE.replace(causal=False)) == "cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4"
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4_sliding", "unknown flag"),
+        ("cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4_causal_causal", "once each"),
+        ("cutefa_sm80_fwd_bf16_hd0128_128x64_s1_w4", "not canonical"),
+        ("cutefa_sm80_fwd_bf16_hd128_128x064_s1_w4", "not canonical"),
+        ("", "not a cutefa variant name"),
+        ("flash_fwd", "not a cutefa variant name"),
+        ("cutefa_sm80_fwd_bf16_hd128", "not a cutefa variant name"),
+        ("cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4_", "not a cutefa variant name"),
+        ("cutefa_sm70_fwd_bf16_hd128_128x64_s1_w4", "arch='sm70'"),
+        ("cutefa_sm80_fwd_fp32_hd128_128x64_s1_w4", "dtype='fp32'"),
+        ("cutefa_sm80_fwd_bf16_hd128_128x64_s0_w4", "stages=0"),
+    ],
+)
+def test_bad_names_are_refused(name, words):
+    with pytest.raises(ValueError, match=words):
+        parse_name(name)
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"arch": "sm70"}, "arch='sm70' is not one of"),
+        ({"direction": "both"}, "direction='both' is not one of"),
+        ({"dtype": "fp32"}, "dtype='fp32' is not one of"),
+        ({"head_dim": 0}, "head_dim=0 must be a positive int"),
+        ({"tile_m": -64}, "tile_m=-64 must be a positive int"),
+        ({"tile_n": 64.0}, "tile_n=64.0 must be a positive int"),
+        ({"stages": True}, "stages=True must be a positive int"),
+        ({"warps": "4"}, "warps='4' must be a positive int"),
+        ({"causal": 1}, "causal=1 must be a bool"),
+    ],
+)
+def test_bad_field_values_are_refused(changes, words):
+    with pytest.raises(ValueError, match=words):
+        BASE.replace(**changes)
+
+
+def test_family_and_target():
+    assert BASE.runs_on("sm_80") and BASE.runs_on("sm_90a") and BASE.runs_on("sm_100a")
+    hopper = BASE.replace(arch="sm90", warps=12, stages=2)
+    assert hopper.runs_on("sm_90a") and not hopper.runs_on("sm_100a") and not hopper.runs_on("sm_80")
+    assert families_for_target("sm_90a") == ["sm90", "sm80"]
+    assert families_for_target("sm_86") == ["sm80"]
+    assert target_cc("sm_100a") == 100
+    with pytest.raises(ValueError, match="unknown compile target 'sm_90'"):
+        target_cc("sm_90")
+    assert [target_for_capability(*cc) for cc in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0))] == [
+        "sm_80",
+        "sm_86",
+        "sm_89",
+        "sm_90a",
+        "sm_100a",
+    ]

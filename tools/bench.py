@@ -1,0 +1,637 @@
+"""Side-by-side attention benchmark on one GPU: cutefa vs FA4, cuDNN and FA2, in one run.
+
+Grid (as in the anchor figures): layout (batch, seqlen, heads, head_dim) with batch x seqlen =
+16384 tokens and heads x head_dim = 2048, random normal inputs, median time of
+``triton.testing.do_bench`` (CUDA events when triton is missing). TFLOP/s counts 4*b*h*s^2*d for
+the forward, halved when causal. The dense bf16 matmul rate (8192^3) is measured in the same run:
+that is the ceiling the attention figures are read against.
+
+Before cutefa is timed on a cell, its output is checked against SDPA; a cell whose relative error
+exceeds the tolerance is reported as WRONG and its speed is not. A backend that raises is shown as
+"err" with the message in the notes; a backend that is not installed leaves its column empty.
+
+    python3 tools/bench.py                      # full grid, bf16, causal and not
+    python3 tools/bench.py --quick              # a few cells
+    python3 tools/bench.py --hdim 128 --seqlen 4096,8192 --causal 1 --dtype bf16,fp16
+    python3 tools/bench.py --enqueue            # host cost per call, all backends
+
+Writes ``bench.md``, ``bench.json`` and ``bench.png`` (``enqueue.md``/``enqueue.json`` for
+``--enqueue``) under ``--out`` (default ``bench_out/``).
+"""
+
+# No `from __future__ import annotations`: the `cutefa bench` command loads this file without
+# registering it in sys.modules, and dataclasses cannot resolve string annotations then.
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TOKENS = 16384
+MODEL_DIM = 2048
+SEQLENS = (1024, 2048, 4096, 8192, 16384)
+HDIMS = (64, 128, 256)
+QUICK_SEQLENS = (1024, 4096)
+QUICK_HDIMS = (128,)
+BACKENDS = ("cutefa", "FA4", "cuDNN", "FA2")
+PEERS = ("FA4", "cuDNN", "FA2")
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+ENQUEUE_SHAPE = {"batch": 1, "seqlen": 128, "heads": 16, "hdim": 128, "causal": True}
+
+
+# ----------------------------------------------------------------------------------------------
+# arguments and grid
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _dtype_list(text: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in values if x not in DTYPE_NAMES]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"--dtype takes a list of {sorted(DTYPE_NAMES)}, got {text!r}")
+    return values
+
+
+def _pass_list(text: str) -> list[str]:
+    values = ["fwd", "bwd"] if text.strip() == "both" else [x.strip() for x in text.split(",") if x.strip()]
+    if not values or any(x not in ("fwd", "bwd") for x in values):
+        raise argparse.ArgumentTypeError(f"--pass takes fwd, bwd, fwd,bwd or both, got {text!r}")
+    return values
+
+
+def _backend_list(text: str) -> list[str]:
+    by_lower = {b.lower(): b for b in BACKENDS}
+    values = [x.strip().lower() for x in text.split(",") if x.strip()]
+    bad = [x for x in values if x not in by_lower]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"--backends takes a list of {list(BACKENDS)}, got {text!r}")
+    return [by_lower[x] for x in values]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bench.py",
+        description="cutefa vs FA4 / cuDNN / FA2 attention throughput, side by side on one GPU.",
+    )
+    p.add_argument("--hdim", type=_int_list, default=None, help="head dims, e.g. 64,128,256 (default)")
+    p.add_argument("--seqlen", type=_int_list, default=None, help="seqlens (default 1024..16384)")
+    p.add_argument("--causal", choices=("0", "1", "both"), default="both")
+    p.add_argument("--dtype", type=_dtype_list, default=["bf16"], help="bf16 (default), fp16 or bf16,fp16")
+    p.add_argument("--pass", dest="passes", type=_pass_list, default=["fwd"], help="fwd (bwd: not yet)")
+    p.add_argument("--quick", action="store_true", help="small grid: hdim 128, seqlen 1024,4096")
+    p.add_argument("--backends", type=_backend_list, default=list(BACKENDS), help="subset of backends")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (bench_out/)")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    p.add_argument("--check-tol", type=float, default=2e-2, help="max rel error of cutefa vs SDPA")
+    p.add_argument("--no-plot", action="store_true", help="skip bench.png")
+    p.add_argument("--enqueue", action="store_true", help="measure host cost per call instead of the grid")
+    p.add_argument("--enqueue-iters", type=int, default=1000, help="calls per enqueue loop")
+    args = p.parse_args(argv)
+    if args.hdim is None:
+        args.hdim = list(QUICK_HDIMS if args.quick else HDIMS)
+    if args.seqlen is None:
+        args.seqlen = list(QUICK_SEQLENS if args.quick else SEQLENS)
+    return args
+
+
+@dataclass(frozen=True)
+class Cell:
+    dtype: str
+    hdim: int
+    causal: bool
+    seqlen: int
+
+    @property
+    def batch(self) -> int:
+        return max(1, TOKENS // self.seqlen)
+
+    @property
+    def heads(self) -> int:
+        return max(1, MODEL_DIM // self.hdim)
+
+    @property
+    def flops(self) -> float:
+        f = 4.0 * self.batch * self.heads * self.seqlen**2 * self.hdim
+        return f / 2 if self.causal else f
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype} hd{self.hdim} causal={int(self.causal)} s={self.seqlen}"
+
+
+def grid(args: argparse.Namespace) -> list[Cell]:
+    causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+    return [Cell(dt, hd, c, s) for dt in args.dtype for hd in args.hdim for c in causals for s in args.seqlen]
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+# ----------------------------------------------------------------------------------------------
+# results and their presentation
+
+
+@dataclass
+class Result:
+    """One backend on one cell. status: ok | WRONG | err | missing | unchecked (no SDPA to check against)."""
+
+    status: str
+    ms: float | None = None
+    tflops: float | None = None
+    rel_err: float | None = None
+    error: str | None = None
+
+    def text(self) -> str:
+        if self.status == "ok" and self.tflops is not None:
+            return f"{self.tflops:.0f}"
+        if self.status == "unchecked" and self.tflops is not None:
+            return f"{self.tflops:.0f} (unchecked)"
+        return "" if self.status == "missing" else self.status
+
+
+@dataclass
+class Row:
+    cell: Cell
+    results: dict[str, Result] = field(default_factory=dict)
+    variant: str | None = None
+
+    def value(self, backend: str) -> float | None:
+        r = self.results.get(backend)
+        return r.tflops if r is not None and r.status == "ok" else None
+
+    def ratio_best(self) -> float | None:
+        mine = self.value("cutefa")
+        peers = [v for v in (self.value(b) for b in PEERS) if v]
+        return mine / max(peers) if mine is not None and peers else None
+
+    def ratio_fa2(self) -> float | None:
+        mine, fa2 = self.value("cutefa"), self.value("FA2")
+        return mine / fa2 if mine is not None and fa2 else None
+
+
+def _ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def markdown_table(rows: list[Row], backends: list[str]) -> str:
+    head = ["pass", "dtype", "hdim", "causal", "seqlen", "b x h", *backends, "cutefa/best", "cutefa/FA2"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        c = row.cell
+        cells = ["fwd", c.dtype, str(c.hdim), str(int(c.causal)), str(c.seqlen), f"{c.batch} x {c.heads}"]
+        cells += [row.results[b].text() if b in row.results else "" for b in backends]
+        cells += [_ratio(row.ratio_best()), _ratio(row.ratio_fa2())]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report_markdown(meta: dict, rows: list[Row], backends: list[str], notes: list[str]) -> str:
+    out = ["# Attention forward, TFLOP/s (higher is better)", ""]
+    out.append(f"GPU: {meta.get('gpu', '?')}; torch {meta.get('torch', '?')}; {meta.get('date', '')}")
+    mm = meta.get("matmul_tflops")
+    out.append(f"Dense bf16 matmul 8192^3 (cuBLAS, median): {mm:.0f} TFLOP/s" if mm else "Dense matmul: n/a")
+    out.append(
+        f"Layout (batch, seqlen, heads, hdim), batch x seqlen = {TOKENS}, heads x hdim = {MODEL_DIM}; "
+        "TFLOP/s = 4*b*h*s^2*d / time, halved when causal; median of "
+        f"{meta.get('timer', 'do_bench')}. WRONG: cutefa's output failed the check against SDPA "
+        f"(rel err > {meta.get('check_tol')}); err: the backend raised (see notes); empty: not installed."
+    )
+    out += ["", markdown_table(rows, backends), ""]
+    if notes:
+        out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(out)
+
+
+def report_json(meta: dict, rows: list[Row], notes: list[str]) -> dict:
+    cells = []
+    for row in rows:
+        c = row.cell
+        cells.append(
+            {
+                "pass": "fwd",
+                "dtype": c.dtype,
+                "hdim": c.hdim,
+                "causal": c.causal,
+                "seqlen": c.seqlen,
+                "batch": c.batch,
+                "heads": c.heads,
+                "flops": c.flops,
+                "cutefa_variant": row.variant,
+                "results": {name: vars(r) for name, r in row.results.items()},
+                "cutefa_over_best": row.ratio_best(),
+                "cutefa_over_fa2": row.ratio_fa2(),
+            }
+        )
+    return {"meta": meta, "cells": cells, "notes": notes}
+
+
+def plot(rows: list[Row], backends: list[str], matmul: float | None, path: Path) -> str | None:
+    """Grouped bars per (dtype, hdim, causal) panel. Returns why not, or None when written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no plot"
+    panels: dict[tuple, list[Row]] = {}
+    for row in rows:
+        panels.setdefault((row.cell.dtype, row.cell.hdim, row.cell.causal), []).append(row)
+    if not panels:
+        return "no cells: no plot"
+    keys = list(panels)
+    ncols = 2 if len(keys) > 1 else 1
+    nrows = math.ceil(len(keys) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, 3.6 * nrows), squeeze=False)
+    width = 0.8 / max(1, len(backends))
+    for ax, key in zip(axes.flat, keys):
+        dtype, hdim, causal = key
+        prow = sorted(panels[key], key=lambda r: r.cell.seqlen)
+        xs = range(len(prow))
+        for i, b in enumerate(backends):
+            vals = [r.value(b) or 0.0 for r in prow]
+            pos = [x + (i - (len(backends) - 1) / 2) * width for x in xs]
+            ax.bar(pos, vals, width, label=b)
+            for x, r in zip(pos, prow):
+                res = r.results.get(b)
+                if res is not None and res.status in ("WRONG", "err"):
+                    ax.text(x, 5, res.status, rotation=90, ha="center", va="bottom", fontsize=7, color="red")
+        if matmul:
+            ax.axhline(matmul, color="gray", linestyle="--", linewidth=1, label="dense bf16 GEMM")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([str(r.cell.seqlen) for r in prow])
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"fwd {dtype} hd{hdim} {'causal' if causal else 'non-causal'}")
+        ax.grid(axis="y", alpha=0.3)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU side
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def make_timer(warmup: int, rep: int) -> tuple[str, Callable[[Callable[[], object]], float]]:
+    """(name, time_ms): median milliseconds of a callable."""
+    import torch
+
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+
+        def bench_ms(fn: Callable[[], object]) -> float:
+            try:
+                return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+            except TypeError:  # a triton without return_mode
+                return float(do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5])[0])
+
+        return "triton.testing.do_bench", bench_ms
+
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+
+    def time_ms(fn: Callable[[], object]) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        est = max(start.elapsed_time(end) / 5, 1e-3)
+        for _ in range(max(1, int(warmup / est))):
+            fn()
+        times = []
+        for _ in range(max(5, int(rep / est))):
+            flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            times.append((s, e))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in times)
+
+    return "CUDA events (triton not installed)", time_ms
+
+
+@dataclass
+class Backend:
+    name: str
+    # make(q, k, v, causal) -> a no-argument callable that runs the attention forward once
+    make: Callable | None
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    missing: str | None = None
+
+
+def load_backends(wanted: list[str]) -> list[Backend]:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = []
+    for name in wanted:
+        if name == "cutefa":
+            try:
+                import cutefa
+
+                def make(q, k, v, causal, _f=cutefa.flash_attn_func):
+                    return lambda: _f(q, k, v, causal=causal)
+
+                out.append(Backend(name, make))
+            except Exception as exc:  # noqa: BLE001 - a broken import is a table entry, not a crash
+                out.append(Backend(name, None, missing=f"cutefa not importable: {_first_line(exc)}"))
+        elif name == "FA4":
+            try:
+                from flash_attn.cute import flash_attn_func as fa4
+            except Exception:  # noqa: BLE001 - absent or broken: either way no FA4 column
+                out.append(Backend(name, None, missing="FA4 not installed"))
+                continue
+
+            def make(q, k, v, causal, _f=fa4):
+                return lambda: _f(q, k, v, causal=causal)
+
+            out.append(Backend(name, make))
+        else:
+            kind = SDPBackend.CUDNN_ATTENTION if name == "cuDNN" else SDPBackend.FLASH_ATTENTION
+
+            def make(q, k, v, causal):
+                qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+            out.append(Backend(name, make, context=lambda kind=kind: sdpa_kernel(kind)))
+    return out
+
+
+def _output(value):
+    """Backends return out, or (out, lse): the attention output either way, as (b, s, h, d)."""
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def _sdpa_out(q, k, v, causal):
+    import torch.nn.functional as F
+
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+    )
+    return o.transpose(1, 2)
+
+
+def rel_err(out, ref) -> float:
+    import torch
+
+    if out.shape != ref.shape:
+        return math.inf
+    diff = torch.linalg.vector_norm(out.float() - ref.float()).item()
+    norm = torch.linalg.vector_norm(ref.float()).item()
+    err = diff / norm if norm else (0.0 if diff == 0 else math.inf)
+    return math.inf if math.isnan(err) else err
+
+
+def _variant(q, k, v, causal) -> str | None:
+    try:
+        import cutefa
+
+        m = re.search(r"cutefa_sm\d+_\w+", cutefa.explain(q, k, v, causal=causal))
+        return m.group(0) if m else None
+    except Exception:  # noqa: BLE001 - the variant name is a label only
+        return None
+
+
+def run_backend(backend: Backend, q, k, v, causal, time_ms, expect, check_tol) -> Result:
+    if backend.make is None:
+        return Result("missing", error=backend.missing)
+    try:
+        with backend.context():
+            fn = backend.make(q, k, v, causal)
+            err = None
+            if expect is not None:
+                err = rel_err(_output(fn()), expect)
+                if not err <= check_tol:
+                    return Result("WRONG", rel_err=err, error=f"rel err {err:.3g} vs SDPA > {check_tol}")
+            ms = time_ms(fn)
+        return Result("ok", ms=ms, rel_err=err)
+    except Exception as exc:  # noqa: BLE001 - one failing backend must not kill the table
+        return Result("err", error=_first_line(exc))
+
+
+def measure_matmul(time_ms) -> float:
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: torch.mm(a, b))
+    return tflops(2.0 * n**3, ms)
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+    }
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        meta["gpu"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    for dist in ("cutefa", "nvidia-cutlass-dsl", "flash-attn-4", "triton"):
+        try:
+            meta[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            meta[dist] = None
+    return meta
+
+
+def run_grid(args: argparse.Namespace) -> int:
+    import torch
+
+    backends = load_backends(args.backends)
+    names = [b.name for b in backends]
+    for b in backends:
+        if b.missing:
+            print(b.missing)
+    timer_name, time_ms = make_timer(args.warmup, args.rep)
+    meta = environment() | {"timer": timer_name, "check_tol": args.check_tol, "argv": sys.argv[1:]}
+    notes: list[str] = []
+    try:
+        meta["matmul_tflops"] = measure_matmul(time_ms)
+        print(f"dense bf16 matmul 8192^3: {meta['matmul_tflops']:.0f} TFLOP/s", flush=True)
+    except Exception as exc:  # noqa: BLE001 - reported in the notes
+        meta["matmul_tflops"] = None
+        notes.append(f"dense matmul: {_first_line(exc)}")
+
+    rows = []
+    for cell in grid(args):
+        dtype = getattr(torch, DTYPE_NAMES[cell.dtype])
+        shape = (cell.batch, cell.seqlen, cell.heads, cell.hdim)
+        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
+        row = Row(cell)
+        try:
+            expect = _sdpa_out(q, k, v, cell.causal)
+        except Exception as exc:  # noqa: BLE001 - reported in the notes
+            expect = None
+            notes.append(f"{cell.label}: SDPA reference failed, cutefa unchecked: {_first_line(exc)}")
+        for b in backends:
+            check = expect if b.name == "cutefa" else None
+            res = run_backend(b, q, k, v, cell.causal, time_ms, check, args.check_tol)
+            if res.ms is not None:
+                res.tflops = tflops(cell.flops, res.ms)
+            if b.name == "cutefa" and expect is None and res.status == "ok":
+                res.status = "unchecked"
+            if res.status in ("WRONG", "err"):
+                notes.append(f"{b.name} {cell.label}: {res.error}")
+            row.results[b.name] = res
+        if "cutefa" in names:
+            row.variant = _variant(q, k, v, cell.causal)
+        rows.append(row)
+        shown = ", ".join(f"{n} {row.results[n].text() or '-'}" for n in names)
+        print(
+            f"[{len(rows)}] {cell.label} b={cell.batch} h={cell.heads}: {shown}", file=sys.stderr, flush=True
+        )
+        del q, k, v, expect
+
+    md_text = report_markdown(meta, rows, names, notes)
+    print()
+    print(md_text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.md").write_text(md_text + "\n")
+    (args.out / "bench.json").write_text(json.dumps(report_json(meta, rows, notes), indent=1) + "\n")
+    if not args.no_plot:
+        why = plot(rows, names, meta.get("matmul_tflops"), args.out / "bench.png")
+        print(why or f"plot: {args.out / 'bench.png'}")
+    print(f"wrote {args.out / 'bench.md'} and {args.out / 'bench.json'}")
+    return 0
+
+
+def run_enqueue(args: argparse.Namespace) -> int:
+    """Host time per call of a tiny problem: a loop of N calls timed on the host, one sync at the end."""
+    import torch
+
+    sh = ENQUEUE_SHAPE
+    dtype = getattr(torch, DTYPE_NAMES[args.dtype[0]])
+    shape = (sh["batch"], sh["seqlen"], sh["heads"], sh["hdim"])
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
+    expect = _sdpa_out(q, k, v, sh["causal"])
+    iters = max(1, args.enqueue_iters)
+    results = {}
+    for b in load_backends(args.backends):
+        if b.missing:
+            print(b.missing)
+            results[b.name] = {"status": "missing", "error": b.missing}
+            continue
+        try:
+            with b.context():
+                fn = b.make(q, k, v, sh["causal"])
+                err = rel_err(_output(fn()), expect)
+                if b.name == "cutefa" and not err <= args.check_tol:
+                    results[b.name] = {"status": "WRONG", "rel_err": err}
+                    continue
+                for _ in range(50):
+                    fn()
+                torch.cuda.synchronize()
+                host, total = [], []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        fn()
+                    t1 = time.perf_counter()
+                    torch.cuda.synchronize()
+                    t2 = time.perf_counter()
+                    host.append((t1 - t0) / iters * 1e6)
+                    total.append((t2 - t0) / iters * 1e6)
+            results[b.name] = {
+                "status": "ok",
+                "host_us": statistics.median(host),
+                "total_us": statistics.median(total),
+                "rel_err": err,
+            }
+        except Exception as exc:  # noqa: BLE001 - one failing backend must not kill the table
+            results[b.name] = {"status": "err", "error": _first_line(exc)}
+        print(f"{b.name}: {results[b.name]}", file=sys.stderr, flush=True)
+
+    meta = environment() | {"shape": sh, "dtype": args.dtype[0], "iters": iters}
+    lines = [
+        "# Host cost per call (enqueue)",
+        "",
+        f"GPU: {meta.get('gpu', '?')}; torch {meta['torch']}; {meta['date']}",
+        (
+            f"b={sh['batch']} s={sh['seqlen']} h={sh['heads']} d={sh['hdim']} causal, {args.dtype[0]}; "
+            f"median of 5 loops of {iters} calls; host = loop time on the host / calls, "
+            "total = including the final synchronize."
+        ),
+        "",
+        "| backend | host us/call | total us/call |",
+        "|---|---|---|",
+    ]
+    for name, r in results.items():
+        if r["status"] == "ok":
+            lines.append(f"| {name} | {r['host_us']:.1f} | {r['total_us']:.1f} |")
+        else:
+            shown = {"missing": "", "WRONG": f"WRONG (rel err {r.get('rel_err', 0):.3g})"}.get(
+                r["status"], f"{r['status']}: {r.get('error', '')}"
+            )
+            lines.append(f"| {name} | {shown} | |")
+    md_text = "\n".join(lines)
+    print()
+    print(md_text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "enqueue.md").write_text(md_text + "\n")
+    (args.out / "enqueue.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    print(f"wrote {args.out / 'enqueue.md'} and {args.out / 'enqueue.json'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench.py needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    if args.enqueue:
+        return run_enqueue(args)
+    if "bwd" in args.passes:
+        if "fwd" not in args.passes:
+            print("backward pass: not implemented yet in cutefa; nothing to benchmark")
+            return 0
+        print("backward pass: not implemented yet in cutefa; benchmarking the forward only")
+    return run_grid(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
