@@ -29,10 +29,7 @@ from cutefa.spec import (
 HARDWARE_STATUS: dict[str, str] = {"sm100": "compiled, not hardware-tested"}
 
 BENCH_SCRIPT = codegen.REPO_ROOT / "tools" / "bench.py"
-TUNE_MESSAGE = (
-    "tuning is not implemented yet; the dispatcher uses cutefa/tuned/*.json "
-    "and the heuristic in cutefa.space.DEFAULT_TILES"
-)
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 SHAPE_FIELDS = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim")
 
 
@@ -224,12 +221,40 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"{BENCH_SCRIPT} is missing: benchmarks run from a source checkout")
     module_spec = importlib.util.spec_from_file_location("cutefa_bench", BENCH_SCRIPT)
     bench = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = bench  # dataclasses look their module up while the file runs
     module_spec.loader.exec_module(bench)
     return bench.main(args.args) or 0
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    raise UsageError(TUNE_MESSAGE)
+    if _local_target() is None:
+        raise UsageError("a CUDA GPU is required to tune, and this machine has none")
+    if not space.default_variants(args.arch):
+        raise UsageError(f"--arch {args.arch}: no {args.arch} kernel exists yet, so there is nothing to tune")
+    from cutefa.tune import tune
+
+    path = tune(args.arch, out_dir=args.out, seqlens=tuple(args.seqlens), dtypes=tuple(args.dtype),
+                head_dims=tuple(args.hdim) if args.hdim else None)  # fmt: skip
+    print(f"wrote {path}")
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers")
+    return values
+
+
+def _dtype_list(text: str) -> list[str]:
+    values = text.split(",")
+    bad = [v for v in values if v not in ("fp16", "bf16")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad} not accepted: give fp16, bf16 or fp16,bf16")
+    return values
 
 
 # ---------------------------------------------------------------- argument parsing
@@ -280,7 +305,7 @@ def _subcommands() -> dict[str, tuple[Callable[[argparse.Namespace], int], str]]
         "show": (_cmd_show, "show one variant: fields, budgets, validity, generated file"),
         "explain": (_cmd_explain, "say which variant would run for a problem shape, and why"),
         "bench": (_cmd_bench, "run tools/bench.py with the remaining arguments (needs a CUDA GPU)"),
-        "tune": (_cmd_tune, "measure tiles and write cutefa/tuned/*.json (not implemented yet)"),
+        "tune": (_cmd_tune, "measure the default variants on this GPU and write its dispatch table"),
     }
 
 
@@ -292,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     made = {}
     for name, (func, summary) in _subcommands().items():
-        # bench and tune take any arguments: bench hands them on, tune refuses them all.
-        extra = {"add_help": False, "prefix_chars": "\0"} if name in ("bench", "tune") else {}
+        # bench takes any arguments and hands them on to tools/bench.py.
+        extra = {"add_help": False, "prefix_chars": "\0"} if name == "bench" else {}
         made[name] = subparsers.add_parser(name, help=summary, description=summary, **extra)
         made[name].set_defaults(func=func)
 
@@ -334,7 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     made["bench"].add_argument("args", nargs=argparse.REMAINDER, help="arguments for tools/bench.py")
 
-    made["tune"].add_argument("args", nargs=argparse.REMAINDER, help="--arch sm80|sm90 ...")
+    p = made["tune"]
+    p.add_argument("--arch", choices=ARCHS, required=True, help="kernel family to tune")
+    p.add_argument("--seqlens", type=_int_list, default=[1024, 4096, 16384], help="(default: 1024,4096,16384)")
+    p.add_argument("--dtype", type=_dtype_list, default=["fp16", "bf16"], help="(default: fp16,bf16)")
+    p.add_argument("--hdim", type=_int_list, help="head dims (default: every one with a variant)")
+    p.add_argument("--out", type=Path, default=TUNED_DIR, help="table folder (default: cutefa/tuned)")
     return parser
 
 

@@ -190,11 +190,14 @@ def load_table(path: Path) -> TunedTable:
 
 
 def tuned_tables() -> list[TunedTable]:
-    """Every readable table in :data:`TUNED_DIR` (malformed ones are skipped with a warning)."""
+    """Every readable table in ``$CUTEFA_TUNED_DIR`` (searched first, for freshly measured tables)
+    and :data:`TUNED_DIR`; malformed ones are skipped with a warning."""
     global _TABLES
     if _TABLES is None:
         tables = []
-        for path in sorted(TUNED_DIR.glob("*.json")):
+        extra = os.environ.get("CUTEFA_TUNED_DIR")
+        dirs = ([Path(extra)] if extra else []) + [TUNED_DIR]
+        for path in [p for d in dirs for p in sorted(d.glob("*.json"))]:
             try:
                 tables.append(load_table(path))
             except (OSError, ValueError, KeyError, TypeError) as exc:

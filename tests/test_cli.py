@@ -145,9 +145,20 @@ def test_show_invalid(capsys):
     assert "NAME: not a cutefa variant name" in capsys.readouterr().err
 
 
-def test_tune(capsys):
-    assert cli.main(["tune", "--arch", "sm80", "--whatever"]) == 2
-    assert "tuning is not implemented yet; the dispatcher uses cutefa/tuned/*.json" in capsys.readouterr().err
+def test_tune_needs_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_local_target", lambda: None)
+    assert cli.main(["tune", "--arch", "sm80"]) == 2
+    assert "a CUDA GPU is required to tune" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["tune", "--arch", "sm80", "--seqlens", "0"])
+    assert exc.value.code == 2
+    assert "not a comma-separated list of positive integers" in capsys.readouterr().err
+
+
+def test_tune_refuses_a_family_without_kernels(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_local_target", lambda: "sm_90a")
+    assert cli.main(["tune", "--arch", "sm90"]) == 2
+    assert "no sm90 kernel exists yet" in capsys.readouterr().err
 
 
 def test_bench_needs_a_gpu(capsys, monkeypatch):

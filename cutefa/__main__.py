@@ -1,0 +1,7 @@
+"""``python -m cutefa`` runs the ``cutefa`` command line."""
+
+import sys
+
+from cutefa.cli import main
+
+sys.exit(main())

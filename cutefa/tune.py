@@ -1,0 +1,210 @@
+"""Measure the committed variants of a family on this GPU and write its dispatch table.
+
+For every (dtype, head_dim, causal) the candidates are the family's default variants with those
+fields; each is first checked against PyTorch's attention on the same inputs (a wrong kernel is
+never a winner), then timed on the benchmark layout of the anchors (batch * seqlen = ``tokens``,
+heads * head_dim = ``hidden``) at each sequence length. The fastest per length becomes a table
+entry (schema: cutefa/tuned/README.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from cutefa import space
+from cutefa.spec import VariantSpec
+
+TOKENS = 16384
+HIDDEN = 2048
+DEFAULT_SEQLENS = (1024, 4096, 16384)
+CHECK_TOL = 2e-2
+
+
+@dataclass(frozen=True)
+class Measurement:
+    dtype: str
+    head_dim: int
+    causal: bool
+    seqlen: int
+    variant: str
+    tflops: float | None  # None: the variant gave a wrong result and was not timed
+    error: float
+
+
+def gpu_token(device_name: str) -> str:
+    """'NVIDIA H200' -> 'H200': the last word of the device name, used in table file names."""
+    return device_name.split()[-1]
+
+
+def _timer() -> Callable[[Callable[[], Any]], float]:
+    """Median milliseconds of a callable (triton's do_bench, else CUDA events)."""
+    import torch
+
+    try:
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
+    except ImportError:
+
+        def events(fn: Callable[[], Any]) -> float:
+            for _ in range(5):
+                fn()
+            times = []
+            for _ in range(30):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            return sorted(times)[len(times) // 2]
+
+        return events
+
+
+def _sdpa(q: Any, k: Any, v: Any, causal: bool, scale: float) -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    mask = None
+    if causal:  # bottom-right, like the kernels (equal lengths here, so also top-left)
+        sq, sk = q.shape[1], k.shape[1]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale).transpose(1, 2)
+
+
+def measure(
+    specs: list[VariantSpec], seqlens: tuple[int, ...], target: str, *, progress: bool = True
+) -> list[Measurement]:
+    """Check and time every spec at every seqlen (the specs share dtype, head_dim and causal)."""
+    import torch
+
+    from cutefa.compile import get_kernel
+
+    timer = _timer()
+    spec0 = specs[0]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec0.dtype]
+    scale = 1.0 / math.sqrt(spec0.head_dim)
+    heads = max(1, HIDDEN // spec0.head_dim)
+    out: list[Measurement] = []
+    for seqlen in seqlens:
+        batch = max(1, TOKENS // seqlen)
+        q, k, v = (torch.randn(batch, seqlen, heads, spec0.head_dim, device="cuda", dtype=dtype) for _ in range(3))
+        expect = _sdpa(q, k, v, spec0.causal, scale).float()
+        flops = 4 * batch * heads * seqlen * seqlen * spec0.head_dim / (2 if spec0.causal else 1)
+        for spec in specs:
+            kernel = get_kernel(spec, target)
+            o = torch.full_like(q, math.nan)
+            lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
+            kernel(q, k, v, o, lse, scale)
+            err = ((o.float() - expect).norm() / expect.norm()).item()
+            tflops = None
+            if err <= CHECK_TOL:  # NaN fails this too
+                ms = timer(lambda: kernel(q, k, v, o, lse, scale))
+                tflops = flops / (ms * 1e-3) / 1e12
+            out.append(Measurement(spec.dtype, spec.head_dim, spec.causal, seqlen, spec.name, tflops, err))
+            if progress:
+                shown = f"{tflops:7.1f} TFLOP/s" if tflops is not None else f"WRONG (rel err {err:.2e})"
+                print(f"  seqlen {seqlen:6d}  {spec.name:52s} {shown}", flush=True)
+    return out
+
+
+def table_entries(measurements: list[Measurement]) -> list[dict[str, Any]]:
+    """Winner per (dtype, head_dim, causal, seqlen) as dispatch-table entries.
+
+    Each measured length L covers seqlen_k buckets up to L (rounded up to a power of two); the
+    largest covers everything (``null``). Adjacent lengths with the same winner merge.
+    """
+    groups: dict[tuple[str, int, bool], dict[int, Measurement]] = {}
+    for m in measurements:
+        if m.tflops is None:
+            continue
+        best = groups.setdefault((m.dtype, m.head_dim, m.causal), {})
+        if m.seqlen not in best or m.tflops > best[m.seqlen].tflops:
+            best[m.seqlen] = m
+    entries = []
+    for (dtype, head_dim, causal), best in sorted(groups.items()):
+        lengths = sorted(best)
+        rows: list[tuple[int | None, str]] = []
+        for i, seqlen in enumerate(lengths):
+            bound = None if i == len(lengths) - 1 else 1 << (seqlen - 1).bit_length()
+            if rows and rows[-1][1] == best[seqlen].variant:
+                rows[-1] = (bound, best[seqlen].variant)
+            else:
+                rows.append((bound, best[seqlen].variant))
+        for bound, variant in rows:
+            entries.append(
+                {"dtype": dtype, "head_dim": head_dim, "causal": causal, "max_seqlen_k": bound, "variant": variant}
+            )
+    return entries
+
+
+def _git_commit() -> str:
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return proc.stdout.strip() or "unknown commit"
+    except OSError:
+        return "unknown commit"
+
+
+def tune(
+    arch: str,
+    *,
+    out_dir: Path,
+    seqlens: tuple[int, ...] = DEFAULT_SEQLENS,
+    dtypes: tuple[str, ...] = ("fp16", "bf16"),
+    head_dims: tuple[int, ...] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Measure ``arch``'s default variants on this GPU; write ``<out_dir>/<arch>_<gpu>.json``."""
+    import torch
+
+    from cutefa import __version__
+    from cutefa.dispatch import current_target
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("tuning needs a CUDA GPU, and torch sees none")
+    target = current_target()
+    specs = [s for s in space.default_variants(arch) if s.dtype in dtypes]
+    specs = [s for s in specs if head_dims is None or s.head_dim in head_dims]
+    specs = [s for s in specs if s.runs_on(target)]
+    if not specs:
+        raise ValueError(f"no default {arch} variant runs on {target} for dtypes {dtypes} and head dims {head_dims}")
+    groups: dict[tuple[str, int, bool], list[VariantSpec]] = {}
+    for s in specs:
+        groups.setdefault((s.dtype, s.head_dim, s.causal), []).append(s)
+    measurements: list[Measurement] = []
+    for key, group in sorted(groups.items()):
+        if progress:
+            print(f"{arch} {key[0]} hd{key[1]} {'causal' if key[2] else 'non-causal'}: {len(group)} variant(s)")
+        measurements += measure(group, seqlens, target, progress=progress)
+    name = torch.cuda.get_device_name()
+    table = {
+        "arch": arch,
+        "gpu": gpu_token(name),
+        "target": target,
+        "measured_on": (
+            f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, cutefa {__version__} "
+            f"({_git_commit()}), {datetime.date.today().isoformat()}; layout batch*seqlen={TOKENS}, "
+            f"heads*head_dim={HIDDEN}, median of timed runs"
+        ),
+        "entries": table_entries(measurements),
+        "measurements": [m.__dict__ for m in measurements],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{arch}_{gpu_token(name).lower()}.json"
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return path
