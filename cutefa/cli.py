@@ -26,7 +26,10 @@ from cutefa.spec import (
 )
 
 # Hardware evidence per kernel family, shown next to valid variants.
-HARDWARE_STATUS: dict[str, str] = {"sm100": "compiled, not hardware-tested"}
+HARDWARE_STATUS: dict[str, str] = {
+    "sm80": "hardware-tested on H200 (sm_90a)",
+    "sm100": "compiled, not hardware-tested",
+}
 
 BENCH_SCRIPT = codegen.REPO_ROOT / "tools" / "bench.py"
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"

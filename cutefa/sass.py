@@ -59,7 +59,7 @@ class SassReport:
 def find_cuobjdump() -> Path:
     """``cuobjdump`` from the CUDA wheels, else from the PATH. Raises FileNotFoundError naming the fix."""
     try:
-        import nvidia.cu13 as cu13  # type: ignore[import-not-found]
+        from nvidia import cu13  # type: ignore[import-not-found]
 
         for root in cu13.__path__:
             candidate = Path(root) / "bin" / "cuobjdump"
@@ -88,7 +88,7 @@ def analyze(cubin: Path) -> SassReport:
     if not usage:
         raise RuntimeError(f"no kernel resource usage found in {cubin}")
     reg, stack, shared, local = (int(x) for x in max(usage, key=lambda u: int(u[0])))
-    opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", _cuobjdump(cubin, "-sass"), re.M)
+    opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", _cuobjdump(cubin, "-sass"), re.MULTILINE)
     counts = {op: sum(1 for o in opcodes if o == op or o.startswith(op + ".")) for op in _COUNTED}
     return SassReport(reg, stack, local, shared, counts)
 

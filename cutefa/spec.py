@@ -55,10 +55,12 @@ class VariantSpec:
                 raise ValueError(f"VariantSpec.{field}={value!r} is not one of {allowed}")
         for field in ("head_dim", "tile_m", "tile_n", "stages", "warps"):
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"VariantSpec.{field}={value!r} must be a positive int")
+            if value <= 0:
                 raise ValueError(f"VariantSpec.{field}={value!r} must be a positive int")
         if not isinstance(self.causal, bool):
-            raise ValueError(f"VariantSpec.causal={self.causal!r} must be a bool")
+            raise TypeError(f"VariantSpec.causal={self.causal!r} must be a bool")
 
     @property
     def name(self) -> str:

@@ -10,12 +10,14 @@ entry (schema: cutefa/tuned/README.md).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from cutefa import space
 from cutefa.spec import VariantSpec
@@ -107,7 +109,7 @@ def measure(
             err = ((o.float() - expect).norm() / expect.norm()).item()
             tflops = None
             if err <= CHECK_TOL:  # NaN fails this too
-                ms = timer(lambda: kernel(q, k, v, o, lse, scale))
+                ms = timer(functools.partial(kernel, q, k, v, o, lse, scale))
                 tflops = flops / (ms * 1e-3) / 1e12
             out.append(Measurement(spec.dtype, spec.head_dim, spec.causal, seqlen, spec.name, tflops, err))
             if progress:

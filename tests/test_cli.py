@@ -54,7 +54,7 @@ def test_list_defaults(capsys):
     assert re.split(r"\s{2,}", out.splitlines()[0]) == ["name", "smem KiB", "est regs", "status"]
     assert _names(out) == [s.name for s in DEFAULTS]
     name = "cutefa_sm80_fwd_bf16_hd64_128x64_s1_w4_causal"
-    assert _row(out, name) == [name, "33.0", "224", "ok"]
+    assert _row(out, name) == [name, "33.0", "224", "ok (hardware-tested on H200 (sm_90a))"]
     assert out.endswith(f"{len(DEFAULTS)} variant(s)\n")
 
 

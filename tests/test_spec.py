@@ -84,14 +84,24 @@ def test_bad_names_are_refused(name, words):
         ({"dtype": "fp32"}, "dtype='fp32' is not one of"),
         ({"head_dim": 0}, "head_dim=0 must be a positive int"),
         ({"tile_m": -64}, "tile_m=-64 must be a positive int"),
+    ],
+)
+def test_bad_field_values_are_refused(changes, words):
+    with pytest.raises(ValueError, match=words):
+        BASE.replace(**changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
         ({"tile_n": 64.0}, "tile_n=64.0 must be a positive int"),
         ({"stages": True}, "stages=True must be a positive int"),
         ({"warps": "4"}, "warps='4' must be a positive int"),
         ({"causal": 1}, "causal=1 must be a bool"),
     ],
 )
-def test_bad_field_values_are_refused(changes, words):
-    with pytest.raises(ValueError, match=words):
+def test_bad_field_types_are_refused(changes, words):
+    with pytest.raises(TypeError, match=words):
         BASE.replace(**changes)
 
 
@@ -111,3 +121,13 @@ def test_family_and_target():
         "sm_90a",
         "sm_100a",
     ]
+
+
+def test_version_matches_pyproject():
+    import re
+    from pathlib import Path
+
+    import cutefa
+
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', text, re.MULTILINE).group(1) == cutefa.__version__

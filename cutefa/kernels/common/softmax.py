@@ -70,7 +70,7 @@ def softmax_finalize(
     Rows with no unmasked key get O = 0 and LSE = -inf."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         total = quad_allreduce_sum(row_sum[r])
-        empty = total == 0.0 or total != total
+        empty = total == 0.0 or total != total  # noqa: PLR0124 -- the NaN test
         inv = 0.0 if empty else cute.arch.rcp_approx(total)
         o_mn[r, None].store(o_mn[r, None].load() * inv)
         lse[r] = -Float32.inf if empty else (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
