@@ -257,7 +257,10 @@ def _compile(entry: _Entry) -> Any:
             f"{entry.source} defines SPEC_NAME={getattr(module, 'SPEC_NAME', None)!r}, "
             f"expected {entry.name!r}"
         )
-    args = _fake_arguments(parse_name(entry.name), cutlass, cute)
+    # A kernel family with another calling convention (e.g. a backward pass) defines its own
+    # ``fake_arguments(spec, cutlass, cute)`` in the generated module; forwards share this one.
+    make_args = getattr(module, "fake_arguments", _fake_arguments)
+    args = make_args(parse_name(entry.name), cutlass, cute)
     return cute.compile(module.Kernel(), *args, options="--enable-tvm-ffi")
 
 
