@@ -45,6 +45,9 @@ DEFAULT_TILES: dict[str, dict[int, Tile]] = {
     },
 }
 
+# Backward tiles per head dim (filled as each family's backward kernel lands).
+DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {}
+
 # Extra tiles committed next to the default one so dispatch and benchmarks can compare.
 TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
     "sm80": {
@@ -208,14 +211,23 @@ def valid_variants(arch: str, direction: str = "fwd") -> list[VariantSpec]:
     return [spec for spec in candidates(arch, direction) if why_invalid(spec) is None]
 
 
-def default_variants(arch: str) -> list[VariantSpec]:
-    """The forward variants committed to generated/ for ``arch``, sorted."""
+def default_variants(arch: str, direction: str | None = None) -> list[VariantSpec]:
+    """The variants committed to generated/ for ``arch`` (both directions unless one is named), sorted.
+
+    Forward tiles come from DEFAULT_TILES / TUNING_ALTERNATIVES, backward tiles from
+    DEFAULT_BWD_TILES; a direction contributes only once its kernel exists (IMPLEMENTED).
+    """
     _require("arch", arch, ARCHS)
-    tiles = list(DEFAULT_TILES.get(arch, {}).items())
-    tiles += [(hd, t) for hd, alts in TUNING_ALTERNATIVES.get(arch, {}).items() for t in alts]
+    tables = {
+        "fwd": list(DEFAULT_TILES.get(arch, {}).items())
+        + [(hd, t) for hd, alts in TUNING_ALTERNATIVES.get(arch, {}).items() for t in alts],
+        "bwd": list(DEFAULT_BWD_TILES.get(arch, {}).items()),
+    }
+    directions = DIRECTIONS if direction is None else (direction,)
     return sorted(
-        VariantSpec(arch, "fwd", dtype, head_dim, *tile, causal=causal)
-        for dtype in IMPLEMENTED.get((arch, "fwd"), ())
-        for head_dim, tile in tiles
+        VariantSpec(arch, d, dtype, head_dim, *tile, causal=causal)
+        for d in directions
+        for dtype in IMPLEMENTED.get((arch, d), ())
+        for head_dim, tile in tables[d]
         for causal in (False, True)
     )

@@ -180,7 +180,7 @@ def tune(
     if not torch.cuda.is_available():
         raise RuntimeError("tuning needs a CUDA GPU, and torch sees none")
     target = current_target()
-    specs = [s for s in space.default_variants(arch) if s.dtype in dtypes]
+    specs = [s for s in space.default_variants(arch, "fwd") if s.dtype in dtypes]
     specs = [s for s in specs if head_dims is None or s.head_dim in head_dims]
     specs = [s for s in specs if s.runs_on(target)]
     if not specs:

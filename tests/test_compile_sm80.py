@@ -18,7 +18,7 @@ from cutefa import sass, space
 
 pytestmark = pytest.mark.compile
 
-DEFAULTS = space.default_variants("sm80")
+DEFAULTS = space.default_variants("sm80", "fwd")
 A100_SUBSET = [s for s in DEFAULTS if s.dtype == "bf16" and s.tile_m * s.tile_n >= 128 * 64]
 
 

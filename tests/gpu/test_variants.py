@@ -35,7 +35,7 @@ pytestmark = fwd.pytestmark
 SHAPES = ((1, 1, 1, 2, 2), (2, 17, 1000, 4, 2), (1, 1000, 17, 3, 3), (1, 1000, 4097, 8, 1), (2, 333, 257, 6, 2))
 
 
-@pytest.mark.parametrize("spec", space.default_variants("sm80"), ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", space.default_variants("sm80", "fwd"), ids=lambda s: s.name)
 def test_variant(gen, spec):
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
