@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from cutefa import backward as _backward_pass
 from cutefa import dispatch
 from cutefa.compile import get_kernel
 from cutefa.spec import HEAD_DIMS
@@ -179,9 +180,11 @@ def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _flash_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward: returns (out like q, lse float32 (batch, heads_q, seqlen_q))."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Attention forward: returns (out like q, lse float32 (batch, heads_q, seqlen_q)).
+    ``deterministic`` only selects the backward's mode (saved for autograd)."""
     validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
     out, lse = _empty_outputs(q)
     if out.numel() == 0:
@@ -197,22 +200,17 @@ flash_fwd = torch.library.custom_op("cutefa::flash_fwd", _flash_fwd, mutates_arg
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
     return _empty_outputs(q)
 
 
-def _backward(ctx: object, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> None:
-    raise NotImplementedError(
-        "cutefa: the backward pass is not implemented yet: neither the output nor the lse "
-        "(return_lse=True) of cutefa.flash_attn_func can be differentiated. Run it under "
-        "torch.no_grad()/torch.inference_mode(), or use torch.nn.functional.scaled_dot_product_attention "
-        "for training"
-    )
-
-
-torch.library.register_autograd("cutefa::flash_fwd", _backward)
+# Gradients of out and lse (return_lse=True) come from cutefa::flash_bwd (cutefa/backward.py).
+torch.library.register_autograd(
+    "cutefa::flash_fwd", _backward_pass.backward, setup_context=_backward_pass.setup_context
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,18 +225,22 @@ def flash_attn_func(
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on CUDA tensors of shape (batch, seqlen, heads, head_dim).
 
     ``softmax_scale`` defaults to ``1/sqrt(head_dim)``. Returns ``out`` (like q), or ``(out, lse)``
     with ``return_lse``: lse is float32 (batch, heads_q, seqlen_q), the natural-log sum of
     exp(scaled scores) per query row. See the module docstring for masking and edge cases.
+    Differentiable (out and lse); ``deterministic=True`` makes the backward bitwise reproducible.
     """
     _check_tensors((q, k, v))  # the op validates the rest; these are needed to call it at all
     _check_options(causal, softmax_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     op = _flash_fwd if _plain_eager(q, k, v) else flash_fwd
-    out, lse = op(q, k, v, causal, scale)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+    out, lse = op(q, k, v, causal, scale, deterministic)
     return (out, lse) if return_lse else out
 
 

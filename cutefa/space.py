@@ -14,7 +14,10 @@ from typing import NamedTuple
 from cutefa.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, VariantSpec
 
 # Kernel templates that exist, (arch, direction) -> dtypes they handle. Mirrors templates/.
-IMPLEMENTED: dict[tuple[str, str], tuple[str, ...]] = {("sm80", "fwd"): ("fp16", "bf16")}
+IMPLEMENTED: dict[tuple[str, str], tuple[str, ...]] = {
+    ("sm80", "fwd"): ("fp16", "bf16"),
+    ("sm80", "bwd"): ("fp16", "bf16"),
+}
 
 # Families whose tensor cores take fp8 operands; e4m3 is a forward-only dtype there.
 FP8_FAMILIES = ("sm90", "sm100")
@@ -23,6 +26,7 @@ SM80_SMEM_LIMIT = 163 * 1024  # A100 per-block opt-in limit; the sm80 family mus
 SMEM_RESERVE = 1024  # alignment slack of the shared-storage struct (1 KiB swizzle atoms)
 MAX_REGISTERS = 255  # per thread, on every family
 SM80_REG_OVERHEAD = 64  # row max/sum, Q/K/V operand fragments in flight, addresses, counters
+SM80_BWD_REG_OVERHEAD = 48  # backward: LSE/D rows, operand fragments in flight, addresses
 
 
 class Tile(NamedTuple):
@@ -45,8 +49,17 @@ DEFAULT_TILES: dict[str, dict[int, Tile]] = {
     },
 }
 
-# Backward tiles per head dim (filled as each family's backward kernel lands).
-DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {}
+# Backward tiles per head dim (filled as each family's backward kernel lands). sm80: FlashAttention-2's
+# backward tiles on the A100 (flash_bwd_launch_template.h): query rows x keys per CTA, 8 warps.
+DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {
+    "sm80": {
+        64: Tile(64, 128, 1, 8),
+        96: Tile(64, 128, 1, 8),
+        128: Tile(64, 128, 1, 8),
+        192: Tile(64, 64, 1, 8),
+        256: Tile(64, 64, 1, 8),
+    },
+}
 
 # Extra tiles committed next to the default one so dispatch and benchmarks can compare.
 TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
@@ -92,11 +105,31 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
 
 def smem_bytes(spec: VariantSpec) -> int:
     """Shared memory of one CTA: the Q tile plus ``stages`` buffers each of K and V."""
+    if spec.direction == "bwd" and spec.arch == "sm80":
+        return _sm80_bwd_smem_bytes(spec)
     elements = (spec.tile_m + 2 * spec.stages * spec.tile_n) * spec.head_dim
     return elements * spec.elem_bytes + SMEM_RESERVE
 
 
+def _sm80_bwd_smem_bytes(spec: VariantSpec) -> int:
+    # Q and dO (tile_m x d), K and V (tile_n x d), P and dS (tile_m x tile_n), 1 KiB-aligned each.
+    elements = 2 * (spec.tile_m + spec.tile_n) * spec.head_dim + 2 * spec.tile_m * spec.tile_n
+    return elements * spec.elem_bytes + 6 * SMEM_RESERVE
+
+
+def _sm80_bwd_registers(spec: VariantSpec) -> int:
+    # fp32 dK and dV accumulators (tile_n x d) live throughout; at the peak beside them either S
+    # and dP (tile_m x tile_n each) or the dQ accumulator (tile_m x d). Calibrated on compiled SASS
+    # (sm_90a, DSL 4.8.1): the default tiles (estimates 192-240) compile with no spill.
+    acc_dkv = 2 * spec.tile_n * spec.head_dim // spec.threads
+    acc_sdp = 2 * spec.tile_m * spec.tile_n // spec.threads
+    acc_dq = spec.tile_m * spec.head_dim // spec.threads
+    return acc_dkv + max(acc_sdp, acc_dq) + SM80_BWD_REG_OVERHEAD
+
+
 def _sm80_registers(spec: VariantSpec) -> int:
+    if spec.direction == "bwd":
+        return _sm80_bwd_registers(spec)
     # fp32 O and S accumulators plus P (S packed to 16 bit), which ptxas keeps live beside S
     # while it hoists the V ldmatrix loads. Calibrated on compiled SASS (sm_90a, DSL 4.8.1):
     # hd128 128x64 w4 (estimate 288) and hd96 128x64 w4 (256) spill; hd64 128x64 w4 (224),
@@ -137,7 +170,25 @@ def why_no_kernel(spec: VariantSpec) -> str | None:
     return None
 
 
+def _sm80_bwd_warps(spec: VariantSpec) -> str | None:
+    # Warp grids (2, warps/2) over (tile_m, tile_n) for S and dP, (warps/2, 2) over (tile_n, d)
+    # for dK/dV and over (tile_m, d) for dQ; each warp owns 16-row by 16-column pieces.
+    if spec.warps not in (4, 8):
+        return f"warps={spec.warps}: the sm80 backward runs 4 or 8 warps"
+    if spec.stages != 1:
+        return f"stages={spec.stages}: the sm80 backward loads K and V once per CTA (stages=1)"
+    for what, value in (("tile_m", spec.tile_m), ("tile_n", spec.tile_n)):
+        if value % (8 * spec.warps) or value % 32:
+            return (
+                f"{what}={value} is not a multiple of {max(32, 8 * spec.warps)} "
+                f"(the backward's warp grids of {spec.warps} warps)"
+            )
+    return None
+
+
 def _sm80_warp_rows(spec: VariantSpec) -> str | None:
+    if spec.direction == "bwd":
+        return _sm80_bwd_warps(spec)
     rows = 16 * spec.warps
     if spec.tile_m % rows:
         return (

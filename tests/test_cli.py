@@ -21,6 +21,7 @@ def dirs(tmp_path):
     templates = tmp_path / "templates"
     templates.mkdir()
     (templates / "fwd_sm80.py.j2").write_text(TEMPLATE)
+    (templates / "bwd_sm80.py.j2").write_text(TEMPLATE)
     return ["--out-dir", str(tmp_path / "generated"), "--templates-dir", str(templates)]
 
 
@@ -62,7 +63,9 @@ def test_list_defaults(capsys):
 def test_list_glob(capsys, pattern):
     assert cli.main(["list", "--kernels", pattern]) == 0
     names = _names(capsys.readouterr().out)
-    assert names == [s.name for s in DEFAULTS if s.dtype == "bf16" and s.head_dim == 128]
+    assert names == [
+        s.name for s in DEFAULTS if (s.arch, s.direction, s.dtype, s.head_dim) == ("sm80", "fwd", "bf16", 128)
+    ]
     assert len(names) == 8
 
 

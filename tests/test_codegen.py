@@ -19,7 +19,7 @@ SMEM_BYTES = {{ smem_bytes }}
 CAUSAL = {{ spec.causal }}
 '''
 SPEC = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4, causal=True)
-SPECS = space.default_variants("sm80")[:6]
+SPECS = space.default_variants("sm80", "fwd")[:6]
 
 
 @pytest.fixture

@@ -15,7 +15,12 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
     [
         (SM80.replace(arch="sm90", warps=12, stages=2), "no sm90 fwd kernel exists yet"),
         (SM80.replace(arch="sm100", warps=16, stages=2), "no sm100 fwd kernel exists yet"),
-        (SM80.replace(direction="bwd"), "no sm80 bwd kernel exists yet"),
+        (SM80.replace(arch="sm100", direction="bwd", warps=16, stages=2), "no sm100 bwd kernel exists yet"),
+        (
+            SM80.replace(direction="bwd", tile_m=64, tile_n=128, warps=8, stages=2),
+            "stages=2: the sm80 backward loads K and V once per CTA",
+        ),
+        (SM80.replace(direction="bwd", tile_m=64, tile_n=32, warps=8), "tile_n=32 is not a multiple of 64"),
         (SM80.replace(dtype="e4m3"), "e4m3 is only for sm90/sm100 forward kernels, not sm80 fwd"),
         (SM80.replace(arch="sm90", direction="bwd", dtype="e4m3"), "e4m3 is only for sm90/sm100 forward"),
         (SM80.replace(head_dim=80), f"head_dim=80 is not one of {HEAD_DIMS}"),
@@ -69,11 +74,20 @@ def test_default_variants_are_valid_and_unique(arch):
         assert space.why_invalid(spec) is None, spec.name
     assert len(set(defaults)) == len(defaults)
     assert defaults == sorted(defaults)
-    assert set(defaults) <= set(space.valid_variants(arch))
+    assert set(defaults) <= set(space.valid_variants(arch, "fwd") + space.valid_variants(arch, "bwd"))
+
+
+def test_sm80_bwd_default_set():
+    defaults = space.default_variants("sm80", "bwd")
+    assert len(defaults) == 2 * 2 * len(HEAD_DIMS)
+    for spec in defaults:
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == space.DEFAULT_BWD_TILES["sm80"][spec.head_dim]
+        assert space.smem_bytes(spec) <= space.SM80_SMEM_LIMIT
+    assert space.default_variants("sm80") == sorted(defaults + space.default_variants("sm80", "fwd"))
 
 
 def test_sm80_default_set():
-    defaults = space.default_variants("sm80")
+    defaults = space.default_variants("sm80", "fwd")
     for dtype in ("fp16", "bf16"):
         for head_dim, tile in space.DEFAULT_TILES["sm80"].items():
             for causal in (False, True):

@@ -1,0 +1,186 @@
+"""The backward pass: the ``cutefa::flash_bwd`` custom op, its variant choice, workspaces and autograd.
+
+``flash_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic) -> (dq, dk, dv)``
+runs one generated backward variant (templates/bwd_sm80.py.j2: preprocess, main and postprocess
+kernels in one call) on the current stream. ``dlse`` is the gradient flowing into the forward's
+log-sum-exp (None when it has none): the kernel folds it into D = rowsum(dO * O) - dLSE, so
+``return_lse=True`` outputs are differentiable too.
+
+Grouped-query attention: the kernel writes dK and dV once per query head (in the input dtype), and
+the heads that share a KV head are summed here in float32. ``deterministic=True`` gives each CTA
+its own float32 dQ accumulator split (summed in a fixed order) instead of sharing one through
+atomic adds: bitwise-reproducible gradients, at the cost of fewer CTAs in flight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cutefa import dispatch
+from cutefa.compile import get_kernel
+from cutefa.space import DEFAULT_BWD_TILES, why_invalid
+from cutefa.spec import TORCH_DTYPE_NAMES, VariantSpec, families_for_target
+
+_ALIGN_BYTES = 16
+
+# Measured backward choices, (target, dtype token, head_dim, causal) -> variant name; consulted
+# before DEFAULT_BWD_TILES. Empty until the backward tiles are tuned on a GPU.
+TUNED_BWD: dict[tuple[str, str, int, bool], str] = {}
+
+
+def choose_bwd(target: str, dtype: torch.dtype, head_dim: int, causal: bool) -> VariantSpec:
+    """The backward variant for a problem on compile target ``target``: a tuned entry, else the
+    default backward tile of the newest family that has one and runs there."""
+    token = TORCH_DTYPE_NAMES[str(dtype).removeprefix("torch.")]
+    tuned = TUNED_BWD.get((target, token, head_dim, causal))
+    if tuned is not None:
+        from cutefa.spec import parse_name
+
+        spec = parse_name(tuned)
+        if why_invalid(spec) is None:
+            return spec
+    reasons = []
+    for family in families_for_target(target):
+        tile = DEFAULT_BWD_TILES.get(family, {}).get(head_dim)
+        if tile is None:
+            reasons.append(f"{family}: no default backward tile for head_dim={head_dim}")
+            continue
+        spec = VariantSpec(family, "bwd", token, head_dim, *tile, causal=causal)
+        reason = why_invalid(spec)
+        if reason is None:
+            return spec
+        reasons.append(f"{spec.name}: {reason}")
+    raise NotImplementedError(
+        f"no cutefa backward kernel for {token} head_dim={head_dim} on {target}: {reasons}"
+    )
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when its last dim is contiguous and rows/pointer are 16-byte aligned, else a copy."""
+    step = _ALIGN_BYTES // t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % _ALIGN_BYTES == 0 and all(s % step == 0 for s in t.stride()[:-1]):
+        return t
+    return t.contiguous() if t.stride(-1) != 1 or not t.is_contiguous() else t.clone()
+
+
+def dq_splits(
+    deterministic: bool, batch: int, heads_q: int, seqlen_k: int, tile_n: int, sm_count: int
+) -> int:
+    """Number of float32 dQ accumulator splits (= CTAs per (batch, head) in deterministic mode):
+    enough CTAs to fill the GPU, never more than there are key blocks; 1 when not deterministic."""
+    if not deterministic:
+        return 1
+    n_blocks = max(1, math.ceil(seqlen_k / tile_n))
+    return max(1, min(n_blocks, math.ceil(sm_count / max(1, batch * heads_q))))
+
+
+def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def _flash_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of attention, shaped and typed like (q, k, v)."""
+    dq, dk, dv = _empty_grads(q, k, v)
+    batch, _, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    if dq.numel() == 0 or dk.numel() == 0:  # nothing attends anything: every gradient is 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    group = heads_q // heads_kv
+    dk_heads, dv_heads = dk, dv
+    if group > 1:
+        shape = (batch, seqlen_k, heads_q, head_dim)
+        dk_heads = torch.empty(shape, dtype=q.dtype, device=q.device)
+        dv_heads = torch.empty(shape, dtype=q.dtype, device=q.device)
+    _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal, softmax_scale, deterministic)
+    if group > 1:
+        grouped = (batch, seqlen_k, heads_kv, group, head_dim)
+        dk.copy_(dk_heads.view(grouped).sum(3, dtype=torch.float32))
+        dv.copy_(dv_heads.view(grouped).sum(3, dtype=torch.float32))
+    return dq, dk, dv
+
+
+def _launch_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk_heads: torch.Tensor,
+    dv_heads: torch.Tensor, causal: bool, softmax_scale: float, deterministic: bool,
+) -> None:  # fmt: skip
+    """Choose the variant, allocate the workspaces and run the kernel on the current stream of q's
+    device, writing dq and the per-query-head dk_heads, dv_heads."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    target, _ = dispatch.device_target(q.device)
+    spec = choose_bwd(target, q.dtype, head_dim, causal)
+    kernel = get_kernel(spec, target)
+    sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if deterministic else 0
+    splits = dq_splits(deterministic, batch, heads_q, seqlen_k, spec.tile_n, sm_count)
+    f32 = {"dtype": torch.float32, "device": q.device}
+    dq_accum = torch.empty((splits, batch, seqlen_q, heads_q, head_dim), **f32)
+    lse_log2 = torch.empty((batch, heads_q, seqlen_q), **f32)
+    dpsum = torch.empty((batch, heads_q, seqlen_q), **f32)
+    dlse = torch.zeros_like(lse_log2) if dlse is None else dlse.float().contiguous()
+    args = (
+        _aligned(q), _aligned(k), _aligned(v), _aligned(out), _aligned(dout), lse.float().contiguous(), dlse,
+        dq, dk_heads, dv_heads, dq_accum, lse_log2, dpsum, float(softmax_scale), int(deterministic),
+    )  # fmt: skip
+    if q.device.index == torch.cuda.current_device():
+        kernel(*args)
+    else:
+        with torch.cuda.device(q.device):
+            kernel(*args)
+    dispatch.log_run(dispatch.Choice(spec, target, "backward"), q.shape, k.shape, causal)
+
+
+flash_bwd = torch.library.custom_op("cutefa::flash_bwd", _flash_bwd, mutates_args=())
+
+
+@flash_bwd.register_fake
+def _flash_bwd_fake(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _empty_grads(q, k, v)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd of cutefa::flash_fwd(q, k, v, causal, softmax_scale[, deterministic]) -> (out, lse)
+
+
+def setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal, softmax_scale, *rest = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+    ctx.softmax_scale = softmax_scale
+    ctx.deterministic = bool(rest[0]) if rest else False
+    ctx.extra_inputs = len(rest)
+
+
+def backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = flash_bwd(
+        grad_out, q, k, v, out, lse, grad_lse, ctx.causal, ctx.softmax_scale, ctx.deterministic
+    )
+    return (dq, dk, dv, None, None) + (None,) * ctx.extra_inputs

@@ -1,0 +1,196 @@
+"""Backward correctness of cutefa on a CUDA GPU against float32 autograd of the exact reference.
+
+Each gradient is judged against what PyTorch's own attention (SDPA, math backend) gets on the same
+fp16/bf16 inputs: cutefa's relative L2 error must be at most 3x SDPA's (with a small floor). Also:
+bitwise determinism with deterministic=True, the gradient of the lse, torch.compile(fullgraph)
+forward+backward against eager, and a 20-step training loop against the same model on SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cutefa
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU: torch.cuda.is_available() is False"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return f"needs compute capability >= 8.0, this GPU is {torch.cuda.get_device_capability()}"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+HEAD_DIMS = (64, 96, 128, 192, 256)
+SEQLENS = ((1, 1), (17, 17), (1000, 1000), (4097, 4097), (17, 1000), (1000, 17), (128, 4097))
+
+
+def attention(q, k, v, causal, scale):
+    """Grouped, bottom-right causal attention in the inputs' dtype (or float32), through SDPA math."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    mask = None
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        mask = (
+            torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + sk - sq
+        )
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale).transpose(1, 2)
+    if mask is not None:  # rows that attend nothing: 0, as cutefa defines them
+        out = torch.where(mask.any(-1)[None, :, None, None], out, torch.zeros_like(out))
+    return out
+
+
+def grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    fn(q, k, v).backward(dout)
+    return q.grad, k.grad, v.grad
+
+
+def rel(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+
+
+def check(q, k, v, causal, gen):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=q.dtype)
+    got = grads(lambda a, b, c: cutefa.flash_attn_func(a, b, c, causal=causal), q, k, v, dout)
+    exact = grads(
+        lambda a, b, c: attention(a.float(), b.float(), c.float(), causal, scale), q, k, v, dout.float()
+    )
+    base = grads(lambda a, b, c: attention(a, b, c, causal, scale), q, k, v, dout)
+    for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
+        assert g.shape == e.shape and g.dtype == q.dtype, name
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+        err, err_base = rel(g, e), rel(b, e)
+        assert err <= 3 * err_base + 1e-3, f"{name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
+
+
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}_sk{s[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"hd{d}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grads_match_reference(gen, dtype, head_dim, causal, seqlens):
+    sq, sk = seqlens
+    dt = DTYPES[dtype]
+    q = torch.randn(1, sq, 2, head_dim, generator=gen, device="cuda", dtype=dt)
+    k = torch.randn(1, sk, 2, head_dim, generator=gen, device="cuda", dtype=dt)
+    v = torch.randn(1, sk, 2, head_dim, generator=gen, device="cuda", dtype=dt)
+    check(q, k, v, causal, gen)
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (8, 1)], ids=["gqa3", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_grouped_query_grads(gen, heads, causal):
+    hq, hkv = heads
+    q = torch.randn(2, 333, hq, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 517, hkv, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 517, hkv, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    check(q, k, v, causal, gen)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deterministic_is_bitwise_reproducible(gen, head_dim):
+    q = torch.randn(1, 2048, 4, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2048, 2, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2048, 2, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    fn = lambda a, b, c: cutefa.flash_attn_func(a, b, c, causal=True, deterministic=True)
+    first, second = grads(fn, q, k, v, dout), grads(fn, q, k, v, dout)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    plain = grads(lambda a, b, c: cutefa.flash_attn_func(a, b, c, causal=True), q, k, v, dout)
+    for a, b in zip(first, plain):
+        assert rel(a, b) < 1e-2
+
+
+def test_lse_gradient(gen):
+    q, k, v = (
+        torch.randn(1, 300, 2, 64, generator=gen, device="cuda", dtype=torch.float16) for _ in range(3)
+    )
+    w = torch.randn(1, 2, 300, generator=gen, device="cuda")
+
+    def loss(a, b, c, lse_fn):
+        out, lse = lse_fn(a, b, c)
+        return out.float().sum() + (lse * w).sum()
+
+    def ref(a, b, c):
+        s = torch.einsum("bqhd,bkhd->bhqk", a.float(), b.float()) / 8.0
+        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), c.float()), torch.logsumexp(s, -1)
+
+    got = [t.detach().requires_grad_() for t in (q, k, v)]
+    loss(*got, lambda a, b, c: cutefa.flash_attn_func(a, b, c, return_lse=True)).backward()
+    want = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    loss(*want, ref).backward()
+    for g, e in zip(got, want):
+        assert rel(g.grad, e.grad) < 1e-2
+
+
+def test_torch_compile_fullgraph_matches_eager(gen):
+    q, k, v = (
+        torch.randn(2, 257, 4, 128, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+    )
+
+    def step(a, b, c):
+        return cutefa.flash_attn_func(a, b, c, causal=True).float().square().mean()
+
+    eager = grads(step, q, k, v, torch.tensor(1.0, device="cuda"))
+    torch._dynamo.reset()
+    compiled = grads(torch.compile(step, fullgraph=True), q, k, v, torch.tensor(1.0, device="cuda"))
+    for a, b in zip(eager, compiled):
+        assert rel(b, a) < 1e-3
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim, heads, use_cutefa):
+        super().__init__()
+        self.heads, self.use_cutefa = heads, use_cutefa
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)
+        )
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        if self.use_cutefa:
+            a = cutefa.flash_attn_func(q, k, v, causal=True)
+        else:
+            a = F.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True
+            ).transpose(1, 2)
+        x = x + self.proj(a.reshape(b, s, d))
+        return x + self.mlp(self.norm2(x))
+
+
+def test_training_loop_matches_sdpa():
+    losses = {}
+    for use_cutefa in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(256, 2, use_cutefa), Block(256, 2, use_cutefa)).cuda().bfloat16()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        data = torch.randn(20, 4, 512, 256, generator=gen, device="cuda", dtype=torch.bfloat16)
+        curve = []
+        for step in range(20):
+            loss = (model(data[step]).float() - data[step].float().roll(1, 1)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+        losses[use_cutefa] = curve
+    for a, b in zip(losses[False], losses[True]):
+        assert abs(a - b) <= 2e-2 * abs(a), (losses[False], losses[True])
+    assert losses[True][-1] < losses[True][0]

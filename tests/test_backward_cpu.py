@@ -1,0 +1,255 @@
+"""The backward pass on the CPU: the kernel's block schedule emulated in torch, autograd wiring,
+GQA reduction, dLSE, deterministic splits, fake impls under torch.compile.
+
+``emulate_kernel`` follows templates/bwd_sm80.py.j2 step by step (key blocks per CTA and split,
+the first query block of a key block when causal, when the mask is applied, LSE in log2 units with
++inf for empty or padded rows, D = rowsum(dO * O) - dLSE, P and dS rounded to the input dtype,
+dK and dQ scaled at the end), so the index arithmetic of the kernel is checked against autograd
+of a plain float32 attention on ragged, causal and grouped-query shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cutefa
+from cutefa import backward, ops
+from cutefa.space import DEFAULT_BWD_TILES
+
+LOG2_E = math.log2(math.e)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def reference(q, k, v, causal, scale):
+    group = q.shape[2] // k.shape[2]
+    k, v = k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        allowed = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
+        s = s.masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def emulate_kernel(dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal, scale, deterministic,
+                   tile_m=64, tile_n=128, splits=3):  # fmt: skip
+    """What the three kernels of templates/bwd_sm80.py.j2 compute, block by block."""
+    dtype = q.dtype
+    batch, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    # preprocess
+    dlse = torch.zeros_like(lse) if dlse is None else dlse
+    dpsum = (dout.float() * out.float()).sum(-1).transpose(1, 2) - dlse
+    lse2 = torch.where(lse == -math.inf, math.inf, lse * LOG2_E)
+    # main
+    n_blocks, m_blocks = ceil_div(sk, tile_n), ceil_div(sq, tile_m)
+    splits = min(splits, n_blocks) if deterministic else 1
+    grid_x = splits if deterministic else n_blocks
+    acc = torch.zeros(splits, batch, sq, hq, d)
+
+    def rows_of(t, b, h, r0, n):  # a zero-padded (n, d) tile
+        tile = torch.zeros(n, d, dtype=t.dtype)
+        part = t[b, r0 : r0 + n, h]
+        tile[: part.shape[0]] = part
+        return tile.float()
+
+    for b in range(batch):
+        for h in range(hq):
+            for bx in range(grid_x):
+                for it in range(ceil_div(n_blocks - bx, grid_x)):
+                    n_block = bx + it * grid_x
+                    n0 = n_block * tile_n
+                    m_begin = max(n0 + sq - sk, 0) // tile_m if causal else 0
+                    kt, vt = rows_of(k, b, h // group, n0, tile_n), rows_of(v, b, h // group, n0, tile_n)
+                    dk_acc, dv_acc = torch.zeros(tile_n, d), torch.zeros(tile_n, d)
+                    for m_block in range(m_begin, m_blocks):
+                        m0 = m_block * tile_m
+                        rows = torch.arange(m0, m0 + tile_m)
+                        inside = rows < sq
+                        l2 = torch.full((tile_m,), math.inf)
+                        dps = torch.zeros(tile_m)
+                        l2[inside] = lse2[b, h, rows[inside]]
+                        dps[inside] = dpsum[b, h, rows[inside]]
+                        qt, dot = rows_of(q, b, h, m0, tile_m), rows_of(dout, b, h, m0, tile_m)
+                        s = qt @ kt.T
+                        masked = n0 + tile_n > sk or (causal and n0 + tile_n - 1 > m0 + sk - sq)
+                        if masked:
+                            cols = torch.arange(n0, n0 + tile_n)
+                            limit = torch.full((tile_m,), sk)
+                            if causal:
+                                limit = torch.minimum(limit, rows + 1 + sk - sq)
+                            s = s.masked_fill(cols[None, :] >= limit[:, None], -math.inf)
+                        p = torch.exp2(s * scale * LOG2_E - l2[:, None]).to(dtype)
+                        dp = dot @ vt.T
+                        ds = (p.float() * (dp - dps[:, None])).to(dtype)
+                        dv_acc += p.float().T @ dot
+                        dk_acc += ds.float().T @ qt
+                        dq_tile = ds.float() @ kt
+                        acc[bx if deterministic else 0, b, rows[inside], h] += dq_tile[inside]
+                    valid = min(tile_n, sk - n0)
+                    dk_heads[b, n0 : n0 + valid, h] = (dk_acc[:valid] * scale).to(dtype)
+                    dv_heads[b, n0 : n0 + valid, h] = dv_acc[:valid].to(dtype)
+    # postprocess
+    dq.copy_((acc.sum(0) * scale).to(dtype))
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """The forward op runs the float32 reference and the backward launch runs the emulation."""
+    calls = []
+
+    def launch(q, k, v, out, lse, causal, softmax_scale):
+        o, l = reference(q, k, v, causal, softmax_scale)
+        out.copy_(o.to(out.dtype))
+        lse.copy_(l)
+
+    def launch_bwd(*args):
+        calls.append(args)
+        emulate_kernel(*args)
+
+    monkeypatch.setattr(ops, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(ops, "_launch", launch)
+    monkeypatch.setattr(backward, "_launch_bwd", launch_bwd)
+    return calls
+
+
+def qkv(batch, sq, sk, hq, hkv, d, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda s, h: torch.randn(batch, s, h, d, generator=g).to(dtype).requires_grad_()
+    return mk(sq, hq), mk(sk, hkv), mk(sk, hkv)
+
+
+SHAPES = [
+    # batch, seqlen_q, seqlen_k, heads_q, heads_kv
+    (1, 1, 1, 1, 1),
+    (1, 17, 17, 2, 1),
+    (2, 130, 70, 2, 2),
+    (1, 70, 200, 4, 2),
+    (1, 200, 130, 3, 1),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_sq{}_sk{}_hq{}_hkv{}".format(*s))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_kernel_schedule_matches_autograd(on_cpu, shape, causal, deterministic):
+    batch, sq, sk, hq, hkv = shape
+    q, k, v = qkv(batch, sq, sk, hq, hkv, 64)
+    scale = 0.3
+    out, lse = cutefa.flash_attn_func(
+        q, k, v, causal=causal, softmax_scale=scale, return_lse=True, deterministic=deterministic
+    )
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(out.shape, generator=g).to(out.dtype)
+    dlse = torch.randn(lse.shape, generator=g)
+    dlse = torch.where(torch.isinf(lse), 0.0, dlse)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    assert len(on_cpu) == 1 and on_cpu[0][12] is deterministic
+
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = reference(q32, k32, v32, causal, scale)
+    lse_fin = torch.where(torch.isinf(lse_ref), 0.0, lse_ref)
+    torch.autograd.backward((o_ref, lse_fin), (dout.float(), dlse))
+    for name, got, want in (("dq", q.grad, q32.grad), ("dk", k.grad, k32.grad), ("dv", v.grad, v32.grad)):
+        assert got.shape == want.shape and got.dtype == torch.float16, name
+        err = (got.float() - want).norm() / max(want.norm(), 1e-6)
+        assert err < 2e-2, f"{name}: relative error {err:.3g}"
+
+
+def test_deterministic_splits():
+    assert backward.dq_splits(False, 1, 1, 4096, 128, 132) == 1
+    assert backward.dq_splits(True, 1, 4, 4096, 128, 132) == 32  # enough CTAs to fill 132 SMs
+    assert backward.dq_splits(True, 1, 4, 200, 128, 132) == 2  # never more than the key blocks
+    assert backward.dq_splits(True, 8, 32, 4096, 128, 132) == 1
+
+
+def test_rows_that_attend_nothing_get_zero_gradients(on_cpu):
+    q, k, v = qkv(1, 70, 20, 2, 2, 64)
+    out = cutefa.flash_attn_func(q, k, v, causal=True)
+    out.sum().backward()
+    assert torch.all(q.grad[:, :50] == 0)
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+
+
+def test_empty_problems_give_zero_gradients(on_cpu):
+    q, k, v = qkv(1, 5, 0, 2, 1, 64)
+    cutefa.flash_attn_func(q, k, v).sum().backward()
+    assert torch.all(q.grad == 0) and k.grad.shape == k.shape
+    assert on_cpu == []
+
+
+def test_choose_bwd_uses_the_default_tiles():
+    for head_dim, tile in DEFAULT_BWD_TILES["sm80"].items():
+        spec = backward.choose_bwd("sm_90a", torch.bfloat16, head_dim, True)
+        assert (spec.arch, spec.direction, spec.dtype, spec.causal) == ("sm80", "bwd", "bf16", True)
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == tile
+
+
+def test_deterministic_must_be_bool():
+    q, k, v = qkv(1, 4, 4, 1, 1, 64)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cutefa.flash_attn_func(q, k, v, deterministic=1)
+
+
+def test_bwd_fake_impl_shapes_on_fake_cuda_tensors():
+    with FakeTensorMode():
+        q = torch.empty(2, 5, 8, 128, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(2, 7, 2, 128, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(2, 8, 5, device="cuda")
+        dq, dk, dv = torch.ops.cutefa.flash_bwd(q, q, k, k, q, lse, None, True, 0.1, False)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    assert dq.dtype == torch.bfloat16 and dk.device.type == "cuda"
+
+
+def test_torch_compile_fullgraph_traces_forward_and_backward(on_cpu):
+    """fullgraph=True: the forward graph calls cutefa::flash_fwd and the backward graph
+    cutefa::flash_bwd (AOT autograd traces both through the fake impls)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=capture, bw_compiler=capture)
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(q, k, v):
+        out, lse = cutefa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        return (out.float() * 2).sum() + torch.where(torch.isinf(lse), 0.0, lse).sum()
+
+    torch._dynamo.reset()
+    q, k, v = qkv(2, 8, 8, 4, 2, 64)
+    step(q, k, v).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    called = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.cutefa.flash_fwd.default in called
+    assert torch.ops.cutefa.flash_bwd.default in called
+
+
+def test_torch_compile_matches_eager_on_cpu(on_cpu):
+    torch._dynamo.reset()
+
+    def loss(q, k, v):
+        return cutefa.flash_attn_func(q, k, v, causal=True).float().square().sum()
+
+    q, k, v = qkv(1, 33, 40, 2, 1, 64)
+    loss(q, k, v).backward()
+    eager = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v).backward()
+    for got, want in zip((q.grad, k.grad, v.grad), eager):
+        torch.testing.assert_close(got, want)
