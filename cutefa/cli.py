@@ -146,13 +146,37 @@ def _compile_plan(arch: str | None, target: str | None) -> tuple[list[VariantSpe
     return specs, target
 
 
+def _compile_selection(specs: Sequence[VariantSpec], pattern: str | None, target: str) -> list[VariantSpec]:
+    """``_select``, plus one exact variant name outside the default set (e.g. a tuned-table variant)."""
+    try:
+        return _select(specs, pattern)
+    except UsageError:
+        if pattern is None or any(c in pattern for c in "*?["):
+            raise
+    spec = _spec_from_argument(pattern)
+    reason = space.why_invalid(spec)
+    if reason is not None:
+        raise UsageError(f"--kernels {spec.name}: {reason}")
+    if not spec.runs_on(target):
+        raise UsageError(f"--kernels {spec.name}: family {spec.arch} does not run on --target {target}")
+    return [spec]
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
     specs, target = _compile_plan(args.arch, args.target)
-    specs = _select(specs, args.kernels)
-    from cutefa.compile import compile_variants
-
+    specs = _compile_selection(specs, args.kernels, target)
     start = time.perf_counter()
-    results = compile_variants(specs, target=target, jobs=args.jobs, progress=True)
+    if args.pack is not None:
+        from cutefa.pack import PackError, build_pack
+
+        try:
+            results = build_pack(specs, target=target, pack_dir=args.pack, jobs=args.jobs, progress=True)
+        except PackError as exc:
+            raise UsageError(str(exc)) from None
+    else:
+        from cutefa.compile import compile_variants
+
+        results = compile_variants(specs, target=target, jobs=args.jobs, progress=True)
     elapsed = time.perf_counter() - start
     _print_table(
         ("name", "result", "seconds"),
@@ -162,6 +186,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     for result in failed:
         print(f"\n{result.spec.name} failed:\n{result.error}", file=sys.stderr)
     print(f"{len(results) - len(failed)} compiled, {len(failed)} failed in {elapsed:.1f} s (target {target})")
+    if args.pack is not None:
+        print(f"pack: {args.pack} (manifest.json); run with CUTEFA_KERNEL_PATH={args.pack}")
     return 1 if failed else 0
 
 
@@ -304,7 +330,10 @@ def _subcommands() -> dict[str, tuple[Callable[[argparse.Namespace], int], str]]
     return {
         "list": (_cmd_list, "list variants with their shared memory, register estimate and status"),
         "generate": (_cmd_generate, "render the default variants into generated/ (or --check it)"),
-        "compile": (_cmd_compile, "compile the default variants ahead of time, with no GPU needed"),
+        "compile": (
+            _cmd_compile,
+            "compile the default variants ahead of time, with no GPU needed (--pack DIR: into a kernel pack)",
+        ),
         "show": (_cmd_show, "show one variant: fields, budgets, validity, generated file"),
         "explain": (_cmd_explain, "say which variant would run for a problem shape, and why"),
         "bench": (_cmd_bench, "run tools/bench.py with the remaining arguments (needs a CUDA GPU)"),
@@ -347,6 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=os.cpu_count() or 1,
         help="parallel compiles (default: CPU count)",
+    )
+    p.add_argument(
+        "--pack",
+        type=Path,
+        metavar="DIR",
+        help="also write the kernels into the kernel pack DIR (one .so per variant and manifest.json; "
+        "put DIR on CUTEFA_KERNEL_PATH to run them with no compiler)",
     )
 
     p = made["show"]

@@ -17,6 +17,11 @@ The DSL reads ``CUTE_DSL_ARCH`` once, at ``import cutlass``, and only compiles f
 a process compiles in-process only for the target its DSL was set up for (the first compile picks
 it when ``cutlass`` is not imported yet); other targets compile in child processes
 (``python -m cutefa.compile ...``, one per variant) started with ``CUTE_DSL_ARCH`` set.
+
+Where :func:`get_kernel` finds a kernel, in order: the kernel packs (:mod:`cutefa.pack`) on
+``CUTEFA_KERNEL_PATH`` and in ``<cache dir>/packs``, then the cache entries above, then a JIT
+compile into the cache (logged; ``CUTEFA_JIT=0`` makes it an error naming the command that builds
+the kernel ahead of time). Nothing on the way to a packed or cached kernel imports the DSL compiler.
 """
 
 from __future__ import annotations
@@ -48,8 +53,12 @@ from cutefa.spec import VariantSpec, parse_name, target_cc
 log = logging.getLogger("cutefa")
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+# Where codegen commits the default variants' modules (codegen.module_path; a test keeps them equal).
+# Reading them from here spares the kernel-loading path the import of codegen and jinja2.
+GENERATED_DIR = Path(__file__).resolve().parent.parent / "generated"
 # Bump when the compiled calling convention below changes (fake-tensor signature, export flavour).
 _ABI = "tvm-ffi-v1"
+ABI = _ABI
 _DSL_DIST = "nvidia-cutlass-dsl"
 _DSL_DTYPES = {"fp16": "Float16", "bf16": "BFloat16", "e4m3": "Float8E4M3FN"}
 _ROW_ALIGN_BYTES = 16
@@ -60,6 +69,8 @@ _KERNELS_LOCK = threading.Lock()
 # Loaded tvm_ffi modules, kept alive for as long as their functions may be called.
 _MODULES: dict[Path, Any] = {}
 _RUNTIMES: dict[Path, ctypes.CDLL] = {}
+# (variant name, target) -> where its kernel came from: "pack <dir>", "cache <dir>" or "jit <dir>"
+_ORIGINS: dict[tuple[str, str], str] = {}
 
 # (ok, seconds, error) of one build
 _Outcome = tuple[bool, float, "str | None"]
@@ -118,8 +129,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CUTEFA_CACHE_DIR") or Path.home() / ".cache" / "cutefa").expanduser()
 
 
+def dsl_version() -> str:
+    """The installed ``nvidia-cutlass-dsl`` version (read without importing the DSL)."""
+    return importlib.metadata.version(_DSL_DIST)
+
+
 def kernel_source_path(spec: VariantSpec) -> Path:
     """The variant's generated module: the committed file, else one rendered into the cache dir."""
+    committed = GENERATED_DIR / spec.arch / f"{spec.name}.py"
+    if committed.is_file():
+        return committed
     from cutefa import codegen
 
     committed = Path(codegen.module_path(spec))
@@ -148,7 +167,7 @@ def fingerprint(spec: VariantSpec, target: str) -> str:
 def _fingerprint(source: str, target: str) -> str:
     """Hash the generated source, cutefa's kernel building blocks, the DSL version, target and ABI."""
     h = hashlib.sha256()
-    for part in (_ABI, importlib.metadata.version(_DSL_DIST), target, _building_blocks_digest(), source):
+    for part in (_ABI, dsl_version(), target, _building_blocks_digest(), source):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -343,7 +362,7 @@ def _commit(entry: _Entry, runtime: Path, seconds: float) -> None:
         "target": entry.target,
         "fingerprint": entry.fingerprint,
         "function_name": entry.name,
-        "dsl_version": importlib.metadata.version(_DSL_DIST),
+        "dsl_version": dsl_version(),
         "abi": _ABI,
         # the DSL runtime flavour linked against (e.g. cu12), relative to the nvidia_cutlass_dsl wheel
         "runtime": runtime.parent.parent.name,
@@ -354,7 +373,16 @@ def _commit(entry: _Entry, runtime: Path, seconds: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading committed entries (no DSL import)
+# Loading linked kernels (no DSL import)
+
+
+class KernelUnavailableError(RuntimeError):
+    """No pack or cache entry has the kernel, and JIT compiling is turned off (``CUTEFA_JIT=0``)."""
+
+
+def jit_enabled() -> bool:
+    """Whether a kernel found in no pack and not in the cache may be compiled at run time."""
+    return os.environ.get("CUTEFA_JIT", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def runtime_library(flavour: str) -> Path:
@@ -368,19 +396,46 @@ def runtime_library(flavour: str) -> Path:
     raise RuntimeError(f"the installed {_DSL_DIST} has no {flavour}/lib/libcute_dsl_runtime.so")
 
 
+def _runtime_for(flavour: str) -> Path:
+    """The DSL runtime to load for a kernel linked against ``flavour``; another flavour of the same
+    DSL version when that one is not installed (a kernel names the runtime by soname only, and the
+    flavours export one ABI: a cu12-linked kernel was seen running on a cu13 runtime)."""
+    try:
+        return runtime_library(flavour)
+    except RuntimeError:
+        import nvidia_cutlass_dsl
+
+        for base in nvidia_cutlass_dsl.__path__:
+            for path in sorted(Path(base).glob("*/lib/libcute_dsl_runtime.so")):
+                log.debug("cutefa: no %s DSL runtime installed; using %s", flavour, path)
+                return path
+        raise
+
+
+def load_library(so_path: Path, function_name: str, runtime: str) -> Callable[..., Any]:
+    """Load a linked kernel ``.so`` through tvm_ffi (after the DSL runtime it needs) and return its function."""
+    lib = _runtime_for(runtime)
+    if lib not in _RUNTIMES:
+        _RUNTIMES[lib] = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    import tvm_ffi
+
+    module = _MODULES.get(so_path)
+    if module is None:
+        module = _MODULES[so_path] = tvm_ffi.load_module(str(so_path))
+    return module[function_name]
+
+
 def _load(entry: _Entry) -> Callable[..., Any]:
     """Load a committed entry's ``kernel.so`` through tvm_ffi and return its function."""
     meta = entry.read_meta()
     if meta is None:
         raise RuntimeError(f"cache entry {entry.dir} is not committed")
-    lib = runtime_library(meta["runtime"])
-    if lib not in _RUNTIMES:
-        _RUNTIMES[lib] = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-    import tvm_ffi
+    return load_library(entry.so_path, meta["function_name"], meta["runtime"])
 
-    module = tvm_ffi.load_module(str(entry.so_path))
-    _MODULES[entry.so_path] = module
-    return module[meta["function_name"]]
+
+def loaded_kernels() -> dict[tuple[str, str], str]:
+    """(variant name, target) -> where this process got the kernel: 'pack DIR', 'cache DIR' or 'jit DIR'."""
+    return dict(_ORIGINS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,7 +445,8 @@ def _load(entry: _Entry) -> Callable[..., Any]:
 def get_kernel(spec: VariantSpec, target: str) -> Callable[..., Any]:
     """The kernel for ``spec`` on ``target``: ``fn(q, k, v, o, lse, softmax_scale)``.
 
-    Memoized per (name, target); the first call loads the cached ``.so`` or compiles it.
+    Memoized per (name, target); the first call looks in the kernel packs, then the cache, and
+    compiles the kernel into the cache when neither has it (see the module docs).
     """
     fn = _KERNELS.get((spec.name, target))
     if fn is not None:
@@ -402,19 +458,83 @@ def get_kernel(spec: VariantSpec, target: str) -> Callable[..., Any]:
         return _KERNELS[key]
 
 
+def build_command(name: str, target: str, pack_dir: Path | str | None = None) -> str:
+    """The command line that builds variant ``name`` for ``target`` into a kernel pack."""
+    from cutefa import pack
+
+    where = pack_dir if pack_dir is not None else pack.default_pack_dir(target)
+    return f"cutefa compile --target {target} --kernels {name} --pack {where}"
+
+
 def _prepare(spec: VariantSpec, target: str) -> Callable[..., Any]:
-    entry = _entry(spec, target)
+    """Find, load or build the kernel (see the module docs); never imports the DSL unless it compiles."""
+    from cutefa import pack
+
+    target_cc(target)  # raises ValueError naming the known targets
+    if not spec.runs_on(target):
+        raise ValueError(f"{spec.name}: kernel family {spec.arch} does not run on target {target!r}")
+    try:
+        entry: _Entry | None = _entry(spec, target)
+    except Exception as exc:  # noqa: BLE001 -- no source here (e.g. no templates): packs may still serve
+        log.debug(
+            "cutefa: no kernel source for %s (%s); pack kernels are not checked for staleness", spec.name, exc
+        )
+        entry, source_error = None, _describe(exc)
+    found, refusals = pack.find_kernel(spec.name, target, entry.fingerprint if entry else None)
+    if found is not None:
+        fn = load_library(found.path, found.function_name, found.runtime)
+        _ORIGINS[(spec.name, target)] = f"pack {found.pack}"
+        return fn
+    if refusals:
+        log.warning(
+            "cutefa: %s for %s: no kernel pack could serve it:\n%s",
+            spec.name, target, "\n".join(f"  {r}" for r in refusals),
+        )  # fmt: skip
+    if entry is None:
+        raise KernelUnavailableError(
+            f"cutefa: {spec.name} for {target} is in no usable kernel pack, and it cannot be compiled "
+            f"here: {source_error}. Build it where cutefa's sources are and put the pack on "
+            f"CUTEFA_KERNEL_PATH: {build_command(spec.name, target, 'DIR')}"
+        )
     if entry.read_meta():
-        return _load(entry)
-    if can_compile_here(target):
+        fn = _load(entry)
+        _ORIGINS[(spec.name, target)] = f"cache {entry.dir}"
+        return fn
+    searched = pack.search_dirs()
+    if not jit_enabled():
+        searched_text = ", ".join(str(d) for d in searched)
+        head = (
+            f"cutefa: no compiled kernel {spec.name} for {target}, and CUTEFA_JIT=0 forbids compiling "
+            "it here. Build it ahead of time (no GPU needed) into a pack that is searched:"
+        )
+        lines = [
+            head,
+            f"    {build_command(spec.name, target)}",
+            f"or into a directory named in CUTEFA_KERNEL_PATH. Searched: {searched_text}; the cache {entry.root}.",
+            *(f"Refused: {r}" for r in refusals),
+        ]
+        raise KernelUnavailableError("\n".join(lines))
+    log.warning(
+        "cutefa: %s for %s is in no kernel pack (searched: %s) nor the cache; compiling it now (JIT) "
+        "into %s. To ship it instead: %s",
+        spec.name, target, ", ".join(str(d) for d in searched), entry.root, build_command(spec.name, target),
+    )  # fmt: skip
+    fn = _jit(entry)
+    _ORIGINS[(spec.name, target)] = f"jit {entry.root}"
+    return fn
+
+
+def _jit(entry: _Entry) -> Callable[..., Any]:
+    """Compile ``entry`` into the cache (here or in a child process) and load it."""
+    if can_compile_here(entry.target):
         compiled = _build(entry)
         return _load(entry) if entry.read_meta() else compiled
     ok, _, error = _build_isolated(entry, False)
     if not ok:
-        raise RuntimeError(f"compiling {spec.name} for {target} failed: {error}")
+        raise RuntimeError(f"compiling {entry.name} for {entry.target} failed: {error}")
     if not entry.read_meta():
         raise RuntimeError(
-            f"{spec.name} for {target} was compiled in a child process but could not be "
+            f"{entry.name} for {entry.target} was compiled in a child process but could not be "
             "linked (is gcc installed?); compile it in-process instead"
         )
     return _load(entry)
