@@ -23,7 +23,7 @@ from cutefa.spec import VariantSpec, parse_name
 EXPECTED = {
     "sm80": ("HMMA", "LDSM", "LDGSTS", "MUFU.EX2"),
     "sm90": ("HGMMA", "UTMALDG", "USETMAXREG", "SYNCS"),
-    "sm100": ("UTCHMMA", "LDTM", "UTMALDG"),
+    "sm100": ("UTCHMMA", "LDTM", "STTM", "UTMALDG"),
 }
 SPILL_OPS = ("LDL", "STL")
 _COUNTED = sorted({op for ops in EXPECTED.values() for op in ops} | set(SPILL_OPS) | {"BAR.SYNC", "SHFL"})

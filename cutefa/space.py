@@ -95,11 +95,12 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
     _require("arch", arch, ARCHS)
     _require("direction", direction, DIRECTIONS)
     return [
-        VariantSpec(arch, direction, dtype, head_dim, *tile, causal=causal)
+        VariantSpec(arch, direction, dtype, head_dim, *tile, causal=causal, exp_emu=exp_emu)
         for dtype in _candidate_dtypes(arch, direction)
         for head_dim in HEAD_DIMS
         for tile in _TILE_GRID[arch]
         for causal in (False, True)
+        for exp_emu in ((0, 25) if (arch, direction) == ("sm100", "fwd") else (0,))
     ]
 
 
@@ -248,6 +249,110 @@ _ARCH_RULES: dict[str, tuple[Rule, ...]] = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# sm100 (FlashAttention-4 design): compiled and SASS-checked for sm_100a, not hardware-tested.
+
+IMPLEMENTED[("sm100", "fwd")] = ("fp16", "bf16")
+SM100_SMEM_LIMIT = 227 * 1024  # B200 per-block opt-in limit (232448 B; the DSL's capacity for sm_100)
+SM100_TMEM_COLUMNS = 512  # 128 lanes x 512 columns x 32 bit per SM
+SM100_WARPS = 16  # softmax 0 and 1, correction, MMA / load / epilogue / spare: 4 warpgroups
+SM100_SOFTMAX_REGS = 184  # setmaxnreg of a softmax thread (a whole row of S lives in registers)
+SM100_SOFTMAX_OVERHEAD = 48  # row max/sum, coordinates, pipeline state, TMEM addresses
+
+# Two Q tiles of 128 rows in flight (tile_m 256) where S and O of both fit the 512 TMEM columns;
+# head dim 256 keeps one Q tile. exp_emu (percent of exp2 on the FMA units) follows
+# tools/roofline.py: exp is co-critical with the MMAs up to head dim 128, MMA-bound beyond.
+DEFAULT_TILES["sm100"] = {
+    64: Tile(256, 128, 3, 16),
+    96: Tile(256, 128, 3, 16),
+    128: Tile(256, 128, 3, 16),
+    192: Tile(256, 64, 3, 16),
+    256: Tile(128, 64, 2, 16),
+}
+DEFAULT_EXP_EMU: dict[str, dict[int, int]] = {"sm100": {64: 25, 96: 25, 128: 25, 192: 0, 256: 0}}
+
+
+def sm100_tmem_columns(spec: VariantSpec) -> int:
+    """TMEM columns one CTA uses: per Q tile of 128 rows, S (tile_n fp32 columns, P and the row
+    statistics live inside it) and O (head_dim fp32 columns)."""
+    return spec.tile_m // 128 * (spec.tile_n + spec.head_dim)
+
+
+def sm100_smem_bytes(spec: VariantSpec) -> int:
+    """Q tiles, the K/V ring (K and V share its stages) and one 128-row O staging tile, plus
+    mbarriers and 1 KiB alignment of each buffer."""
+    elements = (spec.tile_m + spec.stages * spec.tile_n + 128) * spec.head_dim
+    return elements * spec.elem_bytes + 4 * SMEM_RESERVE
+
+
+def _sm100_registers(spec: VariantSpec) -> int:
+    # A softmax thread owns one query row: tile_n fp32 scores, P converted 32 scores at a time.
+    return spec.tile_n + SM100_SOFTMAX_OVERHEAD
+
+
+_REGISTER_MODELS["sm100"] = _sm100_registers
+
+
+def _sm100_roles(spec: VariantSpec) -> str | None:
+    if spec.warps != SM100_WARPS:
+        return f"warps={spec.warps} must be {SM100_WARPS} (softmax x2, correction, MMA/load/epilogue warpgroups)"
+    if spec.tile_m not in (128, 256):
+        return f"tile_m={spec.tile_m} must be 128 or 256 (one or two 128-row Q tiles in flight)"
+    return None
+
+
+def _sm100_tile_n(spec: VariantSpec) -> str | None:
+    if spec.tile_n not in (64, 128):
+        return f"tile_n={spec.tile_n} must be 64 or 128 (UMMA N of S = Q K^T, a multiple of the 32-score P chunk)"
+    if spec.stages < 2:
+        return f"stages={spec.stages}: the K/V TMA ring needs at least 2 stages"
+    return None
+
+
+def _sm100_tmem(spec: VariantSpec) -> str | None:
+    cols = sm100_tmem_columns(spec)
+    if cols > SM100_TMEM_COLUMNS:
+        return (
+            f"needs {cols} TMEM columns ({spec.tile_m // 128} x (S {spec.tile_n} + O {spec.head_dim})), "
+            f"over the {SM100_TMEM_COLUMNS} of an SM"
+        )
+    return None
+
+
+def _sm100_smem(spec: VariantSpec) -> str | None:
+    needed = sm100_smem_bytes(spec)
+    if needed > SM100_SMEM_LIMIT:
+        return f"needs {needed / 1024:.1f} KiB of shared memory, over the {SM100_SMEM_LIMIT // 1024} KiB of a B200 block"
+    return None
+
+
+def _sm100_regs(spec: VariantSpec) -> str | None:
+    estimate = _sm100_registers(spec)
+    if estimate > SM100_SOFTMAX_REGS:
+        return f"a softmax thread would need ~{estimate} registers, over its {SM100_SOFTMAX_REGS}"
+    return None
+
+
+def _sm100_exp_emu(spec: VariantSpec) -> str | None:
+    if spec.exp_emu * 16 % 100:
+        return f"exp_emu={spec.exp_emu} must be a multiple of 6.25% (whole scores of every 16): 0, 25, 50, 75 or 100"
+    return None
+
+
+def _exp_emu_family(spec: VariantSpec) -> str | None:
+    if spec.exp_emu and (spec.arch != "sm100" or spec.direction != "fwd"):
+        return f"exp_emu={spec.exp_emu}: emulated exp2 is an sm100 forward option only"
+    return None
+
+
+def _default_exp_emu(arch: str, direction: str, head_dim: int) -> int:
+    return DEFAULT_EXP_EMU.get(arch, {}).get(head_dim, 0) if direction == "fwd" else 0
+
+
+_COMMON_RULES = (*_COMMON_RULES, _exp_emu_family)
+_ARCH_RULES["sm100"] = (_sm100_roles, _sm100_tile_n, _sm100_exp_emu, _sm100_tmem, _sm100_smem, _sm100_regs)
+
+
 def why_invalid(spec: VariantSpec) -> str | None:
     """The first rule ``spec`` breaks, as a sentence naming it; None when the spec can be built."""
     for rule in _COMMON_RULES + _ARCH_RULES[spec.arch]:
@@ -276,7 +381,7 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     }
     directions = DIRECTIONS if direction is None else (direction,)
     return sorted(
-        VariantSpec(arch, d, dtype, head_dim, *tile, causal=causal)
+        VariantSpec(arch, d, dtype, head_dim, *tile, causal=causal, exp_emu=_default_exp_emu(arch, d, head_dim))
         for d in directions
         for dtype in IMPLEMENTED.get((arch, d), ())
         for head_dim, tile in tables[d]

@@ -28,7 +28,8 @@ TORCH_DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "e4
 
 _NAME_RE = re.compile(
     r"^cutefa_(?P<arch>sm\d+)_(?P<direction>fwd|bwd)_(?P<dtype>[a-z0-9]+)_hd(?P<head_dim>\d+)"
-    r"_(?P<tile_m>\d+)x(?P<tile_n>\d+)_s(?P<stages>\d+)_w(?P<warps>\d+)(?P<flags>(?:_[a-z]+)*)$"
+    r"_(?P<tile_m>\d+)x(?P<tile_n>\d+)_s(?P<stages>\d+)_w(?P<warps>\d+)(?P<flags>(?:_[a-z]+)*)"
+    r"(?:_emu(?P<exp_emu>\d+))?$"
 )
 # Boolean spec fields and the name token each one adds when true, in name order.
 _FLAG_TOKENS = (("causal", "causal"),)
@@ -47,6 +48,9 @@ class VariantSpec:
     stages: int  # shared-memory buffers for each of K and V
     warps: int  # warps per CTA
     causal: bool = False
+    # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
+    # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
+    exp_emu: int = 0
 
     def __post_init__(self) -> None:
         for field, allowed in (("arch", ARCHS), ("direction", DIRECTIONS), ("dtype", DTYPES)):
@@ -61,6 +65,10 @@ class VariantSpec:
                 raise ValueError(f"VariantSpec.{field}={value!r} must be a positive int")
         if not isinstance(self.causal, bool):
             raise TypeError(f"VariantSpec.causal={self.causal!r} must be a bool")
+        if not isinstance(self.exp_emu, int) or isinstance(self.exp_emu, bool):
+            raise TypeError(f"VariantSpec.exp_emu={self.exp_emu!r} must be an int percentage")
+        if not 0 <= self.exp_emu <= 100:
+            raise ValueError(f"VariantSpec.exp_emu={self.exp_emu!r} must be a percentage in [0, 100]")
 
     @property
     def name(self) -> str:
@@ -68,6 +76,7 @@ class VariantSpec:
         return (
             f"cutefa_{self.arch}_{self.direction}_{self.dtype}_hd{self.head_dim}"
             f"_{self.tile_m}x{self.tile_n}_s{self.stages}_w{self.warps}{flags}"
+            + (f"_emu{self.exp_emu}" if self.exp_emu else "")
         )
 
     @property
@@ -119,6 +128,7 @@ def parse_name(name: str) -> VariantSpec:
         tile_n=int(m["tile_n"]),
         stages=int(m["stages"]),
         warps=int(m["warps"]),
+        exp_emu=int(m["exp_emu"] or 0),
         **{known[f]: True for f in flags},
     )
     if spec.name != name:  # e.g. leading zeros in a number

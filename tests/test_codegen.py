@@ -100,6 +100,7 @@ def test_manifest(out):
         "stages": spec.stages,
         "warps": spec.warps,
         "causal": spec.causal,
+        "exp_emu": 0,
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),
     }

@@ -14,7 +14,6 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
     ("spec", "reason"),
     [
         (SM80.replace(arch="sm90", warps=12, stages=2), "no sm90 fwd kernel exists yet"),
-        (SM80.replace(arch="sm100", warps=16, stages=2), "no sm100 fwd kernel exists yet"),
         (SM80.replace(arch="sm100", direction="bwd", warps=16, stages=2), "no sm100 bwd kernel exists yet"),
         (
             SM80.replace(direction="bwd", tile_m=64, tile_n=128, warps=8, stages=2),
@@ -105,7 +104,6 @@ def test_sm80_default_set():
 
 def test_other_archs_have_no_defaults_yet():
     assert space.default_variants("sm90") == []
-    assert space.default_variants("sm100") == []
 
 
 def test_candidates():

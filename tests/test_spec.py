@@ -26,6 +26,8 @@ def _perturbed(spec: VariantSpec, field: dataclasses.Field) -> object:
     value = getattr(spec, field.name)
     if isinstance(value, bool):
         return not value
+    if field.name == "exp_emu":
+        return 25
     if isinstance(value, int):
         return value * 2
     if field.name in CHOICES:
