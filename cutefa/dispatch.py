@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cutefa.space import DEFAULT_TILES, why_invalid, why_no_kernel
+from cutefa.space import DEFAULT_TILES, default_extras, why_invalid, why_no_kernel
 from cutefa.spec import (
     ARCHS,
     TARGETS,
@@ -257,7 +257,8 @@ def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpe
     tile = DEFAULT_TILES.get(family, {}).get(problem.head_dim)
     if tile is None:
         return family, None, f"no tuned entry and no default tile for {family} head_dim={problem.head_dim}"
-    spec = VariantSpec(family, "fwd", problem.dtype, problem.head_dim, *tile, causal=problem.causal)
+    extras = default_extras(family, "fwd", problem.head_dim)
+    spec = VariantSpec(family, "fwd", problem.dtype, problem.head_dim, *tile, causal=problem.causal, **extras)
     rule = (
         f"heuristic: DEFAULT_TILES[{family!r}][{problem.head_dim}] = {spec.tile_m}x{spec.tile_n} tile, "
         f"{spec.stages} stage(s), {spec.warps} warps"

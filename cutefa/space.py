@@ -17,6 +17,7 @@ from cutefa.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, VariantSpec
 IMPLEMENTED: dict[tuple[str, str], tuple[str, ...]] = {
     ("sm80", "fwd"): ("fp16", "bf16"),
     ("sm80", "bwd"): ("fp16", "bf16"),
+    ("sm90", "fwd"): ("fp16", "bf16"),
 }
 
 # Families whose tensor cores take fp8 operands; e4m3 is a forward-only dtype there.
@@ -27,6 +28,9 @@ SMEM_RESERVE = 1024  # alignment slack of the shared-storage struct (1 KiB swizz
 MAX_REGISTERS = 255  # per thread, on every family
 SM80_REG_OVERHEAD = 64  # row max/sum, Q/K/V operand fragments in flight, addresses, counters
 SM80_BWD_REG_OVERHEAD = 48  # backward: LSE/D rows, operand fragments in flight, addresses
+SM90_SMEM_LIMIT = 227 * 1024  # H100/H200 per-block opt-in limit
+SM90_CONSUMER_REGS = 240  # setmaxnreg budget of a consumer warpgroup (producer keeps 24)
+SM90_REG_OVERHEAD = 48  # row max/sum, descriptors, pipeline state, addresses
 
 
 class Tile(NamedTuple):
@@ -47,6 +51,23 @@ DEFAULT_TILES: dict[str, dict[int, Tile]] = {
         192: Tile(128, 64, 1, 8),
         256: Tile(128, 64, 1, 8),
     },
+}
+
+# sm90 (FlashAttention-3 design): 2 consumer warpgroups x 64 rows; tile_n shrinks with head_dim so
+# that S, P and O fit the 240 registers a consumer thread gets, and K/V stages fit 227 KiB.
+DEFAULT_TILES["sm90"] = {
+    64: Tile(128, 128, 2, 12),
+    96: Tile(128, 128, 2, 12),
+    128: Tile(128, 128, 2, 12),
+    192: Tile(128, 96, 2, 12),
+    256: Tile(128, 64, 2, 12),
+}
+
+# Schedule flags of the sm90 default (FlashAttention-3: intra-warpgroup overlap + ping-pong), and
+# the other schedules committed on the default tile so the benchmark shows what each one buys.
+DEFAULT_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"overlap": True, "pingpong": True}}
+SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[dict[str, bool], ...]]] = {
+    "sm90": {hd: ({}, {"overlap": True}, {"pingpong": True}) for hd in (64, 128, 256)},
 }
 
 # Backward tiles per head dim (filled as each family's backward kernel lands). sm80: FlashAttention-2's
@@ -79,6 +100,15 @@ _TILE_GRID: dict[str, tuple[Tile, ...]] = {
 }
 
 
+# The sm90 forward schedules: plain, intra-warpgroup overlap, ping-pong, both.
+_SM90_SCHEDULES: tuple[dict[str, bool], ...] = (
+    {},
+    {"overlap": True},
+    {"pingpong": True},
+    {"overlap": True, "pingpong": True},
+)
+
+
 def _require(argument: str, value: str, accepted: Sequence[str]) -> None:
     if value not in accepted:
         raise ValueError(f"{argument}={value!r} is not one of {tuple(accepted)}")
@@ -95,12 +125,13 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
     _require("arch", arch, ARCHS)
     _require("direction", direction, DIRECTIONS)
     return [
-        VariantSpec(arch, direction, dtype, head_dim, *tile, causal=causal, exp_emu=exp_emu)
+        VariantSpec(arch, direction, dtype, head_dim, *tile, causal=causal, exp_emu=exp_emu, **flags)
         for dtype in _candidate_dtypes(arch, direction)
         for head_dim in HEAD_DIMS
         for tile in _TILE_GRID[arch]
         for causal in (False, True)
         for exp_emu in ((0, 25) if (arch, direction) == ("sm100", "fwd") else (0,))
+        for flags in (_SM90_SCHEDULES if (arch, direction) == ("sm90", "fwd") else ({},))
     ]
 
 
@@ -140,7 +171,15 @@ def _sm80_registers(spec: VariantSpec) -> int:
     return acc_o + acc_s + acc_s // 2 + SM80_REG_OVERHEAD
 
 
-_REGISTER_MODELS: dict[str, Callable[[VariantSpec], int]] = {"sm80": _sm80_registers}
+def _sm90_registers(spec: VariantSpec) -> int:
+    # Per consumer thread (a warpgroup owns 64 query rows): fp32 O (64 x d) and S (64 x tile_n)
+    # accumulators, P packed to 16 bit for the register-A WGMMA, and the softmax state.
+    acc_o = 64 * spec.head_dim // 128
+    acc_s = 64 * spec.tile_n // 128
+    return acc_o + acc_s + acc_s // 2 + SM90_REG_OVERHEAD
+
+
+_REGISTER_MODELS: dict[str, Callable[[VariantSpec], int]] = {"sm80": _sm80_registers, "sm90": _sm90_registers}
 
 
 def est_registers(spec: VariantSpec) -> int | None:
@@ -152,6 +191,12 @@ def est_registers(spec: VariantSpec) -> int | None:
 def _fp8_rule(spec: VariantSpec) -> str | None:
     if spec.dtype == "e4m3" and (spec.arch not in FP8_FAMILIES or spec.direction != "fwd"):
         return f"e4m3 is only for sm90/sm100 forward kernels, not {spec.arch} {spec.direction}"
+    return None
+
+
+def _sm90_flags_rule(spec: VariantSpec) -> str | None:
+    if (spec.overlap or spec.pingpong) and spec.arch != "sm90":
+        return f"overlap/pingpong are sm90 (FlashAttention-3) schedule flags, not {spec.arch} ones"
     return None
 
 
@@ -239,12 +284,53 @@ def _sm80_regs(spec: VariantSpec) -> str | None:
     return None
 
 
+def _sm90_roles(spec: VariantSpec) -> str | None:
+    if spec.tile_m % 64 or spec.tile_m // 64 not in (1, 2, 3):
+        return f"tile_m={spec.tile_m} must be 64, 128 or 192 (one consumer warpgroup per 64 query rows)"
+    if spec.pingpong and spec.tile_m != 128:
+        return f"pingpong needs exactly two consumer warpgroups (tile_m=128), not tile_m={spec.tile_m}"
+    if spec.warps != 4 * (spec.tile_m // 64 + 1):
+        return (
+            f"warps={spec.warps} must be {4 * (spec.tile_m // 64 + 1)}: one producer warpgroup plus "
+            f"{spec.tile_m // 64} consumer warpgroup(s) of 4 warps"
+        )
+    return None
+
+
+def _sm90_tile_n(spec: VariantSpec) -> str | None:
+    if spec.tile_n % 16 or not 16 <= spec.tile_n <= 256:
+        return f"tile_n={spec.tile_n} must be a multiple of 16 in [16, 256] (WGMMA N, and the k16 steps of P@V)"
+    if spec.stages < 2:
+        return f"stages={spec.stages}: the K/V TMA pipelines need at least 2 stages to overlap loads with MMAs"
+    return None
+
+
+def _sm90_smem(spec: VariantSpec) -> str | None:
+    needed = smem_bytes(spec)
+    if needed > SM90_SMEM_LIMIT:
+        return (
+            f"needs {needed / 1024:.1f} KiB of shared memory, over the "
+            f"{SM90_SMEM_LIMIT // 1024} KiB per-block opt-in limit of the H100/H200"
+        )
+    return None
+
+
+def _sm90_regs(spec: VariantSpec) -> str | None:
+    estimate = _sm90_registers(spec)
+    if estimate > SM90_CONSUMER_REGS:
+        return (
+            f"would spill registers (estimated {estimate} > {SM90_CONSUMER_REGS} per consumer thread "
+            "after setmaxnreg)"
+        )
+    return None
+
+
 Rule = Callable[[VariantSpec], str | None]
 
-_COMMON_RULES: tuple[Rule, ...] = (_fp8_rule, _head_dim_rule, why_no_kernel)
+_COMMON_RULES: tuple[Rule, ...] = (_fp8_rule, _sm90_flags_rule, _head_dim_rule, why_no_kernel)
 _ARCH_RULES: dict[str, tuple[Rule, ...]] = {
     "sm80": (_sm80_warp_rows, _sm80_tile_n, _sm80_head_dim, _sm80_copy, _sm80_smem, _sm80_regs),
-    "sm90": (),
+    "sm90": (_sm90_roles, _sm90_tile_n, _sm90_smem, _sm90_regs),
     "sm100": (),
 }
 
@@ -345,10 +431,6 @@ def _exp_emu_family(spec: VariantSpec) -> str | None:
     return None
 
 
-def _default_exp_emu(arch: str, direction: str, head_dim: int) -> int:
-    return DEFAULT_EXP_EMU.get(arch, {}).get(head_dim, 0) if direction == "fwd" else 0
-
-
 _COMMON_RULES = (*_COMMON_RULES, _exp_emu_family)
 _ARCH_RULES["sm100"] = (_sm100_roles, _sm100_tile_n, _sm100_exp_emu, _sm100_tmem, _sm100_smem, _sm100_regs)
 
@@ -367,23 +449,40 @@ def valid_variants(arch: str, direction: str = "fwd") -> list[VariantSpec]:
     return [spec for spec in candidates(arch, direction) if why_invalid(spec) is None]
 
 
+def default_extras(arch: str, direction: str, head_dim: int) -> dict[str, object]:
+    """Spec fields beyond the tile that a family's default variant sets: schedule flags (sm90)
+    and the exp2 emulation share (sm100). Dispatch's heuristic uses the same."""
+    if direction != "fwd":
+        return {}
+    extras: dict[str, object] = dict(DEFAULT_FLAGS.get(arch, {}))
+    emu = DEFAULT_EXP_EMU.get(arch, {}).get(head_dim, 0)
+    if emu:
+        extras["exp_emu"] = emu
+    return extras
+
+
 def default_variants(arch: str, direction: str | None = None) -> list[VariantSpec]:
     """The variants committed to generated/ for ``arch`` (both directions unless one is named), sorted.
 
-    Forward tiles come from DEFAULT_TILES / TUNING_ALTERNATIVES, backward tiles from
-    DEFAULT_BWD_TILES; a direction contributes only once its kernel exists (IMPLEMENTED).
+    Forward: the DEFAULT_TILES tile with the default extras, the TUNING_ALTERNATIVES tiles, and
+    the SCHEDULE_ALTERNATIVES schedules on the default tile; backward: DEFAULT_BWD_TILES. A
+    direction contributes only once its kernel exists (IMPLEMENTED).
     """
     _require("arch", arch, ARCHS)
-    tables = {
-        "fwd": list(DEFAULT_TILES.get(arch, {}).items())
-        + [(hd, t) for hd, alts in TUNING_ALTERNATIVES.get(arch, {}).items() for t in alts],
-        "bwd": list(DEFAULT_BWD_TILES.get(arch, {}).items()),
-    }
+    entries: list[tuple[str, int, Tile, dict[str, object]]] = []
+    for hd, tile in DEFAULT_TILES.get(arch, {}).items():
+        entries.append(("fwd", hd, tile, default_extras(arch, "fwd", hd)))
+        entries += [("fwd", hd, tile, extras) for extras in SCHEDULE_ALTERNATIVES.get(arch, {}).get(hd, ())]
+    for hd, alts in TUNING_ALTERNATIVES.get(arch, {}).items():
+        entries += [("fwd", hd, tile, default_extras(arch, "fwd", hd)) for tile in alts]
+    entries += [("bwd", hd, tile, {}) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()]
     directions = DIRECTIONS if direction is None else (direction,)
     return sorted(
-        VariantSpec(arch, d, dtype, head_dim, *tile, causal=causal, exp_emu=_default_exp_emu(arch, d, head_dim))
-        for d in directions
-        for dtype in IMPLEMENTED.get((arch, d), ())
-        for head_dim, tile in tables[d]
-        for causal in (False, True)
+        {
+            VariantSpec(arch, d, dtype, head_dim, *tile, causal=causal, **extras)
+            for d, head_dim, tile, extras in entries
+            if d in directions
+            for dtype in IMPLEMENTED.get((arch, d), ())
+            for causal in (False, True)
+        }
     )

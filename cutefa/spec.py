@@ -32,7 +32,7 @@ _NAME_RE = re.compile(
     r"(?:_emu(?P<exp_emu>\d+))?$"
 )
 # Boolean spec fields and the name token each one adds when true, in name order.
-_FLAG_TOKENS = (("causal", "causal"),)
+_FLAG_TOKENS = (("causal", "causal"), ("overlap", "ov"), ("pingpong", "pp"))
 
 
 @dataclass(frozen=True, order=True)
@@ -48,6 +48,10 @@ class VariantSpec:
     stages: int  # shared-memory buffers for each of K and V
     warps: int  # warps per CTA
     causal: bool = False
+    # sm90: issue the next S = Q K^T before this block's softmax (intra-warpgroup overlap) / make
+    # the consumer warpgroups take turns issuing MMAs (ping-pong). Name tokens _ov / _pp.
+    overlap: bool = False
+    pingpong: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0
@@ -63,8 +67,9 @@ class VariantSpec:
                 raise TypeError(f"VariantSpec.{field}={value!r} must be a positive int")
             if value <= 0:
                 raise ValueError(f"VariantSpec.{field}={value!r} must be a positive int")
-        if not isinstance(self.causal, bool):
-            raise TypeError(f"VariantSpec.causal={self.causal!r} must be a bool")
+        for field, _ in _FLAG_TOKENS:
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"VariantSpec.{field}={getattr(self, field)!r} must be a bool")
         if not isinstance(self.exp_emu, int) or isinstance(self.exp_emu, bool):
             raise TypeError(f"VariantSpec.exp_emu={self.exp_emu!r} must be an int percentage")
         if not 0 <= self.exp_emu <= 100:

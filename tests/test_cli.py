@@ -22,8 +22,7 @@ def dirs(tmp_path):
     templates.mkdir()
     (templates / "fwd_sm80.py.j2").write_text(TEMPLATE)
     (templates / "fwd_sm100.py.j2").write_text(TEMPLATE)
-    (templates / "bwd_sm80.py.j2").write_text(TEMPLATE)
-    (templates / "fwd_sm100.py.j2").write_text(TEMPLATE)
+    (templates / "fwd_sm90.py.j2").write_text(TEMPLATE)
     (templates / "bwd_sm80.py.j2").write_text(TEMPLATE)
     return ["--out-dir", str(tmp_path / "generated"), "--templates-dir", str(templates)]
 
@@ -78,7 +77,8 @@ def test_list_all_and_invalid(capsys):
     assert cli.main(["list", "--invalid", "--arch", "sm90", "--kernels", "*hd64_64x64*"]) == 0
     out = capsys.readouterr().out
     assert "cutefa_sm90_fwd_e4m3_hd64_64x64_s2_w8  " in out
-    assert "no sm90 fwd kernel exists yet" in out
+    assert "no e4m3 sm90 fwd kernel exists yet" in out
+    assert "pingpong needs exactly two consumer warpgroups" in out
     assert " ok" not in out
 
 
@@ -163,6 +163,7 @@ def test_tune_needs_a_gpu(capsys, monkeypatch):
 
 def test_tune_refuses_a_family_without_kernels(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_local_target", lambda: "sm_90a")
+    monkeypatch.setattr(space, "default_variants", lambda arch, direction=None: [])
     assert cli.main(["tune", "--arch", "sm90"]) == 2
     assert "no sm90 kernel exists yet" in capsys.readouterr().err
 
@@ -228,13 +229,13 @@ def _fake_compile(monkeypatch, calls):
 def test_compile_plan_and_summary(capsys, monkeypatch):
     calls = []
     _fake_compile(monkeypatch, calls)
-    sm80 = space.default_variants("sm80")
+    planned = space.default_variants("sm90") + space.default_variants("sm80")  # every family sm_90a runs
     assert cli.main(["compile", "--target", "sm_90a", "--jobs", "3"]) == 1
-    assert calls == [(sm80, "sm_90a", 3)]
+    assert calls == [(planned, "sm_90a", 3)]
     captured = capsys.readouterr()
-    assert f"{len(sm80) - 1} compiled, 1 failed in " in captured.out
-    assert _row(captured.out, sm80[0].name) == [sm80[0].name, "FAILED", "1.5"]
-    assert _row(captured.out, sm80[1].name) == [sm80[1].name, "ok", "1.5"]
+    assert f"{len(planned) - 1} compiled, 1 failed in " in captured.out
+    assert _row(captured.out, planned[0].name) == [planned[0].name, "FAILED", "1.5"]
+    assert _row(captured.out, planned[1].name) == [planned[1].name, "ok", "1.5"]
     assert "boom" in captured.err
     assert cli.main(["compile", "--arch", "sm80", "--kernels", "*hd64*"]) == 1
     assert calls[-1][1] == "sm_80" and all(s.head_dim == 64 for s in calls[-1][0])
@@ -244,7 +245,6 @@ def test_compile_plan_and_summary(capsys, monkeypatch):
     ("argv", "words"),
     [
         (["compile"], "give --arch"),
-        (["compile", "--arch", "sm90"], "no sm90 variants yet"),
         (
             ["compile", "--arch", "sm90", "--target", "sm_100a"],
             "--arch sm90 kernels cannot run on --target sm_100a",
@@ -254,6 +254,12 @@ def test_compile_plan_and_summary(capsys, monkeypatch):
 def test_compile_user_errors(capsys, argv, words):
     assert cli.main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_compile_refuses_a_family_without_variants(capsys, monkeypatch):
+    monkeypatch.setattr(space, "default_variants", lambda arch, direction=None: [])
+    assert cli.main(["compile", "--arch", "sm90"]) == 2
+    assert "no sm90 variants yet" in capsys.readouterr().err
 
 
 def test_compile_rejects_bad_jobs(capsys):

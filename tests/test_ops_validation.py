@@ -259,7 +259,7 @@ def test_launch_dispatches_runs_the_kernel_and_logs(monkeypatch, caplog):
         target="sm_90a", dtype="bf16", head_dim=128, causal=True, seqlen_q=8, seqlen_k=8, batch=2,
         heads_q=4, heads_kv=2, gpu_name="NVIDIA H200",
     )  # fmt: skip
-    assert spec == expected.spec and (spec.arch, spec.dtype, spec.head_dim, spec.causal) == ("sm80", "bf16", 128, True)
+    assert spec == expected.spec and (spec.arch, spec.dtype, spec.head_dim, spec.causal) == ("sm90", "bf16", 128, True)
     assert target == "sm_90a"
     assert args[0] is q and args[3] is out and args[4] is lse and args[5] == 0.25
     assert (

@@ -13,7 +13,14 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
 @pytest.mark.parametrize(
     ("spec", "reason"),
     [
-        (SM80.replace(arch="sm90", warps=12, stages=2), "no sm90 fwd kernel exists yet"),
+        (SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2), "no sm90 bwd kernel exists yet"),
+        (SM80.replace(overlap=True), "overlap/pingpong are sm90 (FlashAttention-3) schedule flags, not sm80"),
+        (SM80.replace(arch="sm90", tile_m=192, warps=16, stages=2, pingpong=True), "pingpong needs exactly two"),
+        (SM80.replace(arch="sm90", warps=8, stages=2), "warps=8 must be 12: one producer warpgroup plus 2"),
+        (SM80.replace(arch="sm90", warps=12, stages=1), "the K/V TMA pipelines need at least 2 stages"),
+        (SM80.replace(arch="sm90", warps=12, stages=2, tile_n=72), "tile_n=72 must be a multiple of 16"),
+        (SM80.replace(arch="sm90", head_dim=256, warps=12, stages=4, tile_n=128), "over the 227 KiB per-block"),
+        (SM80.replace(arch="sm90", warps=12, stages=2, tile_n=256), "would spill registers (estimated 272"),
         (SM80.replace(arch="sm100", direction="bwd", warps=16, stages=2), "no sm100 bwd kernel exists yet"),
         (
             SM80.replace(direction="bwd", tile_m=64, tile_n=128, warps=8, stages=2),
@@ -63,7 +70,7 @@ def test_budgets():
     assert space.smem_bytes(SM80.replace(stages=2)) == (128 + 4 * 64) * 64 * 2 + space.SMEM_RESERVE
     assert space.est_registers(SM80) == 64 + 64 + 32 + space.SM80_REG_OVERHEAD
     assert space.est_registers(SM80.replace(warps=8)) == 32 + 32 + 16 + space.SM80_REG_OVERHEAD
-    assert space.est_registers(SM80.replace(arch="sm90", warps=12)) is None
+    assert space.est_registers(SM80.replace(arch="sm90", warps=12)) == 32 + 32 + 16 + space.SM90_REG_OVERHEAD
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -103,7 +110,9 @@ def test_sm80_default_set():
 
 
 def test_other_archs_have_no_defaults_yet():
-    assert space.default_variants("sm90") == []
+    sm90 = space.default_variants("sm90")
+    assert {(s.overlap, s.pingpong) for s in sm90 if s.head_dim == 128} == {(a, b) for a in (0, 1) for b in (0, 1)}
+    assert all(s.overlap and s.pingpong for s in sm90 if s.head_dim in (96, 192))  # the default schedule
 
 
 def test_candidates():
@@ -120,7 +129,7 @@ def test_valid_variants():
     valid = space.valid_variants("sm80")
     assert valid and all(space.why_invalid(s) is None for s in valid)
     assert len(valid) < len(space.candidates("sm80"))
-    assert space.valid_variants("sm90") == []
+    assert all(s.arch == "sm90" and s.direction == "fwd" for s in space.valid_variants("sm90"))
 
 
 @pytest.mark.parametrize(

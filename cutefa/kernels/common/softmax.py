@@ -46,6 +46,17 @@ def online_softmax_step(
     ``scale_log2`` is softmax_scale * log2(e): one FFMA and one MUFU.EX2 per score. ``row_sum``
     holds this thread's partial sums; the quad reduction happens once, in :func:`softmax_finalize`.
     """
+    corr = cute.make_rmem_tensor((cute.size(row_max),), Float32)
+    online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr)
+    rescale_rows(o_mn, corr)
+
+
+@cute.jit
+def online_softmax_step_deferred(
+    s_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32, corr: cute.Tensor
+):
+    """:func:`online_softmax_step` without touching O: the per-row rescale factors go to ``corr``
+    for :func:`rescale_rows` once the MMA still reading the previous P into O has finished."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
         blk_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
@@ -55,11 +66,16 @@ def online_softmax_step(
         # exp2(-inf - offset) = 0 instead of NaN.
         offset = (0.0 if new_max == -Float32.inf else new_max) * scale_log2
         p = cute.math.exp2(row * scale_log2 - offset, fastmath=True)
-        corr = cute.math.exp2(prev_max * scale_log2 - offset, fastmath=True)
-        row_sum[r] = row_sum[r] * corr + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+        corr[r] = cute.math.exp2(prev_max * scale_log2 - offset, fastmath=True)
+        row_sum[r] = row_sum[r] * corr[r] + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
         row_max[r] = new_max
         s_mn[r, None].store(p)
-        o_mn[r, None].store(o_mn[r, None].load() * corr)
+
+
+@cute.jit
+def rescale_rows(o_mn: cute.Tensor, corr: cute.Tensor):
+    for r in cutlass.range_constexpr(cute.size(corr)):
+        o_mn[r, None].store(o_mn[r, None].load() * corr[r])
 
 
 @cute.jit

@@ -1,0 +1,1 @@
+"""Building blocks of the sm90-family (FlashAttention-3 design) kernels: TMA, WGMMA, warp roles."""

@@ -1,0 +1,34 @@
+"""Every default sm90 variant compiles on this CPU for sm_90a, and its SASS shows the FlashAttention-3
+design: WGMMA (HGMMA), TMA loads (UTMALDG), setmaxnreg (USETMAXREG), mbarrier pipelines (SYNCS),
+MUFU.EX2 for the softmax; no local-memory spills."""
+
+from __future__ import annotations
+
+import pytest
+
+from cutefa import sass, space
+
+pytestmark = pytest.mark.compile
+
+DEFAULTS = space.default_variants("sm90", "fwd")
+
+
+@pytest.fixture(scope="module")
+def cubins(tmp_path_factory):
+    return sass.dump_cubins(DEFAULTS, "sm_90a", tmp_path_factory.mktemp("sm_90a"))
+
+
+@pytest.mark.parametrize("spec", DEFAULTS, ids=lambda s: s.name)
+def test_sass(cubins, spec):
+    report = sass.analyze(cubins[spec.name])
+    assert report.missing("sm90") == [], f"{spec.name}: {report.summary()}"
+    assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
+    assert report.counts["USETMAXREG"] >= 2, report.summary()  # producer gives, consumers take
+    assert report.counts["MUFU.EX2"] > 0, report.summary()
+    # S = Q K^T: head_dim/16 WGMMAs per key block, O += P V: tile_n/16; one body per loop (masked,
+    # unmasked), plus the overlap schedule's prologue S and epilogue P V.
+    per_block = spec.head_dim // 16 + spec.tile_n // 16
+    expected = 2 * per_block + ((spec.head_dim // 16) + (spec.tile_n // 16) if spec.overlap else 0)
+    assert report.counts["HGMMA"] == expected, f"{spec.name}: {report.summary()}"
+    if spec.pingpong:  # named-barrier hand-over between the two consumer warpgroups
+        assert report.counts["BAR.SYNC"] > 2, report.summary()
