@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seqlen", type=_int_list, default=None, help="seqlens (default 1024..16384)")
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")
     p.add_argument("--dtype", type=_dtype_list, default=["bf16"], help="bf16 (default), fp16 or bf16,fp16")
-    p.add_argument("--pass", dest="passes", type=_pass_list, default=["fwd"], help="fwd (bwd: not yet)")
+    p.add_argument("--pass", dest="passes", type=_pass_list, default=["fwd"], help="fwd, bwd or both (fwd)")
     p.add_argument("--quick", action="store_true", help="small grid: hdim 128, seqlen 1024,4096")
     p.add_argument("--backends", type=_backend_list, default=list(BACKENDS), help="subset of backends")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (bench_out/)")
@@ -117,6 +117,7 @@ class Cell:
     hdim: int
     causal: bool
     seqlen: int
+    pass_: str = "fwd"
 
     @property
     def batch(self) -> int:
@@ -129,16 +130,24 @@ class Cell:
     @property
     def flops(self) -> float:
         f = 4.0 * self.batch * self.heads * self.seqlen**2 * self.hdim
+        f = f * 2.5 if self.pass_ == "bwd" else f  # backward: 5 matmuls to the forward's 2
         return f / 2 if self.causal else f
 
     @property
     def label(self) -> str:
-        return f"{self.dtype} hd{self.hdim} causal={int(self.causal)} s={self.seqlen}"
+        return f"{self.pass_} {self.dtype} hd{self.hdim} causal={int(self.causal)} s={self.seqlen}"
 
 
 def grid(args: argparse.Namespace) -> list[Cell]:
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
-    return [Cell(dt, hd, c, s) for dt in args.dtype for hd in args.hdim for c in causals for s in args.seqlen]
+    return [
+        Cell(dt, hd, c, s, p)
+        for p in args.passes
+        for dt in args.dtype
+        for hd in args.hdim
+        for c in causals
+        for s in args.seqlen
+    ]
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -196,7 +205,7 @@ def markdown_table(rows: list[Row], backends: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         c = row.cell
-        cells = ["fwd", c.dtype, str(c.hdim), str(int(c.causal)), str(c.seqlen), f"{c.batch} x {c.heads}"]
+        cells = [c.pass_, c.dtype, str(c.hdim), str(int(c.causal)), str(c.seqlen), f"{c.batch} x {c.heads}"]
         cells += [row.results[b].text() if b in row.results else "" for b in backends]
         cells += [_ratio(row.ratio_best()), _ratio(row.ratio_fa2())]
         lines.append("| " + " | ".join(cells) + " |")
@@ -204,13 +213,13 @@ def markdown_table(rows: list[Row], backends: list[str]) -> str:
 
 
 def report_markdown(meta: dict, rows: list[Row], backends: list[str], notes: list[str]) -> str:
-    out = ["# Attention forward, TFLOP/s (higher is better)", ""]
+    out = ["# Attention, TFLOP/s (higher is better)", ""]
     out.append(f"GPU: {meta.get('gpu', '?')}; torch {meta.get('torch', '?')}; {meta.get('date', '')}")
     mm = meta.get("matmul_tflops")
     out.append(f"Dense bf16 matmul 8192^3 (cuBLAS, median): {mm:.0f} TFLOP/s" if mm else "Dense matmul: n/a")
     out.append(
         f"Layout (batch, seqlen, heads, hdim), batch x seqlen = {TOKENS}, heads x hdim = {MODEL_DIM}; "
-        "TFLOP/s = 4*b*h*s^2*d / time, halved when causal; median of "
+        "TFLOP/s = 4*b*h*s^2*d / time for the forward (2.5x that for the backward), halved when causal; median of "
         f"{meta.get('timer', 'do_bench')}. WRONG: cutefa's output failed the check against SDPA "
         f"(rel err > {meta.get('check_tol')}); err: the backend raised (see notes); empty: not installed."
     )
@@ -226,7 +235,7 @@ def report_json(meta: dict, rows: list[Row], notes: list[str]) -> dict:
         c = row.cell
         cells.append(
             {
-                "pass": "fwd",
+                "pass": c.pass_,
                 "dtype": c.dtype,
                 "hdim": c.hdim,
                 "causal": c.causal,
@@ -428,12 +437,32 @@ def _variant(q, k, v, causal) -> str | None:
         return None
 
 
-def run_backend(backend: Backend, q, k, v, causal, time_ms, expect, check_tol) -> Result:
+def _backward(make, q, k, v, causal, dout):
+    """A closure timing the backward only: the forward runs once here, the closure re-runs
+    autograd over its graph (retain_graph) and returns dQ."""
+    import torch
+
+    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+    out = _output(make(qq, kk, vv, causal)())
+    return lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True)[0]
+
+
+def _sdpa_dq(q, k, v, causal, dout):
+    import torch
+
+    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+    return torch.autograd.grad(_sdpa_out(qq, kk, vv, causal), qq, dout)[0]
+
+
+def run_backend(backend: Backend, q, k, v, causal, time_ms, expect, check_tol, dout=None) -> Result:
     if backend.make is None:
         return Result("missing", error=backend.missing)
     try:
         with backend.context():
-            fn = backend.make(q, k, v, causal)
+            if dout is None:
+                fn = backend.make(q, k, v, causal)
+            else:
+                fn = _backward(backend.make, q, k, v, causal, dout)
             err = None
             if expect is not None:
                 err = rel_err(_output(fn()), expect)
@@ -501,14 +530,15 @@ def run_grid(args: argparse.Namespace) -> int:
         shape = (cell.batch, cell.seqlen, cell.heads, cell.hdim)
         q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
         row = Row(cell)
+        dout = torch.randn_like(q) if cell.pass_ == "bwd" else None
         try:
-            expect = _sdpa_out(q, k, v, cell.causal)
+            expect = _sdpa_out(q, k, v, cell.causal) if dout is None else _sdpa_dq(q, k, v, cell.causal, dout)
         except Exception as exc:  # noqa: BLE001 - reported in the notes
             expect = None
             notes.append(f"{cell.label}: SDPA reference failed, cutefa unchecked: {_first_line(exc)}")
         for b in backends:
             check = expect if b.name == "cutefa" else None
-            res = run_backend(b, q, k, v, cell.causal, time_ms, check, args.check_tol)
+            res = run_backend(b, q, k, v, cell.causal, time_ms, check, args.check_tol, dout)
             if res.ms is not None:
                 res.tflops = tflops(cell.flops, res.ms)
             if b.name == "cutefa" and expect is None and res.status == "ok":
@@ -625,11 +655,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.enqueue:
         return run_enqueue(args)
-    if "bwd" in args.passes:
-        if "fwd" not in args.passes:
-            print("backward pass: not implemented yet in cutefa; nothing to benchmark")
-            return 0
-        print("backward pass: not implemented yet in cutefa; benchmarking the forward only")
     return run_grid(args)
 
 

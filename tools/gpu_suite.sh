@@ -1,32 +1,46 @@
 #!/usr/bin/env bash
-# One GPU session: compile the default variants for this GPU (parallel), run the GPU tests, measure
-# the variants into a fresh dispatch table (CUTEFA_TUNE=1), then the side-by-side benchmark.
+# One GPU session in steps: compile every default variant that runs on this GPU (parallel), the GPU
+# tests, measure the variants into fresh dispatch tables, the side-by-side benchmark, and the
+# host cost per call. STEPS picks steps (default: all, in this order), so a session can be split
+# over several calls on the same machine; the compile cache (CUTEFA_CACHE_DIR) carries over.
 # Run from the repository root with cutefa importable (PYTHONPATH set, or installed). Installs
 # nothing. Arguments go to tools/bench.py. Results land in "${OUT:-bench_out}". Exits non-zero if
 # the tests failed; the later steps run anyway.
 set -uo pipefail
 
 out="${OUT:-bench_out}"
+steps="${STEPS:-compile tests tune bench enqueue}"
 mkdir -p "$out"
 jobs="${CUTEFA_JOBS:-$(nproc)}"
+tests_rc=0
+bench_rc=0
+has() { [[ " $steps " == *" $1 "* ]]; }
 
 nvidia-smi -L || echo "nvidia-smi failed"
 target=$(python3 -c 'from cutefa.dispatch import current_target; print(current_target())')
 
-python3 -m cutefa compile --arch sm80 --target "$target" --jobs "$jobs" 2>&1 | tail -n 3 | tee "$out/compile.log"
-
-python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -n 15
-tests_rc=${PIPESTATUS[0]}
-
-if [ "${CUTEFA_TUNE:-0}" = 1 ]; then
-    python3 -m cutefa tune --arch sm80 --out "$out" 2>&1 | tee "$out/tune.log" | tail -n 3
+if has compile; then
+    python3 -m cutefa compile --target "$target" --jobs "$jobs" 2>&1 | tail -n 3 | tee "$out/compile.log"
+fi
+if has tests; then
+    python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -n 25
+    tests_rc=${PIPESTATUS[0]}
+fi
+if has tune; then
+    for arch in $(python3 -c "from cutefa.spec import families_for_target as f; print(*f('$target'))"); do
+        python3 -m cutefa tune --arch "$arch" --out "$out" 2>&1 | tee -a "$out/tune.log" | tail -n 2
+    done
     export CUTEFA_TUNED_DIR="$out"
 fi
+if has bench; then
+    python3 tools/bench.py --out "$out" "$@"
+    bench_rc=$?
+fi
+if has enqueue; then
+    python3 tools/bench.py --enqueue --out "$out"
+fi
 
-python3 tools/bench.py --out "$out" "$@" 2>&1 | tee "$out/bench.log"
-bench_rc=${PIPESTATUS[0]}
-
-echo "gpu tests: exit $tests_rc ($out/gpu-tests.log); bench: exit $bench_rc ($out/bench.log)"
+echo "gpu tests: exit $tests_rc; bench: exit $bench_rc (steps: $steps)"
 if [ "$tests_rc" -ne 0 ]; then
     exit "$tests_rc"
 fi
