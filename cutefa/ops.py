@@ -11,16 +11,22 @@ launch. With ``seqlen_k == 0`` and ``seqlen_q > 0`` every query row attends no k
 last) are not multiples of 16 bytes, or whose data pointer is not 16-byte aligned, are copied to a
 contiguous tensor first; a last dim that is not contiguous (``stride(-1) != 1``) is an error.
 
-``torch.compile``, autograd and dispatch modes go through the ``cutefa::flash_fwd`` op; a plain
-eager call with nothing to differentiate calls its implementation directly, skipping the op
-dispatcher (tens of microseconds per call).
+``torch.compile``, autograd and dispatch modes go through the ``cutefa::flash_fwd`` op. A plain
+eager call with nothing to differentiate skips the op dispatcher (tens of microseconds) and, from
+its second call on, takes the *call plan* memoized for its signature (shapes of q and k, dtype,
+device, causal, softmax_scale): the kernel, its dispatch choice and allocation recipes, with no
+validation beyond what the key and the kernel's own argument checks already guarantee (see
+:func:`_make_plan`). Kernels run on the current torch stream of the tensors' device, and nothing
+on the call path synchronizes with the GPU, so calls can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -160,8 +166,10 @@ def _choose(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dispatch.Choice:
 def _launch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     causal: bool, softmax_scale: float,
-) -> None:  # fmt: skip
-    """Dispatch and run the kernel on the current stream of q's device, writing ``out`` and ``lse``."""
+) -> tuple[dispatch.Choice, Callable[..., Any]]:  # fmt: skip
+    """Dispatch and run the kernel on the current stream of q's device, writing ``out`` and ``lse``.
+
+    Returns what ran: (the dispatch choice, the kernel)."""
     choice = _choose(q, k, causal)
     kernel = get_kernel(choice.spec, choice.target)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
@@ -171,6 +179,7 @@ def _launch(
         with torch.cuda.device(q.device):
             kernel(q, k, v, out, lse, softmax_scale)
     dispatch.log_run(choice, q.shape, k.shape, causal)
+    return choice, kernel
 
 
 def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,14 +194,22 @@ def _flash_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attention forward: returns (out like q, lse float32 (batch, heads_q, seqlen_q)).
     ``deterministic`` only selects the backward's mode (saved for autograd)."""
+    out, lse, _ = _forward(q, k, v, causal, softmax_scale)
+    return out, lse
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, tuple[dispatch.Choice, Callable[..., Any]] | None]:
+    """Validate, allocate and launch: (out, lse, what ran or None when nothing was launched)."""
     validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
     out, lse = _empty_outputs(q)
     if out.numel() == 0:
-        return out, lse
+        return out, lse, None
     if k.shape[1] == 0:  # no keys: every row attends nothing
-        return out.zero_(), lse.fill_(-math.inf)
-    _launch(q, k, v, out, lse, causal, softmax_scale)
-    return out, lse
+        return out.zero_(), lse.fill_(-math.inf), None
+    launched = _launch(q, k, v, out, lse, causal, softmax_scale)
+    return out, lse, launched
 
 
 flash_fwd = torch.library.custom_op("cutefa::flash_fwd", _flash_fwd, mutates_args=())
@@ -211,6 +228,112 @@ def _flash_fwd_fake(
 torch.library.register_autograd(
     "cutefa::flash_fwd", _backward_pass.backward, setup_context=_backward_pass.setup_context
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# The eager call path: one memoized plan per call signature
+
+# (q.shape, k.shape, q.dtype, q.device, causal, softmax_scale) -> plan(q, k, v, return_lse)
+_PLANS: dict[tuple[Any, ...], Callable[..., Any]] = {}
+MAX_PLANS = 1024  # the oldest plan is dropped beyond this (e.g. a new seqlen on every call)
+# Per device: float32 buffers the kernel writes an unwanted lse into (return_lse=False). Never
+# freed, so a kernel still writing one on any stream never writes memory handed out again.
+_SCRATCH: dict[torch.device, list[torch.Tensor]] = {}
+MAX_SCRATCH_ELEMENTS = 1 << 22  # 16 MiB of lse; larger problems allocate their lse per call
+# Per (device, dtype): a one-element tensor; expanded views of it are allocation templates.
+_PROTOS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_PLAN_LOCK = threading.Lock()
+
+
+def clear_plans() -> None:
+    """Forget the memoized call plans (after :func:`cutefa.dispatch.clear_caches`, say)."""
+    _PLANS.clear()
+
+
+def _proto(device: torch.device, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A zero-stride view of ``shape``: ``torch.empty_like`` of it allocates a fresh contiguous
+    tensor of that shape, dtype and device at less host cost than ``torch.empty(shape, ...)``."""
+    one = _PROTOS.get((device, dtype))
+    if one is None:
+        one = _PROTOS.setdefault((device, dtype), torch.empty((), dtype=dtype, device=device))
+    return one.expand(*shape)
+
+
+def _scratch_lse(device: torch.device, shape: tuple[int, int, int]) -> torch.Tensor | None:
+    """A (batch, heads_q, seqlen_q) float32 view of the device's scratch buffer, or None when too big."""
+    n = math.prod(shape)
+    if n > MAX_SCRATCH_ELEMENTS:
+        return None
+    with _PLAN_LOCK:
+        buffers = _SCRATCH.setdefault(device, [])
+        if not buffers or buffers[-1].numel() < n:
+            size = min(MAX_SCRATCH_ELEMENTS, max(n, 2 * buffers[-1].numel() if buffers else 4096))
+            buffers.append(torch.empty(size, dtype=torch.float32, device=device))
+        return buffers[-1][:n].view(shape)
+
+
+def _make_plan(
+    choice: dispatch.Choice, kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, causal: bool,
+    softmax_scale: float,
+) -> Callable[..., Any]:  # fmt: skip
+    """The call path of one validated call signature: allocate, launch, return.
+
+    Safe without per-call validation because every call that reaches the plan has the key's
+    shapes of q and k (so its head counts divide and head_dim is supported), dtype of q, device of
+    q, causal and scale, and plain tensors with nothing to differentiate; everything else the
+    kernel's TVM-FFI entry checks before it launches anything: v's shape against k's, the dtypes
+    of k and v, that all tensors are on q's device (it switches to that device itself), 16-byte
+    aligned data pointers and row strides, contiguous last dims. When it refuses, the call goes the
+    validating way, which names the problem or copies misaligned inputs.
+    """
+    batch, seqlen_q, heads_q, _ = q.shape
+    lse_shape = (batch, heads_q, seqlen_q)
+    out_proto = _proto(q.device, q.dtype, q.shape)
+    lse_proto = _proto(q.device, torch.float32, lse_shape)
+    scratch = _scratch_lse(q.device, lse_shape)
+    q_shape, k_shape = tuple(q.shape), tuple(k.shape)
+    empty_like = torch.empty_like
+
+    def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool) -> Any:
+        out = empty_like(out_proto)
+        lse = scratch if scratch is not None and not return_lse else empty_like(lse_proto)
+        try:
+            kernel(q, k, v, out, lse, softmax_scale)
+        except (ValueError, TypeError):  # refused before launching: see above
+            out, lse, _ = _forward(q, k, v, causal, softmax_scale)
+        else:
+            if dispatch._LOG_RUNS:
+                dispatch.log_run(choice, q_shape, k_shape, causal)
+        return (out, lse) if return_lse else out
+
+    return plan
+
+
+def _eager(
+    q: object, k: object, v: object, causal: object, softmax_scale: object, return_lse: bool,
+    deterministic: object, key: tuple[Any, ...] | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A plain eager call without a plan yet: validate, run, and memoize the plan under ``key``."""
+    q, k, v = _check_tensors((q, k, v))
+    _check_options(causal, softmax_scale)
+    _check_deterministic(deterministic)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out, lse, launched = _forward(q, k, v, causal, scale)
+    # No plan is made while a CUDA graph is being captured: its allocations would come from the
+    # graph's private pool (warm up before capturing; then the plan exists already).
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if launched is not None and key is not None and not capturing:
+        plan = _make_plan(*launched, q, k, causal, scale)
+        with _PLAN_LOCK:
+            while len(_PLANS) >= MAX_PLANS:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = plan
+    return (out, lse) if return_lse else out
+
+
+def _check_deterministic(deterministic: object) -> None:
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,13 +357,26 @@ def flash_attn_func(
     exp(scaled scores) per query row. See the module docstring for masking and edge cases.
     Differentiable (out and lse); ``deterministic=True`` makes the backward bitwise reproducible.
     """
+    if _plain_eager(q, k, v):
+        key = (q.shape, k.shape, q.dtype, q.device, causal, softmax_scale)
+        try:
+            plan = _PLANS.get(key)
+        except TypeError:  # an unhashable softmax_scale: validation names it
+            plan = key = None
+        # A key equal to a validated one can still hold causal=1 or softmax_scale=True: not plans.
+        if (
+            plan is not None
+            and causal.__class__ is bool
+            and softmax_scale.__class__ is not bool
+            and deterministic.__class__ is bool
+        ):
+            return plan(q, k, v, return_lse)
+        return _eager(q, k, v, causal, softmax_scale, return_lse, deterministic, key)
     _check_tensors((q, k, v))  # the op validates the rest; these are needed to call it at all
     _check_options(causal, softmax_scale)
+    _check_deterministic(deterministic)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    op = _flash_fwd if _plain_eager(q, k, v) else flash_fwd
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
-    out, lse = op(q, k, v, causal, scale, deterministic)
+    out, lse = flash_fwd(q, k, v, causal, scale, deterministic)
     return (out, lse) if return_lse else out
 
 

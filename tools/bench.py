@@ -14,9 +14,13 @@ exceeds the tolerance is reported as WRONG and its speed is not. A backend that 
     python3 tools/bench.py --quick              # a few cells
     python3 tools/bench.py --hdim 128 --seqlen 4096,8192 --causal 1 --dtype bf16,fp16
     python3 tools/bench.py --enqueue            # host cost per call, all backends
+    python3 tools/bench.py --enqueue --pack DIR # ... with cutefa's kernel from a kernel pack
+    python3 tools/bench.py --startup            # import cutefa -> first result from a pack, ms
 
 Writes ``bench.md``, ``bench.json`` and ``bench.png`` (``enqueue.md``/``enqueue.json`` for
-``--enqueue``) under ``--out`` (default ``bench_out/``).
+``--enqueue``, ``startup.md``/``startup.json`` for ``--startup``) under ``--out`` (default
+``bench_out/``). ``--pack DIR`` (default for ``--startup``: ``<out>/pack``) names the kernel pack
+cutefa runs from; the kernel of the tiny problem is compiled into it first when it lacks it.
 """
 
 # No `from __future__ import annotations`: the `cutefa bench` command loads this file without
@@ -26,9 +30,13 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,6 +111,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true", help="skip bench.png")
     p.add_argument("--enqueue", action="store_true", help="measure host cost per call instead of the grid")
     p.add_argument("--enqueue-iters", type=int, default=1000, help="calls per enqueue loop")
+    p.add_argument(
+        "--startup",
+        action="store_true",
+        help="time from `import cutefa` to the first result from a kernel pack",
+    )
+    p.add_argument("--startup-runs", type=int, default=7, help="fresh processes timed by --startup")
+    p.add_argument("--pack", type=Path, default=None, help="kernel pack for cutefa (--enqueue, --startup)")
     args = p.parse_args(argv)
     if args.hdim is None:
         args.hdim = list(QUICK_HDIMS if args.quick else HDIMS)
@@ -568,27 +583,87 @@ def run_grid(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tiny_problem(dtype_name: str):
+    """(q, k, v, causal) of the enqueue/startup problem, on the GPU."""
+    import torch
+
+    sh = ENQUEUE_SHAPE
+    dtype = getattr(torch, DTYPE_NAMES[dtype_name])
+    shape = (sh["batch"], sh["seqlen"], sh["heads"], sh["hdim"])
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
+    return q, k, v, sh["causal"]
+
+
+def ensure_pack(pack_dir: Path, q, k, causal: bool) -> str:
+    """Make sure the pack at ``pack_dir`` has the kernel cutefa runs for (q, k); returns its name.
+
+    Sets ``CUTEFA_KERNEL_PATH`` to the pack for this process and its children.
+    """
+    from cutefa import dispatch, ops, pack
+
+    choice = ops._choose(q, k, causal)
+    target = dispatch.current_target(q.device)
+    has_it = (pack_dir / pack.MANIFEST).is_file() and choice.spec.name in pack.read_pack(pack_dir).kernels
+    if not has_it:
+        print(
+            f"building {choice.spec.name} for {target} into the pack {pack_dir}", file=sys.stderr, flush=True
+        )
+        (result,) = pack.build_pack([choice.spec], target=target, pack_dir=pack_dir, progress=False)
+        if not result.ok:
+            raise RuntimeError(f"could not build {choice.spec.name}: {result.error}")
+    os.environ["CUTEFA_KERNEL_PATH"] = str(pack_dir.resolve())
+    return choice.spec.name
+
+
+def _raw_kernel(q, k, v, causal):
+    """A call of cutefa's kernel alone (outputs allocated once): the floor under the API's cost."""
+    import torch
+
+    from cutefa import ops
+    from cutefa.compile import get_kernel
+
+    choice = ops._choose(q, k, causal)
+    kernel = get_kernel(choice.spec, choice.target)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def run():
+        kernel(q, k, v, out, lse, scale)
+        return out
+
+    return run
+
+
 def run_enqueue(args: argparse.Namespace) -> int:
     """Host time per call of a tiny problem: a loop of N calls timed on the host, one sync at the end."""
     import torch
 
     sh = ENQUEUE_SHAPE
-    dtype = getattr(torch, DTYPE_NAMES[args.dtype[0]])
-    shape = (sh["batch"], sh["seqlen"], sh["heads"], sh["hdim"])
-    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
-    expect = _sdpa_out(q, k, v, sh["causal"])
+    q, k, v, causal = _tiny_problem(args.dtype[0])
+    expect = _sdpa_out(q, k, v, causal)
     iters = max(1, args.enqueue_iters)
+    notes = []
+    if args.pack is not None and "cutefa" in args.backends:
+        try:
+            notes.append(f"cutefa runs {ensure_pack(args.pack, q, k, causal)} from the pack {args.pack}")
+        except Exception as exc:  # noqa: BLE001 - reported, cutefa then runs from the cache or JIT
+            notes.append(f"no pack: {_first_line(exc)}")
+    backends = load_backends(args.backends)
+    names = [b.name for b in backends]
+    if "cutefa" in names:
+        backends.insert(names.index("cutefa") + 1, Backend("cutefa kernel alone", _raw_kernel))
     results = {}
-    for b in load_backends(args.backends):
+    for b in backends:
         if b.missing:
             print(b.missing)
             results[b.name] = {"status": "missing", "error": b.missing}
             continue
         try:
             with b.context():
-                fn = b.make(q, k, v, sh["causal"])
+                fn = b.make(q, k, v, causal)
                 err = rel_err(_output(fn()), expect)
-                if b.name == "cutefa" and not err <= args.check_tol:
+                if b.name.startswith("cutefa") and not err <= args.check_tol:
                     results[b.name] = {"status": "WRONG", "rel_err": err}
                     continue
                 for _ in range(50):
@@ -615,6 +690,13 @@ def run_enqueue(args: argparse.Namespace) -> int:
         print(f"{b.name}: {results[b.name]}", file=sys.stderr, flush=True)
 
     meta = environment() | {"shape": sh, "dtype": args.dtype[0], "iters": iters}
+    if "cutefa" in args.backends:
+        from cutefa.compile import loaded_kernels
+
+        meta["cutefa_kernels"] = {
+            f"{name} ({target})": where for (name, target), where in loaded_kernels().items()
+        }
+        notes += [f"cutefa kernel {name}: from {where}" for name, where in meta["cutefa_kernels"].items()]
     lines = [
         "# Host cost per call (enqueue)",
         "",
@@ -622,7 +704,8 @@ def run_enqueue(args: argparse.Namespace) -> int:
         (
             f"b={sh['batch']} s={sh['seqlen']} h={sh['heads']} d={sh['hdim']} causal, {args.dtype[0]}; "
             f"median of 5 loops of {iters} calls; host = loop time on the host / calls, "
-            "total = including the final synchronize."
+            "total = including the final synchronize. 'cutefa kernel alone' calls the loaded kernel "
+            "with preallocated outputs: the floor under cutefa's own call path."
         ),
         "",
         "| backend | host us/call | total us/call |",
@@ -636,14 +719,127 @@ def run_enqueue(args: argparse.Namespace) -> int:
                 r["status"], f"{r['status']}: {r.get('error', '')}"
             )
             lines.append(f"| {name} | {shown} | |")
+    if notes:
+        lines += ["", *(f"- {n}" for n in notes)]
     md_text = "\n".join(lines)
     print()
     print(md_text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "enqueue.md").write_text(md_text + "\n")
-    (args.out / "enqueue.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    blob = {"meta": meta, "results": results, "notes": notes}
+    (args.out / "enqueue.json").write_text(json.dumps(blob, indent=1) + "\n")
     print(f"wrote {args.out / 'enqueue.md'} and {args.out / 'enqueue.json'}")
     return 0
+
+
+# One fresh process: torch's own start-up (import, CUDA context, the inputs), then either
+# `import cutefa` + the first call, or torch's own first attention call (SDPA, FA2 backend).
+_STARTUP_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+shape, dtype, causal, which = json.loads(sys.argv[1])
+q, k, v = (torch.randn(shape, device="cuda", dtype=getattr(torch, dtype)) for _ in range(3))
+torch.cuda.synchronize()
+t1 = time.perf_counter()
+if which == "cutefa":
+    import cutefa
+    t2 = time.perf_counter()
+    out = cutefa.flash_attn_func(q, k, v, causal=causal)
+else:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    t2 = time.perf_counter()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=causal)
+torch.cuda.synchronize()
+t3 = time.perf_counter()
+report = {"torch_ms": (t1 - t0) * 1e3, "import_ms": (t2 - t1) * 1e3, "first_call_ms": (t3 - t2) * 1e3,
+          "beyond_torch_ms": (t3 - t1) * 1e3,
+          "dsl_imported": sorted(m for m in sys.modules if m.split(".")[0] == "cutlass")}
+if which == "cutefa":
+    import cutefa.compile as cc
+    report["origins"] = sorted(cc.loaded_kernels().values())
+print(json.dumps(report))
+"""
+
+
+def _startup_run(which: str, problem: list, env: dict) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_STARTUP_CHILD), json.dumps([*problem, which])],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"{which} start-up process failed:\n{proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_startup(args: argparse.Namespace) -> int:
+    """Fresh processes timed from `import cutefa` to the first result, with the kernel from a pack
+    (CUTEFA_JIT=0 and an empty cache, so nothing else can serve it), beyond torch's own start-up."""
+    sh = ENQUEUE_SHAPE
+    q, k, v, causal = _tiny_problem(args.dtype[0])
+    pack_dir = args.pack if args.pack is not None else args.out / "pack"
+    variant = ensure_pack(pack_dir, q, k, causal)
+    del q, k, v
+    problem = [[sh["batch"], sh["seqlen"], sh["heads"], sh["hdim"]], DTYPE_NAMES[args.dtype[0]], causal]
+    runs: dict[str, list[dict]] = {"cutefa": [], "sdpa": []}
+    with tempfile.TemporaryDirectory() as empty_cache:
+        env = {key: val for key, val in os.environ.items() if key != "CUTE_DSL_ARCH"}
+        env |= {
+            "CUTEFA_KERNEL_PATH": str(pack_dir.resolve()),
+            "CUTEFA_JIT": "0",
+            "CUTEFA_CACHE_DIR": empty_cache,
+        }
+        for which, timed in runs.items():
+            _startup_run(which, problem, env)  # warm the OS file cache and the bytecode cache
+            for _ in range(max(1, args.startup_runs)):
+                timed.append(_startup_run(which, problem, env))
+                print(f"{which}: {timed[-1]}", file=sys.stderr, flush=True)
+    cutefa_runs = runs["cutefa"]
+    problems = []
+    if any(r["dsl_imported"] for r in cutefa_runs):
+        problems.append(f"the DSL was imported: {cutefa_runs[0]['dsl_imported']}")
+    if any(r["origins"] != [f"pack {pack_dir.resolve()}"] for r in cutefa_runs):
+        problems.append(f"the kernel did not come from the pack: {cutefa_runs[0]['origins']}")
+
+    def med(which: str, field: str) -> float:
+        return statistics.median(r[field] for r in runs[which])
+
+    meta = environment() | {"shape": sh, "dtype": args.dtype[0], "runs": len(cutefa_runs), "variant": variant}
+    lines = [
+        "# Start-up: `import cutefa` to the first result from a kernel pack",
+        "",
+        f"GPU: {meta.get('gpu', '?')}; torch {meta['torch']}; {meta['date']}",
+        (
+            f"Fresh process each, median of {len(cutefa_runs)} (after one untimed warm-up run); "
+            f"b={sh['batch']} s={sh['seqlen']} h={sh['heads']} d={sh['hdim']} causal, {args.dtype[0]}. "
+            "torch = import torch, CUDA context and the inputs; beyond torch = from there to the first "
+            f"result, synchronized. cutefa runs {variant} from the pack {pack_dir} with CUTEFA_JIT=0 "
+            "and an empty cache; torch SDPA (FlashAttention-2 backend) is the same first call without cutefa."
+        ),
+        "",
+        "| what | torch ms | import ms | first call ms | beyond torch ms |",
+        "|---|---|---|---|---|",
+    ]
+    for which, label in (("cutefa", "cutefa from a pack"), ("sdpa", "torch SDPA (FA2)")):
+        lines.append(
+            f"| {label} | {med(which, 'torch_ms'):.0f} | {med(which, 'import_ms'):.1f} | "
+            f"{med(which, 'first_call_ms'):.1f} | {med(which, 'beyond_torch_ms'):.1f} |"
+        )
+    beyond = med("cutefa", "beyond_torch_ms")
+    lines += ["", f"cutefa beyond torch: {beyond:.1f} ms (goal < 50 ms)"]
+    lines += [f"PROBLEM: {p}" for p in problems]
+    md_text = "\n".join(lines)
+    print()
+    print(md_text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "startup.md").write_text(md_text + "\n")
+    blob = {"meta": meta, "runs": runs, "problems": problems, "beyond_torch_ms": beyond}
+    (args.out / "startup.json").write_text(json.dumps(blob, indent=1) + "\n")
+    print(f"wrote {args.out / 'startup.md'} and {args.out / 'startup.json'}")
+    return 1 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -653,6 +849,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
+    if args.startup:
+        return run_startup(args)
     if args.enqueue:
         return run_enqueue(args)
     return run_grid(args)
