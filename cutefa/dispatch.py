@@ -215,11 +215,15 @@ def _table_for(family: str, problem: Problem) -> TunedTable | None:
 
 
 def clear_caches() -> None:
-    """Forget memoized choices, device facts and loaded tables (after editing :data:`TUNED_DIR`)."""
+    """Forget memoized choices, device facts and loaded tables (after editing :data:`TUNED_DIR`),
+    and the call plans built on those choices."""
     global _TABLES
     _TABLES = None
     _CHOICES.clear()
     _DEVICES.clear()
+    ops = sys.modules.get("cutefa.ops")  # loaded only once torch is: no import here
+    if ops is not None:
+        ops.clear_plans()
 
 
 # ---------------------------------------------------------------------------------------------

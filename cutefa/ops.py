@@ -246,7 +246,7 @@ _PLAN_LOCK = threading.Lock()
 
 
 def clear_plans() -> None:
-    """Forget the memoized call plans (after :func:`cutefa.dispatch.clear_caches`, say)."""
+    """Forget the memoized call plans (:func:`cutefa.dispatch.clear_caches` does it too)."""
     _PLANS.clear()
 
 

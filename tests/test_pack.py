@@ -733,3 +733,10 @@ def test_call_path_host_overhead_is_small(fake_gpu):
     n = 2000
     seconds = min(timeit.repeat(lambda: cutefa.flash_attn_func(q, k, v, causal=True), number=n, repeat=5)) / n
     assert seconds < 20e-6, f"{seconds * 1e6:.1f} us per planned call on the host"
+
+
+def test_clearing_dispatch_caches_drops_the_plans(fake_gpu):
+    cutefa.flash_attn_func(*qkv())
+    assert ops._PLANS
+    dispatch.clear_caches()
+    assert not ops._PLANS
