@@ -74,11 +74,17 @@ def _run(fn, q, k, v, scale):
     return out, lse
 
 
+_JIT: dict = {}
+
+
 def _jit(spec):
+    """The DSL's compiled object for ``spec`` on this GPU, compiled in this process (once)."""
     target = dispatch.current_target()
     if not cc.can_compile_here(target):
         pytest.skip(f"this process's DSL compiles for {cc.dsl_target()}, not {target}")
-    return cc.compile_object(spec, target)
+    if spec not in _JIT:
+        _JIT[spec] = cc.compile_object(spec, target)
+    return _JIT[spec]
 
 
 def _same(a, b):
