@@ -508,7 +508,7 @@ def test_tiny_pack_loads_through_tvm_ffi_without_the_dsl(tmp_path):
         except ValueError as exc:
             misaligned = str(exc)
         print(json.dumps({{"error": error, "misaligned": misaligned, "origins": list(cc.loaded_kernels().values()),
-                           "cutlass": sorted(m for m in sys.modules if m.split(".")[0] == "cutlass")}}))
+                           "cutlass": sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "iket"))}}))
         """,
         CUTEFA_CACHE_DIR=str(tmp_path / "empty-cache"),
         CUTEFA_KERNEL_PATH=str(out),

@@ -757,7 +757,7 @@ torch.cuda.synchronize()
 t3 = time.perf_counter()
 report = {"torch_ms": (t1 - t0) * 1e3, "import_ms": (t2 - t1) * 1e3, "first_call_ms": (t3 - t2) * 1e3,
           "beyond_torch_ms": (t3 - t1) * 1e3,
-          "dsl_imported": sorted(m for m in sys.modules if m.split(".")[0] == "cutlass")}
+          "dsl_imported": sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "iket"))}
 if which == "cutefa":
     import cutefa.compile as cc
     report["origins"] = sorted(cc.loaded_kernels().values())

@@ -128,7 +128,7 @@ again = cutefa.flash_attn_func(q, k, v, causal=causal)
 torch.save((out, again), sys.argv[3])
 print(json.dumps({
     "first_ms": (first - ready) * 1e3,
-    "dsl": sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "cutlass_dsl")),
+    "dsl": sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "iket")),
     "origins": sorted(cc.loaded_kernels().values()),
 }))
 """
