@@ -600,18 +600,21 @@ def ensure_pack(pack_dir: Path, q, k, causal: bool) -> str:
     Sets ``CUTEFA_KERNEL_PATH`` to the pack for this process and its children.
     """
     from cutefa import dispatch, ops, pack
+    from cutefa.compile import fingerprint
 
     choice = ops._choose(q, k, causal)
     target = dispatch.current_target(q.device)
-    has_it = (pack_dir / pack.MANIFEST).is_file() and choice.spec.name in pack.read_pack(pack_dir).kernels
-    if not has_it:
+    os.environ["CUTEFA_KERNEL_PATH"] = str(pack_dir.resolve())
+    found, refused = pack.find_kernel(choice.spec.name, target, fingerprint(choice.spec, target))
+    if found is None or found.pack != pack_dir.resolve():
+        for why in refused:
+            print(f"refused: {why}", file=sys.stderr)
         print(
             f"building {choice.spec.name} for {target} into the pack {pack_dir}", file=sys.stderr, flush=True
         )
         (result,) = pack.build_pack([choice.spec], target=target, pack_dir=pack_dir, progress=False)
         if not result.ok:
             raise RuntimeError(f"could not build {choice.spec.name}: {result.error}")
-    os.environ["CUTEFA_KERNEL_PATH"] = str(pack_dir.resolve())
     return choice.spec.name
 
 
