@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One GPU session in steps: compile every default variant that runs on this GPU (parallel), the GPU
-# tests, measure the variants into fresh dispatch tables, the side-by-side benchmark, and the
-# host cost per call. STEPS picks steps (default: all, in this order), so a session can be split
+# tests, measure the variants into fresh dispatch tables, the side-by-side benchmark, the host cost
+# per call and the start-up time. STEPS picks steps (default: all, in this order), so a session can be split
 # over several calls on the same machine; the compile cache (CUTEFA_CACHE_DIR) carries over.
 # Run from the repository root with cutefa importable (PYTHONPATH set, or installed). Installs
 # nothing. Arguments go to tools/bench.py. Results land in "${OUT:-bench_out}". Exits non-zero if
-# the tests failed; the later steps run anyway.
+# the tests failed; the later steps run anyway. The per-call and start-up steps load cutefa's kernel
+# from a pack (PACK_DIR), built on first use.
 set -uo pipefail
 
 out="${OUT:-bench_out}"
-steps="${STEPS:-compile tests tune bench enqueue}"
+steps="${STEPS:-compile tests tune bench enqueue startup}"
+pack="${PACK_DIR:-/tmp/cutefa-pack}"  # kernel pack for the per-call and start-up measurements
 mkdir -p "$out"
 jobs="${CUTEFA_JOBS:-$(nproc)}"
 tests_rc=0
@@ -37,7 +39,10 @@ if has bench; then
     bench_rc=$?
 fi
 if has enqueue; then
-    python3 tools/bench.py --enqueue --out "$out"
+    python3 tools/bench.py --enqueue --pack "$pack" --out "$out"
+fi
+if has startup; then
+    python3 tools/bench.py --startup --pack "$pack" --out "$out"
 fi
 
 echo "gpu tests: exit $tests_rc; bench: exit $bench_rc (steps: $steps)"
