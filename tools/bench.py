@@ -459,6 +459,8 @@ def _backward(make, q, k, v, causal, dout):
 
     qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
     out = _output(make(qq, kk, vv, causal)())
+    if out.shape != dout.shape:  # SDPA backends return (b, h, s, d)
+        dout = dout.transpose(1, 2)
     return lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True)[0]
 
 

@@ -30,9 +30,9 @@ if has tests; then
 fi
 if has tune; then
     for arch in $(python3 -c "from cutefa.spec import families_for_target as f; print(*f('$target'))"); do
-        python3 -m cutefa tune --arch "$arch" --out "$out" 2>&1 | tee -a "$out/tune.log" | tail -n 2
+        python3 -m cutefa tune --arch "$arch" --out "$out/tuned" 2>&1 | tee -a "$out/tune.log" | tail -n 2
     done
-    export CUTEFA_TUNED_DIR="$out"
+    export CUTEFA_TUNED_DIR="$out/tuned"
 fi
 if has bench; then
     python3 tools/bench.py --out "$out" "$@"
