@@ -267,14 +267,23 @@ def _sm80_copy(spec: VariantSpec) -> str | None:
     return None
 
 
-def _sm80_smem(spec: VariantSpec) -> str | None:
-    needed = smem_bytes(spec)
-    if needed > SM80_SMEM_LIMIT:
-        return (
-            f"needs {needed / 1024:.1f} KiB of shared memory, over the "
-            f"{SM80_SMEM_LIMIT // 1024} KiB per-block opt-in limit of the A100 (sm80 family)"
-        )
-    return None
+def _smem_limit(limit: int, where: str) -> Callable[[VariantSpec], str | None]:
+    """A rule: smem_bytes(spec) within ``limit``, the per-block opt-in limit of ``where``."""
+
+    def rule(spec: VariantSpec) -> str | None:
+        needed = smem_bytes(spec)
+        if needed > limit:
+            return (
+                f"needs {needed / 1024:.1f} KiB of shared memory, over the "
+                f"{limit // 1024} KiB per-block opt-in limit of {where}"
+            )
+        return None
+
+    return rule
+
+
+_sm80_smem = _smem_limit(SM80_SMEM_LIMIT, "the A100 (sm80 family)")
+_sm90_smem = _smem_limit(SM90_SMEM_LIMIT, "the H100/H200")
 
 
 def _sm80_regs(spec: VariantSpec) -> str | None:
@@ -302,16 +311,6 @@ def _sm90_tile_n(spec: VariantSpec) -> str | None:
         return f"tile_n={spec.tile_n} must be a multiple of 16 in [16, 256] (WGMMA N, and the k16 steps of P@V)"
     if spec.stages < 2:
         return f"stages={spec.stages}: the K/V TMA pipelines need at least 2 stages to overlap loads with MMAs"
-    return None
-
-
-def _sm90_smem(spec: VariantSpec) -> str | None:
-    needed = smem_bytes(spec)
-    if needed > SM90_SMEM_LIMIT:
-        return (
-            f"needs {needed / 1024:.1f} KiB of shared memory, over the "
-            f"{SM90_SMEM_LIMIT // 1024} KiB per-block opt-in limit of the H100/H200"
-        )
     return None
 
 
