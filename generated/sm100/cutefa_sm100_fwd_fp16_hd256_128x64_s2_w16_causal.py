@@ -150,22 +150,10 @@ class Kernel:
         kv_bytes: cutlass.Constexpr,
         Storage: cutlass.Constexpr,
     ):
+        # Only the warp index and shared-memory addresses cross the warp-role split: everything
+        # else (block coordinates, key-block counts, TMEM addresses) is derived again inside each
+        # role, so no value has to live through a setmaxnreg into a role with fewer registers.
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
-        head_kv = head // q_per_kv
-        row0 = m_block * ROWS * Q_TILES
-
-        # Key blocks [0, n_blocks) are visited, last first; the first n_masked of the visit need a mask.
-        n_blocks = cute.ceil_div(seqlen_k, TILE_N)
-        n_unmasked = seqlen_k // TILE_N
-        n_blocks = cutlass.min(n_blocks, cute.ceil_div(causal_key_limit(row0 + ROWS * Q_TILES - 1, seqlen_q, seqlen_k), TILE_N))
-        n_unmasked = cutlass.min(n_unmasked, causal_key_limit(row0, seqlen_q, seqlen_k) // TILE_N)
-        # At least one (fully masked) block, so that every role runs the same schedule; rows that
-        # see no key end with O = 0 and LSE = -inf.
-        n_blocks = cutlass.max(n_blocks, 1)
-        n_unmasked = cutlass.max(cutlass.min(n_unmasked, n_blocks), 0)
-        n_masked = n_blocks - n_unmasked
 
         if warp == WARP_LOAD:
             cpasync.prefetch_descriptor(atom_q)
@@ -211,23 +199,18 @@ class Kernel:
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()  # barriers initialised, TMEM allocated
 
-        tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=storage.tmem_base)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)  # same ring
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)[None, None, 0]
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
-        tS_frag = qk_thr.make_fragment_C(qk_thr.partition_shape_C((ROWS, TILE_N)))
-        tO_frag = pv_thr.make_fragment_C(pv_thr.partition_shape_C((ROWS, HEAD_DIM)))
-        tP_frag = pv_thr.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
-        tS0 = cute.make_tensor(tmem + TMEM_S[0], tS_frag.layout)
-        tO0 = cute.make_tensor(tmem + TMEM_O[0], tO_frag.layout)
-        tP0 = cute.make_tensor(tP_frag.iterator + 2 * (TMEM_S[0] + TMEM_P), tP_frag.layout)
+        tmem_base = storage.tmem_base
 
         # ------------------------------------------------------------------------------ load
         if warp == WARP_LOAD:
             cute.arch.warpgroup_reg_dealloc(REG_OTHER)
+            m_block, head, head_kv, batch, row0, n_blocks, n_masked = self.coords(seqlen_q, seqlen_k, q_per_kv)
             tQs, tQg = parts.tma_tiles(atom_q, qk_thr, sQ, tma_q, [0, 2], QK_TILER)
             tKs, tKg = parts.tma_tiles(atom_k, qk_thr, sK, tma_k, [1, 2], QK_TILER)
             tVs, tVg = parts.tma_tiles(atom_v, pv_thr, sV, tma_v, [1, 2], PV_TILER)
@@ -246,6 +229,8 @@ class Kernel:
         # ------------------------------------------------------------------------------ MMA
         if warp == WARP_MMA:
             cute.arch.warpgroup_reg_dealloc(REG_OTHER)
+            _, _, _, _, _, n_blocks, _ = self.coords(seqlen_q, seqlen_k, q_per_kv)
+            tS0, tO0, tP0, = self.tmem_tensors(qk_mma, pv_mma, tP_layout, tmem_base)
             tQr = qk_thr.make_fragment_A(sQ)
             tKr = qk_thr.make_fragment_B(sK)
             tVr = pv_thr.make_fragment_B(sV)
@@ -277,11 +262,12 @@ class Kernel:
             hq0.release()
             # Every softmax and correction thread is done with TMEM.
             cute.arch.mbarrier_wait(tmem_free, 0)
-            cute.arch.dealloc_tmem(tmem, TMEM_ALLOC)
+            cute.arch.dealloc_tmem(tS0.iterator, TMEM_ALLOC)
 
         # ------------------------------------------------------------------------------ epilogue
         if warp == WARP_EPILOGUE:
             cute.arch.warpgroup_reg_dealloc(REG_OTHER)
+            m_block, head, _, batch, _, _, _ = self.coords(seqlen_q, seqlen_k, q_per_kv)
             gO = cute.flat_divide(tma_o, (ROWS, HEAD_DIM))[None, None, None, 0, (head, batch)]
             tOs, tOg = cpasync.tma_partition(
                 atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
@@ -298,6 +284,8 @@ class Kernel:
         # ------------------------------------------------------------------------------ softmax
         if warp >= WARP_SOFTMAX[0][0] and warp <= WARP_SOFTMAX[0][3]:
             cute.arch.warpgroup_reg_alloc(REG_SOFTMAX)
+            _, _, _, _, row0, n_blocks, n_masked = self.coords(seqlen_q, seqlen_k, q_per_kv)
+            tS0, tO0, tP0, = self.tmem_tensors(qk_mma, pv_mma, tP_layout, tmem_base)
             self.softmax(
                 tS0, s_cons0, st_prod0, row0 + 0 * ROWS, seqlen_q, seqlen_k,
                 n_blocks, n_masked, scale_log2,
@@ -309,6 +297,9 @@ class Kernel:
         # ------------------------------------------------------------------------------ correction
         if warp >= WARP_CORRECTION and warp < WARP_CORRECTION + 4:
             cute.arch.warpgroup_reg_dealloc(REG_CORRECTION)
+            _, head, _, batch, row0, n_blocks, _ = self.coords(seqlen_q, seqlen_k, q_per_kv)
+            tS0, tO0, tP0, = self.tmem_tensors(qk_mma, pv_mma, tP_layout, tmem_base)
+            tidx, _, _ = cute.arch.thread_idx()
             thread = tidx % 128
             stats_ld, stats_thr = parts.tmem_copy(
                 tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(2)), Float32, parts.tmem_cols(tS0, 0, 2), thread
@@ -344,6 +335,37 @@ class Kernel:
             he.commit()
             ho.release()
             cute.arch.mbarrier_arrive(tmem_free)
+
+    @cute.jit
+    def coords(self, seqlen_q: Int32, seqlen_k: Int32, q_per_kv: Int32):
+        """(m_block, head, head_kv, batch, row0, n_blocks, n_masked) of this CTA. Key blocks
+        [0, n_blocks) are visited last first; the first n_masked of the visit need a mask."""
+        m_block, head, batch = cute.arch.block_idx()
+        row0 = m_block * ROWS * Q_TILES
+        n_blocks = cute.ceil_div(seqlen_k, TILE_N)
+        n_unmasked = seqlen_k // TILE_N
+        n_blocks = cutlass.min(n_blocks, cute.ceil_div(causal_key_limit(row0 + ROWS * Q_TILES - 1, seqlen_q, seqlen_k), TILE_N))
+        n_unmasked = cutlass.min(n_unmasked, causal_key_limit(row0, seqlen_q, seqlen_k) // TILE_N)
+        # At least one (fully masked) block, so that every role runs the same schedule; rows that
+        # see no key end with O = 0 and LSE = -inf.
+        n_blocks = cutlass.max(n_blocks, 1)
+        n_unmasked = cutlass.max(cutlass.min(n_unmasked, n_blocks), 0)
+        return m_block, head, head // q_per_kv, batch, row0, n_blocks, n_blocks - n_unmasked
+
+    @cute.jit
+    def tmem_tensors(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tP_layout: cute.ComposedLayout, tmem_base):
+        """(S_q, O_q, P_q per Q tile) as TMEM tensors, from the allocated base address."""
+        tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_base)
+        qk_thr = qk_mma.get_slice(0)
+        pv_thr = pv_mma.get_slice(0)
+        tS_frag = qk_thr.make_fragment_C(qk_thr.partition_shape_C((ROWS, TILE_N)))
+        tO_frag = pv_thr.make_fragment_C(pv_thr.partition_shape_C((ROWS, HEAD_DIM)))
+        tP_frag = pv_thr.make_fragment_A(cute.make_tensor(tmem, tP_layout.outer))[None, None, None, 0]
+        return (
+            cute.make_tensor(tmem + TMEM_S[0], tS_frag.layout),
+            cute.make_tensor(tmem + TMEM_O[0], tO_frag.layout),
+            cute.make_tensor(tP_frag.iterator + 2 * (TMEM_S[0] + TMEM_P), tP_frag.layout),
+        )
 
     @cute.jit
     def softmax(

@@ -107,13 +107,18 @@ def tma_tiles(atom, mma_slice, s_tensor, g_tensor, tiler_modes, tiler):
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate):
     """acc (+)= a @ b over every k-block; the first block overwrites unless ``accumulate``.
 
+    The k-blocks after the first run in a rolled loop: unrolled, ptxas hoists one 64-bit shared-
+    memory descriptor per k-block and operand out of the caller's mainloop (they are loop-invariant
+    for Q), which at the MMA warp's register budget spills them to local memory. Rolled, each
+    descriptor is the previous one plus a constant, and one MMA issue per k-block costs a few
+    uniform-datapath instructions beside the tensor core's work.
+
     Returns ``tiled_mma``: its ACCUMULATE field changes here, so a caller inside staged control
     flow rebinds it (``mma = gemm(mma, ...)``) for the tracer to carry it."""
-    for kb in cutlass.range_constexpr(cute.size(a, mode=[2])):
-        if cutlass.const_expr(kb == 0):
-            tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
-        else:
-            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+    tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+    cute.gemm(tiled_mma, acc, a[None, None, 0], b[None, None, 0], acc)
+    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+    for kb in cutlass.range(1, cute.size(a, mode=[2]), unroll=1):
         cute.gemm(tiled_mma, acc, a[None, None, kb], b[None, None, kb], acc)
     return tiled_mma
 
