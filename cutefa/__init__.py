@@ -20,7 +20,16 @@ _LAZY = {"flash_attn_func", "explain"}
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
+        import sys
+
+        if "cutefa.ops" not in sys.modules:
+            from cutefa import profile
+
+            with profile.phase("import cutefa.ops"):
+                from cutefa import ops
         from cutefa import ops
 
-        return getattr(ops, name)
+        value = getattr(ops, name)
+        globals()[name] = value  # later look-ups (one per call of cutefa.flash_attn_func) skip this
+        return value
     raise AttributeError(f"module 'cutefa' has no attribute {name!r}")

@@ -48,6 +48,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from cutefa import profile
 from cutefa.spec import VariantSpec, parse_name, target_cc
 
 log = logging.getLogger("cutefa")
@@ -414,14 +415,19 @@ def _runtime_for(flavour: str) -> Path:
 
 def load_library(so_path: Path, function_name: str, runtime: str) -> Callable[..., Any]:
     """Load a linked kernel ``.so`` through tvm_ffi (after the DSL runtime it needs) and return its function."""
-    lib = _runtime_for(runtime)
-    if lib not in _RUNTIMES:
-        _RUNTIMES[lib] = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    with profile.phase("DSL runtime library (find, dlopen)"):
+        lib = _runtime_for(runtime)
+        if lib not in _RUNTIMES:
+            _RUNTIMES[lib] = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    if "tvm_ffi" not in sys.modules:
+        with profile.phase("import tvm_ffi"):
+            import tvm_ffi
     import tvm_ffi
 
     module = _MODULES.get(so_path)
     if module is None:
-        module = _MODULES[so_path] = tvm_ffi.load_module(str(so_path))
+        with profile.phase("tvm_ffi.load_module"):
+            module = _MODULES[so_path] = tvm_ffi.load_module(str(so_path))
     return module[function_name]
 
 
@@ -474,7 +480,8 @@ def _prepare(spec: VariantSpec, target: str) -> Callable[..., Any]:
     if not spec.runs_on(target):
         raise ValueError(f"{spec.name}: kernel family {spec.arch} does not run on target {target!r}")
     try:
-        entry: _Entry | None = _entry(spec, target)
+        with profile.phase("kernel source fingerprint"):
+            entry: _Entry | None = _entry(spec, target)
     except Exception as exc:  # noqa: BLE001 -- no source here (e.g. no templates): packs may still serve
         log.debug(
             "cutefa: no kernel source for %s (%s); pack kernels are not checked for staleness", spec.name, exc

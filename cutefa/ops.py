@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from cutefa import backward as _backward_pass
 from cutefa import dispatch
+from cutefa import profile as _profile
 from cutefa.compile import get_kernel
 from cutefa.spec import HEAD_DIMS
 
@@ -155,12 +156,27 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _choose(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dispatch.Choice:
-    target, gpu_name = dispatch.device_target(q.device)
+    with _profile.phase("device query"):
+        target, gpu_name = dispatch.device_target(q.device)
     batch, seqlen_q, heads_q, head_dim = q.shape
-    return dispatch.choose(
-        target=target, dtype=q.dtype, head_dim=head_dim, causal=causal, seqlen_q=seqlen_q,
-        seqlen_k=k.shape[1], batch=batch, heads_q=heads_q, heads_kv=k.shape[2], gpu_name=gpu_name,
-    )  # fmt: skip
+    with _profile.phase("dispatch (tuned tables)"):
+        return dispatch.choose(
+            target=target, dtype=q.dtype, head_dim=head_dim, causal=causal, seqlen_q=seqlen_q,
+            seqlen_k=k.shape[1], batch=batch, heads_q=heads_q, heads_kv=k.shape[2], gpu_name=gpu_name,
+        )  # fmt: skip
+
+
+# Kernels (by id; they are memoized for the process) whose first call was profiled.
+_PROFILED_KERNELS: set[int] = set()
+
+
+def _first_call_phase(kernel: Callable[..., Any]) -> Any:
+    """With profiling on, a phase around the first call of ``kernel`` (where the CUDA module of
+    its cubin is loaded); else a no-op context."""
+    if not _profile.ENABLED or id(kernel) in _PROFILED_KERNELS:
+        return _profile.OFF
+    _PROFILED_KERNELS.add(id(kernel))
+    return _profile.phase("first kernel call (module load, launch)")
 
 
 def _launch(
@@ -173,11 +189,12 @@ def _launch(
     choice = _choose(q, k, causal)
     kernel = get_kernel(choice.spec, choice.target)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    if q.device.index == torch.cuda.current_device():
-        kernel(q, k, v, out, lse, softmax_scale)
-    else:
-        with torch.cuda.device(q.device):
+    with _first_call_phase(kernel):
+        if q.device.index == torch.cuda.current_device():
             kernel(q, k, v, out, lse, softmax_scale)
+        else:
+            with torch.cuda.device(q.device):
+                kernel(q, k, v, out, lse, softmax_scale)
     dispatch.log_run(choice, q.shape, k.shape, causal)
     return choice, kernel
 
@@ -233,7 +250,11 @@ torch.library.register_autograd(
 # ---------------------------------------------------------------------------------------------
 # The eager call path: one memoized plan per call signature
 
-# (q.shape, k.shape, q.dtype, q.device, causal, softmax_scale) -> plan(q, k, v, return_lse)
+# (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale) -> plan(q, k, v,
+# return_lse). The device is keyed by (is_cuda, index): hashing and comparing a torch.device costs
+# several times more. Only CUDA tensors get plans outside tests; a tensor of another device type
+# with a colliding key gets its outputs on the plan's device, which the kernel refuses, so it
+# takes the validating way like any refused call.
 _PLANS: dict[tuple[Any, ...], Callable[..., Any]] = {}
 MAX_PLANS = 1024  # the oldest plan is dropped beyond this (e.g. a new seqlen on every call)
 # Per device: float32 buffers the kernel writes an unwanted lse into (return_lse=False). Never
@@ -357,8 +378,16 @@ def flash_attn_func(
     exp(scaled scores) per query row. See the module docstring for masking and edge cases.
     Differentiable (out and lse); ``deterministic=True`` makes the backward bitwise reproducible.
     """
-    if _plain_eager(q, k, v):
-        key = (q.shape, k.shape, q.dtype, q.device, causal, softmax_scale)
+    # _plain_eager(q, k, v), inlined: this runs on every call.
+    if (
+        type(q) is _Tensor
+        and type(k) is _Tensor
+        and type(v) is _Tensor
+        and not (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        and not _is_compiling()
+        and not _dispatch_modes()
+    ):
+        key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)
         try:
             plan = _PLANS.get(key)
         except TypeError:  # an unhashable softmax_scale: validation names it
@@ -380,14 +409,27 @@ def flash_attn_func(
     return (out, lse) if return_lse else out
 
 
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+
+
+# Non-zero while a dispatch mode is active: the length of the stack whose top
+# _get_current_dispatch_mode returns (one C call instead of a Python one around it).
+_dispatch_modes: Callable[[], Any] = getattr(torch._C, "_len_torch_dispatch_stack", None) or (
+    lambda: _get_current_dispatch_mode() is not None
+)
+
+
 def _plain_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether calling the implementation directly is the same as calling the op, minus the op's
-    dispatch overhead: plain tensors, no gradient to track, no tracing and no dispatch mode."""
-    if not (type(q) is type(k) is type(v) is torch.Tensor):
+    dispatch overhead: plain tensors, no gradient to track, no tracing and no dispatch mode.
+    (:func:`flash_attn_func` has this inlined.)"""
+    if not (type(q) is type(k) is type(v) is _Tensor):
         return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    return not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+    return not _is_compiling() and not _dispatch_modes()
 
 
 def explain(

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from cutefa import compile as cc
+from cutefa import profile
 from cutefa.spec import VariantSpec
 
 FORMAT = "cutefa-pack/1"
@@ -258,14 +259,19 @@ def find_kernel(name: str, target: str, fingerprint: str | None) -> tuple[Found 
     refusals: list[str] = []
     for directory in search_dirs():
         for path in pack_dirs(directory):
-            pack = _cached_read(path)
+            with profile.phase("pack manifest"):
+                pack = _cached_read(path)
             if isinstance(pack, PackError):
                 refusals.append(f"{path}: {pack}")
                 continue
             record = pack.kernels.get(name)
             if record is None:
                 continue
-            why = why_refused(pack, target) or verify_kernel(pack, record, fingerprint)
+            with profile.phase("pack checks (target, DSL version)"):
+                why = why_refused(pack, target)
+            if why is None:
+                with profile.phase("pack kernel sha256"):
+                    why = verify_kernel(pack, record, fingerprint)
             if why is not None:
                 refusals.append(f"pack {path}: {why}")
                 continue

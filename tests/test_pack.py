@@ -507,17 +507,28 @@ def test_tiny_pack_loads_through_tvm_ffi_without_the_dsl(tmp_path):
             fn(odd, odd, odd, odd, torch.zeros(1, 2, 4), 0.1)
         except ValueError as exc:
             misaligned = str(exc)
+        from cutefa import profile
         print(json.dumps({{"error": error, "misaligned": misaligned, "origins": list(cc.loaded_kernels().values()),
-                           "cutlass": sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "iket"))}}))
+                           "cutlass": sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "iket")),
+                           "phases": list(profile.totals())}}))
         """,
         CUTEFA_CACHE_DIR=str(tmp_path / "empty-cache"),
         CUTEFA_KERNEL_PATH=str(out),
         CUTEFA_JIT="0",
+        CUTEFA_PROFILE="1",
     )
     assert ran["cutlass"] == [], "loading and calling a packed kernel must not import the DSL"
     assert "Mismatched Tensor on argument #0" in ran["error"] and "device_type=cuda" in ran["error"]
     assert "Misaligned Tensor data on argument #0" in ran["misaligned"]
     assert ran["origins"] == [f"pack {out}", f"pack {out}"]
+    loading = [
+        "DSL runtime library (find, dlopen)",
+        "import tvm_ffi",
+        "tvm_ffi.load_module",
+        "first kernel call",
+    ]
+    start = ran["phases"].index(loading[0])  # CUTEFA_PROFILE=1: the loading phases, in order
+    assert [p.split(" (module")[0] for p in ran["phases"][start : start + 4]] == loading
     assert not (tmp_path / "empty-cache").exists() or not any((tmp_path / "empty-cache").rglob("*.so"))
 
 

@@ -751,6 +751,7 @@ if which == "cutefa":
     import cutefa
     t2 = time.perf_counter()
     out = cutefa.flash_attn_func(q, k, v, causal=causal)
+    t_call = time.perf_counter()
 else:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -764,8 +765,25 @@ report = {"torch_ms": (t1 - t0) * 1e3, "import_ms": (t2 - t1) * 1e3, "first_call
           "beyond_torch_ms": (t3 - t1) * 1e3,
           "dsl_imported": sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "iket"))}
 if which == "cutefa":
+    import importlib.util, os
     import cutefa.compile as cc
+    import cutefa.profile as prof
     report["origins"] = sorted(cc.loaded_kernels().values())
+    phases = {"import cutefa": (t2 - t1) * 1e3, **prof.totals()}
+    phases["synchronize"] = (t3 - t_call) * 1e3
+    phases["other (validation, allocation, Python)"] = (t3 - t1) * 1e3 - sum(phases.values())
+    report["phases"] = phases
+    report["bytecode_cached"] = os.path.exists(importlib.util.cache_from_source(cc.__file__))
+    # The first error a process raises through tvm_ffi initializes its backtrace support (0.6 s
+    # on a 2-core CPU). Raising one now tells whether start-up raised (and caught) one already:
+    # then this is fast.
+    import tvm_ffi
+    t4 = time.perf_counter()
+    try:
+        tvm_ffi.load_module("/nonexistent/cutefa-startup-probe.so")
+    except Exception:
+        pass
+    report["tvm_ffi_error_after_ms"] = (time.perf_counter() - t4) * 1e3
 print(json.dumps(report))
 """
 
@@ -778,6 +796,29 @@ def _startup_run(which: str, problem: list, env: dict) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{which} start-up process failed:\n{proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def startup_phase_lines(runs: list[dict]) -> list[str]:
+    """Markdown table of cutefa's start-up phases (CUTEFA_PROFILE=1 in the child): median per phase."""
+    names: list[str] = []
+    for r in runs:
+        names += [n for n in r.get("phases", {}) if n not in names]
+    if not names:
+        return ["(no start-up phases were reported)"]
+    lines = [
+        (
+            f"Where cutefa's time beyond torch goes (median of {len(runs)} runs, ms; CUTEFA_PROFILE=1; "
+            f"bytecode cached: {sorted({str(r.get('bytecode_cached')) for r in runs})}):"
+        ),
+        "",
+        "| phase | ms |",
+        "|---|---|",
+    ]
+    for name in names:
+        lines.append(
+            f"| {name} | {statistics.median(r.get('phases', {}).get(name, 0.0) for r in runs):.2f} |"
+        )
+    return lines
 
 
 def run_startup(args: argparse.Namespace) -> int:
@@ -796,6 +837,7 @@ def run_startup(args: argparse.Namespace) -> int:
             "CUTEFA_KERNEL_PATH": str(pack_dir.resolve()),
             "CUTEFA_JIT": "0",
             "CUTEFA_CACHE_DIR": empty_cache,
+            "CUTEFA_PROFILE": "1",  # the child reports its phases (see cutefa/profile.py)
         }
         for which, timed in runs.items():
             _startup_run(which, problem, env)  # warm the OS file cache and the bytecode cache
@@ -835,6 +877,14 @@ def run_startup(args: argparse.Namespace) -> int:
         )
     beyond = med("cutefa", "beyond_torch_ms")
     lines += ["", f"cutefa beyond torch: {beyond:.1f} ms (goal < 50 ms)"]
+    lines += ["", *startup_phase_lines(cutefa_runs)]
+    error_ms = statistics.median(r.get("tvm_ffi_error_after_ms", 0.0) for r in cutefa_runs)
+    probe = (
+        f"A tvm_ffi error raised after the first result took {error_ms:.1f} ms (hundreds of ms: the "
+        "first error of the process, so start-up raised none; well under 1 ms: start-up raised and "
+        "caught one, paying for tvm_ffi's backtrace set-up)."
+    )
+    lines += ["", probe]
     lines += [f"PROBLEM: {p}" for p in problems]
     md_text = "\n".join(lines)
     print()
