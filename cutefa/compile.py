@@ -474,6 +474,9 @@ def build_command(name: str, target: str, pack_dir: Path | str | None = None) ->
 
 def _prepare(spec: VariantSpec, target: str) -> Callable[..., Any]:
     """Find, load or build the kernel (see the module docs); never imports the DSL unless it compiles."""
+    if "cutefa.pack" not in sys.modules:
+        with profile.phase("import cutefa.pack"):
+            from cutefa import pack
     from cutefa import pack
 
     target_cc(target)  # raises ValueError naming the known targets
