@@ -139,6 +139,8 @@ def smem_bytes(spec: VariantSpec) -> int:
     """Shared memory of one CTA: the Q tile plus ``stages`` buffers each of K and V."""
     if spec.direction == "bwd" and spec.arch == "sm80":
         return _sm80_bwd_smem_bytes(spec)
+    if spec.direction == "bwd" and spec.arch == "sm100":
+        return sm100_bwd_smem_bytes(spec)
     elements = (spec.tile_m + 2 * spec.stages * spec.tile_n) * spec.head_dim
     return elements * spec.elem_bytes + SMEM_RESERVE
 
@@ -370,7 +372,14 @@ def sm100_smem_bytes(spec: VariantSpec) -> int:
     return elements * spec.elem_bytes + 4 * SMEM_RESERVE
 
 
+SM100_BWD_REGISTERS = 240  # one warpgroup, no setmaxnreg: up to 255 per thread
+
+
 def _sm100_registers(spec: VariantSpec) -> int:
+    if spec.direction == "bwd":
+        # Calibrated on compiled SASS (sm_100a, DSL 4.8.1): 231-234 registers, no spill; the
+        # 32-column S^T and dP^T chunks and the unrolled P/dS stores dominate.
+        return SM100_BWD_REGISTERS
     # A softmax thread owns one query row: tile_n fp32 scores, P converted 32 scores at a time.
     return spec.tile_n + SM100_SOFTMAX_OVERHEAD
 
@@ -430,8 +439,68 @@ def _exp_emu_family(spec: VariantSpec) -> str | None:
     return None
 
 
+# The sm100 backward (templates/bwd_sm100.py.j2): one warpgroup, 128 keys per CTA, 128 query rows
+# per step, every product a 128-row UMMA with its accumulator in TMEM. Compiled and SASS-checked
+# for sm_100a, not run.
+IMPLEMENTED[("sm100", "bwd")] = ("fp16", "bf16")
+SM100_BWD_TILE = Tile(128, 128, 1, 4)
+_TILE_GRID["sm100"] = (*_TILE_GRID["sm100"], SM100_BWD_TILE)
+DEFAULT_BWD_TILES["sm100"] = {64: SM100_BWD_TILE, 128: SM100_BWD_TILE}
+
+
+def sm100_bwd_tmem_columns(spec: VariantSpec) -> int:
+    """TMEM columns of the sm100 backward: S^T and dP^T (tile_m each; dQ reuses them) + dK + dV."""
+    return 2 * spec.tile_m + 2 * spec.head_dim
+
+
+def sm100_bwd_smem_bytes(spec: VariantSpec) -> int:
+    """K, V (tile_n x d), Q, dO (tile_m x d), P^T and dS^T (tile_n x tile_m), 1 KiB-aligned each,
+    plus mbarriers and the LSE/D rows of a step."""
+    elements = 2 * (spec.tile_n + spec.tile_m) * spec.head_dim + 2 * spec.tile_n * spec.tile_m
+    return elements * spec.elem_bytes + 7 * SMEM_RESERVE
+
+
+def _sm100_bwd(spec: VariantSpec) -> str | None:
+    if (spec.tile_m, spec.tile_n, spec.stages, spec.warps) != tuple(SM100_BWD_TILE):
+        return (
+            f"the sm100 backward runs tile_m={SM100_BWD_TILE.tile_m} tile_n={SM100_BWD_TILE.tile_n} "
+            f"stages={SM100_BWD_TILE.stages} warps={SM100_BWD_TILE.warps} (128-row UMMAs, one TMEM lane per thread)"
+        )
+    if spec.head_dim % 64:
+        return (
+            f"head_dim={spec.head_dim}: the sm100 backward reads Q, dO and K both K-major and MN-major "
+            "from one 128-byte-swizzled buffer, which needs a multiple of 64"
+        )
+    cols = sm100_bwd_tmem_columns(spec)
+    if cols > SM100_TMEM_COLUMNS:
+        return f"needs {cols} TMEM columns (S^T + dP^T + dK + dV), over the {SM100_TMEM_COLUMNS} of an SM"
+    needed = sm100_bwd_smem_bytes(spec)
+    if needed > SM100_SMEM_LIMIT:
+        return f"needs {needed / 1024:.1f} KiB of shared memory, over the {SM100_SMEM_LIMIT // 1024} KiB of a B200 block"
+    return None
+
+
+def _forward_only(rule: Rule) -> Rule:
+    def check(spec: VariantSpec) -> str | None:
+        return rule(spec) if spec.direction == "fwd" else None
+
+    check.__name__ = rule.__name__
+    return check
+
+
+def _backward_only(rule: Rule) -> Rule:
+    def check(spec: VariantSpec) -> str | None:
+        return rule(spec) if spec.direction == "bwd" else None
+
+    check.__name__ = rule.__name__
+    return check
+
+
 _COMMON_RULES = (*_COMMON_RULES, _exp_emu_family)
-_ARCH_RULES["sm100"] = (_sm100_roles, _sm100_tile_n, _sm100_exp_emu, _sm100_tmem, _sm100_smem, _sm100_regs)
+_ARCH_RULES["sm100"] = (
+    *(_forward_only(r) for r in (_sm100_roles, _sm100_tile_n, _sm100_exp_emu, _sm100_tmem, _sm100_smem, _sm100_regs)),
+    _backward_only(_sm100_bwd),
+)
 
 
 def why_invalid(spec: VariantSpec) -> str | None:

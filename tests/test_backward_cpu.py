@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cutefa
 from cutefa import backward, ops
 from cutefa.space import DEFAULT_BWD_TILES
+from cutefa.spec import HEAD_DIMS
 
 LOG2_E = math.log2(math.e)
 
@@ -193,6 +194,15 @@ def test_choose_bwd_uses_the_default_tiles():
         spec = backward.choose_bwd("sm_90a", torch.bfloat16, head_dim, True)
         assert (spec.arch, spec.direction, spec.dtype, spec.causal) == ("sm80", "bwd", "bf16", True)
         assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == tile
+
+
+def test_choose_bwd_on_blackwell():
+    """sm_100a: the sm100 backward where it has a tile (head dims 64 and 128), else the sm80 one."""
+    for head_dim in HEAD_DIMS:
+        spec = backward.choose_bwd("sm_100a", torch.float16, head_dim, False)
+        family = "sm100" if head_dim in DEFAULT_BWD_TILES["sm100"] else "sm80"
+        assert (spec.arch, spec.direction, spec.dtype) == (family, "bwd", "fp16"), head_dim
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == DEFAULT_BWD_TILES[family][head_dim]
 
 
 def test_deterministic_must_be_bool():

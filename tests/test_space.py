@@ -21,7 +21,15 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
         (SM80.replace(arch="sm90", warps=12, stages=2, tile_n=72), "tile_n=72 must be a multiple of 16"),
         (SM80.replace(arch="sm90", head_dim=256, warps=12, stages=4, tile_n=128), "over the 227 KiB per-block"),
         (SM80.replace(arch="sm90", warps=12, stages=2, tile_n=256), "would spill registers (estimated 272"),
-        (SM80.replace(arch="sm100", direction="bwd", warps=16, stages=2), "no sm100 bwd kernel exists yet"),
+        (SM80.replace(arch="sm100", direction="bwd", warps=16, stages=2), "the sm100 backward runs tile_m=128"),
+        (
+            SM80.replace(arch="sm100", direction="bwd", head_dim=96, tile_m=128, tile_n=128),
+            "head_dim=96: the sm100 backward reads Q, dO and K both K-major and MN-major",
+        ),
+        (
+            SM80.replace(arch="sm100", direction="bwd", head_dim=256, tile_m=128, tile_n=128),
+            "needs 768 TMEM columns (S^T + dP^T + dK + dV), over the 512",
+        ),
         (
             SM80.replace(direction="bwd", tile_m=64, tile_n=128, warps=8, stages=2),
             "stages=2: the sm80 backward loads K and V once per CTA",

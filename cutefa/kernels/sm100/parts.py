@@ -215,3 +215,20 @@ def scale_tmem_rows(tO: cute.Tensor, factor: Float32, cols: cutlass.Constexpr, c
         for j in cutlass.range_constexpr(0, cute.size(r), 2):
             r[j], r[j + 1] = cute.arch.mul_packed_f32x2((r[j], r[j + 1]), (factor, factor))
         cute.copy(st, r, dst)
+
+
+@dsl_user_op
+def tcgen05_fence(kind: str, *, loc=None, ip=None) -> None:
+    """``tcgen05.fence::before_thread_sync`` (kind "before") or ``::after_thread_sync`` ("after"):
+    orders this thread's tcgen05 operations (UMMA issue, TMEM loads) against a thread
+    synchronisation (bar.sync), as the PTX memory model asks of tcgen05 work handed across it."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[],
+        asm_string=f"tcgen05.fence::{kind}_thread_sync;",
+        constraints="~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )

@@ -1,0 +1,46 @@
+"""Every default sm100 backward variant compiles for sm_100a on this CPU, and its SASS shows the
+design: tcgen05 UMMA (UTCHMMA) for all five products, TMEM loads (LDTM) of S^T, dP^T, dQ, dK and
+dV, TMA loads (UTMALDG) of K, V, Q and dO, MUFU.EX2 for the recomputed probabilities and fp32
+reductions (REDG ... ADD.F32) into the dQ accumulator; no local-memory spills.
+
+No Blackwell GPU exists here: compiled and SASS-checked, not run. One cubin holds the preprocess,
+main and postprocess kernels; counts are summed over the three, registers are the largest.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cutefa import sass, space
+
+DEFAULTS = space.default_variants("sm100", "bwd")
+
+
+@pytest.fixture(scope="module")
+def cubins(tmp_path_factory):
+    return sass.dump_cubins(DEFAULTS, "sm_100a", tmp_path_factory.mktemp("bwd_sm_100a"))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", DEFAULTS, ids=lambda s: s.name)
+def test_sass_sm100a_bwd(cubins, spec):
+    report = sass.analyze(cubins[spec.name])
+    for op in ("UTCHMMA", "LDTM", "UTMALDG", "MUFU.EX2"):
+        assert report.counts.get(op, 0) > 0, f"{spec.name}: no {op}: {report.summary()}"
+    # Five GEMMs (S^T, dP^T, dV, dK, dQ), each its first k-block plus a rolled loop over the rest.
+    assert report.counts["UTCHMMA"] >= 10, f"{spec.name}: {report.summary()}"
+    assert 0 < report.registers <= 255, f"{spec.name}: {report.summary()}"
+    assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
+    reductions = re.findall(r"\bREDG?\.E\.ADD\.F32", sass._cuobjdump(cubins[spec.name], "-sass"))
+    assert reductions, f"{spec.name}: no fp32 reductions into dq_accum"
+
+
+def test_bwd_budgets_in_the_predicate():
+    """TMEM (S^T + dP^T + dK + dV <= 512 columns) and shared memory of every default fit."""
+    assert [s.head_dim for s in DEFAULTS if s.dtype == "bf16" and not s.causal] == [64, 128]
+    for spec in DEFAULTS:
+        assert space.why_invalid(spec) is None
+        assert space.sm100_bwd_tmem_columns(spec) <= space.SM100_TMEM_COLUMNS
+        assert space.sm100_bwd_smem_bytes(spec) <= space.SM100_SMEM_LIMIT
