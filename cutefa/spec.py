@@ -18,10 +18,14 @@ DTYPES = ("fp16", "bf16", "e4m3")
 HEAD_DIMS = (64, 96, 128, 192, 256)
 
 # Compile targets (the GPU a cubin is built for) and the family each one can run.
-TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a")
+TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_103a")
 DEFAULT_TARGET = {"sm80": "sm_80", "sm90": "sm_90a", "sm100": "sm_100a"}
-_TARGET_CC = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90a": 90, "sm_100a": 100}
+_TARGET_CC = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90a": 90, "sm_100a": 100, "sm_103a": 103}
 _FAMILY_CC = {"sm80": 80, "sm90": 90, "sm100": 100}
+# Arch-specific families run only on the targets listed (an 'a' target's code loads only on its own
+# compute capability, so each GPU needs its own compile): tcgen05 is the same on B200 (10.0) and
+# B300 (10.3).
+_FAMILY_TARGET_CCS = {"sm90": (90,), "sm100": (100, 103)}
 
 # torch dtype name <-> spec dtype token
 TORCH_DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
@@ -101,8 +105,8 @@ class VariantSpec:
         fam = _FAMILY_CC[self.arch]
         if self.arch == "sm80":
             return cc >= fam
-        # WGMMA/setmaxnreg (sm90a) and tcgen05 (sm100a) are arch-specific, not forward compatible.
-        return cc == fam
+        # WGMMA/setmaxnreg (sm90a) and tcgen05 (sm100a/sm103a) are arch-specific, not forward compatible.
+        return cc in _FAMILY_TARGET_CCS.get(self.arch, (fam,))
 
     def __str__(self) -> str:
         return self.name
@@ -152,7 +156,8 @@ def target_for_capability(major: int, minor: int) -> str:
     """The compile target cutefa uses for a GPU of compute capability (major, minor)."""
     cc = major * 10 + minor
     if cc >= 100:
-        return "sm_100a" if major == 10 else f"sm_{cc}"
+        # sm_100a code does not load on a cc 10.3 GPU (B300): it gets its own target.
+        return {100: "sm_100a", 103: "sm_103a"}.get(cc, f"sm_{cc}")
     if cc >= 90:
         return "sm_90a"
     if cc in (86, 87):

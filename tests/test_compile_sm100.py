@@ -44,6 +44,18 @@ def test_no_spills_sm100a(cubins, spec):
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
 
 
+B300 = [s for s in DEFAULTS if s.dtype == "bf16" and s.head_dim == 128 and not s.causal]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", B300, ids=lambda s: s.name)
+def test_sass_sm103a(tmp_path, spec):
+    """The same family compiled for the B300 (cc 10.3), whose GPUs do not load sm_100a code."""
+    report = sass.analyze(sass.dump_cubins([spec], "sm_103a", tmp_path)[spec.name])
+    assert report.missing("sm100") == [], f"{spec.name}: {report.summary()}"
+    assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
+
+
 def test_tmem_budget_in_the_predicate():
     """S and O of every Q tile in flight must fit the 512 TMEM columns; the predicate says so."""
     ok = VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16)

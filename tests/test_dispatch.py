@@ -92,20 +92,20 @@ def test_blackwell_falls_back_to_sm80_family():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_blackwell_picks_the_sm100_family(monkeypatch, head_dim, causal):
-    """cc 10.x -> sm_100a -> the sm100 default (tile and exp2 emulation share), compiled for sm_100a."""
-    monkeypatch.setattr(
-        space, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm100", "fwd"): ("fp16", "bf16")}
-    )
-    target = dispatch.target_for_capability(10, 0)
-    assert target == "sm_100a"
+@pytest.mark.parametrize(("capability", "target"), [((10, 0), "sm_100a"), ((10, 3), "sm_103a")])
+def test_blackwell_picks_the_sm100_family(monkeypatch, head_dim, causal, capability, target):
+    """cc 10.0 (B200) and 10.3 (B300) -> their own 'a' target -> the sm100 default (tile and exp2
+    emulation share), compiled for that target."""
+    implemented = {("sm80", "fwd"): ("fp16", "bf16"), ("sm100", "fwd"): ("fp16", "bf16")}
+    monkeypatch.setattr(space, "IMPLEMENTED", implemented)
+    assert dispatch.target_for_capability(*capability) == target
     choice = dispatch.choose(**problem(target=target, head_dim=head_dim, causal=causal))
     tile = DEFAULT_TILES["sm100"][head_dim]
     extras = space.default_extras("sm100", "fwd", head_dim)
     assert choice.spec == VariantSpec("sm100", "fwd", "bf16", head_dim, *tile, causal=causal, **extras)
-    assert choice.target == "sm_100a"
+    assert choice.target == target
     assert choice.reason.startswith(f"heuristic: DEFAULT_TILES['sm100'][{head_dim}]")
-    assert ("sm90", "family sm90 does not run on sm_100a") in choice.rejected
+    assert ("sm90", f"family sm90 does not run on {target}") in choice.rejected
 
 
 def test_tuned_table_takes_precedence_by_seqlen_bucket(isolated):
