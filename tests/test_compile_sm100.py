@@ -8,6 +8,8 @@ validity predicate.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cutefa import sass, space
@@ -54,6 +56,21 @@ def test_sass_sm103a(tmp_path, spec):
     report = sass.analyze(sass.dump_cubins([spec], "sm_103a", tmp_path)[spec.name])
     assert report.missing("sm100") == [], f"{spec.name}: {report.summary()}"
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
+
+
+def test_register_plan_fits_the_register_file():
+    """setmaxnreg budgets of the four warpgroups (softmax x2, correction, MMA/load/epilogue) sum to
+    at most 512: 64K registers per SM over 512 threads, 128 threads per warpgroup."""
+    from cutefa import codegen
+
+    for spec in DEFAULTS:
+        text = codegen.render_source(spec)
+        regs = {
+            k: int(v) for k, v in re.findall(r"^REG_(SOFTMAX|CORRECTION|OTHER) = (\d+)$", text, re.MULTILINE)
+        }
+        assert 2 * regs["SOFTMAX"] + regs["CORRECTION"] + regs["OTHER"] <= 512, (spec.name, regs)
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs.values()), (spec.name, regs)
+        assert space.est_registers(spec) <= regs["SOFTMAX"], spec.name
 
 
 def test_tmem_budget_in_the_predicate():
