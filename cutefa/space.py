@@ -372,13 +372,13 @@ def sm100_smem_bytes(spec: VariantSpec) -> int:
     return elements * spec.elem_bytes + 4 * SMEM_RESERVE
 
 
-SM100_BWD_REGISTERS = 240  # one warpgroup, no setmaxnreg: up to 255 per thread
+SM100_BWD_REGISTERS = 128  # one warpgroup, no setmaxnreg: up to 255 per thread
 
 
 def _sm100_registers(spec: VariantSpec) -> int:
     if spec.direction == "bwd":
-        # Calibrated on compiled SASS (sm_100a, DSL 4.8.1): 231-234 registers, no spill; the
-        # 32-column S^T and dP^T chunks and the unrolled P/dS stores dominate.
+        # Calibrated on compiled SASS (sm_100a, DSL 4.8.1): 105-128 registers, no spill; the
+        # 32-column S^T and dP^T chunks (64) plus their 16-bit copies dominate.
         return SM100_BWD_REGISTERS
     # A softmax thread owns one query row: tile_n fp32 scores, P converted 32 scores at a time.
     return spec.tile_n + SM100_SOFTMAX_OVERHEAD

@@ -338,6 +338,13 @@ class Kernel:
             tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(CHUNK)), Float32, parts.tmem_cols(tS, 0, CHUNK), thread
         )
         chunk_shape = ld_thr.partition_D(cute.make_identity_tensor((128, CHUNK))).shape
+        # This thread's key row of P^T and dS^T in shared memory (TILE_M query columns).
+        pl = sP.layout
+        row_layout = cute.make_layout(
+            (pl.shape[0][0], (pl.shape[0][1], pl.shape[2])), stride=(pl.stride[0][0], (pl.stride[0][1], pl.stride[2]))
+        )
+        sP_row = cute.make_tensor(sP.iterator, row_layout)[thread, None]
+        sdS_row = cute.make_tensor(sdSt.iterator, row_layout)[thread, None]
         lse2_row = mLSE2[batch, head, None]
         dpsum_row = mDpsum[batch, head, None]
 
@@ -395,16 +402,26 @@ class Kernel:
                     cute.copy(ld, ld_thr.partition_S(parts.tmem_cols(tS, c * CHUNK, CHUNK)), s)
                     cute.copy(ld, ld_thr.partition_S(parts.tmem_cols(tdP, c * CHUNK, CHUNK)), dp)
                     cute.arch.fence_view_async_tmem_load()
+                    lse2_c = cute.make_rmem_tensor((CHUNK,), Float32)
+                    dpsum_c = cute.make_rmem_tensor((CHUNK,), Float32)
+                    cute.autovec_copy(cute.local_tile(sLSE, (CHUNK,), (c,)), lse2_c)
+                    cute.autovec_copy(cute.local_tile(sD, (CHUNK,), (c,)), dpsum_c)
                     for j in cutlass.range_constexpr(CHUNK):
-                        col = c * CHUNK + j
                         # Keys past seqlen_k, and keys after the query row's diagonal, get P = 0.
                         key_limit = seqlen_k
-                        key_limit = cutlass.min(key_limit, m_block * TILE_M + col + 1 + seqlen_k - seqlen_q)
-                        p = cute.math.exp2(s[j] * scale_log2 - sLSE[col], fastmath=True)
-                        p = Float32(cutlass.select_(key < key_limit, p, Float32(0.0)))
-                        ds = p * (dp[j] - sD[col])
-                        sP[(thread, col % 16), 0, col // 16, 0] = DTYPE(p)
-                        sdSt[(thread, col % 16), 0, col // 16, 0] = DTYPE(ds)
+                        key_limit = cutlass.min(key_limit, m_block * TILE_M + c * CHUNK + j + 1 + seqlen_k - seqlen_q)
+                        p = cute.math.exp2(s[j] * scale_log2 - lse2_c[j], fastmath=True)
+                        s[j] = Float32(cutlass.select_(key < key_limit, p, Float32(0.0)))
+                        dp[j] = s[j] * (dp[j] - dpsum_c[j])
+                    p16 = cute.make_rmem_tensor((CHUNK,), DTYPE)
+                    ds16 = cute.make_rmem_tensor((CHUNK,), DTYPE)
+                    p16.store(s.load().to(DTYPE))
+                    ds16.store(dp.load().to(DTYPE))
+                    # 16-byte stores: 8 consecutive columns of a row are one swizzle granule.
+                    for g in cutlass.range_constexpr(CHUNK // 8):
+                        col8 = (c * CHUNK) // 8 + g
+                        cute.autovec_copy(cute.local_tile(p16, (8,), (g,)), cute.local_tile(sP_row, (8,), (col8,)))
+                        cute.autovec_copy(cute.local_tile(ds16, (8,), (g,)), cute.local_tile(sdS_row, (8,), (col8,)))
                 # Generic-proxy shared-memory writes -> visible to the tensor core.
                 cute.arch.fence_proxy("async.shared", space="cta")
                 parts.tcgen05_fence("before")
@@ -442,10 +459,13 @@ class Kernel:
                 cute.copy(ld, ld_thr.partition_S(parts.tmem_cols(tdK, c * CHUNK, CHUNK)), rk)
                 cute.copy(ld, ld_thr.partition_S(parts.tmem_cols(tdV, c * CHUNK, CHUNK)), rv)
                 cute.arch.fence_view_async_tmem_load()
+                rk16 = cute.make_rmem_tensor((CHUNK,), DTYPE)
+                rv16 = cute.make_rmem_tensor((CHUNK,), DTYPE)
+                rk16.store((rk.load() * softmax_scale).to(DTYPE))
+                rv16.store(rv.load().to(DTYPE))
                 if key < seqlen_k:
-                    for j in cutlass.range_constexpr(CHUNK):
-                        mdK[batch, key, head, c * CHUNK + j] = DTYPE(rk[j] * softmax_scale)
-                        mdV[batch, key, head, c * CHUNK + j] = DTYPE(rv[j])
+                    cute.autovec_copy(rk16, cute.local_tile(mdK[batch, key, head, None], (CHUNK,), (c,)))
+                    cute.autovec_copy(rv16, cute.local_tile(mdV[batch, key, head, None], (CHUNK,), (c,)))
             parts.tcgen05_fence("before")
             cute.arch.barrier()  # every thread has read dK and dV before the next key block's MMAs
             parts.tcgen05_fence("after")
