@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU session in steps: compile every default variant that runs on this GPU (parallel), the GPU
+# A GPU run in steps: compile every default variant that runs on this GPU (parallel), the GPU
 # tests, measure the variants into fresh dispatch tables, the side-by-side benchmark, the host cost
-# per call and the start-up time. STEPS picks steps (default: all, in this order), so a session can be split
+# per call and the start-up time. STEPS picks steps (default: all, in this order), so a run can be split
 # over several calls on the same machine; the compile cache (CUTEFA_CACHE_DIR) carries over.
 # Run from the repository root with cutefa importable (PYTHONPATH set, or installed). Installs
 # nothing. Arguments go to tools/bench.py. Results land in "${OUT:-bench_out}". Exits non-zero if
