@@ -378,15 +378,7 @@ def flash_attn_func(
     exp(scaled scores) per query row. See the module docstring for masking and edge cases.
     Differentiable (out and lse); ``deterministic=True`` makes the backward bitwise reproducible.
     """
-    # _plain_eager(q, k, v), inlined: this runs on every call.
-    if (
-        type(q) is _Tensor
-        and type(k) is _Tensor
-        and type(v) is _Tensor
-        and not (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-        and not _is_compiling()
-        and not _dispatch_modes()
-    ):
+    if _plain_eager(q, k, v):
         key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)
         try:
             plan = _PLANS.get(key)
@@ -423,8 +415,7 @@ _dispatch_modes: Callable[[], Any] = getattr(torch._C, "_len_torch_dispatch_stac
 
 def _plain_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether calling the implementation directly is the same as calling the op, minus the op's
-    dispatch overhead: plain tensors, no gradient to track, no tracing and no dispatch mode.
-    (:func:`flash_attn_func` has this inlined.)"""
+    dispatch overhead: plain tensors, no gradient to track, no tracing and no dispatch mode."""
     if not (type(q) is type(k) is type(v) is _Tensor):
         return False
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
