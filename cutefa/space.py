@@ -202,6 +202,18 @@ def _sm90_flags_rule(spec: VariantSpec) -> str | None:
     return None
 
 
+def _persistent_rule(spec: VariantSpec) -> str | None:
+    if spec.persistent and (spec.arch, spec.direction) != ("sm90", "fwd"):
+        return f"persistent is an sm90 forward scheduler flag, not a {spec.arch} {spec.direction} one"
+    return None
+
+
+def _cta_pair_rule(spec: VariantSpec) -> str | None:
+    if spec.cta_pair and (spec.arch, spec.direction) != ("sm100", "fwd"):
+        return f"cta_pair (2-CTA UMMA) is an sm100 forward flag, not a {spec.arch} {spec.direction} one"
+    return None
+
+
 def _head_dim_rule(spec: VariantSpec) -> str | None:
     if spec.head_dim not in HEAD_DIMS:
         return f"head_dim={spec.head_dim} is not one of {HEAD_DIMS}"
@@ -328,7 +340,14 @@ def _sm90_regs(spec: VariantSpec) -> str | None:
 
 Rule = Callable[[VariantSpec], str | None]
 
-_COMMON_RULES: tuple[Rule, ...] = (_fp8_rule, _sm90_flags_rule, _head_dim_rule, why_no_kernel)
+_COMMON_RULES: tuple[Rule, ...] = (
+    _fp8_rule,
+    _sm90_flags_rule,
+    _persistent_rule,
+    _cta_pair_rule,
+    _head_dim_rule,
+    why_no_kernel,
+)
 _ARCH_RULES: dict[str, tuple[Rule, ...]] = {
     "sm80": (_sm80_warp_rows, _sm80_tile_n, _sm80_head_dim, _sm80_copy, _sm80_smem, _sm80_regs),
     "sm90": (_sm90_roles, _sm90_tile_n, _sm90_smem, _sm90_regs),

@@ -36,7 +36,13 @@ _NAME_RE = re.compile(
     r"(?:_emu(?P<exp_emu>\d+))?$"
 )
 # Boolean spec fields and the name token each one adds when true, in name order.
-_FLAG_TOKENS = (("causal", "causal"), ("overlap", "ov"), ("pingpong", "pp"))
+_FLAG_TOKENS = (
+    ("causal", "causal"),
+    ("overlap", "ov"),
+    ("pingpong", "pp"),
+    ("persistent", "persist"),
+    ("cta_pair", "pair"),
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -56,6 +62,12 @@ class VariantSpec:
     # the consumer warpgroups take turns issuing MMAs (ping-pong). Name tokens _ov / _pp.
     overlap: bool = False
     pingpong: bool = False
+    # sm90: a persistent grid (one CTA per SM) walking the tiles longest-first (causal: the last
+    # query blocks carry the most work). Name token _persist.
+    persistent: bool = False
+    # sm100: a pair of CTAs in a cluster shares each UMMA (tcgen05 cta_group::2): each CTA loads
+    # half of the K/V tile. Name token _pair.
+    cta_pair: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0

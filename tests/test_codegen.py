@@ -102,6 +102,8 @@ def test_manifest(out):
         "causal": spec.causal,
         "overlap": False,
         "pingpong": False,
+        "persistent": False,
+        "cta_pair": False,
         "exp_emu": 0,
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),

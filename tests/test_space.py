@@ -16,6 +16,8 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
         (SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2), "no sm90 bwd kernel exists yet"),
         (SM80.replace(overlap=True), "overlap/pingpong are sm90 (FlashAttention-3) schedule flags, not sm80"),
         (SM80.replace(arch="sm90", tile_m=192, warps=16, stages=2, pingpong=True), "pingpong needs exactly two"),
+        (SM80.replace(persistent=True), "persistent is an sm90 forward scheduler flag, not a sm80 fwd one"),
+        (SM80.replace(arch="sm90", warps=12, stages=2, cta_pair=True), "cta_pair (2-CTA UMMA) is an sm100 forward"),
         (SM80.replace(arch="sm90", warps=8, stages=2), "warps=8 must be 12: one producer warpgroup plus 2"),
         (SM80.replace(arch="sm90", warps=12, stages=1), "the K/V TMA pipelines need at least 2 stages"),
         (SM80.replace(arch="sm90", warps=12, stages=2, tile_n=72), "tile_n=72 must be a multiple of 16"),
