@@ -243,7 +243,7 @@ def _import_dsl(target: str) -> tuple[ModuleType, ModuleType]:
 
 
 def _fake_arguments(spec: VariantSpec, cutlass: ModuleType, cute: ModuleType) -> tuple[Any, ...]:
-    """Fake (q, k, v, o, lse, softmax_scale, stream) for one shape-polymorphic compile."""
+    """Fake (q, k, v, o, lse, softmax_scale[, num_ctas], stream) for one shape-polymorphic compile."""
     dtype = getattr(cutlass, _DSL_DTYPES[spec.dtype])
     row_align = _ROW_ALIGN_BYTES // spec.elem_bytes
     batch, seqlen_q, seqlen_k = cute.sym_int(symbol="b"), cute.sym_int(symbol="sq"), cute.sym_int(symbol="sk")
@@ -259,7 +259,9 @@ def _fake_arguments(spec: VariantSpec, cutlass: ModuleType, cute: ModuleType) ->
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     q, o = bshd(seqlen_q, heads_q), bshd(seqlen_q, heads_q)
     k, v = bshd(seqlen_k, heads_kv), bshd(seqlen_k, heads_kv)
-    return q, k, v, o, lse, cutlass.Float32(1.0), stream
+    # A persistent kernel also takes its grid size (the GPU's SM count) at run time.
+    grid = (cutlass.Int32(1),) if spec.persistent else ()
+    return q, k, v, o, lse, cutlass.Float32(1.0), *grid, stream
 
 
 def compile_object(spec: VariantSpec, target: str) -> Any:
@@ -460,8 +462,26 @@ def get_kernel(spec: VariantSpec, target: str) -> Callable[..., Any]:
     with _KERNELS_LOCK:
         key = (spec.name, target)
         if key not in _KERNELS:
-            _KERNELS[key] = _prepare(spec, target)
+            fn = _prepare(spec, target)
+            _KERNELS[key] = _with_sm_count(fn) if spec.persistent else fn
         return _KERNELS[key]
+
+
+def _with_sm_count(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn(q, k, v, o, lse, softmax_scale)`` for a persistent kernel, whose compiled entry also
+    takes the number of CTAs to launch: the SM count of q's GPU (looked up once per device)."""
+    counts: dict[int, int] = {}
+
+    def call(q: Any, k: Any, v: Any, o: Any, lse: Any, softmax_scale: float) -> Any:
+        device = q.get_device()
+        sms = counts.get(device)
+        if sms is None:
+            import torch
+
+            sms = counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        return fn(q, k, v, o, lse, softmax_scale, sms)
+
+    return call
 
 
 def build_command(name: str, target: str, pack_dir: Path | str | None = None) -> str:

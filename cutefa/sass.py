@@ -26,7 +26,7 @@ EXPECTED = {
     "sm100": ("UTCHMMA", "LDTM", "STTM", "UTMALDG"),
 }
 SPILL_OPS = ("LDL", "STL")
-_COUNTED = sorted({op for ops in EXPECTED.values() for op in ops} | set(SPILL_OPS) | {"BAR.SYNC", "SHFL"})
+_COUNTED = sorted({op for ops in EXPECTED.values() for op in ops} | set(SPILL_OPS) | {"BAR.SYNC", "SHFL", "STSM"})
 _RES_RE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 

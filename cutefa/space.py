@@ -30,7 +30,12 @@ SM80_REG_OVERHEAD = 64  # row max/sum, Q/K/V operand fragments in flight, addres
 SM80_BWD_REG_OVERHEAD = 48  # backward: LSE/D rows, operand fragments in flight, addresses
 SM90_SMEM_LIMIT = 227 * 1024  # H100/H200 per-block opt-in limit
 SM90_CONSUMER_REGS = 240  # setmaxnreg budget of a consumer warpgroup (producer keeps 24)
+SM90_CONSUMER_REGS_3WG = 160  # with three consumer warpgroups: 24 x 128 + 160 x 384 <= 64K registers
 SM90_REG_OVERHEAD = 48  # row max/sum, descriptors, pipeline state, addresses
+# With three consumer warpgroups (160 registers each). Calibrated on compiled SASS (sm_90a, DSL
+# 4.8.1): hd64 192x112 overlap (estimate 156) compiles with no spill, hd64 192x128 overlap (168)
+# spills 9 registers.
+SM90_REG_OVERHEAD_3WG = 40
 
 
 class Tile(NamedTuple):
@@ -69,6 +74,10 @@ DEFAULT_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"overlap": True, "pingpong
 SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[dict[str, bool], ...]]] = {
     "sm90": {hd: ({}, {"overlap": True}, {"pingpong": True}) for hd in (64, 128, 256)},
 }
+# The persistent longest-first scheduler on the default schedule, where O's own staging buffer
+# fits shared memory (hd256's 128x64 tile would need 257 KiB).
+for _hd in (64, 128):
+    SCHEDULE_ALTERNATIVES["sm90"][_hd] += ({"overlap": True, "pingpong": True, "persistent": True},)
 
 # Backward tiles per head dim (filled as each family's backward kernel lands). sm80: FlashAttention-2's
 # backward tiles on the A100 (flash_bwd_launch_template.h): query rows x keys per CTA, 8 warps.
@@ -82,12 +91,21 @@ DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {
     },
 }
 
-# Extra tiles committed next to the default one so dispatch and benchmarks can compare.
-TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
+# Extra tiles committed next to the default one so dispatch and benchmarks can compare; a tile may
+# come with its own schedule flags (Tile, flags) instead of the family's default ones.
+TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile | tuple[Tile, dict[str, bool]], ...]]] = {
     "sm80": {
         64: (Tile(128, 128, 1, 8),),
         128: (Tile(128, 64, 1, 8), Tile(128, 64, 2, 8), Tile(64, 64, 1, 4)),
         256: (Tile(64, 64, 1, 4),),
+    },
+    # FlashAttention-3's hd64 shape: three consumer warpgroups of 64 rows (160 registers each,
+    # which fits 112 keys per step; ping-pong takes exactly two warpgroups).
+    "sm90": {
+        64: (
+            (Tile(192, 112, 2, 16), {"overlap": True}),
+            (Tile(192, 112, 2, 16), {"overlap": True, "persistent": True}),
+        ),
     },
 }
 
@@ -100,12 +118,13 @@ _TILE_GRID: dict[str, tuple[Tile, ...]] = {
 }
 
 
-# The sm90 forward schedules: plain, intra-warpgroup overlap, ping-pong, both.
-_SM90_SCHEDULES: tuple[dict[str, bool], ...] = (
-    {},
-    {"overlap": True},
-    {"pingpong": True},
-    {"overlap": True, "pingpong": True},
+# The sm90 forward schedules: plain, intra-warpgroup overlap, ping-pong, both; each on a grid of
+# one CTA per tile or persistent.
+_SM90_SCHEDULES: tuple[dict[str, bool], ...] = tuple(
+    {"overlap": ov, "pingpong": pp, "persistent": persist}
+    for ov in (False, True)
+    for pp in (False, True)
+    for persist in (False, True)
 )
 
 
@@ -142,6 +161,8 @@ def smem_bytes(spec: VariantSpec) -> int:
     if spec.direction == "bwd" and spec.arch == "sm100":
         return sm100_bwd_smem_bytes(spec)
     elements = (spec.tile_m + 2 * spec.stages * spec.tile_n) * spec.head_dim
+    if spec.persistent:  # O staged apart from Q (the next tile's Q loads during the epilogue)
+        elements += spec.tile_m * spec.head_dim
     return elements * spec.elem_bytes + SMEM_RESERVE
 
 
@@ -178,7 +199,8 @@ def _sm90_registers(spec: VariantSpec) -> int:
     # accumulators, P packed to 16 bit for the register-A WGMMA, and the softmax state.
     acc_o = 64 * spec.head_dim // 128
     acc_s = 64 * spec.tile_n // 128
-    return acc_o + acc_s + acc_s // 2 + SM90_REG_OVERHEAD
+    overhead = SM90_REG_OVERHEAD_3WG if spec.tile_m // 64 == 3 else SM90_REG_OVERHEAD
+    return acc_o + acc_s + acc_s // 2 + overhead
 
 
 _REGISTER_MODELS: dict[str, Callable[[VariantSpec], int]] = {"sm80": _sm80_registers, "sm90": _sm90_registers}
@@ -328,13 +350,16 @@ def _sm90_tile_n(spec: VariantSpec) -> str | None:
     return None
 
 
+def sm90_consumer_regs(spec: VariantSpec) -> int:
+    """setmaxnreg budget of one consumer thread: 240 with up to two consumer warpgroups, 160 with three."""
+    return SM90_CONSUMER_REGS_3WG if spec.tile_m // 64 == 3 else SM90_CONSUMER_REGS
+
+
 def _sm90_regs(spec: VariantSpec) -> str | None:
     estimate = _sm90_registers(spec)
-    if estimate > SM90_CONSUMER_REGS:
-        return (
-            f"would spill registers (estimated {estimate} > {SM90_CONSUMER_REGS} per consumer thread "
-            "after setmaxnreg)"
-        )
+    budget = sm90_consumer_regs(spec)
+    if estimate > budget:
+        return f"would spill registers (estimated {estimate} > {budget} per consumer thread after setmaxnreg)"
     return None
 
 
@@ -561,7 +586,9 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
         entries.append(("fwd", hd, tile, default_extras(arch, "fwd", hd)))
         entries += [("fwd", hd, tile, extras) for extras in SCHEDULE_ALTERNATIVES.get(arch, {}).get(hd, ())]
     for hd, alts in TUNING_ALTERNATIVES.get(arch, {}).items():
-        entries += [("fwd", hd, tile, default_extras(arch, "fwd", hd)) for tile in alts]
+        for alt in alts:
+            tile, extras = alt if not isinstance(alt, Tile) else (alt, default_extras(arch, "fwd", hd))
+            entries.append(("fwd", hd, tile, extras))
     entries += [("bwd", hd, tile, {}) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()]
     directions = DIRECTIONS if direction is None else (direction,)
     return sorted(

@@ -1,6 +1,6 @@
 """Every default sm90 variant compiles on this CPU for sm_90a, and its SASS shows the FlashAttention-3
 design: WGMMA (HGMMA), TMA loads (UTMALDG), setmaxnreg (USETMAXREG), mbarrier pipelines (SYNCS),
-MUFU.EX2 for the softmax; no local-memory spills."""
+MUFU.EX2 for the softmax, stmatrix (STSM) in the epilogue; no local-memory spills."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def test_sass(cubins, spec):
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
     assert report.counts["USETMAXREG"] >= 2, report.summary()  # producer gives, consumers take
     assert report.counts["MUFU.EX2"] > 0, report.summary()
+    assert report.counts["STSM"] > 0, report.summary()  # O leaves registers through stmatrix
     # S = Q K^T: head_dim/16 WGMMAs per key block, O += P V: tile_n/16; one body per loop (masked,
     # unmasked), plus the overlap schedule's prologue S and epilogue P V.
     per_block = spec.head_dim // 16 + spec.tile_n // 16

@@ -39,9 +39,10 @@ THREADS = 384  # one producer warpgroup + the consumers
 CAUSAL = False
 OVERLAP = False  # intra-warpgroup overlap of softmax with the MMAs
 PINGPONG = False  # consumer warpgroups take turns issuing MMAs
-PP_BARRIER = 3  # named barriers 3 and 4 (0: CTA sync, 1-2: per-warpgroup epilogue)
+PERSISTENT = False  # one CTA per SM walking the tiles longest-first
+PP_BARRIER = CONSUMERS + 1  # named barriers CONSUMERS+1, +2 (0: CTA sync, 1..CONSUMERS: epilogues)
 PRODUCER_REGS = 24
-CONSUMER_REGS = 240
+CONSUMER_REGS = 240  # 24 x 128 + CONSUMER_REGS x 128 x CONSUMERS <= 64K
 
 
 class Kernel:
@@ -73,10 +74,12 @@ class Kernel:
             sK: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sV_layout)], 1024]
 
-        grid = (cute.ceil_div(mQ.shape[1], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
+        num_m = cute.ceil_div(mQ.shape[1], TILE_M)
+        grid = (num_m, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         self.kernel(
             q_tma, gQ_tma, k_tma, gK_tma, v_tma, gV_tma, o_tma, gO_tma,
             mLSE, mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2], softmax_scale * LOG2_E,
+            num_m, mQ.shape[2], mQ.shape[0],
             sQ_layout, sK_layout, sV_layout,
             parts.qk_tiled_mma(DTYPE, TILE_N), parts.pv_tiled_mma(DTYPE, HEAD_DIM), Storage,
         ).launch(grid=grid, block=[THREADS, 1, 1], smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)  # fmt: skip
@@ -97,6 +100,9 @@ class Kernel:
         seqlen_k: cutlass.Int32,
         group: cutlass.Int32,
         scale_log2: Float32,
+        num_m: cutlass.Int32,
+        heads_q: cutlass.Int32,
+        batch_size: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -105,11 +111,6 @@ class Kernel:
         Storage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        grid_m, _, _ = cute.arch.grid_dim()
-        m_block = grid_m - 1 - bx  # the last query tiles carry the most work when causal: start them first
-        row0 = m_block * TILE_M
-        head_kv = head // group
         wg = cute.arch.make_warp_uniform(tidx // parts.WG_THREADS)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
@@ -117,9 +118,10 @@ class Kernel:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO_all = sQ  # each warpgroup stages O in its own Q slab once its last S = Q K^T is done
 
-        # Q arrives once (all consumer slabs on one transaction barrier); K and V have their own
-        # STAGES-deep rings so that S = Q K^T can start before V of the same block has landed.
+        # Q arrives once per tile (all consumer slabs on one transaction barrier); K and V have
+        # their own STAGES-deep rings so that S = Q K^T can start before V of the same block has landed.
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMERS * 4)
         q_producer, q_consumer = pipeline.PipelineTmaAsync.create(
@@ -137,11 +139,6 @@ class Kernel:
         pipeline.pipeline_init_arrive(is_relaxed=True)
         pipeline.pipeline_init_wait()
 
-        # Key blocks [0, n_blocks) are visited; [n_unmasked, n_blocks) need a mask.
-        n_blocks = cute.ceil_div(seqlen_k, TILE_N)
-        n_unmasked = seqlen_k // TILE_N
-        n_unmasked = cutlass.min(n_unmasked, n_blocks)
-
         if wg == 0:
             # Producer warpgroup: one warp issues every TMA load; the others only give up registers.
             cute.arch.warpgroup_reg_dealloc(PRODUCER_REGS)
@@ -150,6 +147,15 @@ class Kernel:
                 cpasync.prefetch_descriptor(k_tma)
                 cpasync.prefetch_descriptor(v_tma)
                 cpasync.prefetch_descriptor(o_tma)
+                bx, head, batch = cute.arch.block_idx()
+                m_block = num_m - 1 - bx  # the last query tiles carry the most work when causal: start them first
+                row0 = m_block * TILE_M
+                head_kv = head // group
+                # Key blocks [0, n_blocks) are visited; [n_unmasked, n_blocks) need a mask.
+                n_blocks = cute.ceil_div(seqlen_k, TILE_N)
+                n_unmasked = seqlen_k // TILE_N
+                n_unmasked = cutlass.min(n_unmasked, n_blocks)
+
                 tQsQ, tQgQ = parts.tma_tiles(
                     q_tma, sQ, cute.local_tile(gQ_tma[None, None, head, batch], (parts.WG_ROWS, HEAD_DIM), (None, 0))
                 )
@@ -171,7 +177,6 @@ class Kernel:
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
             c = wg - 1  # this consumer's 64-row slab of the CTA tile
-            wg_row0 = row0 + c * parts.WG_ROWS
             wtid = tidx % parts.WG_THREADS
             qk_thr = qk_mma.get_slice(wtid)
             pv_thr = pv_mma.get_slice(wtid)
@@ -180,19 +185,31 @@ class Kernel:
             tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
             acc_S_shape = qk_thr.partition_shape_C((parts.WG_ROWS, TILE_N))
             acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((parts.WG_ROWS, HEAD_DIM)), Float32)
-            acc_O.fill(0.0)
             o_mn = parts.acc_mn_view(acc_O)
             cS_mn = parts.acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((parts.WG_ROWS, TILE_N))))
-            row_max, row_sum = softmax_state(cute.size(o_mn, mode=[0]))
-
             acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
             s_mn = parts.acc_mn_view(acc_S)
             rP = cute.make_rmem_tensor(parts.acc_to_a_layout(acc_S.layout), DTYPE)
             rP_acc = cute.make_tensor(rP.iterator, acc_S.layout)  # P written in S's coordinates
+            sO = sO_all[None, None, c]
+            r2s = cute.make_tiled_copy_C(parts.o_store_atom(DTYPE), pv_mma)
+            r2s_thr = r2s.get_slice(wtid)
+            bx, head, batch = cute.arch.block_idx()
+            m_block = num_m - 1 - bx  # the last query tiles carry the most work when causal: start them first
+            row0 = m_block * TILE_M
+            head_kv = head // group
+            # Key blocks [0, n_blocks) are visited; [n_unmasked, n_blocks) need a mask.
+            n_blocks = cute.ceil_div(seqlen_k, TILE_N)
+            n_unmasked = seqlen_k // TILE_N
+            n_unmasked = cutlass.min(n_unmasked, n_blocks)
+
+            wg_row0 = row0 + c * parts.WG_ROWS
+            acc_O.fill(0.0)
+            row_max, row_sum = softmax_state(cute.size(o_mn, mode=[0]))
             qk_mma.set(warpgroup.Field.ACCUMULATE, False)
             pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-            q_consumer.wait()
+            q_handle = q_consumer.wait_and_advance()
             # Masked key blocks (last first), then the unmasked rest.
             for i in cutlass.range(n_blocks - n_unmasked, unroll=1):
                 n = n_blocks - 1 - i
@@ -234,7 +251,7 @@ class Kernel:
                 warpgroup.wait_group(0)
                 v_handle.release()
 
-            # Epilogue: normalise, LSE, O through this warpgroup's (now free) Q slab, TMA store.
+            # Epilogue: normalise, LSE, O through shared memory, TMA store.
             lse = cute.make_rmem_tensor((cute.size(o_mn, mode=[0]),), Float32)
             softmax_finalize(o_mn, row_max, row_sum, scale_log2, lse)
             if wtid % 4 == 0:
@@ -244,15 +261,12 @@ class Kernel:
                         mLSE[batch, head, row] = lse[r]
             rO = cute.make_rmem_tensor_like(acc_O, DTYPE)
             rO.store(acc_O.load().to(DTYPE))
-            sO = sQ[None, None, c]
-            r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE), pv_mma)
-            r2s_thr = r2s.get_slice(wtid)
             cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(sO))
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1 + c, number_of_threads=parts.WG_THREADS)
             if wtid // 32 == 0:
                 tOsO, tOgO = parts.tma_tiles(
-                    o_tma, sQ, cute.local_tile(gO_tma[None, None, head, batch], (parts.WG_ROWS, HEAD_DIM), (None, 0))
+                    o_tma, sO_all, cute.local_tile(gO_tma[None, None, head, batch], (parts.WG_ROWS, HEAD_DIM), (None, 0))
                 )
                 cute.copy(o_tma, tOsO[None, c], tOgO[None, m_block * CONSUMERS + c])
                 cute.arch.cp_async_bulk_commit_group()

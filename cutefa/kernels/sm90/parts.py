@@ -80,6 +80,12 @@ def tma_tiles(atom, smem: cute.Tensor, gmem_tiles: cute.Tensor):
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(gmem_tiles, 0, 2))
 
 
+def o_store_atom(dtype):
+    """Register -> shared memory copy of the 16-bit O tile: ``stmatrix`` (four 8x8 matrices per
+    instruction, 16 bytes per row, which the 128-byte swizzle keeps free of bank conflicts)."""
+    return cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dtype)
+
+
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
     """View a wgmma accumulator fragment ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols).
 
@@ -117,3 +123,31 @@ def gemm_acc(mma, acc, tCrA, tCrB):
     mma.set(warpgroup.Field.ACCUMULATE, True)
     for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
         cute.gemm(mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+# K/V bytes of the (head, batch) pairs a persistent grid works on at once are kept within this
+# share of the 50 MiB L2, so that the CTAs on the same pairs read each K/V block from HBM once.
+L2_KV_BUDGET = 24 * 1024 * 1024
+
+
+def lpt_tile(t, num_m, heads, pairs, group):
+    """(m_block, head, batch) of tile ``t`` of a persistent grid's longest-first order.
+
+    The (head, batch) pairs are cut into sections of ``group`` pairs; a section's tiles come
+    before the next section's, and inside a section the last query blocks (the most key blocks
+    when causal) come first, the pairs of one query block side by side. Plain index arithmetic on
+    the kernel's Int32 values (traced inline)."""
+    per_section = group * num_m
+    section = t // per_section
+    first_pair = section * group
+    width = cutlass.min(group, pairs - first_pair)  # the last section may hold fewer pairs
+    r = t - section * per_section
+    pair = first_pair + r % width
+    return num_m - 1 - r // width, pair % heads, pair // heads
+
+
+def lpt_group(seqlen_k, head_dim: int, elem_bytes: int):
+    """(head, batch) pairs per section of :func:`lpt_tile`: as many as have K and V in
+    :data:`L2_KV_BUDGET`, at least one."""
+    kv_bytes = cutlass.max(seqlen_k, 1) * (2 * head_dim * elem_bytes)
+    return cutlass.max(L2_KV_BUDGET // kv_bytes, 1)

@@ -1,0 +1,31 @@
+"""The persistent sm90 scheduler's tile order (cutefa/kernels/sm90/parts.py), checked on the CPU:
+the index arithmetic the kernel traces is plain Python over ints here."""
+
+from __future__ import annotations
+
+import pytest
+
+parts = pytest.importorskip("cutefa.kernels.sm90.parts")
+
+
+@pytest.mark.parametrize(("num_m", "heads", "batch", "group"), [(8, 16, 4, 3), (1, 1, 1, 1), (5, 3, 2, 4), (16, 7, 1, 2)])
+def test_every_tile_once_longest_first(num_m, heads, batch, group):
+    pairs = heads * batch
+    order = [parts.lpt_tile(t, num_m, heads, pairs, group) for t in range(num_m * pairs)]
+    assert sorted(order) == sorted((m, h, b) for m in range(num_m) for h in range(heads) for b in range(batch))
+    # Inside each section of `group` (head, batch) pairs the query blocks come last-first, so a
+    # causal problem starts its longest tiles first; sections do not interleave.
+    for start in range(0, pairs, group):
+        width = min(group, pairs - start)
+        section = order[start * num_m : (start + width) * num_m]
+        assert {h + b * heads for _, h, b in section} == set(range(start, start + width))
+        m_blocks = [m for m, _, _ in section]
+        assert m_blocks == sorted(m_blocks, reverse=True)
+
+
+def test_group_keeps_kv_in_l2():
+    # hd128 bf16 at 16k keys: 8 MiB of K and V per (head, batch) pair -> 3 pairs in 24 MiB.
+    assert parts.lpt_group(16384, 128, 2) == 3
+    assert parts.lpt_group(1024, 64, 2) == parts.L2_KV_BUDGET // (1024 * 256)
+    assert parts.lpt_group(10**7, 256, 2) == 1
+    assert parts.lpt_group(0, 128, 2) >= 1
