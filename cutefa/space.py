@@ -32,10 +32,9 @@ SM90_SMEM_LIMIT = 227 * 1024  # H100/H200 per-block opt-in limit
 SM90_CONSUMER_REGS = 240  # setmaxnreg budget of a consumer warpgroup (producer keeps 24)
 SM90_CONSUMER_REGS_3WG = 160  # with three consumer warpgroups: 24 x 128 + 160 x 384 <= 64K registers
 SM90_REG_OVERHEAD = 48  # row max/sum, descriptors, pipeline state, addresses
-# With three consumer warpgroups (160 registers each). Calibrated on compiled SASS (sm_90a, DSL
-# 4.8.1): hd64 192x112 overlap (estimate 156) compiles with no spill, hd64 192x128 overlap (168)
-# spills 9 registers.
-SM90_REG_OVERHEAD_3WG = 40
+# With three consumer warpgroups (160 registers each) the same overhead holds on compiled SASS
+# (sm_90a, DSL 4.8.1): hd64 192x112 overlap (estimate 164) spills 1-5 registers in fp16 (none in
+# bf16), 192x128 (180) spills 9 in bf16.
 
 
 class Tile(NamedTuple):
@@ -71,13 +70,20 @@ DEFAULT_TILES["sm90"] = {
 # Schedule flags of the sm90 default (FlashAttention-3: intra-warpgroup overlap + ping-pong), and
 # the other schedules committed on the default tile so the benchmark shows what each one buys.
 DEFAULT_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"overlap": True, "pingpong": True}}
-SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[dict[str, bool], ...]]] = {
+SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[dict[str, bool | int], ...]]] = {
     "sm90": {hd: ({}, {"overlap": True}, {"pingpong": True}) for hd in (64, 128, 256)},
 }
 # The persistent longest-first scheduler on the default schedule, where O's own staging buffer
 # fits shared memory (hd256's 128x64 tile would need 257 KiB).
 for _hd in (64, 128):
     SCHEDULE_ALTERNATIVES["sm90"][_hd] += ({"overlap": True, "pingpong": True, "persistent": True},)
+# A quarter of the exp2 on the FMA units (as the sm100 family does): at hd64 MUFU.EX2 (16 per clock
+# per SM) takes as long as the two MMAs of a block.
+SCHEDULE_ALTERNATIVES["sm90"][64] += (
+    {"overlap": True, "pingpong": True, "exp_emu": 25},
+    {"overlap": True, "exp_emu": 25},
+)
+SCHEDULE_ALTERNATIVES["sm90"][128] += ({"overlap": True, "pingpong": True, "exp_emu": 25},)
 
 # Backward tiles per head dim (filled as each family's backward kernel lands). sm80: FlashAttention-2's
 # backward tiles on the A100 (flash_bwd_launch_template.h): query rows x keys per CTA, 8 warps.
@@ -91,21 +97,12 @@ DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {
     },
 }
 
-# Extra tiles committed next to the default one so dispatch and benchmarks can compare; a tile may
-# come with its own schedule flags (Tile, flags) instead of the family's default ones.
-TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile | tuple[Tile, dict[str, bool]], ...]]] = {
+# Extra tiles committed next to the default one so dispatch and benchmarks can compare.
+TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
     "sm80": {
         64: (Tile(128, 128, 1, 8),),
         128: (Tile(128, 64, 1, 8), Tile(128, 64, 2, 8), Tile(64, 64, 1, 4)),
         256: (Tile(64, 64, 1, 4),),
-    },
-    # FlashAttention-3's hd64 shape: three consumer warpgroups of 64 rows (160 registers each,
-    # which fits 112 keys per step; ping-pong takes exactly two warpgroups).
-    "sm90": {
-        64: (
-            (Tile(192, 112, 2, 16), {"overlap": True}),
-            (Tile(192, 112, 2, 16), {"overlap": True, "persistent": True}),
-        ),
     },
 }
 
@@ -149,7 +146,7 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
         for head_dim in HEAD_DIMS
         for tile in _TILE_GRID[arch]
         for causal in (False, True)
-        for exp_emu in ((0, 25) if (arch, direction) == ("sm100", "fwd") else (0,))
+        for exp_emu in ((0, 25) if arch in ("sm90", "sm100") and direction == "fwd" else (0,))
         for flags in (_SM90_SCHEDULES if (arch, direction) == ("sm90", "fwd") else ({},))
     ]
 
@@ -199,8 +196,7 @@ def _sm90_registers(spec: VariantSpec) -> int:
     # accumulators, P packed to 16 bit for the register-A WGMMA, and the softmax state.
     acc_o = 64 * spec.head_dim // 128
     acc_s = 64 * spec.tile_n // 128
-    overhead = SM90_REG_OVERHEAD_3WG if spec.tile_m // 64 == 3 else SM90_REG_OVERHEAD
-    return acc_o + acc_s + acc_s // 2 + overhead
+    return acc_o + acc_s + acc_s // 2 + SM90_REG_OVERHEAD
 
 
 _REGISTER_MODELS: dict[str, Callable[[VariantSpec], int]] = {"sm80": _sm80_registers, "sm90": _sm90_registers}
@@ -471,15 +467,15 @@ def _sm100_regs(spec: VariantSpec) -> str | None:
     return None
 
 
-def _sm100_exp_emu(spec: VariantSpec) -> str | None:
+def _exp_emu_share(spec: VariantSpec) -> str | None:
     if spec.exp_emu * 16 % 100:
         return f"exp_emu={spec.exp_emu} must be a multiple of 6.25% (whole scores of every 16): 0, 25, 50, 75 or 100"
     return None
 
 
 def _exp_emu_family(spec: VariantSpec) -> str | None:
-    if spec.exp_emu and (spec.arch != "sm100" or spec.direction != "fwd"):
-        return f"exp_emu={spec.exp_emu}: emulated exp2 is an sm100 forward option only"
+    if spec.exp_emu and (spec.arch not in ("sm90", "sm100") or spec.direction != "fwd"):
+        return f"exp_emu={spec.exp_emu}: emulated exp2 is an sm90/sm100 forward option only"
     return None
 
 
@@ -541,8 +537,9 @@ def _backward_only(rule: Rule) -> Rule:
 
 
 _COMMON_RULES = (*_COMMON_RULES, _exp_emu_family)
+_ARCH_RULES["sm90"] = (*_ARCH_RULES["sm90"], _forward_only(_exp_emu_share))
 _ARCH_RULES["sm100"] = (
-    *(_forward_only(r) for r in (_sm100_roles, _sm100_tile_n, _sm100_exp_emu, _sm100_tmem, _sm100_smem, _sm100_regs)),
+    *(_forward_only(r) for r in (_sm100_roles, _sm100_tile_n, _exp_emu_share, _sm100_tmem, _sm100_smem, _sm100_regs)),
     _backward_only(_sm100_bwd),
 )
 
@@ -586,9 +583,7 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
         entries.append(("fwd", hd, tile, default_extras(arch, "fwd", hd)))
         entries += [("fwd", hd, tile, extras) for extras in SCHEDULE_ALTERNATIVES.get(arch, {}).get(hd, ())]
     for hd, alts in TUNING_ALTERNATIVES.get(arch, {}).items():
-        for alt in alts:
-            tile, extras = alt if not isinstance(alt, Tile) else (alt, default_extras(arch, "fwd", hd))
-            entries.append(("fwd", hd, tile, extras))
+        entries += [("fwd", hd, tile, default_extras(arch, "fwd", hd)) for tile in alts]
     entries += [("bwd", hd, tile, {}) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()]
     directions = DIRECTIONS if direction is None else (direction,)
     return sorted(

@@ -90,4 +90,4 @@ def test_exp_emu_rules():
     assert space.why_invalid(base.replace(exp_emu=25)) is None
     assert "6.25%" in space.why_invalid(base.replace(exp_emu=30))
     sm80 = VariantSpec("sm80", "fwd", "bf16", 128, 128, 64, 1, 8, exp_emu=25)
-    assert "sm100 forward option" in space.why_invalid(sm80)
+    assert "sm90/sm100 forward option" in space.why_invalid(sm80)

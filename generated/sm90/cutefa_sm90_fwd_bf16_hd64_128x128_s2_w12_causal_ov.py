@@ -39,6 +39,7 @@ THREADS = 384  # one producer warpgroup + the consumers
 CAUSAL = True
 OVERLAP = True  # intra-warpgroup overlap of softmax with the MMAs
 PINGPONG = False  # consumer warpgroups take turns issuing MMAs
+EXP_EMU_PER_16 = 0  # of every 16 scores, exp2 on the FMA units (the rest MUFU)
 PERSISTENT = False  # one CTA per SM walking the tiles longest-first
 PP_BARRIER = CONSUMERS + 1  # named barriers CONSUMERS+1, +2 (0: CTA sync, 1..CONSUMERS: epilogues)
 PRODUCER_REGS = 24
@@ -232,7 +233,7 @@ class Kernel:
                 warpgroup.wait_group(0)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
-                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2)
+                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16)
                 rP_acc.store(acc_S.load().to(DTYPE))
             masked_rest = cutlass.max(n_blocks - n_unmasked - 1, 0)
             unmasked_rest = cutlass.max(n_blocks - 1 - masked_rest, 0)
@@ -252,7 +253,7 @@ class Kernel:
                 warpgroup.wait_group(1)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
-                online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr)
+                online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16)
                 warpgroup.wait_group(0)
                 v_handle.release()
                 rescale_rows(o_mn, corr)
@@ -272,7 +273,7 @@ class Kernel:
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)
                 k_handle.release()
-                online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr)
+                online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16)
                 warpgroup.wait_group(0)
                 v_handle.release()
                 rescale_rows(o_mn, corr)

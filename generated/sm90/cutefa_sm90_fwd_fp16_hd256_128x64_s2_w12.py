@@ -39,6 +39,7 @@ THREADS = 384  # one producer warpgroup + the consumers
 CAUSAL = False
 OVERLAP = False  # intra-warpgroup overlap of softmax with the MMAs
 PINGPONG = False  # consumer warpgroups take turns issuing MMAs
+EXP_EMU_PER_16 = 0  # of every 16 scores, exp2 on the FMA units (the rest MUFU)
 PERSISTENT = False  # one CTA per SM walking the tiles longest-first
 PP_BARRIER = CONSUMERS + 1  # named barriers CONSUMERS+1, +2 (0: CTA sync, 1..CONSUMERS: epilogues)
 PRODUCER_REGS = 24
@@ -222,7 +223,7 @@ class Kernel:
                 warpgroup.wait_group(0)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
-                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2)
+                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16)
                 rP_acc.store(acc_S.load().to(DTYPE))
                 v_handle = v_consumer.wait_and_advance()
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -241,7 +242,7 @@ class Kernel:
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 k_handle.release()
-                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2)
+                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16)
                 rP_acc.store(acc_S.load().to(DTYPE))
                 v_handle = v_consumer.wait_and_advance()
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)

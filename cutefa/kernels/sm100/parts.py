@@ -16,9 +16,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+from cutefa.kernels.common.exp2 import exp2_fma
 
 TMEM_COLUMNS = 512  # per SM, 128 lanes x 512 columns x 32 bit
 ROWS_PER_Q_TILE = 128  # the M of one UMMA (cta_group::1), one TMEM lane per query row
@@ -134,42 +136,6 @@ def tmem_cols(tmem: cute.Tensor, offset: int, cols: int) -> cute.Tensor:
     """Columns [offset, offset + cols) of an accumulator TMEM tensor as a (128, cols) view."""
     t = cute.make_tensor(tmem.iterator + offset, tmem.layout)
     return cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout((ROWS_PER_Q_TILE, cols))))
-
-
-@dsl_user_op
-def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2**x for x <= 0 on the FMA pipe (no MUFU): Cody-Waite split x = j + f with j = round(x) via
-    the 1.5 * 2**23 shifter, f in [-0.5, 0.5]; 2**f by a degree-3 minimax polynomial (relative
-    error 7.5e-5, below bf16/fp16 rounding of P); 2**j added into the exponent bits. x is clamped
-    at -127, so masked (-inf) scores give ~6e-39, which the 16-bit P rounds to zero or a denormal."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "{\n"
-            ".reg .f32 xc, t, j, f, p;\n"
-            ".reg .b32 tb, pb;\n"
-            "max.ftz.f32 xc, $1, 0fC2FE0000;\n"  # -127
-            "add.rn.ftz.f32 t, xc, 0f4B400000;\n"  # + 1.5 * 2**23: round to integer
-            "sub.rn.ftz.f32 j, t, 0f4B400000;\n"
-            "sub.rn.ftz.f32 f, xc, j;\n"
-            "fma.rn.ftz.f32 p, f, 0f3D61FBA0, 0f3E786F0C;\n"  # 0.05517 f + 0.24261
-            "fma.rn.ftz.f32 p, p, f, 0f3F31798D;\n"  # + 0.69326
-            "fma.rn.ftz.f32 p, p, f, 0f3F7FFB49;\n"  # + 0.99993
-            "mov.b32 tb, t;\n"
-            "mov.b32 pb, p;\n"
-            "shl.b32 tb, tb, 23;\n"
-            "add.s32 pb, pb, tb;\n"
-            "mov.b32 $0, pb;\n"
-            "}",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
 
 
 @cute.jit
