@@ -168,6 +168,8 @@ def smem_bytes(spec: VariantSpec) -> int:
         return _sm80_bwd_smem_bytes(spec)
     if spec.direction == "bwd" and spec.arch == "sm100":
         return sm100_bwd_smem_bytes(spec)
+    if spec.arch == "sm100":  # one K/V ring, an O staging tile; half a ring per CTA of a pair
+        return sm100_smem_bytes(spec)
     elements = (spec.tile_m + 2 * spec.stages * spec.tile_n) * spec.head_dim
     if spec.persistent:  # O staged apart from Q (the next tile's Q loads during the epilogue)
         elements += spec.tile_m * spec.head_dim

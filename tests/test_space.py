@@ -181,6 +181,8 @@ def test_sm100_pair_budgets_per_cta():
     single = SM100_PAIR.replace(cta_pair=False)
     assert space.sm100_smem_bytes(single) - space.sm100_smem_bytes(SM100_PAIR) == 3 * 64 * 128 * 2
     assert space.sm100_tmem_columns(SM100_PAIR) == space.sm100_tmem_columns(single) == 512
+    # The number the CLI prints is the family's own budget.
+    assert space.smem_bytes(SM100_PAIR) == space.sm100_smem_bytes(SM100_PAIR)
     # Half a ring fits where a whole one does not: head dim 256 with 128-key blocks.
     wide = VariantSpec("sm100", "fwd", "bf16", 256, 128, 128, 2, 16)
     assert "shared memory" in space.why_invalid(wide)

@@ -322,7 +322,7 @@ class Kernel:
             # Every softmax and correction thread of this CTA is done with TMEM; then the pair
             # agrees (each MMA warp arrives on the peer's barrier) and frees it together.
             cute.arch.mbarrier_wait(tmem_free, 0)
-            cute.arch.mbarrier_arrive(tmem_dealloc, cta_rank ^ 1)
+            parts.arrive_cluster(tmem_dealloc, cta_rank ^ 1)
             cute.arch.mbarrier_wait(tmem_dealloc, 0)
             tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16, ptr_to_buffer_holding_addr=tmem_base)
             cute.arch.dealloc_tmem(tmem, TMEM_ALLOC, is_two_cta=True)

@@ -25,7 +25,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -113,16 +113,36 @@ PAIR_BOTH_CTAS = 0b11  # multicast mask of the (2, 1, 1) cluster: both CTAs of t
 PAIR_LEADER = 0  # cluster rank of the CTA that issues the pair's UMMAs
 
 
+@dataclasses.dataclass(frozen=True)
+class PairUmmaAsync(pipeline.PipelineUmmaAsync):
+    """An UMMA -> threads pipeline of a CTA pair whose consumers (softmax or correction threads of
+    either CTA) release a TMEM buffer by arriving on the leader CTA's barrier with a cluster-scope
+    release: what they did to their CTA's TMEM (S read, P written, O rescaled) is handed to the
+    leader's next UMMA, a cross-CTA handoff (the DSL's remote arrive defaults to CTA scope)."""
+
+    @dsl_user_op
+    def consumer_release(self, state, *, loc=None, ip=None) -> None:
+        arrive_cluster(self.sync_object_empty.get_barrier(state.index, loc=loc, ip=ip), PAIR_LEADER, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def arrive_cluster(mbar, cta_rank, *, loc=None, ip=None) -> None:
+    """Arrive on the mbarrier at ``mbar``'s offset in CTA ``cta_rank`` of the cluster, with a
+    cluster-scope release (orders this thread's earlier work before the other CTA's waiter)."""
+    cute.arch.mbarrier_arrive(mbar, cta_rank, scope=nvvm.MemScopeKind.CLUSTER, loc=loc, ip=ip)
+
+
 def pair_targets(pipe):
     """``pipe`` (created with the pair's cluster layout) with its arrival targets as constants:
-    UMMA commits multicast to both CTAs, thread arrivals go to the leader. The DSL derives them
-    from the cluster rank at creation, before the warp-role split, where they would stay live in a
-    register through every role (and spill in the 80-register correction warps); for a (2, 1, 1)
-    cluster they are the constants above."""
+    UMMA commits multicast to both CTAs, thread arrivals go to the leader (cluster-scoped, see
+    :class:`PairUmmaAsync`). The DSL derives the targets from the cluster rank at creation, before
+    the warp-role split, where they would stay live in a register through every role (and spill in
+    the 80-register correction warps); for a (2, 1, 1) cluster they are the constants above."""
     if isinstance(pipe, pipeline.PipelineTmaUmma):
         return dataclasses.replace(pipe, consumer_mask=PAIR_BOTH_CTAS)
     if isinstance(pipe, pipeline.PipelineUmmaAsync):
-        return dataclasses.replace(pipe, producer_mask=PAIR_BOTH_CTAS, consumer_mask=PAIR_LEADER)
+        fields = {f.name: getattr(pipe, f.name) for f in dataclasses.fields(pipe)}
+        return PairUmmaAsync(**{**fields, "producer_mask": PAIR_BOTH_CTAS, "consumer_mask": PAIR_LEADER})
     raise TypeError(f"pair_targets: no pair arrival targets for {type(pipe).__name__}")
 
 
