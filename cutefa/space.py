@@ -490,6 +490,15 @@ def _sm100_pair(spec: VariantSpec) -> str | None:
             f"{spec.head_dim // 2} columns of V, under one 128-byte swizzle row (64 elements), and at this head dim "
             "the K/V traffic the pair halves is small beside its Q and O traffic"
         )
+    if spec.tile_n == 128 and spec.exp_emu == 0 and (spec.tile_m, spec.head_dim) != (128, 128):
+        # Calibrated on compiled SASS (sm_100a, DSL 4.8.1), causal or not: hd128 256x128, hd192 and
+        # hd256 128x128 spill 8-48 B (second softmax and correction warpgroups) with every exp2 on
+        # MUFU, none with exp_emu=25; hd128 128x128 compiles clean either way. The single-CTA
+        # twins spill the same.
+        return (
+            f"tile_n=128 with exp_emu=0 spills registers in the pair's softmax/correction warps at "
+            f"head_dim={spec.head_dim}, tile_m={spec.tile_m} (compiled SASS); exp_emu=25 does not"
+        )
     return None
 
 

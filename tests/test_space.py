@@ -156,6 +156,7 @@ def test_bad_arguments(call, words):
 
 
 SM100_PAIR = VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16, cta_pair=True)
+SM100_PAIR_EMU = SM100_PAIR.replace(exp_emu=25)
 
 
 @pytest.mark.parametrize(
@@ -165,8 +166,10 @@ SM100_PAIR = VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16, cta_pair=
         (SM100_PAIR.replace(head_dim=96), "head_dim=96: cta_pair is for head_dim >= 128: each CTA would load 48 columns"),
         (SM100_PAIR.replace(head_dim=64), "head_dim=64: cta_pair is for head_dim >= 128"),
         (SM100_PAIR.replace(head_dim=256, tile_n=64), "needs 640 TMEM columns (2 x (S 64 + O 256)), over the 512"),
+        (SM100_PAIR, "tile_n=128 with exp_emu=0 spills registers in the pair's softmax/correction warps"),
+        (SM100_PAIR.replace(head_dim=192, tile_m=128, stages=2), "at head_dim=192, tile_m=128"),
         (
-            SM100_PAIR.replace(head_dim=256, tile_m=128, tile_n=128, stages=3),
+            SM100_PAIR_EMU.replace(head_dim=256, tile_m=128, tile_n=128, stages=3),
             "needs 228.0 KiB of shared memory, over the 227 KiB of a B200 block",
         ),
     ],
@@ -178,16 +181,18 @@ def test_sm100_pair_rules(spec, reason):
 
 def test_sm100_pair_budgets_per_cta():
     """A CTA of a pair holds half of each K/V stage; its TMEM holds its own S and O, as one CTA does."""
-    single = SM100_PAIR.replace(cta_pair=False)
-    assert space.sm100_smem_bytes(single) - space.sm100_smem_bytes(SM100_PAIR) == 3 * 64 * 128 * 2
-    assert space.sm100_tmem_columns(SM100_PAIR) == space.sm100_tmem_columns(single) == 512
+    single = SM100_PAIR_EMU.replace(cta_pair=False)
+    assert space.sm100_smem_bytes(single) - space.sm100_smem_bytes(SM100_PAIR_EMU) == 3 * 64 * 128 * 2
+    assert space.sm100_tmem_columns(SM100_PAIR_EMU) == space.sm100_tmem_columns(single) == 512
     # The number the CLI prints is the family's own budget.
-    assert space.smem_bytes(SM100_PAIR) == space.sm100_smem_bytes(SM100_PAIR)
+    assert space.smem_bytes(SM100_PAIR_EMU) == space.sm100_smem_bytes(SM100_PAIR_EMU)
     # Half a ring fits where a whole one does not: head dim 256 with 128-key blocks.
-    wide = VariantSpec("sm100", "fwd", "bf16", 256, 128, 128, 2, 16)
+    wide = VariantSpec("sm100", "fwd", "bf16", 256, 128, 128, 2, 16, exp_emu=25)
     assert "shared memory" in space.why_invalid(wide)
     assert space.why_invalid(wide.replace(cta_pair=True)) is None
-    assert space.why_invalid(SM100_PAIR) is None and space.why_invalid(SM100_PAIR.replace(causal=True)) is None
+    assert space.why_invalid(SM100_PAIR_EMU) is None and space.why_invalid(SM100_PAIR_EMU.replace(causal=True)) is None
+    # The spill rule spares the shape that compiles clean with every exp2 on MUFU.
+    assert space.why_invalid(SM100_PAIR.replace(tile_m=128)) is None
 
 
 def test_sm100_pair_candidates_and_defaults():
