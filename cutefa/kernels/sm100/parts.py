@@ -118,11 +118,19 @@ class PairUmmaAsync(pipeline.PipelineUmmaAsync):
     """An UMMA -> threads pipeline of a CTA pair whose consumers (softmax or correction threads of
     either CTA) release a TMEM buffer by arriving on the leader CTA's barrier with a cluster-scope
     release: what they did to their CTA's TMEM (S read, P written, O rescaled) is handed to the
-    leader's next UMMA, a cross-CTA handoff (the DSL's remote arrive defaults to CTA scope)."""
+    leader's next UMMA, a cross-CTA handoff (the DSL's remote arrive defaults to CTA scope). The
+    tcgen05 fences around that thread synchronisation order the TMEM loads/stores before it and
+    the leader's UMMAs after it, as the PTX memory model asks of tcgen05 work handed across one."""
 
     @dsl_user_op
     def consumer_release(self, state, *, loc=None, ip=None) -> None:
+        tcgen05_fence("before", loc=loc, ip=ip)
         arrive_cluster(self.sync_object_empty.get_barrier(state.index, loc=loc, ip=ip), PAIR_LEADER, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def producer_acquire(self, state, try_acquire_token=None, *, loc=None, ip=None) -> None:
+        super().producer_acquire(state, try_acquire_token, loc=loc, ip=ip)
+        tcgen05_fence("after", loc=loc, ip=ip)
 
 
 @dsl_user_op
