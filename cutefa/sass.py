@@ -39,6 +39,12 @@ class SassReport:
     local_bytes: int
     static_smem_bytes: int
     counts: dict[str, int] = field(default_factory=dict)
+    # Every opcode with its modifiers as cuobjdump prints it (e.g. 'UTCHMMA.2CTA'), with its count.
+    forms: dict[str, int] = field(default_factory=dict)
+
+    def forms_of(self, op: str) -> dict[str, int]:
+        """The printed forms of instruction ``op`` (``op`` itself or ``op.<modifiers>``) and their counts."""
+        return {form: n for form, n in self.forms.items() if form == op or form.startswith(op + ".")}
 
     @property
     def spills(self) -> int:
@@ -90,7 +96,10 @@ def analyze(cubin: Path) -> SassReport:
     reg, stack, shared, local = (int(x) for x in max(usage, key=lambda u: int(u[0])))
     opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", _cuobjdump(cubin, "-sass"), re.MULTILINE)
     counts = {op: sum(1 for o in opcodes if o == op or o.startswith(op + ".")) for op in _COUNTED}
-    return SassReport(reg, stack, local, shared, counts)
+    forms: dict[str, int] = {}
+    for o in opcodes:
+        forms[o] = forms.get(o, 0) + 1
+    return SassReport(reg, stack, local, shared, counts, forms)
 
 
 def dump_cubins(specs: list[VariantSpec], target: str, out_dir: Path) -> dict[str, Path]:

@@ -129,6 +129,14 @@ _SM90_SCHEDULES: tuple[dict[str, bool], ...] = tuple(
 )
 
 
+# sm100 forward: one CTA per UMMA, or a CTA pair (2-SM UMMAs).
+_SM100_FWD_SCHEDULES: tuple[dict[str, bool], ...] = ({}, {"cta_pair": True})
+_FLAG_SETS: dict[tuple[str, str], tuple[dict[str, bool], ...]] = {
+    ("sm90", "fwd"): _SM90_SCHEDULES,
+    ("sm100", "fwd"): _SM100_FWD_SCHEDULES,
+}
+
+
 def _require(argument: str, value: str, accepted: Sequence[str]) -> None:
     if value not in accepted:
         raise ValueError(f"{argument}={value!r} is not one of {tuple(accepted)}")
@@ -151,7 +159,7 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
         for tile in _TILE_GRID[arch]
         for causal in (False, True)
         for exp_emu in ((0, 25) if arch in ("sm90", "sm100") and direction == "fwd" else (0,))
-        for flags in (_SM90_SCHEDULES if (arch, direction) == ("sm90", "fwd") else ({},))
+        for flags in _FLAG_SETS.get((arch, direction), ({},))
     ]
 
 
@@ -161,6 +169,8 @@ def smem_bytes(spec: VariantSpec) -> int:
         return _sm80_bwd_smem_bytes(spec)
     if spec.direction == "bwd" and spec.arch == "sm100":
         return sm100_bwd_smem_bytes(spec)
+    if spec.arch == "sm100":  # one K/V ring, an O staging tile; half a ring per CTA of a pair
+        return sm100_smem_bytes(spec)
     elements = (spec.tile_m + 2 * spec.stages * spec.tile_n) * spec.head_dim
     if spec.persistent:  # O staged apart from Q (the next tile's Q loads during the epilogue)
         elements += spec.tile_m * spec.head_dim
@@ -402,6 +412,13 @@ DEFAULT_TILES["sm100"] = {
 }
 DEFAULT_EXP_EMU: dict[str, dict[int, int]] = {"sm100": {64: 25, 96: 25, 128: 25, 192: 0, 256: 0}}
 
+# CTA-pair (2-SM UMMA, cta_pair) variants committed next to the defaults, on the default tile of
+# each head dim >= 128, so that a Blackwell run can compare them; the defaults stay single-CTA
+# until a measurement says otherwise (docs/sm100-model.md gives the predicted effect).
+PAIR_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
+    "sm100": {hd: (DEFAULT_TILES["sm100"][hd],) for hd in (128, 192, 256)},
+}
+
 
 def sm100_tmem_columns(spec: VariantSpec) -> int:
     """TMEM columns one CTA uses: per Q tile of 128 rows, S (tile_n fp32 columns, P and the row
@@ -411,8 +428,10 @@ def sm100_tmem_columns(spec: VariantSpec) -> int:
 
 def sm100_smem_bytes(spec: VariantSpec) -> int:
     """Q tiles, the K/V ring (K and V share its stages) and one 128-row O staging tile, plus
-    mbarriers and 1 KiB alignment of each buffer."""
-    elements = (spec.tile_m + spec.stages * spec.tile_n + 128) * spec.head_dim
+    mbarriers and 1 KiB alignment of each buffer. A CTA of a pair (cta_pair) holds half of each
+    K/V stage: tile_n / 2 keys of K or head_dim / 2 columns of V."""
+    ring_rows = spec.tile_n // 2 if spec.cta_pair else spec.tile_n
+    elements = (spec.tile_m + spec.stages * ring_rows + 128) * spec.head_dim
     return elements * spec.elem_bytes + 4 * SMEM_RESERVE
 
 
@@ -453,6 +472,32 @@ def _sm100_tmem(spec: VariantSpec) -> str | None:
         return (
             f"needs {cols} TMEM columns ({spec.tile_m // 128} x (S {spec.tile_n} + O {spec.head_dim})), "
             f"over the {SM100_TMEM_COLUMNS} of an SM"
+        )
+    return None
+
+
+SM100_PAIR_MIN_HEAD_DIM = 128
+
+
+def _sm100_pair(spec: VariantSpec) -> str | None:
+    """The CTA pair (tcgen05 cta_group::2) splits every V tile by head-dim columns between its
+    two CTAs and every K tile by keys; the UMMAs are M = 256 (128 rows per CTA)."""
+    if not spec.cta_pair:
+        return None
+    if spec.head_dim < SM100_PAIR_MIN_HEAD_DIM:
+        return (
+            f"head_dim={spec.head_dim}: cta_pair is for head_dim >= {SM100_PAIR_MIN_HEAD_DIM}: each CTA would load "
+            f"{spec.head_dim // 2} columns of V, under one 128-byte swizzle row (64 elements), and at this head dim "
+            "the K/V traffic the pair halves is small beside its Q and O traffic"
+        )
+    if spec.tile_n == 128 and spec.exp_emu == 0 and (spec.tile_m, spec.head_dim) != (128, 128):
+        # Calibrated on compiled SASS (sm_100a, DSL 4.8.1), causal or not: hd128 256x128, hd192 and
+        # hd256 128x128 spill 8-48 B (second softmax and correction warpgroups) with every exp2 on
+        # MUFU, none with exp_emu=25; hd128 128x128 compiles clean either way. The single-CTA
+        # twins spill the same.
+        return (
+            f"tile_n=128 with exp_emu=0 spills registers in the pair's softmax/correction warps at "
+            f"head_dim={spec.head_dim}, tile_m={spec.tile_m} (compiled SASS); exp_emu=25 does not"
         )
     return None
 
@@ -543,7 +588,10 @@ def _backward_only(rule: Rule) -> Rule:
 _COMMON_RULES = (*_COMMON_RULES, _exp_emu_family)
 _ARCH_RULES["sm90"] = (*_ARCH_RULES["sm90"], _forward_only(_exp_emu_share))
 _ARCH_RULES["sm100"] = (
-    *(_forward_only(r) for r in (_sm100_roles, _sm100_tile_n, _exp_emu_share, _sm100_tmem, _sm100_smem, _sm100_regs)),
+    *(
+        _forward_only(r)
+        for r in (_sm100_roles, _sm100_tile_n, _exp_emu_share, _sm100_pair, _sm100_tmem, _sm100_smem, _sm100_regs)
+    ),
     _backward_only(_sm100_bwd),
 )
 
@@ -577,9 +625,10 @@ def default_extras(arch: str, direction: str, head_dim: int) -> dict[str, object
 def default_variants(arch: str, direction: str | None = None) -> list[VariantSpec]:
     """The variants committed to generated/ for ``arch`` (both directions unless one is named), sorted.
 
-    Forward: the DEFAULT_TILES tile with the default extras, the TUNING_ALTERNATIVES tiles, and
-    the SCHEDULE_ALTERNATIVES schedules on the default tile; backward: DEFAULT_BWD_TILES. A
-    direction contributes only once its kernel exists (IMPLEMENTED).
+    Forward: the DEFAULT_TILES tile with the default extras, the TUNING_ALTERNATIVES tiles, the
+    SCHEDULE_ALTERNATIVES schedules on the default tile, and the PAIR_ALTERNATIVES tiles as CTA
+    pairs (cta_pair, with the default extras); backward: DEFAULT_BWD_TILES. A direction
+    contributes only once its kernel exists (IMPLEMENTED).
     """
     _require("arch", arch, ARCHS)
     entries: list[tuple[str, int, Tile, dict[str, object]]] = []
@@ -588,6 +637,8 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
         entries += [("fwd", hd, tile, extras) for extras in SCHEDULE_ALTERNATIVES.get(arch, {}).get(hd, ())]
     for hd, alts in TUNING_ALTERNATIVES.get(arch, {}).items():
         entries += [("fwd", hd, tile, default_extras(arch, "fwd", hd)) for tile in alts]
+    for hd, alts in PAIR_ALTERNATIVES.get(arch, {}).items():
+        entries += [("fwd", hd, tile, {**default_extras(arch, "fwd", hd), "cta_pair": True}) for tile in alts]
     entries += [("bwd", hd, tile, {}) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()]
     directions = DIRECTIONS if direction is None else (direction,)
     return sorted(

@@ -153,3 +153,63 @@ def test_valid_variants():
 def test_bad_arguments(call, words):
     with pytest.raises(ValueError, match=words):
         call()
+
+
+SM100_PAIR = VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16, cta_pair=True)
+SM100_PAIR_EMU = SM100_PAIR.replace(exp_emu=25)
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (SM100_PAIR.replace(direction="bwd", tile_m=128, stages=1, warps=4), "cta_pair (2-CTA UMMA) is an sm100 forward"),
+        (SM100_PAIR.replace(head_dim=96), "head_dim=96: cta_pair is for head_dim >= 128: each CTA would load 48 columns"),
+        (SM100_PAIR.replace(head_dim=64), "head_dim=64: cta_pair is for head_dim >= 128"),
+        (SM100_PAIR.replace(head_dim=256, tile_n=64), "needs 640 TMEM columns (2 x (S 64 + O 256)), over the 512"),
+        (SM100_PAIR, "tile_n=128 with exp_emu=0 spills registers in the pair's softmax/correction warps"),
+        (SM100_PAIR.replace(head_dim=192, tile_m=128, stages=2), "at head_dim=192, tile_m=128"),
+        (
+            SM100_PAIR_EMU.replace(head_dim=256, tile_m=128, tile_n=128, stages=3),
+            "needs 228.0 KiB of shared memory, over the 227 KiB of a B200 block",
+        ),
+    ],
+    ids=lambda x: x.name if isinstance(x, VariantSpec) else None,
+)
+def test_sm100_pair_rules(spec, reason):
+    assert reason in space.why_invalid(spec)
+
+
+def test_sm100_pair_budgets_per_cta():
+    """A CTA of a pair holds half of each K/V stage; its TMEM holds its own S and O, as one CTA does."""
+    single = SM100_PAIR_EMU.replace(cta_pair=False)
+    assert space.sm100_smem_bytes(single) - space.sm100_smem_bytes(SM100_PAIR_EMU) == 3 * 64 * 128 * 2
+    assert space.sm100_tmem_columns(SM100_PAIR_EMU) == space.sm100_tmem_columns(single) == 512
+    # The number the CLI prints is the family's own budget.
+    assert space.smem_bytes(SM100_PAIR_EMU) == space.sm100_smem_bytes(SM100_PAIR_EMU)
+    # Half a ring fits where a whole one does not: head dim 256 with 128-key blocks.
+    wide = VariantSpec("sm100", "fwd", "bf16", 256, 128, 128, 2, 16, exp_emu=25)
+    assert "shared memory" in space.why_invalid(wide)
+    assert space.why_invalid(wide.replace(cta_pair=True)) is None
+    assert space.why_invalid(SM100_PAIR_EMU) is None and space.why_invalid(SM100_PAIR_EMU.replace(causal=True)) is None
+    # The spill rule spares the shape that compiles clean with every exp2 on MUFU.
+    assert space.why_invalid(SM100_PAIR.replace(tile_m=128)) is None
+
+
+def test_sm100_pair_candidates_and_defaults():
+    assert {s.cta_pair for s in space.candidates("sm100")} == {False, True}
+    assert {s.cta_pair for s in space.candidates("sm100", "bwd")} == {False}
+    assert {s.head_dim for s in space.valid_variants("sm100") if s.cta_pair} == {128, 192, 256}
+    defaults = space.default_variants("sm100", "fwd")
+    pairs = [s for s in defaults if s.cta_pair]
+    assert {s.head_dim for s in pairs} == set(space.PAIR_ALTERNATIVES["sm100"]) == {128, 192, 256}
+    assert len(pairs) == 2 * 2 * 3  # dtypes x causal x head dims
+    for spec in pairs:
+        tile = (spec.tile_m, spec.tile_n, spec.stages, spec.warps)
+        assert tile in space.PAIR_ALTERNATIVES["sm100"][spec.head_dim]
+        assert spec.exp_emu == space.DEFAULT_EXP_EMU["sm100"][spec.head_dim]
+        assert space.why_invalid(spec) is None
+    # The defaults themselves stay single-CTA.
+    for hd, tile in space.DEFAULT_TILES["sm100"].items():
+        extras = space.default_extras("sm100", "fwd", hd)
+        assert "cta_pair" not in extras
+        assert VariantSpec("sm100", "fwd", "bf16", hd, *tile, **extras) in defaults

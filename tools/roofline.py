@@ -14,6 +14,11 @@ takes the largest per-block time (the units overlap: two softmax warpgroups ping
 MMA warp), and reports the predicted TFLOP/s for a long-sequence problem. It also finds the
 exp-emulation share that balances MUFU and FMA.
 
+CTA pairs (``cta_pair``, tcgen05 cta_group::2): a second table compares each committed pair
+variant with its single-CTA twin on what the pair changes, shared-memory traffic per SM (UMMA
+operand reads plus TMA fills, against 128 B/clk/SM) and K/V bytes read from L2. The per-SM
+tensor-core rate is the same (an M = 256 UMMA over two SMs is 128 rows per SM).
+
 Usage: python tools/roofline.py [--seqlen 8192] [--batch-heads 128] [--markdown]
 """
 
@@ -38,6 +43,7 @@ HBM_BYTES_PER_S = 8.0e12
 MMA_FLOPS_PER_CLK_SM = DENSE_16BIT_FLOPS / (SMS * CLOCK_HZ)  # ~8200
 MUFU_EX2_PER_CLK_SM = 16
 FMA_LANES_PER_CLK_SM = 128
+SMEM_BYTES_PER_CLK_SM = 128  # shared-memory bandwidth of one SM
 
 # FMA-pipe instructions per score (issue slots of one FP32 lane), counted from the softmax code:
 # the scale-and-subtract FFMA2 (0.5), the packed row-sum FADD2 (0.5), the 16-bit conversion
@@ -92,9 +98,60 @@ def predict(spec: VariantSpec, seqlen: int, batch_heads: int) -> Prediction:
     return Prediction(spec, clk_mma, clk_mufu, clk_fma, clk_mem, balanced_share())
 
 
-def tflops(p: Prediction, causal_factor: float = 1.0) -> float:
-    clk = max(p.clk_block, p.clk_mem)
+def tflops(p: Prediction, causal_factor: float = 1.0, clk_smem: float = 0.0) -> float:
+    clk = max(p.clk_block, p.clk_mem, clk_smem)
     return MMA_FLOPS_PER_CLK_SM * p.clk_mma / clk * SMS * CLOCK_HZ / 1e12 * causal_factor
+
+
+def smem_clk(spec: VariantSpec) -> float:
+    """Shared-memory clocks of one SM per 128-row Q tile and key block. The UMMAs read Q (128 x d)
+    and the SM's part of K for S = Q K^T and its part of V for O += P V (P comes from TMEM); the
+    TMA fills K and V once per key block for all Q tiles of the CTA. A CTA of a pair holds and
+    reads half of K (tile_n / 2 keys) and half of V (d / 2 columns). Assumes operand reads and
+    TMA fills share the 128 B/clk of an SM."""
+    half = 2 if spec.cta_pair else 1
+    q_tiles = spec.tile_m // 128
+    kv_bytes = 2 * spec.tile_n * spec.head_dim * spec.elem_bytes // half  # this SM's K and V of a block
+    reads = 128 * spec.head_dim * spec.elem_bytes + kv_bytes
+    fills = kv_bytes / q_tiles
+    return (reads + fills) / SMEM_BYTES_PER_CLK_SM
+
+
+def l2_kv_bytes(spec: VariantSpec, seqlen: int, batch_heads: int) -> float:
+    """K and V bytes moved from L2 into SMs for a non-causal problem: every CTA (one per tile_m
+    query rows) reads all of K and V of its head, a CTA of a pair half of them."""
+    ctas = batch_heads * seqlen / spec.tile_m
+    per_cta = 2 * seqlen * spec.head_dim * spec.elem_bytes / (2 if spec.cta_pair else 1)
+    return ctas * per_cta
+
+
+def pair_causal_waste(spec: VariantSpec, seqlen: int) -> float:
+    """Extra UMMA work of a causal pair: both CTAs visit the key blocks of the pair's last row, so
+    the first CTA of each pair runs ~tile_m / tile_n blocks past its own diagonal. Summed over the
+    problem (seqlen_q = seqlen_k) that is tile_m / seqlen of the causal work."""
+    return spec.tile_m / seqlen if spec.cta_pair else 0.0
+
+
+def pair_rows(seqlen: int, batch_heads: int) -> list[tuple[VariantSpec, VariantSpec, dict[str, float]]]:
+    """(pair variant, its single-CTA twin, numbers) for every committed bf16 non-causal pair variant."""
+    rows = []
+    for pair in space.default_variants("sm100", "fwd"):
+        if not pair.cta_pair or pair.dtype != "bf16" or pair.causal:
+            continue
+        single = pair.replace(cta_pair=False)
+        p = predict(single, seqlen, batch_heads)
+        numbers = {
+            "mma": p.clk_mma,
+            "smem_single": smem_clk(single),
+            "smem_pair": smem_clk(pair),
+            "l2_single": l2_kv_bytes(single, seqlen, batch_heads) / 1e9,
+            "l2_pair": l2_kv_bytes(pair, seqlen, batch_heads) / 1e9,
+            "tflops_single": tflops(p, clk_smem=smem_clk(single)),
+            "tflops_pair": tflops(p, clk_smem=smem_clk(pair)),
+            "causal_waste": pair_causal_waste(pair, seqlen),
+        }
+        rows.append((pair, single, numbers))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-heads", type=int, default=128)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = parser.parse_args(argv)
-    specs = [s for s in space.default_variants("sm100", "fwd") if s.dtype == "bf16" and not s.causal]
+    specs = [
+        s for s in space.default_variants("sm100", "fwd") if s.dtype == "bf16" and not s.causal and not s.cta_pair
+    ]
     rows = []
     for spec in specs:
         for share in sorted({0, spec.exp_emu, 25, 50}):
@@ -125,6 +184,21 @@ def main(argv: list[str] | None = None) -> int:
         f"B200 model: {MMA_FLOPS_PER_CLK_SM:.0f} MMA FLOP/clk/SM, {MUFU_EX2_PER_CLK_SM} ex2/clk/SM, "
         f"{FMA_LANES_PER_CLK_SM} FP32 lanes/clk/SM. Compiled and SASS-checked, not run."
     )
+    head = (
+        "| hd | tile | MMA clk | smem clk 1 CTA | smem clk pair | L2 K/V GB 1 CTA | L2 K/V GB pair "
+        "| TFLOP/s 1 CTA | TFLOP/s pair | causal extra work |"
+    )
+    print("\nCTA pair (cta_pair) against one CTA per UMMA, with shared-memory traffic in the bound:")
+    print(head if args.markdown else head.replace("|", " "))
+    if args.markdown:
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    for pair, _, n in pair_rows(args.seqlen, args.batch_heads):
+        line = (
+            f"| {pair.head_dim} | {pair.tile_m}x{pair.tile_n} | {n['mma']:.0f} | {n['smem_single']:.0f} | "
+            f"{n['smem_pair']:.0f} | {n['l2_single']:.1f} | {n['l2_pair']:.1f} | {n['tflops_single']:.0f} | "
+            f"{n['tflops_pair']:.0f} | {n['causal_waste']:.1%} |"
+        )
+        print(line if args.markdown else line.replace("|", " "))
     return 0
 
 

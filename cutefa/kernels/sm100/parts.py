@@ -10,14 +10,23 @@ TMEM map of one CTA (columns; 128 lanes = 128 query rows of a Q tile)::
       P_q  inside S_q at + tile_n/2   16-bit probabilities (tile_n/2 columns, packed)
       stats_q inside S_q at + 0       (previous max, current max) for the correction warpgroup
     O_q  at q_tiles * tile_n + q * head_dim_v   fp32 output accumulator of Q tile q
+
+CTA pair (``cta_pair``, tcgen05 cta_group::2): the two CTAs of a (2, 1, 1) cluster share each UMMA
+(M = 256, issued by the leader, cluster rank 0). Each CTA keeps its own 128 rows of every Q tile in
+shared memory and its own S, P and O in its TMEM (the map above, at the same addresses in both
+CTAs), and loads half of every K tile (tile_n / 2 keys) and half of every V tile (head_dim_v / 2
+columns); the MMA reads both halves across the pair.
 """
+
+import dataclasses
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from cutefa.kernels.common.exp2 import exp2_fma
@@ -38,15 +47,22 @@ def tmem_alloc_columns(used: int) -> int:
 # Host-side set-up (called inside the @cute.jit launcher)
 
 
-def tiled_mmas(dtype, tile_n: int, head_dim_v: int):
-    """(QK^T MMA: S = Q K^T, both operands K-major in smem; PV MMA: O += P V, P from TMEM, V MN-major)."""
+def cta_group(ctas: int):
+    """tcgen05 CTA group of a UMMA spread over ``ctas`` (1 or 2) CTAs."""
+    return tcgen05.CtaGroup.TWO if ctas == 2 else tcgen05.CtaGroup.ONE
+
+
+def tiled_mmas(dtype, tile_n: int, head_dim_v: int, ctas: int = 1):
+    """(QK^T MMA: S = Q K^T, both operands K-major in smem; PV MMA: O += P V, P from TMEM, V MN-major).
+    ``ctas`` = 2: 2-SM UMMAs (cta_group::2) of M = 256, 128 rows in each CTA of the pair."""
     k_major = tcgen05.OperandMajorMode.K
+    group = cta_group(ctas)
     qk = sm100_utils.make_trivial_tiled_mma(
-        dtype, dtype, k_major, k_major, Float32, tcgen05.CtaGroup.ONE, (ROWS_PER_Q_TILE, tile_n)
+        dtype, dtype, k_major, k_major, Float32, group, (ROWS_PER_Q_TILE * ctas, tile_n)
     )
     pv = sm100_utils.make_trivial_tiled_mma(
-        dtype, dtype, k_major, tcgen05.OperandMajorMode.MN, Float32, tcgen05.CtaGroup.ONE,
-        (ROWS_PER_Q_TILE, head_dim_v), tcgen05.OperandSource.TMEM,
+        dtype, dtype, k_major, tcgen05.OperandMajorMode.MN, Float32, group,
+        (ROWS_PER_Q_TILE * ctas, head_dim_v), tcgen05.OperandSource.TMEM,
     )  # fmt: skip
     return qk, pv
 
@@ -75,14 +91,15 @@ def dim_major_view(t: cute.Tensor) -> cute.Tensor:
     )
 
 
-def tma_load_atoms(qk_mma, pv_mma, qk_tiler, pv_tiler, q, k, v, sQ_layout, sK_layout, sV_layout):
+def tma_load_atoms(qk_mma, pv_mma, qk_tiler, pv_tiler, q, k, v, sQ_layout, sK_layout, sV_layout, ctas: int = 1):
     """TMA atoms and coordinate tensors for Q (A of QK), K (B of QK) and V (B of PV). Rows past a
-    sequence end are zero-filled by the TMA unit (out-of-bounds boxes)."""
-    op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-    one = (1, 1, 1, 1)
-    tq = cute.nvgpu.make_tiled_tma_atom_A(op, q, cute.select(sQ_layout, mode=[0, 1, 2]), qk_tiler, qk_mma, one)
-    tk = cute.nvgpu.make_tiled_tma_atom_B(op, k, cute.select(sK_layout, mode=[0, 1, 2]), qk_tiler, qk_mma, one)
-    tv = cute.nvgpu.make_tiled_tma_atom_B(op, v, cute.select(sV_layout, mode=[0, 1, 2]), pv_tiler, pv_mma, one)
+    sequence end are zero-filled by the TMA unit (out-of-bounds boxes). ``ctas`` = 2: 2-SM loads
+    (each CTA fills its own half of the operand and signals the leader CTA's barrier)."""
+    op = cpasync.CopyBulkTensorTileG2SOp(cta_group(ctas))
+    cluster = (ctas, 1, 1, 1)
+    tq = cute.nvgpu.make_tiled_tma_atom_A(op, q, cute.select(sQ_layout, mode=[0, 1, 2]), qk_tiler, qk_mma, cluster)
+    tk = cute.nvgpu.make_tiled_tma_atom_B(op, k, cute.select(sK_layout, mode=[0, 1, 2]), qk_tiler, qk_mma, cluster)
+    tv = cute.nvgpu.make_tiled_tma_atom_B(op, v, cute.select(sV_layout, mode=[0, 1, 2]), pv_tiler, pv_mma, cluster)
     return tq, tk, tv
 
 
@@ -93,6 +110,50 @@ def tma_store_atom(o, sO_layout, epi_tile):
 
 # ---------------------------------------------------------------------------------------------
 # Device-side helpers
+
+PAIR_BOTH_CTAS = 0b11  # multicast mask of the (2, 1, 1) cluster: both CTAs of the pair
+PAIR_LEADER = 0  # cluster rank of the CTA that issues the pair's UMMAs
+
+
+@dataclasses.dataclass(frozen=True)
+class PairUmmaAsync(pipeline.PipelineUmmaAsync):
+    """An UMMA -> threads pipeline of a CTA pair whose consumers (softmax or correction threads of
+    either CTA) release a TMEM buffer by arriving on the leader CTA's barrier with a cluster-scope
+    release: what they did to their CTA's TMEM (S read, P written, O rescaled) is handed to the
+    leader's next UMMA, a cross-CTA handoff (the DSL's remote arrive defaults to CTA scope). The
+    tcgen05 fences around that thread synchronisation order the TMEM loads/stores before it and
+    the leader's UMMAs after it, as the PTX memory model asks of tcgen05 work handed across one."""
+
+    @dsl_user_op
+    def consumer_release(self, state, *, loc=None, ip=None) -> None:
+        tcgen05_fence("before", loc=loc, ip=ip)
+        arrive_cluster(self.sync_object_empty.get_barrier(state.index, loc=loc, ip=ip), PAIR_LEADER, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def producer_acquire(self, state, try_acquire_token=None, *, loc=None, ip=None) -> None:
+        super().producer_acquire(state, try_acquire_token, loc=loc, ip=ip)
+        tcgen05_fence("after", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def arrive_cluster(mbar, cta_rank, *, loc=None, ip=None) -> None:
+    """Arrive on the mbarrier at ``mbar``'s offset in CTA ``cta_rank`` of the cluster, with a
+    cluster-scope release (orders this thread's earlier work before the other CTA's waiter)."""
+    cute.arch.mbarrier_arrive(mbar, cta_rank, scope=nvvm.MemScopeKind.CLUSTER, loc=loc, ip=ip)
+
+
+def pair_targets(pipe):
+    """``pipe`` (created with the pair's cluster layout) with its arrival targets as constants:
+    UMMA commits multicast to both CTAs, thread arrivals go to the leader (cluster-scoped, see
+    :class:`PairUmmaAsync`). The DSL derives the targets from the cluster rank at creation, before
+    the warp-role split, where they would stay live in a register through every role (and spill in
+    the 80-register correction warps); for a (2, 1, 1) cluster they are the constants above."""
+    if isinstance(pipe, pipeline.PipelineTmaUmma):
+        return dataclasses.replace(pipe, consumer_mask=PAIR_BOTH_CTAS)
+    if isinstance(pipe, pipeline.PipelineUmmaAsync):
+        fields = {f.name: getattr(pipe, f.name) for f in dataclasses.fields(pipe)}
+        return PairUmmaAsync(**{**fields, "producer_mask": PAIR_BOTH_CTAS, "consumer_mask": PAIR_LEADER})
+    raise TypeError(f"pair_targets: no pair arrival targets for {type(pipe).__name__}")
 
 
 def tma_tiles(atom, mma_slice, s_tensor, g_tensor, tiler_modes, tiler):
