@@ -545,15 +545,15 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
         )
     if spec.stages < 2:
         return f"stages={spec.stages}: the Q/dO TMA ring needs at least 2 stages to overlap loads with MMAs"
-    needed = sm90_bwd_smem_bytes(spec)
-    if needed > SM90_SMEM_LIMIT:
-        return f"needs {needed / 1024:.1f} KiB of shared memory, over the {SM90_SMEM_LIMIT // 1024} KiB per-block opt-in limit of the H100/H200"
     estimate = sm90_bwd_registers(spec)
     if estimate > SM90_CONSUMER_REGS:
         return (
             f"would spill registers (estimated {estimate} > {SM90_CONSUMER_REGS} per consumer thread "
             "after setmaxnreg)"
         )
+    needed = sm90_bwd_smem_bytes(spec)
+    if needed > SM90_SMEM_LIMIT:
+        return f"needs {needed / 1024:.1f} KiB of shared memory, over the {SM90_SMEM_LIMIT // 1024} KiB per-block opt-in limit of the H100/H200"
     return None
 
 

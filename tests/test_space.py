@@ -13,7 +13,28 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
 @pytest.mark.parametrize(
     ("spec", "reason"),
     [
-        (SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2), "no sm90 bwd kernel exists yet"),
+        (SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2), "the sm90 backward runs warps=12 and tile_n=128"),
+        (
+            SM80.replace(arch="sm90", direction="bwd", tile_m=192, tile_n=128, warps=12, stages=2),
+            "tile_m=192 must be 64 or 128 (the two consumers split dQ",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", head_dim=96, tile_n=128, warps=12, stages=2),
+            "head_dim=96: the sm90 backward handles (64, 128)",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=1),
+            "the Q/dO TMA ring needs at least 2 stages",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", head_dim=128, tile_n=128, warps=12, stages=2),
+            "would spill registers (estimated 296 > 240 per consumer thread",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=4),
+            "KiB of shared memory, over the 227 KiB per-block opt-in limit of the H100/H200",
+        ),
+        (SM80.replace(arch="sm90", dtype="e4m3", warps=12, stages=2), "no e4m3 sm90 fwd kernel exists yet"),
         (SM80.replace(overlap=True), "overlap/pingpong are sm90 (FlashAttention-3) schedule flags, not sm80"),
         (SM80.replace(arch="sm90", tile_m=192, warps=16, stages=2, pingpong=True), "pingpong needs exactly two"),
         (SM80.replace(persistent=True), "persistent is an sm90 forward scheduler flag, not a sm80 fwd one"),
