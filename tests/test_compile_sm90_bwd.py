@@ -1,7 +1,7 @@
 """sm90 backward (FlashAttention-3 design) on this CPU: representative default variants compile for
 sm_90a and their SASS shows the design: WGMMA (HGMMA) for all five products, TMA loads (UTMALDG) of
 K, V, Q and dO, setmaxnreg (USETMAXREG), mbarrier pipelines (SYNCS), MUFU.EX2 for the recomputed
-probabilities and fp32 reductions (REDG ... ADD.F32) into the dQ accumulator; no local-memory
+probabilities and 8-byte fp32 vector reductions (REDG ... ADD.F32x2) into the dQ accumulator; no local-memory
 spills. Also: the shared-memory layouts that read one buffer in two roles address the same bytes.
 
 One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
@@ -44,7 +44,9 @@ def test_sass_sm90a_bwd(cubins, spec):
     assert report.counts["USETMAXREG"] >= 2, report.summary()  # producer gives, consumers take
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
     text = sass._cuobjdump(cubins[spec.name], "-sass")
-    assert re.findall(r"\bREDG?\.E\.ADD\.F32", text), f"{spec.name}: no fp32 reductions into dq_accum"
+    # dQ into dq_accum: 8-byte vector reductions, one per two accumulator columns.
+    reductions = re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text)
+    assert len(reductions) == spec.tile_m * spec.head_dim // 2 // 2 // 128, f"{spec.name}: {len(reductions)} REDs"
     # K, V once per key block, Q and dO per query block: 4 TMA loads per box row of 64 columns.
     assert report.counts["UTMALDG"] >= 4, report.summary()
 

@@ -30,7 +30,7 @@ which own 64 keys each and walk the query blocks that see their keys:
     dV  += P^T dO, dK += dS^T Q   WGMMA with P^T, dS^T as register A operands; dK, dV stay in registers
     dQ   = dS K                   WGMMA over dS in shared memory (both warpgroups' keys), each
                                   warpgroup a disjoint 64 x 64 piece, added into dq_accum
-                                  with fp32 reductions (RED.ADD.F32)
+                                  with 8-byte fp32 vector reductions (RED.ADD.F32x2)
 
 LSE2 and D of a query block are staged in shared memory by the consumers one block ahead; dS has
 two shared-memory buffers, so one named barrier per query block orders the consumers. TMA
@@ -434,7 +434,7 @@ class Kernel:
                     handle.release()  # Q and dO of this stage are read
                     warpgroup.wait_group(0)
                     row_block = m_block * DQ_ROW_BLOCKS + dq_row
-                    row_parts.atomic_add_rows(
+                    bwd_parts.red_add_pairs(
                         acc_dQ, tdQc, tdQgdQ[None, None, None, row_block], seqlen_q - row_block * parts.WG_ROWS
                     )
                 kv_handle.release()
