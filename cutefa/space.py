@@ -141,6 +141,8 @@ def smem_bytes(spec: VariantSpec) -> int:
         return _sm80_bwd_smem_bytes(spec)
     if spec.direction == "bwd" and spec.arch == "sm100":
         return sm100_bwd_smem_bytes(spec)
+    if spec.direction == "bwd" and spec.arch == "sm90":
+        return sm90_bwd_smem_bytes(spec)
     elements = (spec.tile_m + 2 * spec.stages * spec.tile_n) * spec.head_dim
     return elements * spec.elem_bytes + SMEM_RESERVE
 
@@ -174,6 +176,8 @@ def _sm80_registers(spec: VariantSpec) -> int:
 
 
 def _sm90_registers(spec: VariantSpec) -> int:
+    if spec.direction == "bwd":
+        return sm90_bwd_registers(spec)
     # Per consumer thread (a warpgroup owns 64 query rows): fp32 O (64 x d) and S (64 x tile_n)
     # accumulators, P packed to 16 bit for the register-A WGMMA, and the softmax state.
     acc_o = 64 * spec.head_dim // 128

@@ -60,6 +60,9 @@ def test_bwd_budgets_in_the_predicate():
         assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
         assert space.sm90_bwd_smem_bytes(spec) <= space.SM90_SMEM_LIMIT
         assert space.sm90_bwd_registers(spec) <= space.SM90_CONSUMER_REGS
+        # the generic budget functions (CLI show, codegen) use the backward's models
+        assert space.smem_bytes(spec) == space.sm90_bwd_smem_bytes(spec)
+        assert space.est_registers(spec) == space.sm90_bwd_registers(spec)
 
 
 _LAYOUT_CHECK = """

@@ -425,6 +425,7 @@ class Kernel:
 
                     # dQ piece = dS K over the CTA's TILE_N keys.
                     acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
+                    warpgroup.fence()
                     parts.gemm_ss_zero(dq_mma, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
