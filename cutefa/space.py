@@ -550,6 +550,11 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
             "at 64-column swizzle-atom boundaries, and fp32 dK + dV of 64 keys, d registers per thread, must fit "
             "beside S^T and dP^T); other head dims run the sm80 backward"
         )
+    if spec.tile_m == 64 and spec.head_dim // 2 % 64:
+        return (
+            f"tile_m=64 with head_dim={spec.head_dim}: the two consumers would split dQ at column "
+            f"{spec.head_dim // 2}, inside a 64-column swizzle atom of K (tile_m=128 splits dQ by rows)"
+        )
     if spec.stages < 2:
         return f"stages={spec.stages}: the Q/dO TMA ring needs at least 2 stages to overlap loads with MMAs"
     estimate = sm90_bwd_registers(spec)

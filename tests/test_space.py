@@ -23,6 +23,10 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             "head_dim=96: the sm90 backward handles (64, 128)",
         ),
         (
+            SM80.replace(arch="sm90", direction="bwd", tile_m=64, tile_n=128, warps=12, stages=2),
+            "tile_m=64 with head_dim=64: the two consumers would split dQ at column 32, inside",
+        ),
+        (
             SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=1),
             "the Q/dO TMA ring needs at least 2 stages",
         ),
