@@ -507,14 +507,29 @@ def _sm100_bwd(spec: VariantSpec) -> str | None:
 # (TMA of K/V once per key block, of Q/dO through a `stages`-deep ring) and two consumer warpgroups
 # of 64 keys each, so tile_n = 128 and warps = 12; tile_m query rows per step. dK and dV (64 x d
 # fp32 per warpgroup) live in registers through the whole query loop, beside S^T and dP^T (64 x
-# tile_m) and the 16-bit P^T/dS^T operands: hd64 takes 128 query rows per step, hd128 64.
+# tile_m) and the 16-bit P^T/dS^T operands: hd64 takes 128 query rows per step, hd96 and hd128 64.
 IMPLEMENTED[("sm90", "bwd")] = ("fp16", "bf16")
 SM90_BWD_TILE_N = 128
 SM90_BWD_WARPS = 12
-SM90_BWD_HEAD_DIMS = (64, 128)
+SM90_BWD_HEAD_DIMS = (64, 96, 128)
 SM90_BWD_REG_OVERHEAD = 40  # descriptors, pipeline state, coordinates, LSE/D reads, addresses
-DEFAULT_BWD_TILES["sm90"] = {64: Tile(128, 128, 2, 12), 128: Tile(64, 128, 2, 12)}
+DEFAULT_BWD_TILES["sm90"] = {64: Tile(128, 128, 2, 12), 96: Tile(64, 128, 2, 12), 128: Tile(64, 128, 2, 12)}
 _TILE_GRID["sm90"] = (*_TILE_GRID["sm90"], *(Tile(m, 128, s, 12) for m in (64, 128) for s in (2, 3) if (m, s) != (128, 2)))
+
+
+def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | None:
+    """The dQ piece of each consumer warpgroup, (64-row block, first column, columns), or None
+    where none fits. tile_m=128: one 64-row block each, all columns. tile_m=64: a column split at a
+    swizzle-atom boundary of K (64 columns when head_dim is a multiple of 64, else 32): halves for
+    head_dim 128, 64 + 32 for head_dim 96; the second piece must tile the columns from its start."""
+    if spec.tile_m == 128:
+        return ((0, 0, spec.head_dim), (1, 0, spec.head_dim))
+    atom = 64 if spec.head_dim % 64 == 0 else 32
+    first = -(-spec.head_dim // 2 // atom) * atom
+    second = spec.head_dim - first
+    if spec.tile_m != 64 or second <= 0 or first % second:
+        return None
+    return ((0, 0, first), (0, first, second))
 
 
 def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
@@ -546,14 +561,13 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
         return f"tile_m={spec.tile_m} must be 64 or 128 (the two consumers split dQ into 64-row blocks)"
     if spec.head_dim not in SM90_BWD_HEAD_DIMS:
         return (
-            f"head_dim={spec.head_dim}: the sm90 backward handles {SM90_BWD_HEAD_DIMS} (the consumers split dQ "
-            "at 64-column swizzle-atom boundaries, and fp32 dK + dV of 64 keys, d registers per thread, must fit "
-            "beside S^T and dP^T); other head dims run the sm80 backward"
+            f"head_dim={spec.head_dim}: the sm90 backward handles {SM90_BWD_HEAD_DIMS} (fp32 dK + dV of 64 keys, "
+            "head_dim registers per thread, must fit beside S^T and dP^T); other head dims run the sm80 backward"
         )
-    if spec.tile_m == 64 and spec.head_dim // 2 % 64:
+    if sm90_bwd_dq_pieces(spec) is None:
         return (
-            f"tile_m=64 with head_dim={spec.head_dim}: the two consumers would split dQ at column "
-            f"{spec.head_dim // 2}, inside a 64-column swizzle atom of K (tile_m=128 splits dQ by rows)"
+            f"tile_m=64 with head_dim={spec.head_dim}: the two consumers cannot split dQ's columns at a "
+            "swizzle-atom boundary of K into two pieces (tile_m=128 splits dQ by rows)"
         )
     if spec.stages < 2:
         return f"stages={spec.stages}: the Q/dO TMA ring needs at least 2 stages to overlap loads with MMAs"

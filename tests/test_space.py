@@ -19,12 +19,12 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             "tile_m=192 must be 64 or 128 (the two consumers split dQ",
         ),
         (
-            SM80.replace(arch="sm90", direction="bwd", head_dim=96, tile_n=128, warps=12, stages=2),
-            "head_dim=96: the sm90 backward handles (64, 128)",
+            SM80.replace(arch="sm90", direction="bwd", head_dim=192, tile_n=128, warps=12, stages=2),
+            "head_dim=192: the sm90 backward handles (64, 96, 128)",
         ),
         (
             SM80.replace(arch="sm90", direction="bwd", tile_m=64, tile_n=128, warps=12, stages=2),
-            "tile_m=64 with head_dim=64: the two consumers would split dQ at column 32, inside",
+            "tile_m=64 with head_dim=64: the two consumers cannot split dQ's columns at a swizzle-atom",
         ),
         (
             SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=1),
@@ -118,6 +118,15 @@ def test_default_variants_are_valid_and_unique(arch):
     assert set(defaults) <= set(space.valid_variants(arch, "fwd") + space.valid_variants(arch, "bwd"))
 
 
+def test_sm90_bwd_dq_pieces():
+    """Each consumer's dQ piece: 64-row blocks for tile_m=128, atom-aligned column pieces for 64."""
+    bwd = VariantSpec("sm90", "bwd", "bf16", 64, 128, 128, 2, 12)
+    assert space.sm90_bwd_dq_pieces(bwd) == ((0, 0, 64), (1, 0, 64))
+    assert space.sm90_bwd_dq_pieces(bwd.replace(head_dim=128, tile_m=64)) == ((0, 0, 64), (0, 64, 64))
+    assert space.sm90_bwd_dq_pieces(bwd.replace(head_dim=96, tile_m=64)) == ((0, 0, 64), (0, 64, 32))
+    assert space.sm90_bwd_dq_pieces(bwd.replace(tile_m=64)) is None  # one 64-column atom: no split
+
+
 def test_sm80_bwd_default_set():
     defaults = space.default_variants("sm80", "bwd")
     assert len(defaults) == 2 * 2 * len(HEAD_DIMS)
@@ -147,7 +156,8 @@ def test_sm80_default_set():
 def test_other_archs_have_no_defaults_yet():
     sm90 = space.default_variants("sm90")
     assert {(s.overlap, s.pingpong) for s in sm90 if s.head_dim == 128} == {(a, b) for a in (0, 1) for b in (0, 1)}
-    assert all(s.overlap and s.pingpong for s in sm90 if s.head_dim in (96, 192))  # the default schedule
+    forwards = [s for s in sm90 if s.direction == "fwd"]
+    assert all(s.overlap and s.pingpong for s in forwards if s.head_dim in (96, 192))  # the default schedule
 
 
 def test_candidates():

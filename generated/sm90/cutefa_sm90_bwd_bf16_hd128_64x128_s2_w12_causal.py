@@ -29,7 +29,8 @@ which own 64 keys each and walk the query blocks that see their keys:
     P^T  = exp2(S^T * scale * log2 e - LSE2), dS^T = P^T (dP^T - D)   in registers
     dV  += P^T dO, dK += dS^T Q   WGMMA with P^T, dS^T as register A operands; dK, dV stay in registers
     dQ   = dS K                   WGMMA over dS in shared memory (both warpgroups' keys), each
-                                  warpgroup a disjoint 64 x 64 piece, added into dq_accum
+                                  warpgroup a disjoint piece (((0, 0, 64), (0, 64, 64)): 64-row block, first
+                                  column, columns), added into dq_accum
                                   with 8-byte fp32 vector reductions (RED.ADD.F32x2)
 
 LSE2 and D of a query block are staged in shared memory by the consumers one block ahead; dS has
@@ -66,10 +67,10 @@ CONSUMER_THREADS = CONSUMERS * parts.WG_THREADS
 CAUSAL = True
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-# dQ (TILE_M x HEAD_DIM) split between the consumers: 64-row blocks x DQ_N-column blocks.
+# dQ (TILE_M x HEAD_DIM) of a query block split between the consumers: (64-row block, first
+# column, columns) of consumer 0 and of consumer 1 (column splits at swizzle-atom boundaries of K).
+DQ_PIECES = ((0, 0, 64), (0, 64, 64))
 DQ_ROW_BLOCKS = TILE_M // parts.WG_ROWS
-DQ_COL_BLOCKS = CONSUMERS // DQ_ROW_BLOCKS
-DQ_N = HEAD_DIM // DQ_COL_BLOCKS
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
 # Pre/postprocess: one warp per query row, ROW_WARPS warps per CTA, ROWS_PER_WARP rows each.
 ROW_WARPS = 4
@@ -164,7 +165,7 @@ class Kernel:
             mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
             sK_layout, sKt_layout, sQ_layout, sQt_layout, sdS_layout,
             bwd_parts.sdp_tiled_mma(DTYPE, TILE_M), bwd_parts.dkv_tiled_mma(DTYPE, HEAD_DIM),
-            bwd_parts.dq_tiled_mma(DTYPE, DQ_N), Storage,
+            bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[0][2]), bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[1][2]), Storage,
         ).launch(
             grid=(grid_x, cute.size(mQ.shape[2]), cute.size(mQ.shape[0])), block=[THREADS, 1, 1],
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
@@ -234,7 +235,8 @@ class Kernel:
         sdS_layout: cute.ComposedLayout,
         sdp_mma: cute.TiledMma,
         dkv_mma: cute.TiledMma,
-        dq_mma: cute.TiledMma,
+        dq_mma0: cute.TiledMma,
+        dq_mma1: cute.TiledMma,
         Storage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -311,11 +313,8 @@ class Kernel:
             c = wg - 1  # this consumer's 64 keys of the CTA's block
             wtid = tidx % parts.WG_THREADS
             ctid = tidx - parts.WG_THREADS  # index among the consumer threads
-            dq_row = c // DQ_COL_BLOCKS  # this consumer's piece of dQ
-            dq_col = c % DQ_COL_BLOCKS
             sdp_thr = sdp_mma.get_slice(wtid)
             dkv_thr = dkv_mma.get_slice(wtid)
-            dq_thr = dq_mma.get_slice(wtid)
 
             # WGMMA operands: this warpgroup's 64 keys of K and V; Q, dO by ring stage.
             tSrK = sdp_thr.make_fragment_A(sdp_thr.partition_A(cute.local_tile(sK[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0))))
@@ -324,9 +323,7 @@ class Kernel:
             tSrdO = sdp_thr.make_fragment_B(sdp_thr.partition_B(sdO))
             tdKrQt = dkv_thr.make_fragment_B(dkv_thr.partition_B(sQt))
             tdVrdOt = dkv_thr.make_fragment_B(dkv_thr.partition_B(sdOt))
-            tdQrdS = dq_thr.make_fragment_A(dq_thr.partition_A(cute.local_tile(sdS, (parts.WG_ROWS, TILE_N, 2), (dq_row, 0, 0))))
-            tdQrKt = dq_thr.make_fragment_B(dq_thr.partition_B(cute.local_tile(sKt[None, None, 0], (DQ_N, TILE_N), (dq_col, 0))))  # fmt: skip
-
+            
             acc_S = cute.make_rmem_tensor(sdp_thr.partition_shape_C((parts.WG_ROWS, TILE_M)), Float32)
             acc_dP = cute.make_rmem_tensor(sdp_thr.partition_shape_C((parts.WG_ROWS, TILE_M)), Float32)
             st_mn = parts.acc_mn_view(acc_S)
@@ -341,14 +338,12 @@ class Kernel:
             r2s_thr = r2s.get_slice(wtid)
             acc_dK = cute.make_rmem_tensor(dkv_thr.partition_shape_C((parts.WG_ROWS, HEAD_DIM)), Float32)
             acc_dV = cute.make_rmem_tensor(dkv_thr.partition_shape_C((parts.WG_ROWS, HEAD_DIM)), Float32)
-            acc_dQ_shape = dq_thr.partition_shape_C((parts.WG_ROWS, DQ_N))
 
-            # Global destinations: dQ pieces (64 x DQ_N), dK/dV by 64-key block.
-            gdQacc = cute.local_tile(
-                mdQaccum[bx * deterministic, batch, None, head, None], (parts.WG_ROWS, DQ_N), (None, dq_col)
-            )
-            tdQgdQ = dq_thr.partition_C(gdQacc)
-            tdQc = dq_thr.partition_C(cute.make_identity_tensor((parts.WG_ROWS, DQ_N)))
+            # dQ pieces of consumers 0 and 1 (operands, fp32 destination in this CTA's split).
+            gdQacc = mdQaccum[bx * deterministic, batch, None, head, None]
+            dq0 = bwd_parts.dq_operands(dq_mma0, wtid, sdS, sKt[None, None, 0], gdQacc, *DQ_PIECES[0])
+            dq1 = bwd_parts.dq_operands(dq_mma1, wtid, sdS, sKt[None, None, 0], gdQacc, *DQ_PIECES[1])
+            # Global destinations of dK/dV by 64-key block.
             tdKg = dkv_thr.partition_C(cute.local_tile(mdK[batch, None, head, None], (parts.WG_ROWS, HEAD_DIM), (None, 0)))
             tdVg = dkv_thr.partition_C(cute.local_tile(mdV[batch, None, head, None], (parts.WG_ROWS, HEAD_DIM), (None, 0)))
             tKVc = dkv_thr.partition_C(cute.make_identity_tensor((parts.WG_ROWS, HEAD_DIM)))
@@ -356,7 +351,8 @@ class Kernel:
             dpsum_row = mDpsum[batch, head, None]
             sdp_mma.set(warpgroup.Field.ACCUMULATE, False)
             dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            dq_mma.set(warpgroup.Field.ACCUMULATE, False)
+            dq_mma0.set(warpgroup.Field.ACCUMULATE, True)
+            dq_mma1.set(warpgroup.Field.ACCUMULATE, True)
 
             for it in cutlass.range(my_blocks, unroll=1):
                 n_block = bx + it * grid_x
@@ -369,7 +365,8 @@ class Kernel:
                 acc_dV.fill(0.0)
                 sdp_mma.set(warpgroup.Field.ACCUMULATE, False)
                 dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                dq_mma.set(warpgroup.Field.ACCUMULATE, False)
+                dq_mma0.set(warpgroup.Field.ACCUMULATE, True)
+                dq_mma1.set(warpgroup.Field.ACCUMULATE, True)
                 if m_count > 0:
                     bwd_parts.fill_row_values(
                         sLSE[None, 0], sD[None, 0], lse2_row, dpsum_row, m_begin * TILE_M, seqlen_q, ctid, TILE_M
@@ -390,7 +387,8 @@ class Kernel:
                     # Set here, in the loop body, so the tracer carries the MMAs' state through the loop.
                     sdp_mma.set(warpgroup.Field.ACCUMULATE, False)
                     dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    dq_mma.set(warpgroup.Field.ACCUMULATE, False)
+                    dq_mma0.set(warpgroup.Field.ACCUMULATE, True)
+                    dq_mma1.set(warpgroup.Field.ACCUMULATE, True)
 
                     # S^T = K Q^T and dP^T = V dO^T, two commit groups.
                     warpgroup.fence()
@@ -426,18 +424,11 @@ class Kernel:
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
 
-                    # dQ piece = dS K over the CTA's TILE_N keys.
-                    acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
-                    warpgroup.fence()
-                    parts.gemm_ss_zero(dq_mma, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)
-                    handle.release()  # Q and dO of this stage are read
-                    warpgroup.wait_group(0)
-                    row_block = m_block * DQ_ROW_BLOCKS + dq_row
-                    bwd_parts.red_add_pairs(
-                        acc_dQ, tdQc, tdQgdQ[None, None, None, row_block], seqlen_q - row_block * parts.WG_ROWS
-                    )
+                    # This consumer's dQ piece = dS K over the CTA's TILE_N keys, into dq_accum.
+                    if c == 0:
+                        bwd_parts.dq_step(dq_mma0, *dq0, buf, handle, m_block * DQ_ROW_BLOCKS + DQ_PIECES[0][0], seqlen_q)
+                    else:
+                        bwd_parts.dq_step(dq_mma1, *dq1, buf, handle, m_block * DQ_ROW_BLOCKS + DQ_PIECES[1][0], seqlen_q)
                 kv_handle.release()
 
                 # dK (times the softmax scale) and dV of this warpgroup's keys -> global.

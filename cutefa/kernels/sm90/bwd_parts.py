@@ -6,12 +6,14 @@ its two consumer warpgroups owns 64 of those keys and computes, per query block 
     S^T  = K Q^T, dP^T = V dO^T          WGMMA, both operands K-major in shared memory
     P^T  = exp2(S^T * scale_log2 - LSE2), dS^T = P^T (dP^T - D)      in registers, per key row
     dV  += P^T dO, dK += dS^T Q         WGMMA, A (P^T, dS^T) from registers, B MN-major in smem
-    dQ   = dS K                         WGMMA, dS (written by both warpgroups) and K from smem
+    dQ   = dS K                         WGMMA, dS (written by both warpgroups) and K from smem; each
+                                        warpgroup one piece (:func:`dq_operands`, :func:`dq_step`)
 
 The shared-memory buffers are allocated once and read through two layouts where two WGMMAs use
 them in different roles (Q and dO: K-major B of S^T/dP^T and MN-major B of dK/dV; K: K-major A of
-S^T and MN-major B of dQ). Both layouts come from the same 128-byte swizzle atom tiled over the
-major mode first, so they address the same bytes (:func:`smem_layouts`).
+S^T and MN-major B of dQ). Both layouts come from the same swizzle atom (128-byte; 64-byte for
+head_dim 96) tiled over the major mode first, so they address the same bytes (:func:`smem_layouts`;
+tests/test_compile_sm90_bwd.py checks every element).
 
 The row pre/postprocessing kernels (LSE in log2 units, D = rowsum(dO * O) - dLSE, the dQ fp32
 accumulator) are the sm80 family's (cutefa/kernels/sm80/bwd_parts.py).
@@ -179,3 +181,49 @@ def red_add_pairs(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_
                 sem="relaxed",
                 scope="gpu",
             )
+
+
+def dq_operands(mma, wtid, sdS: cute.Tensor, sKt: cute.Tensor, gdq: cute.Tensor, row_block: int, col0: int, cols: int):
+    """WGMMA operands and destination of one dQ piece: rows [64 row_block, + 64) of a query block
+    and columns [col0, col0 + cols). ``sdS`` (tile_m, tile_n, 2 buffers), ``sKt`` (head_dim,
+    tile_n), ``gdq`` one (batch, head) of the fp32 accumulator (seqlen_q, head_dim).
+
+    Returns (A fragments by dS buffer, B fragment, destination by 64-row block, coordinates,
+    accumulator shape) for :func:`dq_step`."""
+    tile_n = cute.size(sdS, mode=[1])
+    thr = mma.get_slice(wtid)
+    t_a = thr.make_fragment_A(thr.partition_A(cute.local_tile(sdS, (WG_ROWS, tile_n, 2), (row_block, 0, 0))))
+    t_b = thr.make_fragment_B(thr.partition_B(cute.local_tile(sKt, (cols, tile_n), (col0 // cols, 0))))
+    dst = thr.partition_C(cute.local_tile(gdq, (WG_ROWS, cols), (None, col0 // cols)))
+    coords = thr.partition_C(cute.make_identity_tensor((WG_ROWS, cols)))
+    return t_a, t_b, dst, coords, thr.partition_shape_C((WG_ROWS, cols))
+
+
+@cute.jit
+def dq_step(
+    mma: cute.TiledMma,
+    t_a: cute.Tensor,
+    t_b: cute.Tensor,
+    dst: cute.Tensor,
+    coords: cute.Tensor,
+    acc_shape: cutlass.Constexpr,
+    buf: Int32,
+    handle,
+    row_block: Int32,
+    seqlen_q: Int32,
+):
+    """One dQ piece of a query block: acc = dS K (dS buffer ``buf``) issued behind the dV/dK WGMMAs
+    still in flight; once those are done the Q/dO stage is released (``handle``); then acc is added
+    into the fp32 accumulator's 64-row block ``row_block`` (rows below seqlen_q)."""
+    # Zero-filled and accumulated into: the caller keeps ``mma``'s ACCUMULATE field True (a field
+    # set here, inside the caller's per-consumer branch, would escape the branch).
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+    acc.fill(0.0)
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(1)
+    handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
+    warpgroup.wait_group(0)
+    red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS)
