@@ -28,10 +28,10 @@ which own 64 keys each and walk the query blocks that see their keys:
     S^T  = K Q^T, dP^T = V dO^T    WGMMA, K-major operands in shared memory (64 x 128 per warpgroup)
     P^T  = exp2(S^T * scale * log2 e - LSE2), dS^T = P^T (dP^T - D)   in registers
     dV  += P^T dO, dK += dS^T Q   WGMMA with P^T, dS^T as register A operands; dK, dV stay in registers
-    dQ   = dS K                   WGMMA over dS in shared memory (both warpgroups' keys), each
-                                  warpgroup a disjoint piece (((0, 0, 64), (1, 0, 64)): 64-row block, first
-                                  column, columns), added into dq_accum
-                                  with 8-byte fp32 vector reductions (RED.ADD.F32x2)
+    dQ   = dS K                   WGMMA over dS in shared memory (both warpgroups' keys); each
+                                  warpgroup one disjoint piece (64-row block, first column, columns:
+                                  ((0, 0, 64), (1, 0, 64))), added into dq_accum with 8-byte fp32 vector
+                                  reductions (RED.ADD.F32x2)
 
 LSE2 and D of a query block are staged in shared memory by the consumers one block ahead; dS has
 two shared-memory buffers, so one named barrier per query block orders the consumers. TMA
