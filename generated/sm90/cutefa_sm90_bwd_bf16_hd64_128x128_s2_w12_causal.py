@@ -367,10 +367,8 @@ class Kernel:
                 dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
                 dq_mma0.set(warpgroup.Field.ACCUMULATE, True)
                 dq_mma1.set(warpgroup.Field.ACCUMULATE, True)
-                if m_count > 0:
-                    bwd_parts.fill_row_values(
-                        sLSE[None, 0], sD[None, 0], lse2_row, dpsum_row, m_begin * TILE_M, seqlen_q, ctid, TILE_M
-                    )
+                row_val = bwd_parts.load_row_value(lse2_row, dpsum_row, m_begin * TILE_M, seqlen_q, ctid, TILE_M)
+                bwd_parts.store_row_value(sLSE[None, 0], sD[None, 0], row_val, ctid, TILE_M)
                 # LSE2/D of the first block staged; the previous key block's readers are done.
                 cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
                 kv_handle = kv_consumer.wait_and_advance()
@@ -379,10 +377,10 @@ class Kernel:
                     m_block = m_begin + i
                     m0 = m_block * TILE_M
                     buf = i % 2
-                    if i + 1 < m_count:  # stage the next block's LSE2/D (read after this block's barrier)
-                        bwd_parts.fill_row_values(
-                            sLSE[None, 1 - buf], sD[None, 1 - buf], lse2_row, dpsum_row, m0 + TILE_M, seqlen_q, ctid, TILE_M
-                        )  # fmt: skip
+                    # The next block's LSE2/D: loaded now, stored before this block's barrier (its
+                    # latency hides behind the WGMMAs; read after the barrier). Rows past seqlen_q
+                    # read as +inf/0, so the load past the last block is harmless.
+                    row_val = bwd_parts.load_row_value(lse2_row, dpsum_row, m0 + TILE_M, seqlen_q, ctid, TILE_M)
                     handle = qdo_consumer.wait_and_advance()
                     # Set here, in the loop body, so the tracer carries the MMAs' state through the loop.
                     sdp_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -420,6 +418,7 @@ class Kernel:
                     parts.gemm_acc(dkv_mma, acc_dV, rP, tdVrdOt[None, None, None, handle.index])
                     parts.gemm_acc(dkv_mma, acc_dK, rdS, tdKrQt[None, None, None, handle.index])
                     warpgroup.commit_group()
+                    bwd_parts.store_row_value(sLSE[None, 1 - buf], sD[None, 1 - buf], row_val, ctid, TILE_M)
                     # Generic-proxy dS writes -> visible to WGMMA; both warpgroups' dS^T written.
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)

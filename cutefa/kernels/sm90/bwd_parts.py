@@ -86,31 +86,34 @@ def transposed(s: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
 
 
 @cute.jit
-def fill_row_values(
-    sLSE: cute.Tensor,
-    sD: cute.Tensor,
-    lse2_row: cute.Tensor,
-    dpsum_row: cute.Tensor,
-    row0: Int32,
-    seqlen_q: Int32,
-    thread: Int32,
-    tile_m: cutlass.Constexpr,
-):
-    """Consumer thread ``thread`` (of 256) stages one value of a query block in shared memory:
-    threads [0, tile_m) the log2 LSE of rows row0 + thread (+inf past seqlen_q, so that P is 0
-    there), threads [128, 128 + tile_m) D (0 past seqlen_q)."""
+def load_row_value(
+    lse2_row: cute.Tensor, dpsum_row: cute.Tensor, row0: Int32, seqlen_q: Int32, thread: Int32, tile_m: cutlass.Constexpr
+) -> Float32:
+    """The value consumer thread ``thread`` (of 256) stages for the query block at ``row0``:
+    threads [0, tile_m) the log2 LSE of row row0 + thread (+inf past seqlen_q, so that P is 0
+    there), threads [128, 128 + tile_m) D of row row0 + thread - 128 (0 past seqlen_q)."""
+    val = Float32(0.0)
     if thread < tile_m:
-        row = row0 + thread
         val = Float32.inf
-        if row < seqlen_q:
-            val = lse2_row[row]
+        if row0 + thread < seqlen_q:
+            val = lse2_row[row0 + thread]
+    else:
+        if thread >= 128:
+            if thread < 128 + tile_m:
+                if row0 + thread - 128 < seqlen_q:
+                    val = dpsum_row[row0 + thread - 128]
+    return val
+
+
+@cute.jit
+def store_row_value(sLSE: cute.Tensor, sD: cute.Tensor, val: Float32, thread: Int32, tile_m: cutlass.Constexpr):
+    """Shared-memory half of :func:`load_row_value`: ``val`` into sLSE or sD (one buffer each)."""
+    if thread < tile_m:
         sLSE[thread] = val
-    if thread >= 128 and thread < 128 + tile_m:
-        row = row0 + thread - 128
-        val = Float32(0.0)
-        if row < seqlen_q:
-            val = dpsum_row[row]
-        sD[thread - 128] = val
+    else:
+        if thread >= 128:
+            if thread < 128 + tile_m:
+                sD[thread - 128] = val
 
 
 @cute.jit
