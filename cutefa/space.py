@@ -514,7 +514,10 @@ SM90_BWD_WARPS = 12
 SM90_BWD_HEAD_DIMS = (64, 96, 128)
 SM90_BWD_REG_OVERHEAD = 40  # descriptors, pipeline state, coordinates, LSE/D reads, addresses
 DEFAULT_BWD_TILES["sm90"] = {64: Tile(128, 128, 2, 12), 96: Tile(64, 128, 2, 12), 128: Tile(64, 128, 2, 12)}
-_TILE_GRID["sm90"] = (*_TILE_GRID["sm90"], *(Tile(m, 128, s, 12) for m in (64, 128) for s in (2, 3) if (m, s) != (128, 2)))
+_TILE_GRID["sm90"] = (
+    *_TILE_GRID["sm90"],
+    *(Tile(m, 128, s, 12) for m in (64, 128) for s in (2, 3) if (m, s) != (128, 2)),
+)
 
 
 def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | None:
@@ -554,15 +557,16 @@ def sm90_bwd_registers(spec: VariantSpec) -> int:
 def _sm90_bwd(spec: VariantSpec) -> str | None:
     if spec.warps != SM90_BWD_WARPS or spec.tile_n != SM90_BWD_TILE_N:
         return (
-            f"the sm90 backward runs warps={SM90_BWD_WARPS} and tile_n={SM90_BWD_TILE_N} (a producer warpgroup "
-            "and two consumer warpgroups of 64 keys each)"
+            f"the sm90 backward runs warps={SM90_BWD_WARPS} and tile_n={SM90_BWD_TILE_N} "
+            "(a producer warpgroup and two consumer warpgroups of 64 keys each)"
         )
     if spec.tile_m not in (64, 128):
         return f"tile_m={spec.tile_m} must be 64 or 128 (the two consumers split dQ into 64-row blocks)"
     if spec.head_dim not in SM90_BWD_HEAD_DIMS:
         return (
-            f"head_dim={spec.head_dim}: the sm90 backward handles {SM90_BWD_HEAD_DIMS} (fp32 dK + dV of 64 keys, "
-            "head_dim registers per thread, must fit beside S^T and dP^T); other head dims run the sm80 backward"
+            f"head_dim={spec.head_dim}: the sm90 backward handles {SM90_BWD_HEAD_DIMS} (fp32 dK + dV of "
+            "64 keys, head_dim registers per thread, must fit beside S^T and dP^T); other head dims run "
+            "the sm80 backward"
         )
     if sm90_bwd_dq_pieces(spec) is None:
         return (
@@ -579,7 +583,10 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
         )
     needed = sm90_bwd_smem_bytes(spec)
     if needed > SM90_SMEM_LIMIT:
-        return f"needs {needed / 1024:.1f} KiB of shared memory, over the {SM90_SMEM_LIMIT // 1024} KiB per-block opt-in limit of the H100/H200"
+        return (
+            f"needs {needed / 1024:.1f} KiB of shared memory, over the {SM90_SMEM_LIMIT // 1024} KiB "
+            "per-block opt-in limit of the H100/H200"
+        )
     return None
 
 

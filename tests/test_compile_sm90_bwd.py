@@ -24,7 +24,11 @@ from cutefa import sass, space
 DEFAULTS = space.default_variants("sm90", "bwd")
 # fp16 and bf16 differ only in the operand type: every head dim, both masks, alternating dtypes
 # (5 of the 12 defaults, to keep the compile suite short).
-CHECKED = [s for s in DEFAULTS if (s.dtype == "bf16") == (s.causal == (s.head_dim == 64)) and (s.head_dim != 96 or s.causal)]
+CHECKED = [
+    s
+    for s in DEFAULTS
+    if (s.dtype == "bf16") == (s.causal == (s.head_dim == 64)) and (s.head_dim != 96 or s.causal)
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,9 @@ def test_bwd_budgets_in_the_predicate():
     assert len(DEFAULTS) == 2 * 2 * 3
     for spec in DEFAULTS:
         assert space.why_invalid(spec) is None
-        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == space.DEFAULT_BWD_TILES["sm90"][
+            spec.head_dim
+        ]
         assert space.sm90_bwd_smem_bytes(spec) <= space.SM90_SMEM_LIMIT
         assert space.sm90_bwd_registers(spec) <= space.SM90_CONSUMER_REGS
         # the generic budget functions (CLI show, codegen) use the backward's models

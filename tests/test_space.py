@@ -13,7 +13,10 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
 @pytest.mark.parametrize(
     ("spec", "reason"),
     [
-        (SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2), "the sm90 backward runs warps=12 and tile_n=128"),
+        (
+            SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2),
+            "the sm90 backward runs warps=12 and tile_n=128",
+        ),
         (
             SM80.replace(arch="sm90", direction="bwd", tile_m=192, tile_n=128, warps=12, stages=2),
             "tile_m=192 must be 64 or 128 (the two consumers split dQ",

@@ -87,7 +87,12 @@ def transposed(s: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
 
 @cute.jit
 def load_row_value(
-    lse2_row: cute.Tensor, dpsum_row: cute.Tensor, row0: Int32, seqlen_q: Int32, thread: Int32, tile_m: cutlass.Constexpr
+    lse2_row: cute.Tensor,
+    dpsum_row: cute.Tensor,
+    row0: Int32,
+    seqlen_q: Int32,
+    thread: Int32,
+    tile_m: cutlass.Constexpr,
 ) -> Float32:
     """The value consumer thread ``thread`` (of 256) stages for the query block at ``row0``:
     threads [0, tile_m) the log2 LSE of row row0 + thread (+inf past seqlen_q, so that P is 0
@@ -97,23 +102,20 @@ def load_row_value(
         val = Float32.inf
         if row0 + thread < seqlen_q:
             val = lse2_row[row0 + thread]
-    else:
-        if thread >= 128:
-            if thread < 128 + tile_m:
-                if row0 + thread - 128 < seqlen_q:
-                    val = dpsum_row[row0 + thread - 128]
+    elif thread >= 128 and thread < 128 + tile_m and row0 + thread - 128 < seqlen_q:
+        val = dpsum_row[row0 + thread - 128]
     return val
 
 
 @cute.jit
-def store_row_value(sLSE: cute.Tensor, sD: cute.Tensor, val: Float32, thread: Int32, tile_m: cutlass.Constexpr):
+def store_row_value(
+    sLSE: cute.Tensor, sD: cute.Tensor, val: Float32, thread: Int32, tile_m: cutlass.Constexpr
+):
     """Shared-memory half of :func:`load_row_value`: ``val`` into sLSE or sD (one buffer each)."""
     if thread < tile_m:
         sLSE[thread] = val
-    else:
-        if thread >= 128:
-            if thread < 128 + tile_m:
-                sD[thread - 128] = val
+    elif thread >= 128 and thread < 128 + tile_m:
+        sD[thread - 128] = val
 
 
 @cute.jit
@@ -163,7 +165,6 @@ def store_rows(src: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_lim
             gdst[i] = src[i]
 
 
-
 @cute.jit
 def red_add_pairs(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32):
     """gdst += acc for rows below ``row_limit``, two adjacent columns per 8-byte vector reduction
@@ -186,7 +187,9 @@ def red_add_pairs(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_
             )
 
 
-def dq_operands(mma, wtid, sdS: cute.Tensor, sKt: cute.Tensor, gdq: cute.Tensor, row_block: int, col0: int, cols: int):
+def dq_operands(
+    mma, wtid, sdS: cute.Tensor, sKt: cute.Tensor, gdq: cute.Tensor, row_block: int, col0: int, cols: int
+):
     """WGMMA operands and destination of one dQ piece: rows [64 row_block, + 64) of a query block
     and columns [col0, col0 + cols). ``sdS`` (tile_m, tile_n, 2 buffers), ``sKt`` (head_dim,
     tile_n), ``gdq`` one (batch, head) of the fp32 accumulator (seqlen_q, head_dim).
