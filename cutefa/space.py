@@ -169,6 +169,8 @@ def smem_bytes(spec: VariantSpec) -> int:
         return _sm80_bwd_smem_bytes(spec)
     if spec.direction == "bwd" and spec.arch == "sm100":
         return sm100_bwd_smem_bytes(spec)
+    if spec.direction == "bwd" and spec.arch == "sm90":
+        return sm90_bwd_smem_bytes(spec)
     if spec.arch == "sm100":  # one K/V ring, an O staging tile; half a ring per CTA of a pair
         return sm100_smem_bytes(spec)
     elements = (spec.tile_m + 2 * spec.stages * spec.tile_n) * spec.head_dim
@@ -206,6 +208,8 @@ def _sm80_registers(spec: VariantSpec) -> int:
 
 
 def _sm90_registers(spec: VariantSpec) -> int:
+    if spec.direction == "bwd":
+        return sm90_bwd_registers(spec)
     # Per consumer thread (a warpgroup owns 64 query rows): fp32 O (64 x d) and S (64 x tile_n)
     # accumulators, P packed to 16 bit for the register-A WGMMA, and the softmax state.
     acc_o = 64 * spec.head_dim // 128
@@ -569,6 +573,93 @@ def _sm100_bwd(spec: VariantSpec) -> str | None:
     return None
 
 
+# The sm90 backward (templates/bwd_sm90.py.j2, FlashAttention-3 design): one producer warpgroup
+# (TMA of K/V once per key block, of Q/dO through a `stages`-deep ring) and two consumer warpgroups
+# of 64 keys each, so tile_n = 128 and warps = 12; tile_m query rows per step. dK and dV (64 x d
+# fp32 per warpgroup) live in registers through the whole query loop, beside S^T and dP^T (64 x
+# tile_m) and the 16-bit P^T/dS^T operands: hd64 takes 128 query rows per step, hd96 and hd128 64.
+IMPLEMENTED[("sm90", "bwd")] = ("fp16", "bf16")
+SM90_BWD_TILE_N = 128
+SM90_BWD_WARPS = 12
+SM90_BWD_HEAD_DIMS = (64, 96, 128)
+SM90_BWD_REG_OVERHEAD = 40  # descriptors, pipeline state, coordinates, LSE/D reads, addresses
+DEFAULT_BWD_TILES["sm90"] = {64: Tile(128, 128, 2, 12), 96: Tile(64, 128, 2, 12), 128: Tile(64, 128, 2, 12)}
+_TILE_GRID["sm90"] = (
+    *_TILE_GRID["sm90"],
+    *(Tile(m, 128, s, 12) for m in (64, 128) for s in (2, 3) if (m, s) != (128, 2)),
+)
+
+
+def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | None:
+    """The dQ piece of each consumer warpgroup, (64-row block, first column, columns), or None
+    where none fits. tile_m=128: one 64-row block each, all columns. tile_m=64: a column split at a
+    swizzle-atom boundary of K (64 columns when head_dim is a multiple of 64, else 32): halves for
+    head_dim 128, 64 + 32 for head_dim 96; the second piece must tile the columns from its start."""
+    if spec.tile_m == 128:
+        return ((0, 0, spec.head_dim), (1, 0, spec.head_dim))
+    atom = 64 if spec.head_dim % 64 == 0 else 32
+    first = -(-spec.head_dim // 2 // atom) * atom
+    second = spec.head_dim - first
+    if spec.tile_m != 64 or second <= 0 or first % second:
+        return None
+    return ((0, 0, first), (0, first, second))
+
+
+def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
+    """K and V (tile_n x d), the Q and dO ring (stages x tile_m x d each), two dS buffers
+    (tile_m x tile_n), 1 KiB-aligned each, plus the LSE2/D rows (two buffers) and mbarriers."""
+    elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
+    elements += 2 * spec.tile_m * spec.tile_n
+    return elements * spec.elem_bytes + 4 * 2 * spec.tile_m * 4 + 6 * SMEM_RESERVE
+
+
+def sm90_bwd_registers(spec: VariantSpec) -> int:
+    """Registers of a consumer thread at the peak (one warpgroup: 64 keys, 128 threads): fp32 dK
+    and dV (64 x d each) for the whole query loop, beside fp32 S^T and dP^T (64 x tile_m each;
+    the 16-bit P^T/dS^T replace them as they are formed, the dQ piece comes after them).
+    Calibrated on compiled SASS (sm_90a, DSL 4.8.1): the defaults (estimates 232) compile within
+    the 240 registers of setmaxnreg with no spill."""
+    acc_dkv = 2 * 64 * spec.head_dim // 128
+    acc_sdp = 2 * 64 * spec.tile_m // 128
+    return acc_dkv + acc_sdp + SM90_BWD_REG_OVERHEAD
+
+
+def _sm90_bwd(spec: VariantSpec) -> str | None:
+    if spec.warps != SM90_BWD_WARPS or spec.tile_n != SM90_BWD_TILE_N:
+        return (
+            f"the sm90 backward runs warps={SM90_BWD_WARPS} and tile_n={SM90_BWD_TILE_N} "
+            "(a producer warpgroup and two consumer warpgroups of 64 keys each)"
+        )
+    if spec.tile_m not in (64, 128):
+        return f"tile_m={spec.tile_m} must be 64 or 128 (the two consumers split dQ into 64-row blocks)"
+    if spec.head_dim not in SM90_BWD_HEAD_DIMS:
+        return (
+            f"head_dim={spec.head_dim}: the sm90 backward handles {SM90_BWD_HEAD_DIMS} (fp32 dK + dV of "
+            "64 keys, head_dim registers per thread, must fit beside S^T and dP^T); other head dims run "
+            "the sm80 backward"
+        )
+    if sm90_bwd_dq_pieces(spec) is None:
+        return (
+            f"tile_m=64 with head_dim={spec.head_dim}: the two consumers cannot split dQ's columns at a "
+            "swizzle-atom boundary of K into two pieces (tile_m=128 splits dQ by rows)"
+        )
+    if spec.stages < 2:
+        return f"stages={spec.stages}: the Q/dO TMA ring needs at least 2 stages to overlap loads with MMAs"
+    estimate = sm90_bwd_registers(spec)
+    if estimate > SM90_CONSUMER_REGS:
+        return (
+            f"would spill registers (estimated {estimate} > {SM90_CONSUMER_REGS} per consumer thread "
+            "after setmaxnreg)"
+        )
+    needed = sm90_bwd_smem_bytes(spec)
+    if needed > SM90_SMEM_LIMIT:
+        return (
+            f"needs {needed / 1024:.1f} KiB of shared memory, over the {SM90_SMEM_LIMIT // 1024} KiB "
+            "per-block opt-in limit of the H100/H200"
+        )
+    return None
+
+
 def _forward_only(rule: Rule) -> Rule:
     def check(spec: VariantSpec) -> str | None:
         return rule(spec) if spec.direction == "fwd" else None
@@ -586,7 +677,10 @@ def _backward_only(rule: Rule) -> Rule:
 
 
 _COMMON_RULES = (*_COMMON_RULES, _exp_emu_family)
-_ARCH_RULES["sm90"] = (*_ARCH_RULES["sm90"], _forward_only(_exp_emu_share))
+_ARCH_RULES["sm90"] = (
+    *(_forward_only(r) for r in (*_ARCH_RULES["sm90"], _exp_emu_share)),
+    _backward_only(_sm90_bwd),
+)
 _ARCH_RULES["sm100"] = (
     *(
         _forward_only(r)

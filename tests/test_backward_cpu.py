@@ -190,10 +190,15 @@ def test_empty_problems_give_zero_gradients(on_cpu):
 
 
 def test_choose_bwd_uses_the_default_tiles():
-    for head_dim, tile in DEFAULT_BWD_TILES["sm80"].items():
+    """sm_90a: the sm90 backward where it has a tile (head dims 64 and 128), else the sm80 one;
+    sm_80: always the sm80 one."""
+    for head_dim in HEAD_DIMS:
         spec = backward.choose_bwd("sm_90a", torch.bfloat16, head_dim, True)
-        assert (spec.arch, spec.direction, spec.dtype, spec.causal) == ("sm80", "bwd", "bf16", True)
-        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == tile
+        family = "sm90" if head_dim in DEFAULT_BWD_TILES["sm90"] else "sm80"
+        assert (spec.arch, spec.direction, spec.dtype, spec.causal) == (family, "bwd", "bf16", True), head_dim
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == DEFAULT_BWD_TILES[family][head_dim]
+        spec = backward.choose_bwd("sm_80", torch.bfloat16, head_dim, True)
+        assert (spec.arch, spec.tile_m, spec.tile_n) == ("sm80", *DEFAULT_BWD_TILES["sm80"][head_dim][:2])
 
 
 def test_choose_bwd_on_blackwell():

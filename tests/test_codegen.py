@@ -60,8 +60,10 @@ def test_paths():
 
 
 def test_render_refuses(templates):
-    with pytest.raises(NotImplementedError, match=r"bwd_sm90\.py\.j2: no sm90 bwd kernel exists yet"):
-        codegen.render_source(SPEC.replace(arch="sm90", direction="bwd", warps=12, stages=2), templates_dir=templates)
+    with pytest.raises(NotImplementedError, match=r"fwd_sm90\.py\.j2: no e4m3 sm90 fwd kernel exists yet"):
+        codegen.render_source(
+            SPEC.replace(arch="sm90", dtype="e4m3", warps=12, stages=2), templates_dir=templates
+        )
     with pytest.raises(ValueError, match="would spill registers"):
         codegen.render_source(SPEC.replace(tile_n=128), templates_dir=templates)
     with pytest.raises(FileNotFoundError, match=r"fwd_sm80\.py\.j2 is missing"):

@@ -13,7 +13,35 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
 @pytest.mark.parametrize(
     ("spec", "reason"),
     [
-        (SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2), "no sm90 bwd kernel exists yet"),
+        (
+            SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2),
+            "the sm90 backward runs warps=12 and tile_n=128",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", tile_m=192, tile_n=128, warps=12, stages=2),
+            "tile_m=192 must be 64 or 128 (the two consumers split dQ",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", head_dim=192, tile_n=128, warps=12, stages=2),
+            "head_dim=192: the sm90 backward handles (64, 96, 128)",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", tile_m=64, tile_n=128, warps=12, stages=2),
+            "tile_m=64 with head_dim=64: the two consumers cannot split dQ's columns at a swizzle-atom",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=1),
+            "the Q/dO TMA ring needs at least 2 stages",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", head_dim=128, tile_n=128, warps=12, stages=2),
+            "would spill registers (estimated 296 > 240 per consumer thread",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=4),
+            "KiB of shared memory, over the 227 KiB per-block opt-in limit of the H100/H200",
+        ),
+        (SM80.replace(arch="sm90", dtype="e4m3", warps=12, stages=2), "no e4m3 sm90 fwd kernel exists yet"),
         (SM80.replace(overlap=True), "overlap/pingpong are sm90 (FlashAttention-3) schedule flags, not sm80"),
         (SM80.replace(arch="sm90", tile_m=192, warps=16, stages=2, pingpong=True), "pingpong needs exactly two"),
         (SM80.replace(persistent=True), "persistent is an sm90 forward scheduler flag, not a sm80 fwd one"),
@@ -93,6 +121,15 @@ def test_default_variants_are_valid_and_unique(arch):
     assert set(defaults) <= set(space.valid_variants(arch, "fwd") + space.valid_variants(arch, "bwd"))
 
 
+def test_sm90_bwd_dq_pieces():
+    """Each consumer's dQ piece: 64-row blocks for tile_m=128, atom-aligned column pieces for 64."""
+    bwd = VariantSpec("sm90", "bwd", "bf16", 64, 128, 128, 2, 12)
+    assert space.sm90_bwd_dq_pieces(bwd) == ((0, 0, 64), (1, 0, 64))
+    assert space.sm90_bwd_dq_pieces(bwd.replace(head_dim=128, tile_m=64)) == ((0, 0, 64), (0, 64, 64))
+    assert space.sm90_bwd_dq_pieces(bwd.replace(head_dim=96, tile_m=64)) == ((0, 0, 64), (0, 64, 32))
+    assert space.sm90_bwd_dq_pieces(bwd.replace(tile_m=64)) is None  # one 64-column atom: no split
+
+
 def test_sm80_bwd_default_set():
     defaults = space.default_variants("sm80", "bwd")
     assert len(defaults) == 2 * 2 * len(HEAD_DIMS)
@@ -122,7 +159,8 @@ def test_sm80_default_set():
 def test_other_archs_have_no_defaults_yet():
     sm90 = space.default_variants("sm90")
     assert {(s.overlap, s.pingpong) for s in sm90 if s.head_dim == 128} == {(a, b) for a in (0, 1) for b in (0, 1)}
-    assert all(s.overlap and s.pingpong for s in sm90 if s.head_dim in (96, 192))  # the default schedule
+    forwards = [s for s in sm90 if s.direction == "fwd"]
+    assert all(s.overlap and s.pingpong for s in forwards if s.head_dim in (96, 192))  # the default schedule
 
 
 def test_candidates():

@@ -1,0 +1,235 @@
+"""Building blocks of the sm90-family (FlashAttention-3 design) backward kernels.
+
+The main kernel (templates/bwd_sm90.py.j2) owns TILE_N keys of one (batch, query head); each of
+its two consumer warpgroups owns 64 of those keys and computes, per query block of TILE_M rows,
+
+    S^T  = K Q^T, dP^T = V dO^T          WGMMA, both operands K-major in shared memory
+    P^T  = exp2(S^T * scale_log2 - LSE2), dS^T = P^T (dP^T - D)      in registers, per key row
+    dV  += P^T dO, dK += dS^T Q         WGMMA, A (P^T, dS^T) from registers, B MN-major in smem
+    dQ   = dS K                         WGMMA, dS (written by both warpgroups) and K from smem; each
+                                        warpgroup one piece (:func:`dq_operands`, :func:`dq_step`)
+
+The shared-memory buffers are allocated once and read through two layouts where two WGMMAs use
+them in different roles (Q and dO: K-major B of S^T/dP^T and MN-major B of dK/dV; K: K-major A of
+S^T and MN-major B of dQ). Both layouts come from the same swizzle atom (128-byte; 64-byte for
+head_dim 96) tiled over the major mode first, so they address the same bytes (:func:`smem_layouts`;
+tests/test_compile_sm90_bwd.py checks every element).
+
+The row pre/postprocessing kernels (LSE in log2 units, D = rowsum(dO * O) - dLSE, the dQ fp32
+accumulator) are the sm80 family's (cutefa/kernels/sm80/bwd_parts.py).
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
+from cutlass.cute.nvgpu import warpgroup
+
+from cutefa.kernels.sm90.parts import WG_ROWS
+
+
+def smem_layouts(dtype, tile_m: int, tile_n: int, head_dim: int, stages: int):
+    """Swizzled layouts of the backward's shared-memory operands.
+
+    Returns (sK, sKt, sQ, sQt, sdS):
+      sK   (tile_n, head_dim, 1)       K and V: K-major A of S^T = K Q^T and dP^T = V dO^T
+      sKt  (head_dim, tile_n, 1)       the same bytes as K: MN-major B of dQ = dS K
+      sQ   (tile_m, head_dim, stages)  Q and dO: K-major B of S^T and dP^T
+      sQt  (head_dim, tile_m, stages)  the same bytes: MN-major B of dK = dS^T Q and dV = P^T dO
+      sdS  (tile_m, tile_n, 2)         dS, queries contiguous: MN-major A of dQ (two buffers)
+    """
+    row, col = utils.LayoutEnum.ROW_MAJOR, utils.LayoutEnum.COL_MAJOR
+    sk = sm90_utils.make_smem_layout_a(row, (tile_n, WG_ROWS, head_dim), dtype, 1)
+    skt = sm90_utils.make_smem_layout_b(col, (WG_ROWS, head_dim, tile_n), dtype, 1)
+    sq = sm90_utils.make_smem_layout_b(row, (WG_ROWS, tile_m, head_dim), dtype, stages)
+    sqt = sm90_utils.make_smem_layout_b(col, (WG_ROWS, head_dim, tile_m), dtype, stages)
+    sds = sm90_utils.make_smem_layout_a(col, (tile_m, WG_ROWS, tile_n), dtype, 2)
+    return sk, skt, sq, sqt, sds
+
+
+def sdp_tiled_mma(dtype, tile_m: int):
+    """S^T = K Q^T and dP^T = V dO^T for one warpgroup: 64 keys x tile_m queries, K-major operands."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+        Float32, (1, 1, 1), (WG_ROWS, tile_m),
+    )  # fmt: skip
+
+
+def dkv_tiled_mma(dtype, head_dim: int):
+    """dV += P^T dO and dK += dS^T Q for one warpgroup: 64 keys x head_dim, A from registers,
+    B (dO^T, Q^T) MN-major in shared memory."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+        Float32, (1, 1, 1), (WG_ROWS, head_dim), warpgroup.OperandSource.RMEM,
+    )  # fmt: skip
+
+
+def dq_tiled_mma(dtype, dq_n: int):
+    """dQ = dS K for one warpgroup: 64 queries x dq_n head-dim columns, both operands MN-major."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
+        Float32, (1, 1, 1), (WG_ROWS, dq_n),
+    )  # fmt: skip
+
+
+def same_bytes(s: cute.Tensor, layout) -> cute.Tensor:
+    """``s``'s shared memory read through another swizzled (composed) layout."""
+    return cute.make_tensor(cute.recast_ptr(s.iterator, layout.inner), layout.outer)
+
+
+def transposed(s: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
+    """A (cols, rows) view of a (rows, cols) shared-memory tensor."""
+    return cute.composition(s, cute.make_layout((cols, rows), stride=(rows, 1)))
+
+
+@cute.jit
+def load_row_value(
+    lse2_row: cute.Tensor,
+    dpsum_row: cute.Tensor,
+    row0: Int32,
+    seqlen_q: Int32,
+    thread: Int32,
+    tile_m: cutlass.Constexpr,
+) -> Float32:
+    """The value consumer thread ``thread`` (of 256) stages for the query block at ``row0``:
+    threads [0, tile_m) the log2 LSE of row row0 + thread (+inf past seqlen_q, so that P is 0
+    there), threads [128, 128 + tile_m) D of row row0 + thread - 128 (0 past seqlen_q)."""
+    val = Float32(0.0)
+    if thread < tile_m:
+        val = Float32.inf
+        if row0 + thread < seqlen_q:
+            val = lse2_row[row0 + thread]
+    elif thread >= 128 and thread < 128 + tile_m and row0 + thread - 128 < seqlen_q:
+        val = dpsum_row[row0 + thread - 128]
+    return val
+
+
+@cute.jit
+def store_row_value(
+    sLSE: cute.Tensor, sD: cute.Tensor, val: Float32, thread: Int32, tile_m: cutlass.Constexpr
+):
+    """Shared-memory half of :func:`load_row_value`: ``val`` into sLSE or sD (one buffer each)."""
+    if thread < tile_m:
+        sLSE[thread] = val
+    elif thread >= 128 and thread < 128 + tile_m:
+        sD[thread - 128] = val
+
+
+@cute.jit
+def recompute_pt(
+    st_mn: cute.Tensor,
+    c_mn: cute.Tensor,
+    sLSE: cute.Tensor,
+    scale_log2: Float32,
+    key_limit: Int32,
+    diag: Int32,
+    masked: cutlass.Constexpr,
+    causal: cutlass.Constexpr,
+):
+    """S^T -> P^T in place (rows are keys, columns queries): P = exp2(S * scale_log2 - LSE2[query]).
+
+    ``c_mn`` holds each element's tile-local (key, query). With ``masked``: keys at or past
+    ``key_limit`` (tile-local) get P = 0, and with ``causal`` also keys past query + ``diag``
+    (tile-local key index minus tile-local query index allowed by the bottom-right diagonal)."""
+    for j in cutlass.range_constexpr(cute.size(st_mn, mode=[1])):
+        query = c_mn[0, j][1]
+        lse2 = sLSE[query]
+        for r in cutlass.range_constexpr(cute.size(st_mn, mode=[0])):
+            p = cute.math.exp2(st_mn[r, j] * scale_log2 - lse2, fastmath=True)
+            if cutlass.const_expr(masked):
+                key = c_mn[r, 0][0]
+                limit = key_limit
+                if cutlass.const_expr(causal):
+                    limit = cutlass.min(limit, query + diag)
+                p = cutlass.select_(key < limit, p, Float32(0.0))
+            st_mn[r, j] = p
+
+
+@cute.jit
+def compute_dst(pt_mn: cute.Tensor, dpt_mn: cute.Tensor, c_mn: cute.Tensor, sD: cute.Tensor):
+    """dP^T -> dS^T in place: dS = P (dP - D[query]) (the softmax scale is applied later)."""
+    for j in cutlass.range_constexpr(cute.size(dpt_mn, mode=[1])):
+        d = sD[c_mn[0, j][1]]
+        for r in cutlass.range_constexpr(cute.size(dpt_mn, mode=[0])):
+            dpt_mn[r, j] = pt_mn[r, j] * (dpt_mn[r, j] - d)
+
+
+@cute.jit
+def store_rows(src: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32):
+    """gdst[i] = src[i] for every element whose tile-local row (``coords``) is below ``row_limit``."""
+    for i in cutlass.range_constexpr(cute.size(src)):
+        if coords[i][0] < row_limit:
+            gdst[i] = src[i]
+
+
+@cute.jit
+def red_add_pairs(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32):
+    """gdst += acc for rows below ``row_limit``, two adjacent columns per 8-byte vector reduction
+    (red.global.add.v2.f32: half the reductions of element-wise ones).
+
+    ``acc`` is a WGMMA accumulator fragment, whose elements 2i and 2i + 1 are adjacent columns of
+    one row; ``gdst`` is the thread's partition of an fp32 destination with contiguous, even-length
+    rows (so every pair is 8-byte aligned); ``coords`` the tile-local (row, col) of each element."""
+    pair_type = ir.VectorType.get([2], Float32.mlir_type)
+    for i in cutlass.range_constexpr(cute.size(acc) // 2):
+        if coords[2 * i][0] < row_limit:
+            pair = vector.from_elements(pair_type, [acc[2 * i].ir_value(), acc[2 * i + 1].ir_value()])
+            cute.arch.red(
+                gdst.iterator + cute.crd2idx(2 * i, gdst.layout),
+                pair,
+                op="add",
+                dtype=Float32,
+                sem="relaxed",
+                scope="gpu",
+            )
+
+
+def dq_operands(
+    mma, wtid, sdS: cute.Tensor, sKt: cute.Tensor, gdq: cute.Tensor, row_block: int, col0: int, cols: int
+):
+    """WGMMA operands and destination of one dQ piece: rows [64 row_block, + 64) of a query block
+    and columns [col0, col0 + cols). ``sdS`` (tile_m, tile_n, 2 buffers), ``sKt`` (head_dim,
+    tile_n), ``gdq`` one (batch, head) of the fp32 accumulator (seqlen_q, head_dim).
+
+    Returns (A fragments by dS buffer, B fragment, destination by 64-row block, coordinates,
+    accumulator shape) for :func:`dq_step`."""
+    tile_n = cute.size(sdS, mode=[1])
+    thr = mma.get_slice(wtid)
+    t_a = thr.make_fragment_A(thr.partition_A(cute.local_tile(sdS, (WG_ROWS, tile_n, 2), (row_block, 0, 0))))
+    t_b = thr.make_fragment_B(thr.partition_B(cute.local_tile(sKt, (cols, tile_n), (col0 // cols, 0))))
+    dst = thr.partition_C(cute.local_tile(gdq, (WG_ROWS, cols), (None, col0 // cols)))
+    coords = thr.partition_C(cute.make_identity_tensor((WG_ROWS, cols)))
+    return t_a, t_b, dst, coords, thr.partition_shape_C((WG_ROWS, cols))
+
+
+@cute.jit
+def dq_step(
+    mma: cute.TiledMma,
+    t_a: cute.Tensor,
+    t_b: cute.Tensor,
+    dst: cute.Tensor,
+    coords: cute.Tensor,
+    acc_shape: cutlass.Constexpr,
+    buf: Int32,
+    handle,
+    row_block: Int32,
+    seqlen_q: Int32,
+):
+    """One dQ piece of a query block: acc = dS K (dS buffer ``buf``) issued behind the dV/dK WGMMAs
+    still in flight; once those are done the Q/dO stage is released (``handle``); then acc is added
+    into the fp32 accumulator's 64-row block ``row_block`` (rows below seqlen_q)."""
+    # Zero-filled and accumulated into: the caller keeps ``mma``'s ACCUMULATE field True (a field
+    # set here, inside the caller's per-consumer branch, would escape the branch).
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+    acc.fill(0.0)
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(1)
+    handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
+    warpgroup.wait_group(0)
+    red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS)

@@ -1,0 +1,157 @@
+"""The sm90-family (FlashAttention-3 design) backward on a Hopper GPU, variant by variant.
+
+Each default sm90 backward variant is called directly (not through dispatch) with the calling
+convention of cutefa/backward.py: O and the LSE come from the float32 reference forward, dq, dk and
+dv are poisoned with NaN beforehand (an element the kernel does not write fails), and the grouped
+heads of dk/dv are summed as backward.py does. Gradients are judged against float32 autograd of
+the exact attention, with the tolerance of tests/gpu/test_bwd_sm80.py (at most 3x the error of
+PyTorch's own attention on the same low-precision inputs). Shapes: ragged lengths (1, 17, 1000,
+4097), seqlen_q != seqlen_k both ways, GQA and MQA; deterministic=1 must be bitwise reproducible.
+
+Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_sm90.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cutefa import space
+
+
+def _load(name: str):
+    key = f"cutefa_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+bwd80 = _load("test_bwd_sm80")
+reference = _load("reference")
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU: torch.cuda.is_available() is False"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return f"needs a Hopper GPU (sm_90a), this GPU is {torch.cuda.get_device_capability()}"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+
+BACKWARDS = space.default_variants("sm90", "bwd")
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+SHAPES = (
+    (1, 1, 1, 2, 2),
+    (2, 17, 17, 2, 2),
+    (1, 1000, 1000, 2, 1),
+    (1, 4097, 4097, 1, 1),
+    (1, 17, 1000, 4, 2),
+    (1, 1000, 17, 3, 3),
+    (2, 333, 257, 6, 2),
+    (1, 128, 4097, 8, 1),
+)
+
+
+def run_kernel(kernel, spec, q, k, v, out, lse, dout, *, deterministic=False):
+    """dq, dk, dv from one variant, allocated and reduced like cutefa/backward.py does."""
+    from cutefa.backward import dq_splits
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = dq_splits(deterministic, batch, heads_q, seqlen_k, spec.tile_n, sm_count)
+    nan = math.nan
+    dq = torch.full_like(q, nan)
+    dk_heads = torch.full((batch, seqlen_k, heads_q, head_dim), nan, dtype=q.dtype, device=q.device)
+    dv_heads = torch.full_like(dk_heads, nan)
+    f32 = {"dtype": torch.float32, "device": q.device}
+    dq_accum = torch.full((splits, batch, seqlen_q, heads_q, head_dim), nan, **f32)
+    lse_log2 = torch.full((batch, heads_q, seqlen_q), nan, **f32)
+    dpsum = torch.full((batch, heads_q, seqlen_q), nan, **f32)
+    dlse = torch.zeros((batch, heads_q, seqlen_q), **f32)
+    kernel(
+        q, k, v, out, dout, lse.contiguous(), dlse, dq, dk_heads, dv_heads, dq_accum, lse_log2, dpsum,
+        1.0 / math.sqrt(head_dim), int(deterministic),
+    )  # fmt: skip
+    grouped = (batch, seqlen_k, heads_kv, group, head_dim)
+    dk = dk_heads.view(grouped).sum(3, dtype=torch.float32).to(q.dtype)
+    dv = dv_heads.view(grouped).sum(3, dtype=torch.float32).to(q.dtype)
+    return dq, dk, dv
+
+
+def forward_ref(q, k, v, causal):
+    out, lse = reference.attention_ref(q, k, v, causal=causal)
+    return out.to(q.dtype), lse
+
+
+@pytest.fixture(scope="module")
+def target():
+    from cutefa.dispatch import current_target
+
+    return current_target()
+
+
+@pytest.mark.parametrize("spec", BACKWARDS, ids=lambda s: s.name)
+def test_variant_grads(gen, target, spec):
+    from cutefa.compile import get_kernel
+
+    kernel = get_kernel(spec, target)
+    dtype = bwd80.DTYPES[spec.dtype]
+    for batch, sq, sk, hq, hkv in SHAPES:
+        q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+        k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+        v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+        dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+        out, lse = forward_ref(q, k, v, spec.causal)
+        got = run_kernel(kernel, spec, q, k, v, out, lse, dout)
+        scale = 1.0 / math.sqrt(spec.head_dim)
+        fn = functools.partial(bwd80.attention, causal=spec.causal, scale=scale)
+        exact = bwd80.grads(fn, q.float(), k.float(), v.float(), dout.float())
+        base = bwd80.grads(fn, q, k, v, dout)
+        where = f"{spec.name} b{batch} sq{sq} sk{sk} hq{hq} hkv{hkv}"
+        for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
+            assert g.shape == e.shape, f"{where} {name}"
+            assert torch.isfinite(g).all(), f"{where} {name}: non-finite values (unwritten or NaN)"
+            err, err_base = bwd80.rel(g, e), bwd80.rel(b, e)
+            assert err <= 3 * err_base + 1e-3, f"{where} {name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
+
+
+@pytest.mark.parametrize("spec", [s for s in BACKWARDS if s.causal], ids=lambda s: s.name)
+def test_variant_deterministic(gen, target, spec):
+    from cutefa.compile import get_kernel
+
+    kernel = get_kernel(spec, target)
+    dtype = bwd80.DTYPES[spec.dtype]
+    q = torch.randn(1, 2048, 4, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    k = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+    out, lse = forward_ref(q, k, v, spec.causal)
+    first = run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
+    second = run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
+    plain = run_kernel(kernel, spec, q, k, v, out, lse, dout)
+    for name, a, b, c in zip(("dq", "dk", "dv"), first, second, plain):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+        assert bwd80.rel(a, c) < 1e-2, name
+
+
+def test_dispatch_picks_sm90_backward(target):
+    """On a Hopper GPU the API's backward runs the sm90 family for head dims 64 and 128."""
+    from cutefa.backward import choose_bwd
+
+    for head_dim in (64, 96, 128, 256):
+        spec = choose_bwd(target, torch.bfloat16, head_dim, True)
+        assert spec.arch == ("sm90" if head_dim in space.DEFAULT_BWD_TILES["sm90"] else "sm80"), head_dim

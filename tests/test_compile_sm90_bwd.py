@@ -1,0 +1,118 @@
+"""sm90 backward (FlashAttention-3 design) on this CPU: representative default variants compile for
+sm_90a and their SASS shows the design: WGMMA (HGMMA) for all five products, TMA loads (UTMALDG) of
+K, V, Q and dO, setmaxnreg (USETMAXREG), mbarrier pipelines (SYNCS), MUFU.EX2 for the recomputed
+probabilities and 8-byte fp32 vector reductions (REDG ... ADD.F32x2) into the dQ accumulator; no local-memory
+spills. Also: the shared-memory layouts that read one buffer in two roles address the same bytes.
+
+One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
+Correctness on hardware: tests/gpu/test_bwd_sm90.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cutefa import sass, space
+
+DEFAULTS = space.default_variants("sm90", "bwd")
+# fp16 and bf16 differ only in the operand type: every head dim, both masks, alternating dtypes
+# (5 of the 12 defaults, to keep the compile suite short).
+CHECKED = [
+    s
+    for s in DEFAULTS
+    if (s.dtype == "bf16") == (s.causal == (s.head_dim == 64)) and (s.head_dim != 96 or s.causal)
+]
+
+
+@pytest.fixture(scope="module")
+def cubins(tmp_path_factory):
+    return sass.dump_cubins(CHECKED, "sm_90a", tmp_path_factory.mktemp("bwd_sm_90a"))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
+def test_sass_sm90a_bwd(cubins, spec):
+    report = sass.analyze(cubins[spec.name])
+    for op in ("HGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "MUFU.EX2"):
+        assert report.counts.get(op, 0) > 0, f"{spec.name}: no {op}: {report.summary()}"
+    # Per query block: S^T and dP^T (head_dim/16 k-steps each), dV and dK (tile_m/16 each), dQ
+    # (tile_n/16, once per consumer's piece): every k-step one WGMMA, unrolled.
+    expected = 2 * spec.head_dim // 16 + 2 * spec.tile_m // 16 + 2 * spec.tile_n // 16
+    assert report.counts["HGMMA"] == expected, f"{spec.name}: {report.summary()}"
+    assert report.counts["USETMAXREG"] >= 2, report.summary()  # producer gives, consumers take
+    assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
+    text = sass._cuobjdump(cubins[spec.name], "-sass")
+    # dQ into dq_accum: 8-byte vector reductions, one per two accumulator columns of each piece
+    # (64 rows x its columns over 128 threads; one code path per consumer).
+    reductions = re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text)
+    expected = sum(64 * cols // 128 // 2 for _, _, cols in space.sm90_bwd_dq_pieces(spec))
+    assert len(reductions) == expected, f"{spec.name}: {len(reductions)} REDs, expected {expected}"
+    # K, V once per key block, Q and dO per query block: 4 TMA loads per box row of 64 columns.
+    assert report.counts["UTMALDG"] >= 4, report.summary()
+
+
+def test_bwd_budgets_in_the_predicate():
+    """The defaults are head dims 64, 96 and 128 and fit 227 KiB and the consumers' 240 registers."""
+    assert sorted({s.head_dim for s in DEFAULTS}) == [64, 96, 128]
+    assert len(DEFAULTS) == 2 * 2 * 3
+    for spec in DEFAULTS:
+        assert space.why_invalid(spec) is None
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == space.DEFAULT_BWD_TILES["sm90"][
+            spec.head_dim
+        ]
+        assert space.sm90_bwd_smem_bytes(spec) <= space.SM90_SMEM_LIMIT
+        assert space.sm90_bwd_registers(spec) <= space.SM90_CONSUMER_REGS
+        # the generic budget functions (CLI show, codegen) use the backward's models
+        assert space.smem_bytes(spec) == space.sm90_bwd_smem_bytes(spec)
+        assert space.est_registers(spec) == space.sm90_bwd_registers(spec)
+
+
+_LAYOUT_CHECK = """
+import json, sys
+import cutlass, cutlass.cute as cute
+from cutefa.kernels.sm90 import bwd_parts
+
+result = {}
+
+@cute.jit
+def offsets(tile_m: cutlass.Constexpr, head_dim: cutlass.Constexpr):
+    sk, skt, sq, sqt, sds = bwd_parts.smem_layouts(cutlass.BFloat16, tile_m, 128, head_dim, 2)
+    result["k"] = [sk((r, c, 0)) for r in range(128) for c in range(head_dim)]
+    result["kt"] = [skt((c, r, 0)) for r in range(128) for c in range(head_dim)]
+    result["q"] = [sq((r, c, s)) for s in range(2) for r in range(tile_m) for c in range(head_dim)]
+    result["qt"] = [sqt((c, r, s)) for s in range(2) for r in range(tile_m) for c in range(head_dim)]
+    result["ds"] = [sds((r, c, s)) for s in range(2) for r in range(tile_m) for c in range(128)]
+
+offsets(int(sys.argv[1]), int(sys.argv[2]))
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.compile  # traces layouts with the DSL in a child process (~10 s each)
+@pytest.mark.parametrize(("tile_m", "head_dim"), [(128, 64), (64, 96), (64, 128)])
+def test_two_role_layouts_share_bytes(tmp_path, tile_m, head_dim):
+    """K's K-major (A of S^T) and MN-major (B of dQ) layouts map every element to the same offset,
+    as do Q/dO's K-major (B of S^T, dP^T) and MN-major (B of dK, dV) ones; dS's two buffers are
+    each a permutation of their own range."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)}
+    script = tmp_path / "layouts.py"  # a file: the DSL reads the traced function's source
+    script.write_text(_LAYOUT_CHECK)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tile_m), str(head_dim)],
+        env=env, capture_output=True, text=True, check=False, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["k"] == got["kt"]
+    assert got["q"] == got["qt"]
+    assert sorted(got["k"]) == list(range(128 * head_dim))
+    assert sorted(got["q"]) == list(range(2 * tile_m * head_dim))
+    assert sorted(got["ds"]) == list(range(2 * tile_m * 128))
