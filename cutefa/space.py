@@ -17,7 +17,7 @@ from cutefa.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, VariantSpec
 IMPLEMENTED: dict[tuple[str, str], tuple[str, ...]] = {
     ("sm80", "fwd"): ("fp16", "bf16"),
     ("sm80", "bwd"): ("fp16", "bf16"),
-    ("sm90", "fwd"): ("fp16", "bf16"),
+    ("sm90", "fwd"): ("fp16", "bf16", "e4m3"),
 }
 
 # Families whose tensor cores take fp8 operands; e4m3 is a forward-only dtype there.
