@@ -35,6 +35,7 @@ P_OFFSET_LOG2 = 8.0
 # Register layouts of one warpgroup (threads x values -> (row, col) of the tile, column-major
 # index row + 64 * col), as the DSL's fp8 WGMMA atom reports them (a compile test checks).
 TV_LAYOUT_A_FP8 = "((4,8,4),(4,2,2)):((256,1,16),(64,8,1024))"  # 64 x 32 A operand from registers
+TV_LAYOUT_C_N128 = "((4,8,4),(2,2,16)):((128,1,16),(64,8,512))"  # 64 x 128 fp32 accumulator
 
 
 def key_of_a_column(k: int) -> int:
@@ -88,43 +89,66 @@ def p_views(acc_S: cute.Tensor):
     )
     shape = ((2, 2, (2, 2, kblocks)), 1, 1)
     acc_view = cute.make_tensor(acc_S.iterator, cute.make_layout(shape, stride=((1, 2, (4, 8, 16)), 0, 0)))
-    rP_acc = cute.make_tensor(rP.iterator, cute.make_layout(shape, stride=((1, 4, (2, 8, 16)), 0, 0)))
+    j, r, b1, h, kb = P_STRIDES
+    rP_acc = cute.make_tensor(rP.iterator, cute.make_layout(shape, stride=((j, r, (b1, h, kb)), 0, 0)))
     return rP, acc_view, rP_acc
+
+
+# Offsets in the A-operand fragment of accumulator value (j, r, b1, h, kb): column pair j, row half
+# r, and 8-key block b = 4 kb + 2 h + b1 (the fragment is ((4, 2, 2), 1, kblocks) : ((1, 4, 8), 0, 16)).
+P_STRIDES = (1, 4, 2, 8, 16)
+
+
+def transpose_unit(tid, i, head_dim: int):
+    """The unit of thread ``tid`` (of 128) in step ``i`` of :func:`transpose_v`: (first source key
+    row, head-dim word dq, Vt key word kq). The thread reads V rows key0 + (0, 1, 8, 9) at word dq
+    and writes Vt rows 4 dq + (0..3) at word kq. Plain integer arithmetic: the same function runs
+    in the kernel and in the CPU tests.
+
+    A warp covers 4 head-dim words x 8 key words (one 32-key block), so each side sees at most
+    2-way bank conflicts under the 128-byte swizzle."""
+    warp = tid // 32
+    lane = tid % 32
+    d_tiles = head_dim // 16
+    wt = warp + 4 * i
+    kq_lane = lane // 4  # half h = kq_lane // 4 and t = kq_lane % 4 of key_of_a_column
+    kb = wt // d_tiles
+    dq = (wt % d_tiles) * 4 + lane % 4
+    key0 = kb * 32 + 16 * (kq_lane // 4) + 2 * (kq_lane % 4)
+    return key0, dq, kb * 8 + kq_lane
+
+
+def transpose_steps(tile_n: int, head_dim: int) -> int:
+    """Steps of :func:`transpose_v`: (head_dim / 16) x (tile_n / 32) warp tiles over 4 warps."""
+    return (head_dim // 16) * (tile_n // 32) // 4
+
+
+# Byte selectors of the 4x4 byte transpose: PRMT(a, b, sel) picks bytes of (b:a) by nibble.
+PRMT_LO_PAIRS, PRMT_HI_PAIRS = 0x5140, 0x7362  # interleave bytes 0,1 / 2,3 of a and b
+PRMT_LO_HALVES, PRMT_HI_HALVES = 0x5410, 0x7632  # low / high 16 bits of a and b
 
 
 @cute.jit
 def transpose_v(sV: cute.Tensor, sVt: cute.Tensor, tid: cutlass.Int32, tile_n: cutlass.Constexpr, head_dim: cutlass.Constexpr):
     """Vt[d, 32 kb + k] = V[32 kb + key_of_a_column(k), d] for one stage, by the 128 threads of a
-    warpgroup. ``sV`` (tile_n, d) and ``sVt`` (d, tile_n) are 32-bit views (4 e4m3 per word).
+    warpgroup. ``sV`` (tile_n, d / 4) and ``sVt`` (d, tile_n / 4) are 32-bit views (4 e4m3 a word).
 
-    A thread's unit is 4 keys x 4 head dims: 4 word loads from 4 key rows, a 4x4 byte transpose
-    (8 PRMT), 4 word stores into 4 head-dim rows. A warp covers 4 head-dim words x 8 key words
-    (one 32-key block), so each side sees at most 2-way bank conflicts under the 128-byte swizzle."""
-    warp = tid // 32
-    lane = tid % 32
-    dq_lane = lane % 4
-    kq_lane = lane // 4  # one 32-key block per warp tile: half h = kq_lane // 4, t = kq_lane % 4
-    key_lane = 16 * (kq_lane // 4) + 2 * (kq_lane % 4)
-    d_tiles = head_dim // 16
-    tiles = (head_dim // 16) * (tile_n // 32)
-    for i in cutlass.range_constexpr(tiles // 4):
-        wt = warp + 4 * i
-        dq = (wt % d_tiles) * 4 + dq_lane
-        kb = wt // d_tiles
-        key0 = kb * 32 + key_lane
+    A thread's unit (:func:`transpose_unit`) is 4 keys x 4 head dims: 4 word loads from 4 key rows,
+    a 4x4 byte transpose (8 PRMT), 4 word stores into 4 head-dim rows."""
+    for i in cutlass.range(transpose_steps(tile_n, head_dim), unroll=1):
+        key0, dq, kq = transpose_unit(tid, i, head_dim)
         w0 = cutlass.Int32(sV[key0, dq])
         w1 = cutlass.Int32(sV[key0 + 1, dq])
         w2 = cutlass.Int32(sV[key0 + 8, dq])
         w3 = cutlass.Int32(sV[key0 + 9, dq])
-        t0 = cutlass.Int32(cute.arch.prmt(w0, w1, 0x5140))
-        t1 = cutlass.Int32(cute.arch.prmt(w0, w1, 0x7362))
-        t2 = cutlass.Int32(cute.arch.prmt(w2, w3, 0x5140))
-        t3 = cutlass.Int32(cute.arch.prmt(w2, w3, 0x7362))
-        kq = kb * 8 + kq_lane
-        sVt[dq * 4 + 0, kq] = cutlass.Uint32(cute.arch.prmt(t0, t2, 0x5410))
-        sVt[dq * 4 + 1, kq] = cutlass.Uint32(cute.arch.prmt(t0, t2, 0x7632))
-        sVt[dq * 4 + 2, kq] = cutlass.Uint32(cute.arch.prmt(t1, t3, 0x5410))
-        sVt[dq * 4 + 3, kq] = cutlass.Uint32(cute.arch.prmt(t1, t3, 0x7632))
+        t0 = cutlass.Int32(cute.arch.prmt(w0, w1, PRMT_LO_PAIRS))
+        t1 = cutlass.Int32(cute.arch.prmt(w0, w1, PRMT_HI_PAIRS))
+        t2 = cutlass.Int32(cute.arch.prmt(w2, w3, PRMT_LO_PAIRS))
+        t3 = cutlass.Int32(cute.arch.prmt(w2, w3, PRMT_HI_PAIRS))
+        sVt[dq * 4 + 0, kq] = cutlass.Uint32(cute.arch.prmt(t0, t2, PRMT_LO_HALVES))
+        sVt[dq * 4 + 1, kq] = cutlass.Uint32(cute.arch.prmt(t0, t2, PRMT_HI_HALVES))
+        sVt[dq * 4 + 2, kq] = cutlass.Uint32(cute.arch.prmt(t1, t3, PRMT_LO_HALVES))
+        sVt[dq * 4 + 3, kq] = cutlass.Uint32(cute.arch.prmt(t1, t3, PRMT_HI_HALVES))
 
 
 @cute.jit
@@ -177,7 +201,9 @@ __all__ = [
     "FP8",
     "MMA_K",
     "P_OFFSET_LOG2",
+    "P_STRIDES",
     "TV_LAYOUT_A_FP8",
+    "TV_LAYOUT_C_N128",
     "WG_THREADS",
     "key_of_a_column",
     "online_softmax_step",
@@ -187,5 +213,7 @@ __all__ = [
     "rescale_rows",
     "smem_layouts",
     "softmax_finalize",
+    "transpose_steps",
+    "transpose_unit",
     "transpose_v",
 ]
