@@ -153,3 +153,41 @@ def test_valid_variants():
 def test_bad_arguments(call, words):
     with pytest.raises(ValueError, match=words):
         call()
+
+
+FP8 = VariantSpec("sm90", "fwd", "e4m3", 128, 128, 128, 2, 12, overlap=True, pingpong=True)
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (FP8.replace(tile_m=64, warps=8, pingpong=False), "tile_m=64: the sm90 fp8 forward runs two consumer"),
+        (FP8.replace(tile_n=80), "tile_n=80 is not a multiple of 32 (the k of an fp8 WGMMA"),
+        (FP8.replace(persistent=True), "persistent: the sm90 fp8 forward has no persistent scheduler"),
+        # Q 32 KiB + 2 stages x (K, V, Vt) of 32 KiB each = 224 KiB, with 3 stages over the limit.
+        (FP8.replace(head_dim=256, stages=3), "needs 321.0 KiB of shared memory, over the 227 KiB"),
+        # O 128 + S 64 + P 16 + 48 = 256 registers per consumer thread.
+        (FP8.replace(head_dim=256), "would spill registers (estimated 256 > 232 per consumer thread"),
+    ],
+    ids=lambda x: x.name if isinstance(x, VariantSpec) else None,
+)
+def test_fp8_rules_name_themselves(spec, reason):
+    assert reason in space.why_invalid(spec)
+
+
+def test_fp8_budgets():
+    # Q (128 x d) plus three rings (K, V as loaded, V transposed) of `stages` tiles, one byte each.
+    assert space.smem_bytes(FP8) == (128 + 3 * 2 * 128) * 128 + space.SMEM_RESERVE
+    # fp32 O (d/2) and S (tile_n/2) per consumer thread, P at one byte (tile_n/8).
+    assert space.est_registers(FP8) == 64 + 64 + 16 + space.SM90_REG_OVERHEAD
+    assert space.why_invalid(FP8) is None
+    # the bf16 kernel's model is unchanged: P at two bytes
+    assert space.est_registers(FP8.replace(dtype="bf16")) == 64 + 64 + 32 + space.SM90_REG_OVERHEAD
+
+
+def test_fp8_defaults_are_the_default_schedule_only():
+    fp8 = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
+    assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
+    assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not; no schedule or tile alternatives
+    assert all((s.tile_m, s.tile_n) == tuple(space.DEFAULT_TILES["sm90"][s.head_dim])[:2] for s in fp8)
+    assert all(s.overlap and s.pingpong and s.tile_n % 32 == 0 for s in fp8)
