@@ -36,7 +36,9 @@ def _hadamard_cpu(head_dim: int, seed: int) -> torch.Tensor:
     return (signs[:, None].to(torch.float64) * h).to(torch.float32)
 
 
-def hadamard_matrix(head_dim: int, *, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+def hadamard_matrix(
+    head_dim: int, *, seed: int = 0, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The orthogonal (head_dim x head_dim) float32 matrix ``quantize_fp8(hadamard=True)`` multiplies
     the last dim by: diag(random signs from ``seed``) @ H / sqrt(block), H Hadamard blocks of the
     largest power of two dividing head_dim."""

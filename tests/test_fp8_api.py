@@ -41,7 +41,7 @@ def test_round_trip_error_is_within_e4m3_rounding(granularity):
 
 def test_head_granularity_with_groups_gives_kv_head_descales():
     x = rand(2, 8, 8, 64)
-    q, descale = cutefa.quantize_fp8(x, "head", group=4)
+    _, descale = cutefa.quantize_fp8(x, "head", group=4)
     assert descale.shape == (2, 2)
     expected = x.reshape(2, 8, 2, 4 * 64).abs().amax(dim=(1, 3)) / fp8.E4M3_MAX
     torch.testing.assert_close(descale, expected)
@@ -90,7 +90,10 @@ def score_error(granularity, hadamard):
 
 def test_hadamard_reduces_score_error_on_outlier_channels():
     errors = {(g, h): score_error(g, h) for g in ("tensor", "head") for h in (False, True)}
-    print("relative Q K^T error:", {f"{g}{'+hadamard' if h else ''}": f"{e:.4f}" for (g, h), e in errors.items()})
+    print(
+        "relative Q K^T error:",
+        {f"{g}{'+hadamard' if h else ''}": f"{e:.4f}" for (g, h), e in errors.items()},
+    )
     assert errors[("tensor", True)] < errors[("tensor", False)]
     assert errors[("head", True)] < errors[("head", False)]
 
@@ -99,12 +102,32 @@ def test_hadamard_reduces_score_error_on_outlier_channels():
     ("call", "error", "match"),
     [
         (lambda: cutefa.quantize_fp8([1.0]), TypeError, "x must be a torch.Tensor; got list"),
-        (lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64, dtype=torch.int32)), TypeError, "got dtype torch.int32"),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64, dtype=torch.int32)),
+            TypeError,
+            "got dtype torch.int32",
+        ),
         (lambda: cutefa.quantize_fp8(torch.ones(2, 2, 64)), ValueError, "x must be 4-D"),
-        (lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), "block"), ValueError, "granularity='block' is not one of"),
-        (lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), hadamard=1), TypeError, "hadamard must be a bool"),
-        (lambda: cutefa.quantize_fp8(torch.ones(1, 2, 6, 64), "head", group=4), ValueError, "group=4 must be a positive"),
-        (lambda: cutefa.quantize_fp8(torch.ones(1, 2, 4, 64), group=2), ValueError, "applies to granularity 'head'"),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), "block"),
+            ValueError,
+            "granularity='block' is not one of",
+        ),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), hadamard=1),
+            TypeError,
+            "hadamard must be a bool",
+        ),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 6, 64), "head", group=4),
+            ValueError,
+            "group=4 must be a positive",
+        ),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 4, 64), group=2),
+            ValueError,
+            "applies to granularity 'head'",
+        ),
         (lambda: fp8.hadamard_matrix(0), ValueError, "head_dim must be a positive int"),
     ],
 )
@@ -165,7 +188,9 @@ def test_fp8_call_passes_kv_head_descales(on_cpu):
     assert all(d.shape == (2, 2) and d.dtype == torch.float32 and d.is_contiguous() for d in sent)
     assert torch.all(sent[2] == vd)  # the per-tensor descale broadcast to every (batch, kv head)
     # the op hands the kernel the dequantized problem: x_e4m3 * descale per (batch, kv head)
-    deq, deq_lse = reference(fp8.dequantize_fp8(qq, qd), fp8.dequantize_fp8(kq, kd), fp8.dequantize_fp8(vq, vd), True, 1 / 8)
+    deq, deq_lse = reference(
+        fp8.dequantize_fp8(qq, qd), fp8.dequantize_fp8(kq, kd), fp8.dequantize_fp8(vq, vd), True, 1 / 8
+    )
     torch.testing.assert_close(out.float(), deq, atol=2e-2, rtol=2e-2)  # bf16 output
     torch.testing.assert_close(lse, deq_lse)
     # which is close to the unquantized one (tests/gpu/test_fp8.py justifies the bound)
@@ -197,11 +222,31 @@ def test_fp8_empty_and_keyless_problems(on_cpu):
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
-        (lambda t: {**t, "k": t["k"].to(torch.bfloat16)}, TypeError, "k has dtype torch.bfloat16; an fp8 call"),
-        (lambda t: {**t, "q_descale": torch.ones(3)}, ValueError, r"q_descale must have shape \(\) or \(batch, heads_kv\)"),
-        (lambda t: {**t, "k_descale": torch.ones(2, 2, dtype=torch.float64)}, TypeError, "k_descale must be float32"),
-        (lambda t: {**t, "v_descale": 2.0}, TypeError, "v_descale must be a float32 torch.Tensor or None; got float"),
-        (lambda t: {**t, "out_dtype": torch.float16}, NotImplementedError, "writes torch.bfloat16 output only"),
+        (
+            lambda t: {**t, "k": t["k"].to(torch.bfloat16)},
+            TypeError,
+            "k has dtype torch.bfloat16; an fp8 call",
+        ),
+        (
+            lambda t: {**t, "q_descale": torch.ones(3)},
+            ValueError,
+            r"q_descale must have shape \(\) or \(batch, heads_kv\)",
+        ),
+        (
+            lambda t: {**t, "k_descale": torch.ones(2, 2, dtype=torch.float64)},
+            TypeError,
+            "k_descale must be float32",
+        ),
+        (
+            lambda t: {**t, "v_descale": 2.0},
+            TypeError,
+            "v_descale must be a float32 torch.Tensor or None; got float",
+        ),
+        (
+            lambda t: {**t, "out_dtype": torch.float16},
+            NotImplementedError,
+            "writes torch.bfloat16 output only",
+        ),
         (lambda t: {**t, "out_dtype": "bf16"}, TypeError, "out_dtype must be a torch.dtype or None"),
         (lambda t: {**t, "causal": 1}, TypeError, "causal must be a bool"),
     ],

@@ -35,7 +35,9 @@ pytestmark = fwd.pytestmark
 SHAPES = ((1, 1, 1, 2, 2), (2, 17, 1000, 4, 2), (1, 1000, 17, 3, 3), (1, 1000, 4097, 8, 1), (2, 333, 257, 6, 2))
 
 
-FORWARDS = [s for arch in ("sm80", "sm90") for s in space.default_variants(arch, "fwd")]
+FORWARDS = [
+    s for arch in ("sm80", "sm90") for s in space.default_variants(arch, "fwd") if s.dtype != "e4m3"
+]  # e4m3: test_fp8.py
 
 
 @pytest.mark.parametrize("spec", FORWARDS, ids=lambda s: s.name)

@@ -84,9 +84,7 @@ def p_views(acc_S: cute.Tensor):
     lands at A register j + 2 b1 + 4 r + 8 h of k-block kb."""
     n_blocks = cute.size(acc_S.layout.shape[0][2])
     kblocks = n_blocks // 4
-    rP = cute.make_rmem_tensor(
-        cute.make_layout(((4, 2, 2), 1, kblocks), stride=((1, 4, 8), 0, 16)), FP8
-    )
+    rP = cute.make_rmem_tensor(cute.make_layout(((4, 2, 2), 1, kblocks), stride=((1, 4, 8), 0, 16)), FP8)
     shape = ((2, 2, (2, 2, kblocks)), 1, 1)
     acc_view = cute.make_tensor(acc_S.iterator, cute.make_layout(shape, stride=((1, 2, (4, 8, 16)), 0, 0)))
     j, r, b1, h, kb = P_STRIDES
@@ -129,7 +127,13 @@ PRMT_LO_HALVES, PRMT_HI_HALVES = 0x5410, 0x7632  # low / high 16 bits of a and b
 
 
 @cute.jit
-def transpose_v(sV: cute.Tensor, sVt: cute.Tensor, tid: cutlass.Int32, tile_n: cutlass.Constexpr, head_dim: cutlass.Constexpr):
+def transpose_v(
+    sV: cute.Tensor,
+    sVt: cute.Tensor,
+    tid: cutlass.Int32,
+    tile_n: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+):
     """Vt[d, 32 kb + k] = V[32 kb + key_of_a_column(k), d] for one stage, by the 128 threads of a
     warpgroup. ``sV`` (tile_n, d / 4) and ``sVt`` (d, tile_n / 4) are 32-bit views (4 e4m3 a word).
 
@@ -174,7 +178,11 @@ def online_softmax_step(
 
 @cute.jit
 def softmax_finalize(
-    o_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32, v_descale: Float32,
+    o_mn: cute.Tensor,
+    row_max: cute.Tensor,
+    row_sum: cute.Tensor,
+    scale_log2: Float32,
+    v_descale: Float32,
     lse: cute.Tensor,
 ):
     """O = O * v_descale / row_sum and the natural-log LSE of the dequantized scores per row.
