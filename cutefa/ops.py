@@ -279,13 +279,13 @@ def _fp8_descale(name: str, d: object, q: torch.Tensor, k: torch.Tensor) -> torc
     if d.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}; got {d.device}")
     if d.numel() == 1 and d.dim() <= 2:
-        return d.reshape(1, 1).expand(batch, heads_kv).contiguous()
+        return d.reshape(1, 1).expand(batch, heads_kv).clone(memory_format=torch.contiguous_format)
     if tuple(d.shape) != (batch, heads_kv):
         raise ValueError(
             f"{name} must have shape () or (batch, heads_kv) = {(batch, heads_kv)}; got {tuple(d.shape)} "
             "(with grouped-query attention q's descale is per kv head too: quantize q with group=heads_q // heads_kv)"
         )
-    return d.contiguous()
+    return d if d.is_contiguous() else d.clone(memory_format=torch.contiguous_format)
 
 
 def validate_fp8_inputs(

@@ -265,3 +265,37 @@ def test_fp8_options_with_16_bit_inputs_are_refused(on_cpu, option):
     value = torch.ones(()) if option == "q_descale" else torch.bfloat16
     with pytest.raises(ValueError, match=f"{option} apply to fp8"):
         cutefa.flash_attn_func(q, k, v, **{option: value})
+
+
+def test_fp8_fake_impl_and_torch_compile_trace_the_fp8_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=capture)
+    def attention_block(q, k, v, qd, kd, vd):
+        out, lse = cutefa.flash_attn_func(
+            q, k, v, causal=True, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd
+        )
+        return out * 2, lse.exp()
+
+    torch._dynamo.reset()
+    with FakeTensorMode():
+        q = torch.empty(2, 5, 8, 128, device="cuda", dtype=torch.float8_e4m3fn)
+        k = v = torch.empty(2, 7, 2, 128, device="cuda", dtype=torch.float8_e4m3fn)
+        qd, kd, vd = (
+            torch.ones(2, 2, device="cuda"),
+            torch.ones(2, 2, device="cuda"),
+            torch.ones((), device="cuda"),
+        )
+        out, lse = attention_block(q, k, v, qd, kd, vd)
+    assert (out.shape, out.dtype) == ((2, 5, 8, 128), torch.bfloat16) and lse.shape == (2, 8, 5)
+    (graph,) = graphs
+    assert torch.ops.cutefa.flash_fwd_fp8.default in [
+        n.target for n in graph.graph.nodes if n.op == "call_function"
+    ]
+
