@@ -600,7 +600,11 @@ def explain(
     ``target`` (e.g. 'sm_90a') explains for that compile target instead of the tensors' GPU, so
     the inputs may then be CPU or meta tensors.
     """
-    validate_inputs(q, k, v, causal=causal, device_types=None if target is None else (q.device.type,))
+    device_types = None if target is None else (q.device.type,)
+    if isinstance(q, torch.Tensor) and q.dtype in FP8_DTYPES:
+        validate_fp8_inputs(q, k, v, causal=causal, device_types=device_types)
+    else:
+        validate_inputs(q, k, v, causal=causal, device_types=device_types)
     gpu_name = None
     if target is None:
         target, gpu_name = dispatch.device_target(q.device)
