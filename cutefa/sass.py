@@ -91,6 +91,32 @@ def _cuobjdump(cubin: Path, *flags: str) -> str:
     return proc.stdout
 
 
+def disassemble(cubin: Path) -> str:
+    """The SASS text of ``cubin`` (``cuobjdump -sass``)."""
+    return _cuobjdump(cubin, "-sass")
+
+
+def setmaxnreg_regions(sass_text: str) -> list[tuple[int, int]]:
+    """(register budget, highest register index used) per stretch of code that starts at a
+    ``USETMAXREG`` and runs to the next one (or the end), in code order."""
+    lines = sass_text.splitlines()
+    marks = [
+        (i, int(m.group(1), 0))
+        for i, line in enumerate(lines)
+        if (m := re.search(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?(0x[0-9a-f]+|\d+)", line))
+    ]
+    regions = []
+    for n, (start, budget) in enumerate(marks):
+        end = marks[n + 1][0] if n + 1 < len(marks) else len(lines)
+        used = [
+            int(r)
+            for line in lines[start:end]
+            for r in re.findall(r"\bR(\d+)\b", line.split("/*")[1] if "/*" in line else line)
+        ]
+        regions.append((budget, max(used, default=-1)))
+    return regions
+
+
 def analyze(cubin: Path) -> SassReport:
     """Registers, stack/local bytes and instruction counts of the (single) kernel in ``cubin``."""
     usage = _RES_RE.findall(_cuobjdump(cubin, "-res-usage"))

@@ -49,6 +49,11 @@ def test_sass(cubins, spec):
     assert report.counts["PRMT"] >= 8, summary
     assert report.counts["LDS"] >= 4 and report.counts["STS"] >= 4, summary
     assert report.counts["BAR.SYNC"] > 2, summary  # ping-pong hand-over between the consumers
+    # Code after each setmaxnreg stays within its budget: the producer warpgroup (transpose
+    # included) within 40 registers, the consumers within 232 (code order: producer branch first).
+    regions = sass.setmaxnreg_regions(sass.disassemble(cubins[spec.name]))
+    assert [budget for budget, _ in regions] == [40, 232], regions
+    assert all(used < budget for budget, used in regions), regions
 
 
 def test_register_fragment_layouts_match_the_dsl(tmp_path):
