@@ -139,7 +139,7 @@ def transpose_v(
 
     A thread's unit (:func:`transpose_unit`) is 4 keys x 4 head dims: 4 word loads from 4 key rows,
     a 4x4 byte transpose (8 PRMT), 4 word stores into 4 head-dim rows."""
-    for i in cutlass.range(transpose_steps(tile_n, head_dim), unroll=1):
+    for i in cutlass.range(transpose_steps(tile_n, head_dim), unroll=2):
         key0, dq, kq = transpose_unit(tid, i, head_dim)
         w0 = cutlass.Int32(sV[key0, dq])
         w1 = cutlass.Int32(sV[key0 + 1, dq])
