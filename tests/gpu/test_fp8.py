@@ -99,6 +99,8 @@ def kv_head_descales(descales, batch, heads_kv):
 def emulate(fp8s, descales, *, causal, scale):
     """What the kernel computes, in float32 torch: dequantized inputs, P rounded to e4m3 (times
     2^8) against the final row max, unrounded row sums. Returns (out, lse)."""
+    from cutefa.kernels.sm90.fp8 import P_OFFSET_LOG2  # the kernel's shift of P (imports the DSL)
+
     q, k, v = (fp8.dequantize_fp8(x, d) for x, d in zip(fp8s, descales))
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
@@ -115,7 +117,7 @@ def emulate(fp8s, descales, *, causal, scale):
         empty = torch.isneginf(m)
         m = torch.where(empty, torch.zeros_like(m), m)
         p = torch.exp(s - m[:, None])
-        p_q = (p * 2.0**fp8.P_OFFSET_LOG2).to(torch.float8_e4m3fn).float() / 2.0**fp8.P_OFFSET_LOG2
+        p_q = (p * 2.0**P_OFFSET_LOG2).to(torch.float8_e4m3fn).float() / 2.0**P_OFFSET_LOG2
         denom = p.sum(dim=-1)
         o = (p_q @ v[blk.batch, :, blk.head_kv]) / torch.where(empty, torch.ones_like(denom), denom)[:, None]
         out[blk.batch, blk.row0 : blk.row1, blk.head_q] = torch.where(empty[:, None], torch.zeros_like(o), o)
