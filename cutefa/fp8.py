@@ -70,6 +70,11 @@ def quantize_fp8(
         raise TypeError(f"x must be a float16, bfloat16 or float32 tensor; got dtype {x.dtype}")
     if x.dim() != 4:
         raise ValueError(f"x must be 4-D (batch, seqlen, heads, head_dim); got shape {tuple(x.shape)}")
+    if granularity == "block":
+        raise NotImplementedError(
+            "granularity='block' (one scale per tile of keys/queries) is not implemented: the fp8 kernel "
+            "takes one descale per (batch, kv head); use 'tensor' or 'head'"
+        )
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity={granularity!r} is not one of {GRANULARITIES}")
     if not isinstance(hadamard, bool):

@@ -300,7 +300,6 @@ def test_fp8_fake_impl_and_torch_compile_trace_the_fp8_op():
     ]
 
 
-
 def test_explain_names_the_e4m3_variant():
     _, ((qq, _), (kq, _), (vq, _)) = fp8_inputs(d=128)
     text = cutefa.explain(qq, kq, vq, causal=True, target="sm_90a")
