@@ -109,9 +109,14 @@ def test_hadamard_reduces_score_error_on_outlier_channels():
         ),
         (lambda: cutefa.quantize_fp8(torch.ones(2, 2, 64)), ValueError, "x must be 4-D"),
         (
-            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), "block"),
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), "row"),
             ValueError,
-            "granularity='block' is not one of",
+            "granularity='row' is not one of",
+        ),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), "block"),
+            NotImplementedError,
+            "'block'.*is not implemented",
         ),
         (
             lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), hadamard=1),
