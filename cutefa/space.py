@@ -34,7 +34,7 @@ SM90_SMEM_LIMIT = 227 * 1024  # H100/H200 per-block opt-in limit
 SM90_CONSUMER_REGS = 240  # setmaxnreg budget of a consumer warpgroup (producer keeps 24)
 SM90_REG_OVERHEAD = 48  # row max/sum, descriptors, pipeline state, addresses
 # The sm90 fp8 forward: the producer warpgroup keeps 40 registers for the on-chip V transpose, so
-# the two consumer warpgroups get 232 (40 * 128 + 232 * 256 = 64K registers).
+# the two consumer warpgroups get 232 (40 * 128 + 232 * 256 = 168 * 384, what the CTA holds at launch).
 SM90_FP8_CONSUMER_REGS = 232
 SM90_FP8_MMA_K = 32  # k of an fp8 WGMMA: P V steps over keys 32 at a time
 

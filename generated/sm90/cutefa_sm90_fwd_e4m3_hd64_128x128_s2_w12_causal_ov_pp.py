@@ -37,7 +37,7 @@ OVERLAP = True  # intra-warpgroup overlap of softmax with the MMAs
 PINGPONG = True  # consumer warpgroups take turns issuing MMAs
 PP_BARRIER = 3  # named barriers 3 and 4 (0: CTA sync)
 # The producer warpgroup keeps enough registers for the V transpose; the consumers get the rest
-# of the 64K register file (registers released by the producer = registers taken by consumers).
+# of the CTA's registers (168 x 384 at launch: 40 x 128 + 232 x 256 gives back what it takes).
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
