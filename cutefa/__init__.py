@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from cutefa.fp8 import quantize_fp8
     from cutefa.ops import explain, flash_attn_func
 
-__all__ = ["__version__", "explain", "flash_attn_func"]
+__all__ = ["__version__", "explain", "flash_attn_func", "quantize_fp8"]
 
 __version__ = "0.1.0"  # keep equal to pyproject.toml's version (a test checks)
 
@@ -19,6 +20,11 @@ _LAZY = {"flash_attn_func", "explain"}
 
 
 def __getattr__(name: str) -> Any:
+    if name == "quantize_fp8":
+        from cutefa.fp8 import quantize_fp8
+
+        globals()[name] = quantize_fp8
+        return quantize_fp8
     if name in _LAZY:
         import sys
 

@@ -64,7 +64,8 @@ _DSL_DIST = "nvidia-cutlass-dsl"
 _DSL_DTYPES = {"fp16": "Float16", "bf16": "BFloat16", "e4m3": "Float8E4M3FN"}
 _ROW_ALIGN_BYTES = 16
 
-# (variant name, target) -> callable(q, k, v, o, lse, softmax_scale)
+# (variant name, target) -> callable(q, k, v, o, lse, softmax_scale); e4m3 forwards take
+# (q, k, v, o, lse, q_descale, k_descale, v_descale, softmax_scale)
 _KERNELS: dict[tuple[str, str], Callable[..., Any]] = {}
 _KERNELS_LOCK = threading.Lock()
 # Loaded tvm_ffi modules, kept alive for as long as their functions may be called.
@@ -451,7 +452,9 @@ def loaded_kernels() -> dict[tuple[str, str], str]:
 
 
 def get_kernel(spec: VariantSpec, target: str) -> Callable[..., Any]:
-    """The kernel for ``spec`` on ``target``: ``fn(q, k, v, o, lse, softmax_scale)``.
+    """The kernel for ``spec`` on ``target``: ``fn(q, k, v, o, lse, softmax_scale)`` (e4m3 forwards:
+    ``fn(q, k, v, o, lse, q_descale, k_descale, v_descale, softmax_scale)``, see the module's
+    ``fake_arguments``).
 
     Memoized per (name, target); the first call looks in the kernel packs, then the cache, and
     compiles the kernel into the cache when neither has it (see the module docs).

@@ -41,6 +41,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 )
+FP8_INPUT_DTYPE = torch.float8_e4m3fn  # the fp8 format of the sm90 fp8 forward
+FP8_OUT_DTYPES = (torch.bfloat16,)  # the fp8 forward's output dtypes (the kernel writes bf16)
 # Device types the kernels run on; the validation tests widen it.
 DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 _ALIGN_BYTES = 16
@@ -62,12 +64,23 @@ def _check_tensors(tensors: Sequence[object]) -> tuple[torch.Tensor, ...]:
     return tuple(tensors)  # type: ignore[arg-type]  # each was checked above
 
 
-def _check_dtypes(tensors: Sequence[torch.Tensor]) -> None:
+def _check_dtypes(tensors: Sequence[torch.Tensor], fp8: bool = False) -> None:
+    """16-bit inputs, or with ``fp8`` float8_e4m3fn inputs (the only fp8 format with a kernel)."""
     for name, t in zip(_NAMES, tensors):
+        if fp8:
+            if t.dtype in FP8_DTYPES and t.dtype != FP8_INPUT_DTYPE:
+                raise NotImplementedError(
+                    f"{name} has dtype {t.dtype}: cutefa's fp8 forward takes torch.float8_e4m3fn only"
+                )
+            if t.dtype != FP8_INPUT_DTYPE:
+                raise TypeError(
+                    f"{name} has dtype {t.dtype}; an fp8 call needs q, k and v all torch.float8_e4m3fn"
+                )
+            continue
         if t.dtype in FP8_DTYPES:
             raise NotImplementedError(
-                f"fp8 forward is not implemented yet: {name} has dtype {t.dtype}; use torch.float16 or "
-                "torch.bfloat16"
+                f"{name} has dtype {t.dtype}: fp8 inputs go through the fp8 forward (float8_e4m3fn with "
+                "q_descale/k_descale/v_descale); this path takes torch.float16 or torch.bfloat16"
             )
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; cutefa accepts torch.float16 or torch.bfloat16")
@@ -248,6 +261,138 @@ torch.library.register_autograd(
 
 
 # ---------------------------------------------------------------------------------------------
+# The fp8 (e4m3) forward: ``cutefa::flash_fwd_fp8``
+
+_DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+
+
+def _fp8_descale(name: str, d: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """A float32 (batch, heads_kv) descale on q's device from None (1), a 0-d/1-element tensor
+    (per tensor) or a (batch, heads_kv) tensor."""
+    batch, heads_kv = q.shape[0], k.shape[2]
+    if d is None:
+        return torch.ones((batch, heads_kv), dtype=torch.float32, device=q.device)
+    if not isinstance(d, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 torch.Tensor or None; got {type(d).__name__}")
+    if d.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32; got dtype {d.dtype}")
+    if d.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}; got {d.device}")
+    if d.numel() == 1 and d.dim() <= 2:
+        return d.reshape(1, 1).expand(batch, heads_kv).clone(memory_format=torch.contiguous_format)
+    if tuple(d.shape) != (batch, heads_kv):
+        raise ValueError(
+            f"{name} must have shape () or (batch, heads_kv) = {(batch, heads_kv)}; got {tuple(d.shape)} "
+            "(with grouped-query attention q's descale is per kv head too: quantize q with group=heads_q // heads_kv)"
+        )
+    return d if d.is_contiguous() else d.clone(memory_format=torch.contiguous_format)
+
+
+def validate_fp8_inputs(
+    q: object, k: object, v: object, *, causal: object = False, softmax_scale: object = None,
+    device_types: Sequence[str] | None = None,
+) -> None:  # fmt: skip
+    """:func:`validate_inputs` for an fp8 call: q, k and v all float8_e4m3fn."""
+    tensors = _check_tensors((q, k, v))
+    _check_dtypes(tensors, fp8=True)
+    _check_devices(tensors, DEVICE_TYPES if device_types is None else device_types)
+    _check_shapes(*tensors)
+    _check_strides(tensors)
+    _check_options(causal, softmax_scale)
+
+
+def _fp8_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = torch.empty(q.shape, dtype=FP8_OUT_DTYPES[0], device=q.device)
+    return out, torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+
+
+def _flash_fwd_fp8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor, k_descale: torch.Tensor,
+    v_descale: torch.Tensor, causal: bool, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """fp8 attention forward: e4m3 q/k/v, float32 (batch, heads_kv) descales; returns (out bf16,
+    lse float32 (batch, heads_q, seqlen_q)) of the dequantized problem."""
+    validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    out, lse = _fp8_outputs(q)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:  # no keys: every row attends nothing
+        return out.zero_(), lse.fill_(-math.inf)
+    _launch_fp8(q, k, v, out, lse, (q_descale, k_descale, v_descale), causal, softmax_scale)
+    return out, lse
+
+
+def _launch_fp8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor], causal: bool, softmax_scale: float,
+) -> None:  # fmt: skip
+    """Dispatch (an e4m3 variant) and run the fp8 kernel on the current stream of q's device."""
+    choice = _choose(q, k, causal)
+    kernel = get_kernel(choice.spec, choice.target)
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    with _first_call_phase(kernel):
+        if q.device.index == torch.cuda.current_device():
+            kernel(q, k, v, out, lse, *descales, softmax_scale)
+        else:
+            with torch.cuda.device(q.device):
+                kernel(q, k, v, out, lse, *descales, softmax_scale)
+    dispatch.log_run(choice, q.shape, k.shape, causal)
+
+
+flash_fwd_fp8 = torch.library.custom_op("cutefa::flash_fwd_fp8", _flash_fwd_fp8, mutates_args=())
+
+
+@flash_fwd_fp8.register_fake
+def _flash_fwd_fp8_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor, k_descale: torch.Tensor,
+    v_descale: torch.Tensor, causal: bool, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return _fp8_outputs(q)
+
+
+def _fp8_backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple[None, ...]:
+    raise NotImplementedError(
+        "cutefa has no backward for the fp8 (float8_e4m3fn) forward; train with float16/bfloat16 "
+        "inputs, or call the fp8 forward on tensors that do not require grad"
+    )
+
+
+torch.library.register_autograd("cutefa::flash_fwd_fp8", _fp8_backward)
+
+
+def _fp8_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: object, softmax_scale: object, return_lse: bool,
+    deterministic: object, q_descale: object, k_descale: object, v_descale: object, out_dtype: object,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """flash_attn_func for a call with fp8 inputs or fp8 options: validate, normalise the descales,
+    run ``cutefa::flash_fwd_fp8`` (directly when nothing traces or differentiates)."""
+    if q.dtype not in FP8_DTYPES:
+        given = [n for n, d in zip(_DESCALE_NAMES, (q_descale, k_descale, v_descale)) if d is not None]
+        given += ["out_dtype"] if out_dtype is not None else []
+        raise ValueError(
+            f"{', '.join(given)} apply to fp8 (torch.float8_e4m3fn) inputs only; got q with dtype {q.dtype}"
+        )
+    _check_options(causal, softmax_scale)
+    _check_deterministic(deterministic)
+    if out_dtype is not None and out_dtype not in FP8_OUT_DTYPES:
+        if not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"out_dtype must be a torch.dtype or None; got {out_dtype!r}")
+        raise NotImplementedError(f"out_dtype={out_dtype}: the fp8 forward writes {FP8_OUT_DTYPES[0]} output only")
+    validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    descales = [_fp8_descale(n, d, q, k) for n, d in zip(_DESCALE_NAMES, (q_descale, k_descale, v_descale))]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    tensors = (q, k, v, *descales)
+    plain = all(type(t) is _Tensor for t in tensors) and not _is_compiling() and not _dispatch_modes()
+    if plain and not (_grad_enabled() and any(t.requires_grad for t in tensors)):
+        out, lse = _flash_fwd_fp8(q, k, v, *descales, causal, scale)  # type: ignore[arg-type]
+    else:
+        out, lse = flash_fwd_fp8(q, k, v, *descales, causal, scale)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
 # The eager call path: one memoized plan per call signature
 
 # (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale) -> plan(q, k, v,
@@ -332,10 +477,13 @@ def _make_plan(
 
 def _eager(
     q: object, k: object, v: object, causal: object, softmax_scale: object, return_lse: bool,
-    deterministic: object, key: tuple[Any, ...] | None,
+    deterministic: object, key: tuple[Any, ...] | None, *fp8_options: object,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """A plain eager call without a plan yet: validate, run, and memoize the plan under ``key``."""
+    """A plain eager call without a plan yet: validate, run, and memoize the plan under ``key``.
+    fp8 inputs or options (q_descale, k_descale, v_descale, out_dtype) go to :func:`_fp8_call`."""
     q, k, v = _check_tensors((q, k, v))
+    if q.dtype in FP8_DTYPES or any(o is not None for o in fp8_options):
+        return _fp8_call(q, k, v, causal, softmax_scale, return_lse, deterministic, *fp8_options)
     _check_options(causal, softmax_scale)
     _check_deterministic(deterministic)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -370,6 +518,10 @@ def flash_attn_func(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on CUDA tensors of shape (batch, seqlen, heads, head_dim).
 
@@ -377,6 +529,12 @@ def flash_attn_func(
     with ``return_lse``: lse is float32 (batch, heads_q, seqlen_q), the natural-log sum of
     exp(scaled scores) per query row. See the module docstring for masking and edge cases.
     Differentiable (out and lse); ``deterministic=True`` makes the backward bitwise reproducible.
+
+    fp8: q, k and v of dtype torch.float8_e4m3fn (see :func:`cutefa.quantize_fp8`) with float32
+    ``q_descale``, ``k_descale``, ``v_descale`` of shape () or (batch, heads_kv) (None: 1) attend
+    the dequantized inputs ``x * descale``; the output is ``out_dtype`` (None or torch.bfloat16)
+    and the lse that of the dequantized scores. Forward only: its backward raises
+    NotImplementedError. Runs on the sm90 (Hopper) family.
     """
     if _plain_eager(q, k, v):
         key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)
@@ -385,15 +543,26 @@ def flash_attn_func(
         except TypeError:  # an unhashable softmax_scale: validation names it
             plan = key = None
         # A key equal to a validated one can still hold causal=1 or softmax_scale=True: not plans.
+        # fp8 inputs never have a plan (the dtype is in the key); fp8 options go the validating way.
         if (
             plan is not None
             and causal.__class__ is bool
             and softmax_scale.__class__ is not bool
             and deterministic.__class__ is bool
+            and q_descale is None
+            and k_descale is None
+            and v_descale is None
+            and out_dtype is None
         ):
             return plan(q, k, v, return_lse)
-        return _eager(q, k, v, causal, softmax_scale, return_lse, deterministic, key)
+        return _eager(
+            q, k, v, causal, softmax_scale, return_lse, deterministic, key, q_descale, k_descale, v_descale, out_dtype
+        )
     _check_tensors((q, k, v))  # the op validates the rest; these are needed to call it at all
+    if q.dtype in FP8_DTYPES or not (q_descale is None and k_descale is None and v_descale is None and out_dtype is None):
+        return _fp8_call(
+            q, k, v, causal, softmax_scale, return_lse, deterministic, q_descale, k_descale, v_descale, out_dtype
+        )
     _check_options(causal, softmax_scale)
     _check_deterministic(deterministic)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -431,7 +600,11 @@ def explain(
     ``target`` (e.g. 'sm_90a') explains for that compile target instead of the tensors' GPU, so
     the inputs may then be CPU or meta tensors.
     """
-    validate_inputs(q, k, v, causal=causal, device_types=None if target is None else (q.device.type,))
+    device_types = None if target is None else (q.device.type,)
+    if isinstance(q, torch.Tensor) and q.dtype in FP8_DTYPES:
+        validate_fp8_inputs(q, k, v, causal=causal, device_types=device_types)
+    else:
+        validate_inputs(q, k, v, causal=causal, device_types=device_types)
     gpu_name = None
     if target is None:
         target, gpu_name = dispatch.device_target(q.device)

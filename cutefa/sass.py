@@ -25,8 +25,16 @@ EXPECTED = {
     "sm90": ("HGMMA", "UTMALDG", "USETMAXREG", "SYNCS"),
     "sm100": ("UTCHMMA", "LDTM", "STTM", "UTMALDG"),
 }
+# The sm90 fp8 forward: WGMMA with e4m3 operands shows as QGMMA (e.g.
+# ``QGMMA.64x128x32.F32.E4M3.E4M3``), the on-chip V transpose as PRMT byte permutes, P's
+# conversion as F2FP.SATFINITE.E4M3.F32.PACK_AB.
+EXPECTED_FP8 = {"sm90": ("QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "PRMT", "F2FP.SATFINITE.E4M3")}
 SPILL_OPS = ("LDL", "STL")
-_COUNTED = sorted({op for ops in EXPECTED.values() for op in ops} | set(SPILL_OPS) | {"BAR.SYNC", "SHFL", "STSM"})
+_COUNTED = sorted(
+    {op for ops in (*EXPECTED.values(), *EXPECTED_FP8.values()) for op in ops}
+    | set(SPILL_OPS)
+    | {"BAR.SYNC", "SHFL", "STSM", "LDS", "STS"}
+)
 _RES_RE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -50,9 +58,10 @@ class SassReport:
     def spills(self) -> int:
         return sum(self.counts.get(op, 0) for op in SPILL_OPS) + self.stack_bytes + self.local_bytes
 
-    def missing(self, arch: str) -> list[str]:
-        """Expected instructions of the family that do not appear."""
-        return [op for op in EXPECTED[arch] if not self.counts.get(op)]
+    def missing(self, arch: str, dtype: str | None = None) -> list[str]:
+        """Expected instructions of the family (of its fp8 kernels for dtype 'e4m3') that do not appear."""
+        expected = EXPECTED_FP8[arch] if dtype == "e4m3" else EXPECTED[arch]
+        return [op for op in expected if not self.counts.get(op)]
 
     def summary(self) -> str:
         ops = " ".join(f"{op}={self.counts.get(op, 0)}" for op in _COUNTED)
@@ -86,6 +95,32 @@ def _cuobjdump(cubin: Path, *flags: str) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"cuobjdump {' '.join(flags)} {cubin} failed: {proc.stderr.strip()}")
     return proc.stdout
+
+
+def disassemble(cubin: Path) -> str:
+    """The SASS text of ``cubin`` (``cuobjdump -sass``)."""
+    return _cuobjdump(cubin, "-sass")
+
+
+def setmaxnreg_regions(sass_text: str) -> list[tuple[int, int]]:
+    """(register budget, highest register index used) per stretch of code that starts at a
+    ``USETMAXREG`` and runs to the next one (or the end), in code order."""
+    lines = sass_text.splitlines()
+    marks = [
+        (i, int(m.group(1), 0))
+        for i, line in enumerate(lines)
+        if (m := re.search(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?(0x[0-9a-f]+|\d+)", line))
+    ]
+    regions = []
+    for n, (start, budget) in enumerate(marks):
+        end = marks[n + 1][0] if n + 1 < len(marks) else len(lines)
+        used = [
+            int(r)
+            for line in lines[start:end]
+            for r in re.findall(r"\bR(\d+)\b", line.split("/*")[1] if "/*" in line else line)
+        ]
+        regions.append((budget, max(used, default=-1)))
+    return regions
 
 
 def analyze(cubin: Path) -> SassReport:

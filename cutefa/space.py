@@ -17,11 +17,13 @@ from cutefa.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, VariantSpec
 IMPLEMENTED: dict[tuple[str, str], tuple[str, ...]] = {
     ("sm80", "fwd"): ("fp16", "bf16"),
     ("sm80", "bwd"): ("fp16", "bf16"),
-    ("sm90", "fwd"): ("fp16", "bf16"),
+    ("sm90", "fwd"): ("fp16", "bf16", "e4m3"),
 }
 
 # Families whose tensor cores take fp8 operands; e4m3 is a forward-only dtype there.
 FP8_FAMILIES = ("sm90", "sm100")
+# Dtypes whose committed variants are the default tile and schedule only (no alternatives).
+DEFAULT_ONLY_DTYPES = ("e4m3",)
 
 SM80_SMEM_LIMIT = 163 * 1024  # A100 per-block opt-in limit; the sm80 family must fit the A100
 SMEM_RESERVE = 1024  # alignment slack of the shared-storage struct (1 KiB swizzle atoms)
@@ -35,6 +37,10 @@ SM90_REG_OVERHEAD = 48  # row max/sum, descriptors, pipeline state, addresses
 # With three consumer warpgroups (160 registers each) the same overhead holds on compiled SASS
 # (sm_90a, DSL 4.8.1): hd64 192x112 overlap (estimate 164) spills 1-5 registers in fp16 (none in
 # bf16), 192x128 (180) spills 9 in bf16.
+# The sm90 fp8 forward: the producer warpgroup keeps 40 registers for the on-chip V transpose, so
+# the two consumer warpgroups get 232 (40 * 128 + 232 * 256 = 168 * 384, what the CTA holds at launch).
+SM90_FP8_CONSUMER_REGS = 232
+SM90_FP8_MMA_K = 32  # k of an fp8 WGMMA: P V steps over keys 32 at a time
 
 
 class Tile(NamedTuple):
@@ -164,7 +170,11 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
 
 
 def smem_bytes(spec: VariantSpec) -> int:
-    """Shared memory of one CTA: the Q tile plus ``stages`` buffers each of K and V."""
+    """Shared memory of one CTA: the Q tile plus ``stages`` buffers each of K and V (sm90 fp8:
+    and of the transposed V that the P V WGMMA reads)."""
+    if (spec.arch, spec.direction, spec.dtype) == ("sm90", "fwd", "e4m3"):
+        elements = (spec.tile_m + 3 * spec.stages * spec.tile_n) * spec.head_dim
+        return elements * spec.elem_bytes + SMEM_RESERVE
     if spec.direction == "bwd" and spec.arch == "sm80":
         return _sm80_bwd_smem_bytes(spec)
     if spec.direction == "bwd" and spec.arch == "sm100":
@@ -211,10 +221,11 @@ def _sm90_registers(spec: VariantSpec) -> int:
     if spec.direction == "bwd":
         return sm90_bwd_registers(spec)
     # Per consumer thread (a warpgroup owns 64 query rows): fp32 O (64 x d) and S (64 x tile_n)
-    # accumulators, P packed to 16 bit for the register-A WGMMA, and the softmax state.
+    # accumulators, P packed to 16 bit (fp8: 8 bit) for the register-A WGMMA, and the softmax state.
     acc_o = 64 * spec.head_dim // 128
     acc_s = 64 * spec.tile_n // 128
-    return acc_o + acc_s + acc_s // 2 + SM90_REG_OVERHEAD
+    p_regs = acc_s // 4 if spec.dtype == "e4m3" else acc_s // 2
+    return acc_o + acc_s + p_regs + SM90_REG_OVERHEAD
 
 
 _REGISTER_MODELS: dict[str, Callable[[VariantSpec], int]] = {"sm80": _sm80_registers, "sm90": _sm90_registers}
@@ -371,9 +382,28 @@ def sm90_consumer_regs(spec: VariantSpec) -> int:
 
 def _sm90_regs(spec: VariantSpec) -> str | None:
     estimate = _sm90_registers(spec)
-    budget = sm90_consumer_regs(spec)
+    budget = SM90_FP8_CONSUMER_REGS if spec.dtype == "e4m3" else sm90_consumer_regs(spec)
     if estimate > budget:
         return f"would spill registers (estimated {estimate} > {budget} per consumer thread after setmaxnreg)"
+    return None
+
+
+def _sm90_fp8(spec: VariantSpec) -> str | None:
+    """The fp8 forward's own limits (templates/fwd_sm90_fp8.py.j2)."""
+    if spec.dtype != "e4m3":
+        return None
+    if spec.tile_m != 128:
+        return (
+            f"tile_m={spec.tile_m}: the sm90 fp8 forward runs two consumer warpgroups (tile_m=128); its "
+            "register split (producer 40, consumers 232) is laid out for that"
+        )
+    if spec.tile_n % SM90_FP8_MMA_K:
+        return (
+            f"tile_n={spec.tile_n} is not a multiple of {SM90_FP8_MMA_K} (the k of an fp8 WGMMA, and the "
+            "32-key blocks in which V is transposed and permuted)"
+        )
+    if spec.persistent:
+        return "persistent: the sm90 fp8 forward has no persistent scheduler"
     return None
 
 
@@ -389,7 +419,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
 )
 _ARCH_RULES: dict[str, tuple[Rule, ...]] = {
     "sm80": (_sm80_warp_rows, _sm80_tile_n, _sm80_head_dim, _sm80_copy, _sm80_smem, _sm80_regs),
-    "sm90": (_sm90_roles, _sm90_tile_n, _sm90_smem, _sm90_regs),
+    "sm90": (_sm90_roles, _sm90_tile_n, _sm90_fp8, _sm90_smem, _sm90_regs),
     "sm100": (),
 }
 
@@ -722,25 +752,29 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     Forward: the DEFAULT_TILES tile with the default extras, the TUNING_ALTERNATIVES tiles, the
     SCHEDULE_ALTERNATIVES schedules on the default tile, and the PAIR_ALTERNATIVES tiles as CTA
     pairs (cta_pair, with the default extras); backward: DEFAULT_BWD_TILES. A direction
-    contributes only once its kernel exists (IMPLEMENTED).
+    contributes only once its kernel exists (IMPLEMENTED). e4m3 (fp8) gets the default tile and
+    schedule only (:data:`DEFAULT_ONLY_DTYPES`).
     """
     _require("arch", arch, ARCHS)
-    entries: list[tuple[str, int, Tile, dict[str, object]]] = []
+    # (direction, head_dim, tile, extras, is the default)
+    entries: list[tuple[str, int, Tile, dict[str, object], bool]] = []
     for hd, tile in DEFAULT_TILES.get(arch, {}).items():
-        entries.append(("fwd", hd, tile, default_extras(arch, "fwd", hd)))
-        entries += [("fwd", hd, tile, extras) for extras in SCHEDULE_ALTERNATIVES.get(arch, {}).get(hd, ())]
+        entries.append(("fwd", hd, tile, default_extras(arch, "fwd", hd), True))
+        alternatives = SCHEDULE_ALTERNATIVES.get(arch, {}).get(hd, ())
+        entries += [("fwd", hd, tile, extras, False) for extras in alternatives]
     for hd, alts in TUNING_ALTERNATIVES.get(arch, {}).items():
-        entries += [("fwd", hd, tile, default_extras(arch, "fwd", hd)) for tile in alts]
+        entries += [("fwd", hd, tile, default_extras(arch, "fwd", hd), False) for tile in alts]
     for hd, alts in PAIR_ALTERNATIVES.get(arch, {}).items():
-        entries += [("fwd", hd, tile, {**default_extras(arch, "fwd", hd), "cta_pair": True}) for tile in alts]
-    entries += [("bwd", hd, tile, {}) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()]
+        entries += [("fwd", hd, tile, {**default_extras(arch, "fwd", hd), "cta_pair": True}, False) for tile in alts]
+    entries += [("bwd", hd, tile, {}, True) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()]
     directions = DIRECTIONS if direction is None else (direction,)
     return sorted(
         {
             VariantSpec(arch, d, dtype, head_dim, *tile, causal=causal, **extras)
-            for d, head_dim, tile, extras in entries
+            for d, head_dim, tile, extras, is_default in entries
             if d in directions
             for dtype in IMPLEMENTED.get((arch, d), ())
+            if is_default or dtype not in DEFAULT_ONLY_DTYPES
             for causal in (False, True)
         }
     )

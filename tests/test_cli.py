@@ -23,6 +23,7 @@ def dirs(tmp_path):
     (templates / "fwd_sm80.py.j2").write_text(TEMPLATE)
     (templates / "fwd_sm100.py.j2").write_text(TEMPLATE)
     (templates / "fwd_sm90.py.j2").write_text(TEMPLATE)
+    (templates / "fwd_sm90_fp8.py.j2").write_text(TEMPLATE)
     (templates / "bwd_sm80.py.j2").write_text(TEMPLATE)
     (templates / "bwd_sm100.py.j2").write_text(TEMPLATE)
     (templates / "bwd_sm90.py.j2").write_text(TEMPLATE)
@@ -79,7 +80,7 @@ def test_list_all_and_invalid(capsys):
     assert cli.main(["list", "--invalid", "--arch", "sm90", "--kernels", "*hd64_64x64*"]) == 0
     out = capsys.readouterr().out
     assert "cutefa_sm90_fwd_e4m3_hd64_64x64_s2_w8  " in out
-    assert "no e4m3 sm90 fwd kernel exists yet" in out
+    assert "the sm90 fp8 forward runs two consumer warpgroups (tile_m=128)" in out
     assert "pingpong needs exactly two consumer warpgroups" in out
     assert " ok" not in out
 

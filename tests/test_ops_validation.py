@@ -85,10 +85,16 @@ def test_dtype_not_half():
         cutefa.flash_attn_func(q, k, v)
 
 
-def test_fp8_is_not_implemented_yet():
-    q, k, v = (t.to(torch.float8_e4m3fn) for t in qkv())
-    with pytest.raises(NotImplementedError, match="fp8 forward is not implemented yet"):
+def test_fp8_e5m2_is_not_implemented():
+    q, k, v = (t.to(torch.float8_e5m2) for t in qkv())
+    with pytest.raises(NotImplementedError, match="cutefa's fp8 forward takes torch.float8_e4m3fn only"):
         cutefa.flash_attn_func(q, k, v)
+
+
+def test_fp8_on_the_16_bit_path_names_the_fp8_forward():
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in qkv())
+    with pytest.raises(NotImplementedError, match="fp8 inputs go through the fp8 forward"):
+        ops.validate_inputs(q, k, v, device_types=CPU)
 
 
 def test_mixed_dtypes():
@@ -353,6 +359,6 @@ def test_import_cutefa_does_not_import_the_dsl():
     env = {k: val for k, val in os.environ.items() if k != "CUTE_DSL_ARCH"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("['__version__', 'explain', 'flash_attn_func'] ")
+    assert proc.stdout.startswith("['__version__', 'explain', 'flash_attn_func', 'quantize_fp8'] ")
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         cutefa.nope  # noqa: B018

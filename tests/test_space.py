@@ -41,7 +41,7 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=4),
             "KiB of shared memory, over the 227 KiB per-block opt-in limit of the H100/H200",
         ),
-        (SM80.replace(arch="sm90", dtype="e4m3", warps=12, stages=2), "no e4m3 sm90 fwd kernel exists yet"),
+        (SM80.replace(arch="sm100", dtype="e4m3", tile_m=128, tile_n=128, warps=16, stages=2), "no e4m3 sm100 fwd kernel"),
         (SM80.replace(overlap=True), "overlap/pingpong are sm90 (FlashAttention-3) schedule flags, not sm80"),
         (SM80.replace(arch="sm90", tile_m=192, warps=16, stages=2, pingpong=True), "pingpong needs exactly two"),
         (SM80.replace(persistent=True), "persistent is an sm90 forward scheduler flag, not a sm80 fwd one"),
@@ -195,6 +195,7 @@ def test_bad_arguments(call, words):
 
 SM100_PAIR = VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16, cta_pair=True)
 SM100_PAIR_EMU = SM100_PAIR.replace(exp_emu=25)
+FP8 = VariantSpec("sm90", "fwd", "e4m3", 128, 128, 128, 2, 12, overlap=True, pingpong=True)
 
 
 @pytest.mark.parametrize(
@@ -251,3 +252,38 @@ def test_sm100_pair_candidates_and_defaults():
         extras = space.default_extras("sm100", "fwd", hd)
         assert "cta_pair" not in extras
         assert VariantSpec("sm100", "fwd", "bf16", hd, *tile, **extras) in defaults
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (FP8.replace(tile_m=64, warps=8, pingpong=False), "tile_m=64: the sm90 fp8 forward runs two consumer"),
+        (FP8.replace(tile_n=80), "tile_n=80 is not a multiple of 32 (the k of an fp8 WGMMA"),
+        (FP8.replace(persistent=True), "persistent: the sm90 fp8 forward has no persistent scheduler"),
+        # Q 32 KiB + 2 stages x (K, V, Vt) of 32 KiB each = 224 KiB, with 3 stages over the limit.
+        (FP8.replace(head_dim=256, stages=3), "needs 321.0 KiB of shared memory, over the 227 KiB"),
+        # O 128 + S 64 + P 16 + 48 = 256 registers per consumer thread.
+        (FP8.replace(head_dim=256), "would spill registers (estimated 256 > 232 per consumer thread"),
+    ],
+    ids=lambda x: x.name if isinstance(x, VariantSpec) else None,
+)
+def test_fp8_rules_name_themselves(spec, reason):
+    assert reason in space.why_invalid(spec)
+
+
+def test_fp8_budgets():
+    # Q (128 x d) plus three rings (K, V as loaded, V transposed) of `stages` tiles, one byte each.
+    assert space.smem_bytes(FP8) == (128 + 3 * 2 * 128) * 128 + space.SMEM_RESERVE
+    # fp32 O (d/2) and S (tile_n/2) per consumer thread, P at one byte (tile_n/8).
+    assert space.est_registers(FP8) == 64 + 64 + 16 + space.SM90_REG_OVERHEAD
+    assert space.why_invalid(FP8) is None
+    # the bf16 kernel's model is unchanged: P at two bytes
+    assert space.est_registers(FP8.replace(dtype="bf16")) == 64 + 64 + 32 + space.SM90_REG_OVERHEAD
+
+
+def test_fp8_defaults_are_the_default_schedule_only():
+    fp8 = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
+    assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
+    assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not; no schedule or tile alternatives
+    assert all((s.tile_m, s.tile_n) == tuple(space.DEFAULT_TILES["sm90"][s.head_dim])[:2] for s in fp8)
+    assert all(s.overlap and s.pingpong and s.tile_n % 32 == 0 for s in fp8)

@@ -43,7 +43,9 @@ SHAPES = (
 )
 
 
-FORWARDS = [s for arch in ("sm80", "sm90") for s in space.default_variants(arch, "fwd")]
+FORWARDS = [
+    s for arch in ("sm80", "sm90") for s in space.default_variants(arch, "fwd") if s.dtype != "e4m3"
+]  # e4m3: test_fp8.py
 
 
 @pytest.mark.parametrize("spec", FORWARDS, ids=lambda s: s.name)

@@ -1,0 +1,113 @@
+"""FP8 (e4m3) inputs for :func:`cutefa.flash_attn_func`: quantization with descales, and
+FlashAttention-3's incoherent processing.
+
+``quantize_fp8(x)`` returns ``(x_e4m3, descale)`` with ``x ~= x_e4m3.float() * descale``. The
+attention kernel takes one descale per (batch, kv head) for each of q, k and v; a per-tensor
+descale (shape ``()``) is broadcast. Granularity ``"head"`` gives a descale per (batch, head), or
+per (batch, group of ``group`` consecutive heads): for grouped-query attention, quantize q with
+``group=heads_q // heads_kv`` so that its descale has the (batch, heads_kv) shape of k's and v's.
+
+Incoherent processing (``hadamard=True``): q and k are multiplied along head_dim by the same
+random orthogonal matrix M = diag(signs) H / sqrt(n) (H a Sylvester Hadamard matrix, block-diagonal
+for head dims that are not powers of two; the signs drawn from ``seed``) before they are quantized.
+Q M (K M)^T = Q K^T, so the attention is unchanged, while outlier channels get spread over all
+channels and quantize with less error. v is never rotated (it would rotate the output).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+GRANULARITIES = ("tensor", "head")
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_cpu(head_dim: int, seed: int) -> torch.Tensor:
+    block = head_dim & -head_dim  # largest power of two dividing head_dim (64 for 192, 32 for 96)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = torch.block_diag(*([h / block**0.5] * (head_dim // block)))
+    gen = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (head_dim,), generator=gen, dtype=torch.int64) * 2 - 1
+    return (signs[:, None].to(torch.float64) * h).to(torch.float32)
+
+
+def hadamard_matrix(
+    head_dim: int, *, seed: int = 0, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The orthogonal (head_dim x head_dim) float32 matrix ``quantize_fp8(hadamard=True)`` multiplies
+    the last dim by: diag(random signs from ``seed``) @ H / sqrt(block), H Hadamard blocks of the
+    largest power of two dividing head_dim."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"head_dim must be a positive int; got {head_dim!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int; got {seed!r}")
+    return _hadamard_cpu(head_dim, seed).to(device)
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    granularity: str = "tensor",
+    hadamard: bool = False,
+    *,
+    group: int = 1,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` (batch, seqlen, heads, head_dim) to float8_e4m3fn with float32 descales.
+
+    Returns ``(x_e4m3, descale)``: descale has shape ``()`` for granularity ``"tensor"`` and
+    ``(batch, heads // group)`` for ``"head"``, and ``x_e4m3 * descale`` (per its head group)
+    approximates ``x`` (rotated by :func:`hadamard_matrix` when ``hadamard``). Each scale maps the
+    group's largest magnitude to 448, the largest e4m3 value; an all-zero group gets descale 1.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype in _FP8:
+        raise TypeError(f"x must be a float16, bfloat16 or float32 tensor; got dtype {x.dtype}")
+    if x.dim() != 4:
+        raise ValueError(f"x must be 4-D (batch, seqlen, heads, head_dim); got shape {tuple(x.shape)}")
+    if granularity == "block":
+        raise NotImplementedError(
+            "granularity='block' (one scale per tile of keys/queries) is not implemented: the fp8 kernel "
+            "takes one descale per (batch, kv head); use 'tensor' or 'head'"
+        )
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity={granularity!r} is not one of {GRANULARITIES}")
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"hadamard must be a bool; got {hadamard!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or group <= 0 or x.shape[2] % group:
+        raise ValueError(f"group={group!r} must be a positive int dividing heads={x.shape[2]}")
+    if granularity == "tensor" and group != 1:
+        raise ValueError(f"group={group} applies to granularity 'head' only")
+    xf = x.float()
+    if hadamard:
+        xf = xf @ hadamard_matrix(x.shape[-1], seed=seed, device=x.device)
+    batch, seqlen, heads, head_dim = xf.shape
+    if granularity == "tensor":
+        amax = xf.abs().amax()
+    else:
+        grouped = xf.reshape(batch, seqlen, heads // group, group * head_dim)
+        amax = grouped.abs().amax(dim=(1, 3))  # (batch, heads // group)
+    descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).float()
+    scale = descale if granularity == "tensor" else descale.repeat_interleave(group, 1)[:, None, :, None]
+    q = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, descale
+
+
+_FP8 = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+)
+
+
+def dequantize_fp8(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """float32 ``x * descale``, descale of shape () or (batch, heads // group) broadcast over the
+    seqlen and head_dim of x (batch, seqlen, heads, head_dim)."""
+    xf = x.float()
+    if descale.dim() == 0:
+        return xf * descale
+    group = x.shape[2] // descale.shape[1]
+    return xf * descale.float().repeat_interleave(group, 1)[:, None, :, None]

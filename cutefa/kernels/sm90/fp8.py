@@ -1,0 +1,227 @@
+"""Building blocks of the sm90-family FP8 (e4m3) forward (templates/fwd_sm90_fp8.py.j2).
+
+FP8 WGMMA reads both shared-memory operands K-major. S = Q K^T is K-major as loaded (head_dim
+contiguous in Q and K). For O += P V the contraction runs over keys, so V (keys x head_dim, head_dim
+contiguous in memory) is transposed on chip: the producer warpgroup's threads turn each V tile that
+TMA landed into Vt (head_dim x keys, keys contiguous) in a second shared-memory ring, with 32-bit
+shared loads, byte permutes (PRMT) and 32-bit shared stores.
+
+P is the register A operand of the P V WGMMA. The fp32 accumulator of S gives a thread, per 8-key
+block, keys 2t and 2t+1 (t = lane % 4); the e4m3 A operand (k = 32 per instruction) wants keys
+4t..4t+3 and 16+4t..16+4t+3. Instead of exchanging values between threads, P is converted in place
+and the keys of every 32-key block of Vt are permuted to match (:func:`key_of_a_column`): the sum
+over keys of P V does not depend on the order of the keys, and the permutation costs nothing since
+the transpose writes Vt anyway.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32
+from cutlass.cute.nvgpu import warpgroup
+
+from cutefa.kernels.common.softmax import LN_2, quad_allreduce_max, quad_allreduce_sum
+from cutefa.kernels.sm90.parts import WG_ROWS, WG_THREADS
+
+FP8 = cutlass.Float8E4M3FN
+MMA_K = 32  # k of one fp8 WGMMA
+# P = exp2(score - max + P_OFFSET_LOG2) lies in [0, 2^8]: e4m3 keeps 3 mantissa bits down to 2^-6,
+# so shifting P up by 2^8 keeps probabilities down to 2^-14 normal instead of flushing them to
+# e4m3 subnormals (max e4m3 is 448 > 256). Row sums carry the same factor, so it cancels in O; the
+# LSE subtracts it.
+P_OFFSET_LOG2 = 8.0
+
+# Register layouts of one warpgroup (threads x values -> (row, col) of the tile, column-major
+# index row + 64 * col), as the DSL's fp8 WGMMA atom reports them (a compile test checks).
+TV_LAYOUT_A_FP8 = "((4,8,4),(4,2,2)):((256,1,16),(64,8,1024))"  # 64 x 32 A operand from registers
+TV_LAYOUT_C_N128 = "((4,8,4),(2,2,16)):((128,1,16),(64,8,512))"  # 64 x 128 fp32 accumulator
+
+
+def key_of_a_column(k: int) -> int:
+    """The key (within a 32-key block) whose probability sits at column ``k`` of the P operand.
+
+    A thread's accumulator holds keys 2t, 2t+1 of each 8-key block (rows g, g+8); its A-operand
+    registers take columns 4t..4t+3 and 16+4t..16+4t+3. Converting the accumulator in place puts
+    keys (2t, 2t+1, 8+2t, 9+2t) of each 16-key half at columns 4t..4t+3 of that half."""
+    half, r = divmod(k, 16)
+    t, i = divmod(r, 4)
+    return 16 * half + 2 * t + (i & 1) + 8 * (i >> 1)
+
+
+def qk_tiled_mma(tile_n: int):
+    """S = Q K^T for one warpgroup: 64 query rows x tile_n keys, e4m3 operands K-major in smem."""
+    return sm90_utils.make_trivial_tiled_mma(
+        FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+        Float32, (1, 1, 1), (WG_ROWS, tile_n),
+    )  # fmt: skip
+
+
+def pv_tiled_mma(head_dim: int):
+    """O += P V for one warpgroup: P (64 x keys, e4m3) from registers, Vt (head_dim x keys) K-major."""
+    return sm90_utils.make_trivial_tiled_mma(
+        FP8, FP8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+        Float32, (1, 1, 1), (WG_ROWS, head_dim), warpgroup.OperandSource.RMEM,
+    )  # fmt: skip
+
+
+def smem_layouts(tile_n: int, head_dim: int, q_slabs: int, stages: int):
+    """Swizzled staged layouts: Q (64, d, q_slabs); K and V as TMA lands them (tile_n, d, stages);
+    Vt (d, tile_n, stages), the K-major B operand of P V."""
+    row = utils.LayoutEnum.ROW_MAJOR
+    sq = sm90_utils.make_smem_layout_a(row, (WG_ROWS, tile_n, head_dim), FP8, q_slabs)
+    sk = sm90_utils.make_smem_layout_b(row, (WG_ROWS, tile_n, head_dim), FP8, stages)
+    svt = sm90_utils.make_smem_layout_b(row, (WG_ROWS, head_dim, tile_n), FP8, stages)
+    return sq, sk, sk, svt
+
+
+def p_views(acc_S: cute.Tensor):
+    """(rP, acc_view, rP_acc): rP is the e4m3 A-operand fragment ((4,2,2), 1, tile_n/32) of P; acc_view
+    and rP_acc view acc_S and rP with one shape, so that ``rP_acc.store(acc_view.load().to(FP8))``
+    converts S in place (see :func:`key_of_a_column`).
+
+    The accumulator value (j, r, b) (column pair j, row half r, 8-key block b = 4 kb + 2 h + b1)
+    lands at A register j + 2 b1 + 4 r + 8 h of k-block kb."""
+    n_blocks = cute.size(acc_S.layout.shape[0][2])
+    kblocks = n_blocks // 4
+    rP = cute.make_rmem_tensor(cute.make_layout(((4, 2, 2), 1, kblocks), stride=((1, 4, 8), 0, 16)), FP8)
+    shape = ((2, 2, (2, 2, kblocks)), 1, 1)
+    acc_view = cute.make_tensor(acc_S.iterator, cute.make_layout(shape, stride=((1, 2, (4, 8, 16)), 0, 0)))
+    j, r, b1, h, kb = P_STRIDES
+    rP_acc = cute.make_tensor(rP.iterator, cute.make_layout(shape, stride=((j, r, (b1, h, kb)), 0, 0)))
+    return rP, acc_view, rP_acc
+
+
+# Offsets in the A-operand fragment of accumulator value (j, r, b1, h, kb): column pair j, row half
+# r, and 8-key block b = 4 kb + 2 h + b1 (the fragment is ((4, 2, 2), 1, kblocks) : ((1, 4, 8), 0, 16)).
+P_STRIDES = (1, 4, 2, 8, 16)
+
+
+def transpose_unit(tid, i, head_dim: int):
+    """The unit of thread ``tid`` (of 128) in step ``i`` of :func:`transpose_v`: (first source key
+    row, head-dim word dq, Vt key word kq). The thread reads V rows key0 + (0, 1, 8, 9) at word dq
+    and writes Vt rows 4 dq + (0..3) at word kq. Plain integer arithmetic: the same function runs
+    in the kernel and in the CPU tests.
+
+    A warp covers 4 head-dim words x 8 key words (one 32-key block), so each side sees at most
+    2-way bank conflicts under the 128-byte swizzle."""
+    warp = tid // 32
+    lane = tid % 32
+    d_tiles = head_dim // 16
+    wt = warp + 4 * i
+    kq_lane = lane // 4  # half h = kq_lane // 4 and t = kq_lane % 4 of key_of_a_column
+    kb = wt // d_tiles
+    dq = (wt % d_tiles) * 4 + lane % 4
+    key0 = kb * 32 + 16 * (kq_lane // 4) + 2 * (kq_lane % 4)
+    return key0, dq, kb * 8 + kq_lane
+
+
+def transpose_steps(tile_n: int, head_dim: int) -> int:
+    """Steps of :func:`transpose_v`: (head_dim / 16) x (tile_n / 32) warp tiles over 4 warps."""
+    return (head_dim // 16) * (tile_n // 32) // 4
+
+
+# Byte selectors of the 4x4 byte transpose: PRMT(a, b, sel) picks bytes of (b:a) by nibble.
+PRMT_LO_PAIRS, PRMT_HI_PAIRS = 0x5140, 0x7362  # interleave bytes 0,1 / 2,3 of a and b
+PRMT_LO_HALVES, PRMT_HI_HALVES = 0x5410, 0x7632  # low / high 16 bits of a and b
+
+
+@cute.jit
+def transpose_v(
+    sV: cute.Tensor,
+    sVt: cute.Tensor,
+    tid: cutlass.Int32,
+    tile_n: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+):
+    """Vt[d, 32 kb + k] = V[32 kb + key_of_a_column(k), d] for one stage, by the 128 threads of a
+    warpgroup. ``sV`` (tile_n, d / 4) and ``sVt`` (d, tile_n / 4) are 32-bit views (4 e4m3 a word).
+
+    A thread's unit (:func:`transpose_unit`) is 4 keys x 4 head dims: 4 word loads from 4 key rows,
+    a 4x4 byte transpose (8 PRMT), 4 word stores into 4 head-dim rows."""
+    for i in cutlass.range(transpose_steps(tile_n, head_dim), unroll=2):
+        key0, dq, kq = transpose_unit(tid, i, head_dim)
+        w0 = cutlass.Int32(sV[key0, dq])
+        w1 = cutlass.Int32(sV[key0 + 1, dq])
+        w2 = cutlass.Int32(sV[key0 + 8, dq])
+        w3 = cutlass.Int32(sV[key0 + 9, dq])
+        t0 = cutlass.Int32(cute.arch.prmt(w0, w1, PRMT_LO_PAIRS))
+        t1 = cutlass.Int32(cute.arch.prmt(w0, w1, PRMT_HI_PAIRS))
+        t2 = cutlass.Int32(cute.arch.prmt(w2, w3, PRMT_LO_PAIRS))
+        t3 = cutlass.Int32(cute.arch.prmt(w2, w3, PRMT_HI_PAIRS))
+        sVt[dq * 4 + 0, kq] = cutlass.Uint32(cute.arch.prmt(t0, t2, PRMT_LO_HALVES))
+        sVt[dq * 4 + 1, kq] = cutlass.Uint32(cute.arch.prmt(t0, t2, PRMT_HI_HALVES))
+        sVt[dq * 4 + 2, kq] = cutlass.Uint32(cute.arch.prmt(t1, t3, PRMT_LO_HALVES))
+        sVt[dq * 4 + 3, kq] = cutlass.Uint32(cute.arch.prmt(t1, t3, PRMT_HI_HALVES))
+
+
+@cute.jit
+def online_softmax_step(
+    s_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32, corr: cute.Tensor
+):
+    """Scores ``s_mn`` (rows x cols, fp32) to probabilities scaled by 2^P_OFFSET_LOG2, in place;
+    the per-row rescale factors of O go to ``corr`` (applied by the caller once no MMA reads O)."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        row = s_mn[r, None].load()
+        blk_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
+        prev_max = row_max[r]
+        new_max = cute.arch.fmax(prev_max, blk_max)
+        # A row that has seen only masked scores keeps max = -inf: offset by 0 so that
+        # exp2(-inf - offset) = 0 instead of NaN.
+        offset = (0.0 if new_max == -Float32.inf else new_max) * scale_log2
+        p = cute.math.exp2(row * scale_log2 - (offset - P_OFFSET_LOG2), fastmath=True)
+        corr[r] = cute.math.exp2(prev_max * scale_log2 - offset, fastmath=True)
+        row_sum[r] = row_sum[r] * corr[r] + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+        row_max[r] = new_max
+        s_mn[r, None].store(p)
+
+
+@cute.jit
+def softmax_finalize(
+    o_mn: cute.Tensor,
+    row_max: cute.Tensor,
+    row_sum: cute.Tensor,
+    scale_log2: Float32,
+    v_descale: Float32,
+    lse: cute.Tensor,
+):
+    """O = O * v_descale / row_sum and the natural-log LSE of the dequantized scores per row.
+    Rows with no unmasked key get O = 0 and LSE = -inf."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        total = quad_allreduce_sum(row_sum[r])
+        empty = total == 0.0 or total != total  # noqa: PLR0124 -- the NaN test
+        inv = 0.0 if empty else cute.arch.rcp_approx(total) * v_descale
+        o_mn[r, None].store(o_mn[r, None].load() * inv)
+        lse[r] = (
+            -Float32.inf
+            if empty
+            else (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True) - P_OFFSET_LOG2) * LN_2
+        )
+
+
+@cute.jit
+def rescale_rows(o_mn: cute.Tensor, corr: cute.Tensor):
+    for r in cutlass.range_constexpr(cute.size(corr)):
+        o_mn[r, None].store(o_mn[r, None].load() * corr[r])
+
+
+__all__ = [
+    "FP8",
+    "MMA_K",
+    "P_OFFSET_LOG2",
+    "P_STRIDES",
+    "TV_LAYOUT_A_FP8",
+    "TV_LAYOUT_C_N128",
+    "WG_THREADS",
+    "key_of_a_column",
+    "online_softmax_step",
+    "p_views",
+    "pv_tiled_mma",
+    "qk_tiled_mma",
+    "rescale_rows",
+    "smem_layouts",
+    "softmax_finalize",
+    "transpose_steps",
+    "transpose_unit",
+    "transpose_v",
+]

@@ -1,0 +1,86 @@
+"""The default sm90 fp8 (e4m3) forward variants compile on this CPU for sm_90a, and their SASS shows
+the design: e4m3 WGMMA (QGMMA, e.g. ``QGMMA.64x128x32.F32.E4M3.E4M3``) for both products, TMA
+loads (UTMALDG), setmaxnreg (USETMAXREG), mbarrier pipelines (SYNCS), the on-chip V transpose
+(32-bit LDS/STS and PRMT byte permutes), P converted to e4m3 (F2FP.SATFINITE.E4M3); no 16-bit
+HGMMA and no local-memory spills."""
+
+from __future__ import annotations
+
+import pytest
+
+from cutefa import sass, space
+from cutefa.kernels.sm90 import fp8
+
+pytestmark = pytest.mark.compile
+
+FP8_DEFAULTS = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3"]
+# One per head dim, causal and not alternating: every head dim's tile and both mask paths.
+CHECKED = [
+    next(s for s in FP8_DEFAULTS if s.head_dim == hd and s.causal == bool(i % 2))
+    for i, hd in enumerate(sorted({s.head_dim for s in FP8_DEFAULTS}))
+]
+
+
+def test_every_head_dim_has_an_fp8_default():
+    assert {s.head_dim for s in FP8_DEFAULTS} == {64, 96, 128, 192, 256}
+    assert {s.causal for s in FP8_DEFAULTS} == {False, True}
+    assert all(s.overlap and s.pingpong for s in FP8_DEFAULTS)
+
+
+@pytest.fixture(scope="module")
+def cubins(tmp_path_factory):
+    return sass.dump_cubins(CHECKED, "sm_90a", tmp_path_factory.mktemp("sm_90a_fp8"))
+
+
+@pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
+def test_sass(cubins, spec):
+    report = sass.analyze(cubins[spec.name])
+    summary = f"{spec.name}: {report.summary()}"
+    assert report.missing("sm90", "e4m3") == [], summary
+    assert report.spills == 0, summary
+    assert report.counts["HGMMA"] == 0, summary  # every WGMMA takes e4m3 operands
+    assert report.counts["USETMAXREG"] >= 2, summary
+    assert report.counts["MUFU.EX2"] > 0, summary
+    # S = Q K^T: head_dim/32 QGMMAs per key block, O += P Vt: tile_n/32; one body per loop (masked,
+    # unmasked) plus the overlap schedule's prologue S and epilogue P V.
+    per_block = spec.head_dim // fp8.MMA_K + spec.tile_n // fp8.MMA_K
+    assert report.counts["QGMMA"] == 3 * per_block, summary
+    # The transpose: 4 word loads, 8 PRMT and 4 word stores per unit (the loop body once).
+    assert report.counts["PRMT"] >= 8, summary
+    assert report.counts["LDS"] >= 4 and report.counts["STS"] >= 4, summary
+    assert report.counts["BAR.SYNC"] > 2, summary  # ping-pong hand-over between the consumers
+    # Code after each setmaxnreg stays within its budget: the producer warpgroup (transpose
+    # included) within 40 registers, the consumers within 232 (code order: producer branch first).
+    regions = sass.setmaxnreg_regions(sass.disassemble(cubins[spec.name]))
+    assert [budget for budget, _ in regions] == [40, 232], regions
+    assert all(used < budget for budget, used in regions), regions
+
+
+def test_register_fragment_layouts_match_the_dsl(tmp_path):
+    """The layout check in tests/test_fp8_layout.py models the fp8 WGMMA's register layouts; they
+    must be the ones the DSL's atom uses."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
+        "import cutlass, cutlass.cute as cute\n"
+        "from cutefa.kernels.sm90 import fp8\n"
+        "@cute.jit\n"
+        "def probe():\n"
+        "    print('A', fp8.pv_tiled_mma(128).tv_layout_A)\n"
+        "    print('C', fp8.qk_tiled_mma(128).tv_layout_C)\n"
+        "probe()\n"
+    )
+    script = tmp_path / "probe_layouts.py"  # the DSL compiles functions from their source file
+    script.write_text(code)
+    root = str(Path(fp8.__file__).resolve().parents[3])  # this checkout's cutefa, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if line[:2] in ("A ", "C "))
+    assert lines["A"] == fp8.TV_LAYOUT_A_FP8
+    assert lines["C"] == fp8.TV_LAYOUT_C_N128

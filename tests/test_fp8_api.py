@@ -1,0 +1,311 @@
+"""The fp8 API on the CPU: quantize_fp8 (granularities, Hadamard rotation, errors) and the fp8
+route of flash_attn_func (validation, descale handling, forward-only autograd) with the kernel
+launch replaced by a float32 reference of the dequantized problem."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cutefa
+from cutefa import fp8, ops
+
+E4M3_EPS = 2.0**-3  # e4m3 has 3 mantissa bits: relative spacing 2^-3, rounding error <= 2^-4
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize_fp8
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_round_trip_error_is_within_e4m3_rounding(granularity):
+    x = rand(2, 33, 4, 64) * torch.tensor([1.0, 10.0, 0.1, 3.0])[None, None, :, None]
+    q, descale = cutefa.quantize_fp8(x, granularity)
+    assert q.dtype == torch.float8_e4m3fn and descale.dtype == torch.float32
+    assert descale.shape == (() if granularity == "tensor" else (2, 4))
+    back = fp8.dequantize_fp8(q, descale)
+    scale = descale if granularity == "tensor" else descale[:, None, :, None]
+    # normal e4m3 numbers round to within half a spacing; below 2^-6 (subnormal) the step is 2^-9
+    bound = x.abs() * E4M3_EPS / 2 + scale * 2.0**-10
+    assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+    # each group's largest magnitude maps to the largest e4m3 value
+    amax = q.float().abs().amax() if granularity == "tensor" else q.float().abs().amax(dim=(1, 3))
+    assert torch.all(amax == fp8.E4M3_MAX)
+
+
+def test_head_granularity_with_groups_gives_kv_head_descales():
+    x = rand(2, 8, 8, 64)
+    _, descale = cutefa.quantize_fp8(x, "head", group=4)
+    assert descale.shape == (2, 2)
+    expected = x.reshape(2, 8, 2, 4 * 64).abs().amax(dim=(1, 3)) / fp8.E4M3_MAX
+    torch.testing.assert_close(descale, expected)
+
+
+def test_zero_input_gets_descale_one():
+    q, descale = cutefa.quantize_fp8(torch.zeros(1, 4, 2, 64), "head")
+    assert torch.all(descale == 1.0) and torch.all(q.float() == 0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_hadamard_matrix_is_orthogonal_and_seeded(head_dim):
+    m = fp8.hadamard_matrix(head_dim, seed=3)
+    torch.testing.assert_close(m @ m.T, torch.eye(head_dim), atol=1e-6, rtol=0)
+    assert torch.equal(m, fp8.hadamard_matrix(head_dim, seed=3))
+    assert not torch.equal(m, fp8.hadamard_matrix(head_dim, seed=4))
+    # every entry has the same magnitude within its Hadamard block: energy spreads evenly
+    block = head_dim & -head_dim
+    assert torch.allclose(m.abs()[m != 0], torch.tensor(block**-0.5))
+
+
+def test_hadamard_keeps_scores():
+    q, k = rand(1, 16, 2, 128, seed=1), rand(1, 16, 2, 128, seed=2)
+    m = fp8.hadamard_matrix(128, seed=7)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    torch.testing.assert_close(torch.einsum("bqhd,bkhd->bhqk", q @ m, k @ m), s, atol=1e-4, rtol=1e-4)
+
+
+def outlier_qk(seed=0):
+    """q and k with a few channels 50x larger than the rest (the outliers of trained models)."""
+    q, k = rand(2, 64, 4, 128, seed=seed), rand(2, 64, 4, 128, seed=seed + 1)
+    boost = torch.ones(128)
+    boost[[3, 77, 100]] = 50.0
+    return q * boost, k * boost
+
+
+def score_error(granularity, hadamard):
+    q, k = outlier_qk()
+    qq, qd = cutefa.quantize_fp8(q, granularity, hadamard, seed=5)
+    kq, kd = cutefa.quantize_fp8(k, granularity, hadamard, seed=5)
+    rotated = fp8.hadamard_matrix(128, seed=5) if hadamard else torch.eye(128)
+    exact = torch.einsum("bqhd,bkhd->bhqk", q @ rotated, k @ rotated)
+    approx = torch.einsum("bqhd,bkhd->bhqk", fp8.dequantize_fp8(qq, qd), fp8.dequantize_fp8(kq, kd))
+    return ((approx - exact).norm() / exact.norm()).item()
+
+
+def test_hadamard_reduces_score_error_on_outlier_channels():
+    errors = {(g, h): score_error(g, h) for g in ("tensor", "head") for h in (False, True)}
+    print(
+        "relative Q K^T error:",
+        {f"{g}{'+hadamard' if h else ''}": f"{e:.4f}" for (g, h), e in errors.items()},
+    )
+    assert errors[("tensor", True)] < errors[("tensor", False)]
+    assert errors[("head", True)] < errors[("head", False)]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: cutefa.quantize_fp8([1.0]), TypeError, "x must be a torch.Tensor; got list"),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64, dtype=torch.int32)),
+            TypeError,
+            "got dtype torch.int32",
+        ),
+        (lambda: cutefa.quantize_fp8(torch.ones(2, 2, 64)), ValueError, "x must be 4-D"),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), "row"),
+            ValueError,
+            "granularity='row' is not one of",
+        ),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), "block"),
+            NotImplementedError,
+            "'block'.*is not implemented",
+        ),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), hadamard=1),
+            TypeError,
+            "hadamard must be a bool",
+        ),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 6, 64), "head", group=4),
+            ValueError,
+            "group=4 must be a positive",
+        ),
+        (
+            lambda: cutefa.quantize_fp8(torch.ones(1, 2, 4, 64), group=2),
+            ValueError,
+            "applies to granularity 'head'",
+        ),
+        (lambda: fp8.hadamard_matrix(0), ValueError, "head_dim must be a positive int"),
+    ],
+)
+def test_quantize_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attn_func with fp8 inputs
+
+
+def reference(q, k, v, causal, scale):
+    group = q.shape[2] // k.shape[2]
+    k, v = k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        allowed = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
+        s = s.masked_fill(~allowed, -math.inf)
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v), torch.logsumexp(s, -1)
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """Accept CPU tensors; the fp8 launch computes the dequantized reference. Records calls."""
+    calls = []
+
+    def launch(q, k, v, out, lse, descales, causal, softmax_scale):
+        calls.append(tuple(d.clone() for d in descales))
+        group = q.shape[2] // k.shape[2]
+        qd, kd, vd = (d.repeat_interleave(g, 1)[:, None, :, None] for d, g in zip(descales, (group, 1, 1)))
+        o, l = reference(q.float() * qd, k.float() * kd, v.float() * vd, causal, softmax_scale)
+        out.copy_(o.to(out.dtype))
+        lse.copy_(l)
+
+    monkeypatch.setattr(ops, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(ops, "_launch_fp8", launch)
+    return calls
+
+
+def fp8_inputs(batch=2, sq=16, sk=24, hq=4, hkv=2, d=64):
+    q, k, v = rand(batch, sq, hq, d, seed=1), rand(batch, sk, hkv, d, seed=2), rand(batch, sk, hkv, d, seed=3)
+    return (q, k, v), (
+        cutefa.quantize_fp8(q, "head", group=hq // hkv),
+        cutefa.quantize_fp8(k, "head"),
+        cutefa.quantize_fp8(v),
+    )
+
+
+def test_fp8_call_passes_kv_head_descales(on_cpu):
+    (q, k, v), ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
+    out, lse = cutefa.flash_attn_func(
+        qq, kq, vq, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True
+    )
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and out.shape == q.shape
+    sent = on_cpu[-1]
+    assert all(d.shape == (2, 2) and d.dtype == torch.float32 and d.is_contiguous() for d in sent)
+    assert torch.all(sent[2] == vd)  # the per-tensor descale broadcast to every (batch, kv head)
+    # the op hands the kernel the dequantized problem: x_e4m3 * descale per (batch, kv head)
+    deq, deq_lse = reference(
+        fp8.dequantize_fp8(qq, qd), fp8.dequantize_fp8(kq, kd), fp8.dequantize_fp8(vq, vd), True, 1 / 8
+    )
+    torch.testing.assert_close(out.float(), deq, atol=2e-2, rtol=2e-2)  # bf16 output
+    torch.testing.assert_close(lse, deq_lse)
+    # which is close to the unquantized one (tests/gpu/test_fp8.py justifies the bound)
+    ref, _ = reference(q, k, v, True, 1 / 8)
+    assert (out.float() - ref).norm() / ref.norm() < 0.1
+
+
+def test_fp8_call_without_descales_uses_one(on_cpu):
+    (_, (qq, _), (kq, _), (vq, _)) = (None, *fp8_inputs()[1])
+    cutefa.flash_attn_func(qq, kq, vq, out_dtype=torch.bfloat16)
+    assert all(torch.all(d == 1.0) for d in on_cpu[-1])
+
+
+def test_fp8_forward_has_no_backward(on_cpu):
+    _, ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
+    qd = qd.clone().requires_grad_()
+    out = cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match="no backward for the fp8"):
+        out.float().sum().backward()
+
+
+def test_fp8_empty_and_keyless_problems(on_cpu):
+    _, ((qq, _), (kq, _), (vq, _)) = fp8_inputs()
+    out, lse = cutefa.flash_attn_func(qq, kq[:, :0], vq[:, :0], return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == -math.inf) and not on_cpu
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (
+            lambda t: {**t, "k": t["k"].to(torch.bfloat16)},
+            TypeError,
+            "k has dtype torch.bfloat16; an fp8 call",
+        ),
+        (
+            lambda t: {**t, "q_descale": torch.ones(3)},
+            ValueError,
+            r"q_descale must have shape \(\) or \(batch, heads_kv\)",
+        ),
+        (
+            lambda t: {**t, "k_descale": torch.ones(2, 2, dtype=torch.float64)},
+            TypeError,
+            "k_descale must be float32",
+        ),
+        (
+            lambda t: {**t, "v_descale": 2.0},
+            TypeError,
+            "v_descale must be a float32 torch.Tensor or None; got float",
+        ),
+        (
+            lambda t: {**t, "out_dtype": torch.float16},
+            NotImplementedError,
+            "writes torch.bfloat16 output only",
+        ),
+        (lambda t: {**t, "out_dtype": "bf16"}, TypeError, "out_dtype must be a torch.dtype or None"),
+        (lambda t: {**t, "causal": 1}, TypeError, "causal must be a bool"),
+    ],
+)
+def test_fp8_validation(on_cpu, change, error, match):
+    _, ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
+    args = change({"q": qq, "k": kq, "v": vq, "q_descale": qd, "k_descale": kd, "v_descale": vd})
+    with pytest.raises(error, match=match):
+        cutefa.flash_attn_func(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+    assert not on_cpu
+
+
+@pytest.mark.parametrize("option", ["q_descale", "out_dtype"])
+def test_fp8_options_with_16_bit_inputs_are_refused(on_cpu, option):
+    q = k = v = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
+    value = torch.ones(()) if option == "q_descale" else torch.bfloat16
+    with pytest.raises(ValueError, match=f"{option} apply to fp8"):
+        cutefa.flash_attn_func(q, k, v, **{option: value})
+
+
+def test_fp8_fake_impl_and_torch_compile_trace_the_fp8_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=capture)
+    def attention_block(q, k, v, qd, kd, vd):
+        out, lse = cutefa.flash_attn_func(
+            q, k, v, causal=True, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd
+        )
+        return out * 2, lse.exp()
+
+    torch._dynamo.reset()
+    with FakeTensorMode():
+        q = torch.empty(2, 5, 8, 128, device="cuda", dtype=torch.float8_e4m3fn)
+        k = v = torch.empty(2, 7, 2, 128, device="cuda", dtype=torch.float8_e4m3fn)
+        qd, kd, vd = (
+            torch.ones(2, 2, device="cuda"),
+            torch.ones(2, 2, device="cuda"),
+            torch.ones((), device="cuda"),
+        )
+        out, lse = attention_block(q, k, v, qd, kd, vd)
+    assert (out.shape, out.dtype) == ((2, 5, 8, 128), torch.bfloat16) and lse.shape == (2, 8, 5)
+    (graph,) = graphs
+    assert torch.ops.cutefa.flash_fwd_fp8.default in [
+        n.target for n in graph.graph.nodes if n.op == "call_function"
+    ]
+
+
+def test_explain_names_the_e4m3_variant():
+    _, ((qq, _), (kq, _), (vq, _)) = fp8_inputs(d=128)
+    text = cutefa.explain(qq, kq, vq, causal=True, target="sm_90a")
+    assert "cutefa_sm90_fwd_e4m3_hd128_" in text
