@@ -25,24 +25,27 @@ from cutefa.spec import TORCH_DTYPE_NAMES, VariantSpec, families_for_target
 
 _ALIGN_BYTES = 16
 
-# Measured backward choices, (target, dtype token, head_dim, causal) -> variant name; consulted
-# before DEFAULT_BWD_TILES. Empty until the backward tiles are tuned on a GPU.
-TUNED_BWD: dict[tuple[str, str, int, bool], str] = {}
-
-
-def choose_bwd(target: str, dtype: torch.dtype, head_dim: int, causal: bool) -> VariantSpec:
-    """The backward variant for a problem on compile target ``target``: a tuned entry, else the
-    default backward tile of the newest family that has one and runs there."""
+def choose_bwd(
+    target: str, dtype: torch.dtype, head_dim: int, causal: bool, *, seqlen_k: int | None = None,
+    gpu_name: str | None = None,
+) -> VariantSpec:  # fmt: skip
+    """The backward variant for a problem on compile target ``target``: per family, newest first,
+    the entry of a tuned backward table measured for it (``cutefa tune --direction bwd``; needs
+    ``seqlen_k``), else the family's default backward tile."""
     token = TORCH_DTYPE_NAMES[str(dtype).removeprefix("torch.")]
-    tuned = TUNED_BWD.get((target, token, head_dim, causal))
-    if tuned is not None:
-        from cutefa.spec import parse_name
-
-        spec = parse_name(tuned)
-        if why_invalid(spec) is None:
-            return spec
     reasons = []
     for family in families_for_target(target):
+        if seqlen_k is not None:
+            tuned = dispatch.tuned_backward(
+                family, target=target, dtype=token, head_dim=head_dim, causal=causal, seqlen_k=seqlen_k,
+                gpu_name=gpu_name,
+            )  # fmt: skip
+            if tuned is not None:
+                spec, how = tuned
+                why = how if spec is None else why_invalid(spec)
+                if why is None:
+                    return spec
+                reasons.append(f"{family} tuned backward entry: {why}")
         tile = DEFAULT_BWD_TILES.get(family, {}).get(head_dim)
         if tile is None:
             reasons.append(f"{family}: no default backward tile for head_dim={head_dim}")
@@ -93,6 +96,16 @@ def _flash_bwd(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention, shaped and typed like (q, k, v)."""
+    return gradients(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic)
+
+
+def gradients(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dlse: torch.Tensor | None, causal: bool, softmax_scale: float, deterministic: bool,
+    spec: VariantSpec | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`_flash_bwd`'s work, with the backward variant ``spec`` instead of the dispatched one
+    when given (tuning and benchmarks time each variant this way)."""
     dq, dk, dv = _empty_grads(q, k, v)
     batch, _, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -104,7 +117,11 @@ def _flash_bwd(
         shape = (batch, seqlen_k, heads_q, head_dim)
         dk_heads = torch.empty(shape, dtype=q.dtype, device=q.device)
         dv_heads = torch.empty(shape, dtype=q.dtype, device=q.device)
-    _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal, softmax_scale, deterministic)
+    args = (dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal, softmax_scale, deterministic)
+    if spec is None:
+        _launch_bwd(*args)
+    else:
+        _launch_bwd(*args, spec=spec)
     if group > 1:
         grouped = (batch, seqlen_k, heads_kv, group, head_dim)
         dk.copy_(dk_heads.view(grouped).sum(3, dtype=torch.float32))
@@ -116,13 +133,15 @@ def _launch_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk_heads: torch.Tensor,
     dv_heads: torch.Tensor, causal: bool, softmax_scale: float, deterministic: bool,
+    spec: VariantSpec | None = None,
 ) -> None:  # fmt: skip
-    """Choose the variant, allocate the workspaces and run the kernel on the current stream of q's
-    device, writing dq and the per-query-head dk_heads, dv_heads."""
+    """Choose the variant (unless ``spec`` names one), allocate the workspaces and run the kernel on
+    the current stream of q's device, writing dq and the per-query-head dk_heads, dv_heads."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
-    target, _ = dispatch.device_target(q.device)
-    spec = choose_bwd(target, q.dtype, head_dim, causal)
+    target, gpu_name = dispatch.device_target(q.device)
+    if spec is None:
+        spec = choose_bwd(target, q.dtype, head_dim, causal, seqlen_k=seqlen_k, gpu_name=gpu_name)
     kernel = get_kernel(spec, target)
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if deterministic else 0
     splits = dq_splits(deterministic, batch, heads_q, seqlen_k, spec.tile_n, sm_count)

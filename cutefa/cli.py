@@ -258,12 +258,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_tune(args: argparse.Namespace) -> int:
     if _local_target() is None:
         raise UsageError("a CUDA GPU is required to tune, and this machine has none")
-    if not space.default_variants(args.arch):
-        raise UsageError(f"--arch {args.arch}: no {args.arch} kernel exists yet, so there is nothing to tune")
+    if not space.default_variants(args.arch, args.direction):
+        raise UsageError(
+            f"--arch {args.arch} --direction {args.direction}: no {args.arch} {args.direction} kernel exists yet, "
+            "so there is nothing to tune"
+        )
     from cutefa.tune import tune
 
     path = tune(args.arch, out_dir=args.out, seqlens=tuple(args.seqlens), dtypes=tuple(args.dtype),
-                head_dims=tuple(args.hdim) if args.hdim else None)  # fmt: skip
+                head_dims=tuple(args.hdim) if args.hdim else None, direction=args.direction)  # fmt: skip
     print(f"wrote {path}")
     return 0
 
@@ -400,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = made["tune"]
     p.add_argument("--arch", choices=ARCHS, required=True, help="kernel family to tune")
+    p.add_argument(
+        "--direction", choices=DIRECTIONS, default="fwd", help="forward (default) or backward variants"
+    )
     p.add_argument("--seqlens", type=_int_list, default=[1024, 4096, 16384], help="(default: 1024,4096,16384)")
     p.add_argument("--dtype", type=_dtype_list, default=["fp16", "bf16"], help="(default: fp16,bf16)")
     p.add_argument("--hdim", type=_int_list, help="head dims (default: every one with a variant)")

@@ -22,6 +22,7 @@ from typing import Any
 from cutefa.space import DEFAULT_TILES, default_extras, why_invalid, why_no_kernel
 from cutefa.spec import (
     ARCHS,
+    DIRECTIONS,
     TARGETS,
     TORCH_DTYPE_NAMES,
     VariantSpec,
@@ -111,6 +112,7 @@ class TunedTable:
     target: str
     measured_on: str
     entries: tuple[TunedEntry, ...]
+    direction: str = "fwd"  # the pass its variants compute: fwd, or bwd (files <arch>_bwd_<gpu>.json)
 
     def lookup(self, problem: Problem) -> TunedEntry | None:
         """The matching entry with the tightest ``max_seqlen_k``."""
@@ -186,7 +188,10 @@ def load_table(path: Path) -> TunedTable:
     """Read one tuned table; raises ``ValueError``/``KeyError`` when it does not follow the schema."""
     raw = json.loads(Path(path).read_text())
     entries = tuple(_parse_entry(e) for e in raw["entries"])
-    return TunedTable(Path(path), raw["arch"], raw["gpu"], raw["target"], raw["measured_on"], entries)
+    direction = raw.get("direction", "fwd")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction={direction!r} is not one of {DIRECTIONS}")
+    return TunedTable(Path(path), raw["arch"], raw["gpu"], raw["target"], raw["measured_on"], entries, direction)
 
 
 def tuned_tables() -> list[TunedTable]:
@@ -206,9 +211,11 @@ def tuned_tables() -> list[TunedTable]:
     return _TABLES
 
 
-def _table_for(family: str, problem: Problem) -> TunedTable | None:
-    """The family's table for this target, preferring one measured on this GPU."""
-    tables = [t for t in tuned_tables() if t.arch == family and t.target == problem.target]
+def _table_for(family: str, problem: Problem, direction: str = "fwd") -> TunedTable | None:
+    """The family's table of ``direction`` for this target, preferring one measured on this GPU."""
+    tables = [
+        t for t in tuned_tables() if t.arch == family and t.target == problem.target and t.direction == direction
+    ]
     gpu = (problem.gpu_name or "").lower()
     same_gpu = [t for t in tables if gpu and t.gpu.lower() in gpu]
     return (same_gpu or tables or [None])[0]
@@ -238,9 +245,11 @@ def _dtype_token(dtype: Any) -> str:
     return token
 
 
-def _table_candidate(family: str, problem: Problem) -> tuple[str, VariantSpec | None, str] | None:
+def _table_candidate(
+    family: str, problem: Problem, direction: str = "fwd"
+) -> tuple[str, VariantSpec | None, str] | None:
     """(label, spec or None, how it was picked or why it is unusable) from the tuned table, if any."""
-    table = _table_for(family, problem)
+    table = _table_for(family, problem, direction)
     entry = table.lookup(problem) if table else None
     if table is None or entry is None:
         return None
@@ -249,12 +258,22 @@ def _table_candidate(family: str, problem: Problem) -> tuple[str, VariantSpec | 
         spec = parse_name(entry.variant)
     except ValueError as exc:
         return entry.variant, None, f"{where}: {exc}"
-    wanted = (family, "fwd", problem.dtype, problem.head_dim, problem.causal)
+    wanted = (family, direction, problem.dtype, problem.head_dim, problem.causal)
     if (spec.arch, spec.direction, spec.dtype, spec.head_dim, spec.causal) != wanted:
         return spec.name, None, f"{where}: entry {entry.describe()} names a variant for another problem"
     if table.gpu.lower() not in (problem.gpu_name or "").lower():
         where += f", a {table.gpu}; no table for this GPU"
     return spec.name, spec, f"{where}: entry {entry.describe()}"
+
+
+def tuned_backward(
+    family: str, *, target: str, dtype: Any, head_dim: int, causal: bool, seqlen_k: int, gpu_name: str | None = None
+) -> tuple[VariantSpec | None, str] | None:
+    """The backward variant of ``family`` that a tuned backward table (``direction: bwd``) names for
+    this problem: (spec, how it was picked) or (None, why its entry is unusable); None without an entry."""
+    problem = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_k, seqlen_k, 1, 1, 1, gpu_name)
+    found = _table_candidate(family, problem, "bwd")
+    return None if found is None else found[1:]
 
 
 def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpec | None, str]:

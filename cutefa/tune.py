@@ -26,6 +26,9 @@ TOKENS = 16384
 HIDDEN = 2048
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 CHECK_TOL = 2e-2
+# Gradients against float32 attention: dQ, dK and dV each within this relative L2 error (bf16/fp16
+# rounding of P, dS and the operands gives ~5e-3-1e-2 on random inputs).
+BWD_CHECK_TOL = 5e-2
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,52 @@ def measure(
     return out
 
 
+def measure_backward(
+    specs: list[VariantSpec], seqlens: tuple[int, ...], target: str, *, progress: bool = True
+) -> list[Measurement]:
+    """Check and time every backward spec at every seqlen (the specs share dtype, head_dim and
+    causal). Inputs, dO and the forward's out/lse are shared; each variant's dQ, dK and dV are checked
+    against float32 attention's before it is timed. TFLOP/s counts 2.5x the forward's FLOPs."""
+    import torch
+    import torch.nn.functional as F
+
+    from cutefa import backward, ops
+
+    timer = _timer()
+    spec0 = specs[0]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec0.dtype]
+    scale = 1.0 / math.sqrt(spec0.head_dim)
+    heads = max(1, HIDDEN // spec0.head_dim)
+    out_list: list[Measurement] = []
+    for seqlen in seqlens:
+        batch = max(1, TOKENS // seqlen)
+        q, k, v, dout = (
+            torch.randn(batch, seqlen, heads, spec0.head_dim, device="cuda", dtype=dtype) for _ in range(4)
+        )
+        ref_in = [x.float().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+        ref_out = F.scaled_dot_product_attention(*ref_in, is_causal=spec0.causal, scale=scale)
+        ref_out.backward(dout.float().transpose(1, 2))
+        expect = [x.grad.transpose(1, 2) for x in ref_in]
+        del ref_in, ref_out
+        out, lse = ops.flash_attn_func(q, k, v, causal=spec0.causal, return_lse=True)
+        flops = 2.5 * 4 * batch * heads * seqlen * seqlen * spec0.head_dim / (2 if spec0.causal else 1)
+        for spec in specs:
+            run = functools.partial(
+                backward.gradients, dout, q, k, v, out, lse, None, spec0.causal, scale, False, spec=spec
+            )
+            grads = run()
+            err = max(((g.float() - e).norm() / e.norm()).item() for g, e in zip(grads, expect))
+            tflops = None
+            if err <= BWD_CHECK_TOL:  # NaN fails this too
+                ms = timer(run)
+                tflops = flops / (ms * 1e-3) / 1e12
+            out_list.append(Measurement(spec.dtype, spec.head_dim, spec.causal, seqlen, spec.name, tflops, err))
+            if progress:
+                shown = f"{tflops:7.1f} TFLOP/s" if tflops is not None else f"WRONG (rel err {err:.2e})"
+                print(f"  seqlen {seqlen:6d}  {spec.name:52s} {shown}", flush=True)
+    return out_list
+
+
 def table_entries(measurements: list[Measurement]) -> list[dict[str, Any]]:
     """Winner per (dtype, head_dim, causal, seqlen) as dispatch-table entries.
 
@@ -170,8 +219,10 @@ def tune(
     dtypes: tuple[str, ...] = ("fp16", "bf16"),
     head_dims: tuple[int, ...] | None = None,
     progress: bool = True,
+    direction: str = "fwd",
 ) -> Path:
-    """Measure ``arch``'s default variants on this GPU; write ``<out_dir>/<arch>_<gpu>.json``."""
+    """Measure ``arch``'s default variants of ``direction`` on this GPU; write
+    ``<out_dir>/<arch>_<gpu>.json`` (backward: ``<arch>_bwd_<gpu>.json``)."""
     import torch
 
     from cutefa import __version__
@@ -180,22 +231,29 @@ def tune(
     if not torch.cuda.is_available():
         raise RuntimeError("tuning needs a CUDA GPU, and torch sees none")
     target = current_target()
-    specs = [s for s in space.default_variants(arch, "fwd") if s.dtype in dtypes]
+    specs = [s for s in space.default_variants(arch, direction) if s.dtype in dtypes]
     specs = [s for s in specs if head_dims is None or s.head_dim in head_dims]
     specs = [s for s in specs if s.runs_on(target)]
     if not specs:
-        raise ValueError(f"no default {arch} variant runs on {target} for dtypes {dtypes} and head dims {head_dims}")
+        raise ValueError(
+            f"no default {arch} {direction} variant runs on {target} for dtypes {dtypes} and head dims {head_dims}"
+        )
     groups: dict[tuple[str, int, bool], list[VariantSpec]] = {}
     for s in specs:
         groups.setdefault((s.dtype, s.head_dim, s.causal), []).append(s)
     measurements: list[Measurement] = []
     for key, group in sorted(groups.items()):
         if progress:
-            print(f"{arch} {key[0]} hd{key[1]} {'causal' if key[2] else 'non-causal'}: {len(group)} variant(s)")
-        measurements += measure(group, seqlens, target, progress=progress)
+            print(
+                f"{arch} {direction} {key[0]} hd{key[1]} {'causal' if key[2] else 'non-causal'}: "
+                f"{len(group)} variant(s)"
+            )
+        timed = measure_backward if direction == "bwd" else measure
+        measurements += timed(group, seqlens, target, progress=progress)
     name = torch.cuda.get_device_name()
     table = {
         "arch": arch,
+        "direction": direction,
         "gpu": gpu_token(name),
         "target": target,
         "measured_on": (
@@ -207,6 +265,7 @@ def tune(
         "measurements": [m.__dict__ for m in measurements],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{arch}_{gpu_token(name).lower()}.json"
+    kind = "" if direction == "fwd" else f"{direction}_"
+    path = out_dir / f"{arch}_{kind}{gpu_token(name).lower()}.json"
     path.write_text(json.dumps(table, indent=1) + "\n")
     return path

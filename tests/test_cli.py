@@ -168,7 +168,7 @@ def test_tune_refuses_a_family_without_kernels(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_local_target", lambda: "sm_90a")
     monkeypatch.setattr(space, "default_variants", lambda arch, direction=None: [])
     assert cli.main(["tune", "--arch", "sm90"]) == 2
-    assert "no sm90 kernel exists yet" in capsys.readouterr().err
+    assert "no sm90 fwd kernel exists yet" in capsys.readouterr().err
 
 
 def test_bench_needs_a_gpu(capsys, monkeypatch):

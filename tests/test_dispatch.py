@@ -274,3 +274,42 @@ def test_cutefa_log_env_enables_run_logging_to_stderr(isolated):
     env["CUTEFA_LOG"] = "0"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert proc.stderr == ""
+
+
+def test_backward_tables_steer_the_backward_only(isolated, monkeypatch):
+    from cutefa import backward
+
+    monkeypatch.setattr(space, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")})
+    default = VariantSpec("sm80", "bwd", "bf16", 128, *space.DEFAULT_BWD_TILES["sm80"][128])
+    other = default.replace(tile_m=128, tile_n=64)
+    assert space.why_invalid(other) is None and other != default
+    bwd_entries = [entry(other.name, 2048), entry(default.name, None)]
+    write_table(isolated, "sm80_bwd_a100.json", bwd_entries, direction="bwd")
+    dispatch.clear_caches()
+    choose = backward.choose_bwd
+    assert choose("sm_80", torch.bfloat16, 128, False, seqlen_k=1000, gpu_name="NVIDIA A100") == other
+    assert choose("sm_80", torch.bfloat16, 128, False, seqlen_k=8192, gpu_name="NVIDIA A100") == default
+    assert choose("sm_80", torch.bfloat16, 128, False) == default  # no length: the default tile
+    # A backward table never steers the forward, nor a forward table the backward.
+    assert dispatch.choose(**problem()).reason.startswith("heuristic")
+    write_table(isolated, "sm80_a100.json", [entry(heuristic_name(), None)])
+    (isolated / "sm80_bwd_a100.json").unlink()
+    dispatch.clear_caches()
+    assert choose("sm_80", torch.bfloat16, 128, False, seqlen_k=1000, gpu_name="NVIDIA A100") == default
+
+
+def test_backward_table_entry_for_a_forward_variant_is_refused(isolated, monkeypatch):
+    from cutefa import backward
+
+    monkeypatch.setattr(space, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")})
+    write_table(isolated, "sm80_bwd_a100.json", [entry(heuristic_name(), None)], direction="bwd")
+    dispatch.clear_caches()
+    default = VariantSpec("sm80", "bwd", "bf16", 128, *space.DEFAULT_BWD_TILES["sm80"][128])
+    assert backward.choose_bwd("sm_80", torch.bfloat16, 128, False, seqlen_k=512, gpu_name="A100") == default
+
+
+def test_table_direction_is_checked(isolated, caplog):
+    write_table(isolated, "sm80_sideways.json", [entry(heuristic_name(), None)], direction="sideways")
+    with caplog.at_level("WARNING", logger="cutefa"):
+        assert dispatch.choose(**problem()).reason.startswith("heuristic")
+    assert "direction='sideways'" in caplog.text
