@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A GPU run in steps: compile every default variant that runs on this GPU (parallel), the GPU
-# tests, measure the variants into fresh dispatch tables, the side-by-side benchmark, the host cost
-# per call and the start-up time. STEPS picks steps (default: all, in this order), so a run can be split
+# tests, measure the forward and backward variants into fresh dispatch tables, the side-by-side
+# benchmark, the fp8 benchmark, the host cost per call and the start-up time. STEPS picks steps (default: all, in this order), so a run can be split
 # over several calls on the same machine; the compile cache (CUTEFA_CACHE_DIR) carries over.
 # Run from the repository root with cutefa importable (PYTHONPATH set, or installed). Installs
 # nothing. Arguments go to tools/bench.py. Results land in "${OUT:-bench_out}". Exits non-zero if
@@ -10,7 +10,7 @@
 set -uo pipefail
 
 out="${OUT:-bench_out}"
-steps="${STEPS:-compile tests tune bench enqueue startup}"
+steps="${STEPS:-compile tests tune bench fp8 enqueue startup}"
 pack="${PACK_DIR:-/tmp/cutefa-pack}"  # kernel pack for the per-call and start-up measurements
 mkdir -p "$out"
 jobs="${CUTEFA_JOBS:-$(nproc)}"
@@ -30,13 +30,19 @@ if has tests; then
 fi
 if has tune; then
     for arch in $(python3 -c "from cutefa.spec import families_for_target as f; print(*f('$target'))"); do
-        python3 -m cutefa tune --arch "$arch" --out "$out/tuned" 2>&1 | tee -a "$out/tune.log" | tail -n 2
+        for direction in fwd bwd; do
+            python3 -m cutefa tune --arch "$arch" --direction "$direction" --out "$out/tuned" 2>&1 |
+                tee -a "$out/tune.log" | tail -n 2
+        done
     done
     export CUTEFA_TUNED_DIR="$out/tuned"
 fi
 if has bench; then
     python3 tools/bench.py --out "$out" "$@"
     bench_rc=$?
+fi
+if has fp8; then
+    python3 tools/bench_fp8.py 2>&1 | tee "$out/bench_fp8.md" | tail -n 40
 fi
 if has enqueue; then
     python3 tools/bench.py --enqueue --pack "$pack" --out "$out"
