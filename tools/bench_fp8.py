@@ -166,6 +166,38 @@ def _label(spec) -> str:
     return short
 
 
+def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, causal: bool, seqlen: int):
+    """One table row: bf16 through flash_attn_func, then each e4m3 variant called directly."""
+    q, k, v, flops = _problem(torch, cutefa, hdim, causal, seqlen)
+    batch, heads = q.shape[0], q.shape[2]
+    qb, kb, vb = (x.bfloat16() for x in (q, k, v))
+    bf16 = flops / time_ms(lambda: cutefa.flash_attn_func(qb, kb, vb, causal=causal)) / 1e9
+    (qq, qd), (kq, kd), (vq, vd) = (cutefa.quantize_fp8(x, "head") for x in (q, k, v))
+    ref = _reference(torch, q, k, v, causal)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device="cuda")
+    scale = 1.0 / math.sqrt(hdim)
+    row = [str(int(causal)), str(seqlen), f"{batch} x {heads}", f"{bf16:.0f}"]
+    for spec in specs:
+        try:
+            kernel = get_kernel(spec.replace(causal=causal), target)
+
+            def run(kernel=kernel):
+                kernel(qq, kq, vq, out, lse, qd, kd, vd, scale)
+
+            out.fill_(math.nan)
+            run()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if not err <= MAX_REL_ERR:
+                row.append(f"WRONG (rel err {err:.3f})")
+                continue
+            tflops = flops / time_ms(run) / 1e9
+            row.append(f"{tflops:.0f} ({tflops / bf16:.2f})")
+        except Exception as exc:  # noqa: BLE001 - shown in the table
+            row.append(f"err: {str(exc).splitlines()[0][:40]}")
+    return row
+
+
 def _side_by_side(args) -> int:
     import torch
 
@@ -186,35 +218,7 @@ def _side_by_side(args) -> int:
         print("|" + "---|" * len(header))
         for causal in map(bool, args.causal):
             for seqlen in args.seqlen:
-                q, k, v, flops = _problem(torch, cutefa, hdim, causal, seqlen)
-                batch, heads = q.shape[0], q.shape[2]
-                qb, kb, vb = (x.bfloat16() for x in (q, k, v))
-                bf16 = flops / time_ms(lambda: cutefa.flash_attn_func(qb, kb, vb, causal=causal)) / 1e9
-                (qq, qd), (kq, kd), (vq, vd) = (cutefa.quantize_fp8(x, "head") for x in (q, k, v))
-                ref = _reference(torch, q, k, v, causal)
-                del qb, kb, vb
-                out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
-                lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device="cuda")
-                scale = 1.0 / math.sqrt(hdim)
-                row = [str(int(causal)), str(seqlen), f"{batch} x {heads}", f"{bf16:.0f}"]
-                for spec in specs:
-                    spec = spec.replace(causal=causal)
-                    try:
-                        kernel = get_kernel(spec, target)
-
-                        def run(kernel=kernel):
-                            kernel(qq, kq, vq, out, lse, qd, kd, vd, scale)
-
-                        out.fill_(math.nan)
-                        run()
-                        err = ((out.float() - ref).norm() / ref.norm()).item()
-                        if not err <= MAX_REL_ERR:
-                            row.append(f"WRONG (rel err {err:.3f})")
-                            continue
-                        tflops = flops / time_ms(run) / 1e9
-                        row.append(f"{tflops:.0f} ({tflops / bf16:.2f})")
-                    except Exception as exc:  # noqa: BLE001 - shown in the table
-                        row.append(f"err: {str(exc).splitlines()[0][:40]}")
+                row = _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim, causal, seqlen)
                 print("| " + " | ".join(row) + " |", flush=True)
     return 0
 
