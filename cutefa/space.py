@@ -91,6 +91,41 @@ SCHEDULE_ALTERNATIVES["sm90"][64] += (
 )
 SCHEDULE_ALTERNATIVES["sm90"][128] += ({"overlap": True, "pingpong": True, "exp_emu": 25},)
 
+# sm90 fp8 (e4m3) forward alternatives, committed next to the e4m3 defaults (which stay the default
+# tile and schedule, DEFAULT_ONLY_DTYPES) so that one GPU run can test and time them side by side
+# (tools/bench_fp8.py --all-variants; predictions in docs/perf-notes.md, "sm90 fp8 forward"). Each
+# entry is (tile, schedule/exp_emu fields) and gives a causal and a non-causal variant. Deeper rings
+# (3-4 stages) give the V transpose and the K/V loads more than half a key block of slack; hd128's
+# tile_n 160 amortizes each block's fixed costs but spills with the overlap schedule at 232
+# registers (so does tile_n 96 at hd256), so it runs ping-pong only. Every entry compiles for sm_90a
+# with no spill (tests/test_compile_sm90_fp8.py), which stands in for the register estimate
+# (:func:`_sm90_regs`).
+FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], ...]]] = {
+    "sm90": {
+        128: (
+            (Tile(128, 128, 3, 12), {"overlap": True, "pingpong": True}),
+            (Tile(128, 128, 3, 12), {"overlap": True, "pingpong": True, "exp_emu": 25}),
+            (Tile(128, 128, 3, 12), {"overlap": True}),
+            (Tile(128, 160, 3, 12), {"pingpong": True}),
+        ),
+        256: (
+            (Tile(128, 64, 3, 12), {"overlap": True, "pingpong": True}),
+            (Tile(128, 64, 4, 12), {"overlap": True, "pingpong": True}),
+        ),
+    },
+}
+
+
+def fp8_alternative_specs(arch: str = "sm90") -> list[VariantSpec]:
+    """The committed e4m3 forward alternatives of ``arch`` (:data:`FP8_ALTERNATIVES`), causal and not."""
+    return sorted(
+        VariantSpec(arch, "fwd", "e4m3", hd, *tile, causal=causal, **extras)
+        for hd, alts in FP8_ALTERNATIVES.get(arch, {}).items()
+        for tile, extras in alts
+        for causal in (False, True)
+    )
+
+
 # Backward tiles per head dim (filled as each family's backward kernel lands). sm80: FlashAttention-2's
 # backward tiles on the A100 (flash_bwd_launch_template.h): query rows x keys per CTA, 8 warps.
 DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {
@@ -155,10 +190,11 @@ def _candidate_dtypes(arch: str, direction: str) -> tuple[str, ...]:
 
 
 def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
-    """Every spec of the raw tile product for ``arch``, valid or not."""
+    """Every spec of the raw tile product for ``arch``, valid or not, plus the committed e4m3
+    alternatives (:data:`FP8_ALTERNATIVES`: deeper rings than the grid's)."""
     _require("arch", arch, ARCHS)
     _require("direction", direction, DIRECTIONS)
-    return [
+    grid = [
         VariantSpec(arch, direction, dtype, head_dim, *tile, causal=causal, exp_emu=exp_emu, **flags)
         for dtype in _candidate_dtypes(arch, direction)
         for head_dim in HEAD_DIMS
@@ -167,6 +203,10 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
         for exp_emu in ((0, 25) if arch in ("sm90", "sm100") and direction == "fwd" else (0,))
         for flags in _FLAG_SETS.get((arch, direction), ({},))
     ]
+    if direction == "fwd" and "e4m3" in _candidate_dtypes(arch, direction):
+        known = set(grid)
+        grid += [s for s in fp8_alternative_specs(arch) if s not in known]
+    return grid
 
 
 def smem_bytes(spec: VariantSpec) -> int:
@@ -381,6 +421,8 @@ def sm90_consumer_regs(spec: VariantSpec) -> int:
 
 
 def _sm90_regs(spec: VariantSpec) -> str | None:
+    if spec.dtype == "e4m3" and spec.direction == "fwd" and spec in fp8_alternative_specs(spec.arch):
+        return None  # compiled with no spill on sm_90a (tests/test_compile_sm90_fp8.py checks)
     estimate = _sm90_registers(spec)
     budget = SM90_FP8_CONSUMER_REGS if spec.dtype == "e4m3" else sm90_consumer_regs(spec)
     if estimate > budget:
@@ -753,7 +795,7 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     SCHEDULE_ALTERNATIVES schedules on the default tile, and the PAIR_ALTERNATIVES tiles as CTA
     pairs (cta_pair, with the default extras); backward: DEFAULT_BWD_TILES. A direction
     contributes only once its kernel exists (IMPLEMENTED). e4m3 (fp8) gets the default tile and
-    schedule only (:data:`DEFAULT_ONLY_DTYPES`).
+    schedule (:data:`DEFAULT_ONLY_DTYPES`) plus its own explicit list, :data:`FP8_ALTERNATIVES`.
     """
     _require("arch", arch, ARCHS)
     # (direction, head_dim, tile, extras, is the default)
@@ -768,8 +810,12 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
         entries += [("fwd", hd, tile, {**default_extras(arch, "fwd", hd), "cta_pair": True}, False) for tile in alts]
     entries += [("bwd", hd, tile, {}, True) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()]
     directions = DIRECTIONS if direction is None else (direction,)
+    fp8_alternatives = (
+        fp8_alternative_specs(arch) if "fwd" in directions and "e4m3" in IMPLEMENTED.get((arch, "fwd"), ()) else []
+    )
     return sorted(
-        {
+        set(fp8_alternatives)
+        | {
             VariantSpec(arch, d, dtype, head_dim, *tile, causal=causal, **extras)
             for d, head_dim, tile, extras, is_default in entries
             if d in directions

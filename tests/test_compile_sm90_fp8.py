@@ -1,4 +1,4 @@
-"""The default sm90 fp8 (e4m3) forward variants compile on this CPU for sm_90a, and their SASS shows
+"""The default sm90 fp8 (e4m3) forward variants (and every committed alternative) compile on this CPU for sm_90a, and their SASS shows
 the design: e4m3 WGMMA (QGMMA, e.g. ``QGMMA.64x128x32.F32.E4M3.E4M3``) for both products, TMA
 loads (UTMALDG), setmaxnreg (USETMAXREG), mbarrier pipelines (SYNCS), the on-chip V transpose
 (32-bit LDS/STS and PRMT byte permutes), P converted to e4m3 (F2FP.SATFINITE.E4M3); no 16-bit
@@ -13,7 +13,8 @@ from cutefa.kernels.sm90 import fp8
 
 pytestmark = pytest.mark.compile
 
-FP8_DEFAULTS = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3"]
+FP8_ALTERNATIVES = space.fp8_alternative_specs("sm90")
+FP8_DEFAULTS = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3" and s not in FP8_ALTERNATIVES]
 # One per head dim, causal and not alternating: every head dim's tile and both mask paths.
 CHECKED = [
     next(s for s in FP8_DEFAULTS if s.head_dim == hd and s.causal == bool(i % 2))
@@ -84,3 +85,41 @@ def test_register_fragment_layouts_match_the_dsl(tmp_path):
     lines = dict(line.split(" ", 1) for line in out.splitlines() if line[:2] in ("A ", "C "))
     assert lines["A"] == fp8.TV_LAYOUT_A_FP8
     assert lines["C"] == fp8.TV_LAYOUT_C_N128
+
+
+@pytest.fixture(scope="module")
+def alternative_cubins(tmp_path_factory):
+    return sass.dump_cubins(FP8_ALTERNATIVES, "sm_90a", tmp_path_factory.mktemp("sm_90a_fp8_alt"))
+
+
+def test_alternatives_are_committed():
+    committed = set(space.default_variants("sm90", "fwd"))
+    assert FP8_ALTERNATIVES and set(FP8_ALTERNATIVES) <= committed
+
+
+@pytest.mark.parametrize("spec", FP8_ALTERNATIVES, ids=lambda s: s.name)
+def test_alternative_sass(alternative_cubins, spec):
+    """Every committed e4m3 alternative (other tiles, stages, schedules, exp_emu): QGMMA only, no
+    spill, each setmaxnreg region within its budget, the exp2 split as exp_emu asks."""
+    text = sass.disassemble(alternative_cubins[spec.name])
+    report = sass.analyze(alternative_cubins[spec.name])
+    summary = f"{spec.name}: {report.summary()}"
+    assert report.missing("sm90", "e4m3") == [], summary
+    assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0, summary
+    assert report.counts["HGMMA"] == 0, summary
+    per_block = spec.head_dim // fp8.MMA_K + spec.tile_n // fp8.MMA_K
+    # two loop bodies (masked, unmasked); the overlap schedule adds its prologue S and epilogue P V
+    assert report.counts["QGMMA"] == (3 if spec.overlap else 2) * per_block, summary
+    assert f"QGMMA.64x{spec.tile_n}x32.F32.E4M3.E4M3" in text, summary
+    if spec.pingpong:
+        assert report.counts["BAR.SYNC"] > 2, summary
+    # MUFU.EX2 per loop body: one per score of a thread's rows (tile_n / 2) less the emulated
+    # share, plus one rescale factor per row (2); the same bodies as the QGMMA count.
+    bodies = 3 if spec.overlap else 2
+    exps = spec.tile_n // 2 * (100 - spec.exp_emu) // 100 + 2
+    assert report.counts["MUFU.EX2"] >= bodies * exps, summary
+    if spec.exp_emu:
+        assert report.counts["MUFU.EX2"] < bodies * (spec.tile_n // 2 + 2), summary
+    regions = sass.setmaxnreg_regions(text)
+    assert [budget for budget, _ in regions] == [40, 232], regions
+    assert all(used < budget for budget, used in regions), regions

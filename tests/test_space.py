@@ -281,9 +281,30 @@ def test_fp8_budgets():
     assert space.est_registers(FP8.replace(dtype="bf16")) == 64 + 64 + 32 + space.SM90_REG_OVERHEAD
 
 
-def test_fp8_defaults_are_the_default_schedule_only():
-    fp8 = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
+def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
+    committed = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
+    alternatives = space.fp8_alternative_specs("sm90")
+    assert set(alternatives) <= set(committed)
+    assert len(alternatives) <= 12  # a short list for one GPU run, not a sweep
+    fp8 = [s for s in committed if s not in alternatives]
     assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
-    assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not; no schedule or tile alternatives
+    assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not, on the default tile and schedule
     assert all((s.tile_m, s.tile_n) == tuple(space.DEFAULT_TILES["sm90"][s.head_dim])[:2] for s in fp8)
     assert all(s.overlap and s.pingpong and s.tile_n % 32 == 0 for s in fp8)
+
+
+def test_fp8_alternatives_are_valid_and_differ_from_the_defaults():
+    alternatives = space.fp8_alternative_specs("sm90")
+    assert {s.causal for s in alternatives} == {False, True}
+    for spec in alternatives:
+        assert space.why_invalid(spec) is None, spec.name
+        assert space.smem_bytes(spec) <= space.SM90_SMEM_LIMIT, spec.name
+        assert spec.tile_n % space.SM90_FP8_MMA_K == 0 and spec.tile_m == 128, spec.name
+        default = space.DEFAULT_TILES["sm90"][spec.head_dim]
+        assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong, spec.exp_emu) != (
+            default.tile_n, default.stages, True, True, 0
+        ), spec.name
+    # only the explicit list bypasses the register estimate: a like tile outside it still fails it
+    wide = space.fp8_alternative_specs("sm90")[0].replace(head_dim=256, tile_n=128, stages=2)
+    assert wide not in alternatives
+    assert "would spill registers" in space.why_invalid(wide)

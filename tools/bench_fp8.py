@@ -8,15 +8,27 @@ inputs give a few percent, see tests/gpu/test_fp8.py).
 
     python3 tools/bench_fp8.py                        # hd 64, 128, 256; seqlen 1k..16k; causal both
     python3 tools/bench_fp8.py --hdim 128 --seqlen 4096,8192 --causal 1
+
+Side by side: ``--variants`` (comma-separated e4m3 variant names) or ``--all-variants`` (every
+committed e4m3 variant of the chosen head dims) prints one table per head dim instead, one column
+per variant: the kernels are called directly (no dispatch), the default e4m3 variant first, each
+cell "TFLOP/s (ratio to bf16)". A name's causal twin runs the causal rows (give either one).
+
+    python3 tools/bench_fp8.py --all-variants --hdim 128,256 --seqlen 4096,16384
+    python3 tools/bench_fp8.py --hdim 128 --variants cutefa_sm90_fwd_e4m3_hd128_128x128_s3_w12_ov_pp
 """
 
 import argparse
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
 TOKENS = 16384
 MODEL_DIM = 2048
+# A variant's output must match the float32 attention of the unquantized inputs this closely
+# (relative L2) before it is timed; the e4m3 defaults give 2-4% on these inputs.
+MAX_REL_ERR = 0.10
 
 
 def _load_bench():
@@ -30,15 +42,24 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hdim", type=_ints, default=[64, 128, 256])
+    p.add_argument("--hdim", type=_ints, default=None, help="head dims (default 64,128,256; with variants: theirs)")
     p.add_argument("--seqlen", type=_ints, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--causal", type=_ints, default=[0, 1])
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--variants", type=_names, default=None, help="e4m3 variant names, comma-separated")
+    group.add_argument("--all-variants", action="store_true", help="every committed e4m3 variant")
     args = p.parse_args(argv)
 
+    if args.variants is not None or args.all_variants:
+        return _side_by_side(args)
     import torch
 
     import cutefa
@@ -60,7 +81,7 @@ def main(argv=None) -> int:
     ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for hdim in args.hdim:
+    for hdim in args.hdim or [64, 128, 256]:
         for causal in map(bool, args.causal):
             for seqlen in args.seqlen:
                 cells = _cell(torch, cutefa, fa3, time_ms, hdim, causal, seqlen)
@@ -68,12 +89,24 @@ def main(argv=None) -> int:
     return 0
 
 
-def _cell(torch, cutefa, fa3, time_ms, hdim: int, causal: bool, seqlen: int) -> list[str]:
+def _problem(torch, cutefa, hdim: int, causal: bool, seqlen: int):
     heads = MODEL_DIM // hdim
     batch = max(1, TOKENS // seqlen)
     shape = (batch, seqlen, heads, hdim)
     q, k, v = (torch.randn(shape, device="cuda") for _ in range(3))
     flops = 4 * batch * heads * seqlen * seqlen * hdim / (2 if causal else 1)
+    return q, k, v, flops
+
+
+def _reference(torch, q, k, v, causal: bool):
+    return torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal
+    ).transpose(1, 2)  # float32; seqlen_q == seqlen_k, so top-left causal = bottom-right
+
+
+def _cell(torch, cutefa, fa3, time_ms, hdim: int, causal: bool, seqlen: int) -> list[str]:
+    q, k, v, flops = _problem(torch, cutefa, hdim, causal, seqlen)
+    batch, heads = q.shape[0], q.shape[2]
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
     (qq, qd), (kq, kd), (vq, vd) = (cutefa.quantize_fp8(x, "head") for x in (q, k, v))
     kw = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
@@ -81,9 +114,7 @@ def _cell(torch, cutefa, fa3, time_ms, hdim: int, causal: bool, seqlen: int) -> 
     ms = time_ms(lambda: cutefa.flash_attn_func(qb, kb, vb, causal=causal))
     cells.append(f"{flops / ms / 1e9:.0f}")
     out = cutefa.flash_attn_func(qq, kq, vq, causal=causal, **kw)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal
-    ).transpose(1, 2)  # float32; seqlen_q == seqlen_k, so top-left causal = bottom-right
+    ref = _reference(torch, q, k, v, causal)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     ms = time_ms(lambda: cutefa.flash_attn_func(qq, kq, vq, causal=causal, **kw))
     cells += [f"{flops / ms / 1e9:.0f}", f"{err:.4f}"]
@@ -94,6 +125,102 @@ def _cell(torch, cutefa, fa3, time_ms, hdim: int, causal: bool, seqlen: int) -> 
     except Exception as exc:  # noqa: BLE001 - shown in the table
         return [*cells, f"err: {str(exc).splitlines()[0][:40]}"]
     return [*cells, f"{flops / ms / 1e9:.0f}"]
+
+
+def variant_columns(names: list[str] | None, hdims: list[int] | None) -> dict[int, list]:
+    """head_dim -> the non-causal specs to show as columns, default e4m3 variant first.
+
+    ``names`` None means every committed e4m3 variant of ``hdims`` (all head dims when None).
+    Raises ValueError for a name that is not an e4m3 variant of the sm90 family or fails
+    :func:`cutefa.space.why_invalid`."""
+    from cutefa import space
+    from cutefa.spec import parse_name
+
+    committed = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3"]
+    if names is None:
+        specs = [s for s in committed if hdims is None or s.head_dim in hdims]
+    else:
+        specs = []
+        for name in names:
+            spec = parse_name(name)
+            if (spec.arch, spec.direction, spec.dtype) != ("sm90", "fwd", "e4m3"):
+                raise ValueError(f"--variants: {name!r} is not an sm90 e4m3 forward variant")
+            reason = space.why_invalid(spec)
+            if reason is not None:
+                raise ValueError(f"--variants: {name!r} cannot be built: {reason}")
+            specs.append(spec)
+    columns: dict[int, list] = {}
+    for spec in specs:
+        base = spec.replace(causal=False)
+        if hdims is not None and base.head_dim not in hdims:
+            continue
+        default = next(s for s in committed if s.head_dim == base.head_dim and s not in space.fp8_alternative_specs())
+        cols = columns.setdefault(base.head_dim, [default.replace(causal=False)])
+        if base not in cols:
+            cols.append(base)
+    return columns
+
+
+def _label(spec) -> str:
+    short = spec.name.removeprefix(f"cutefa_{spec.arch}_fwd_e4m3_hd{spec.head_dim}_")
+    return short
+
+
+def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, causal: bool, seqlen: int):
+    """One table row: bf16 through flash_attn_func, then each e4m3 variant called directly."""
+    q, k, v, flops = _problem(torch, cutefa, hdim, causal, seqlen)
+    batch, heads = q.shape[0], q.shape[2]
+    qb, kb, vb = (x.bfloat16() for x in (q, k, v))
+    bf16 = flops / time_ms(lambda: cutefa.flash_attn_func(qb, kb, vb, causal=causal)) / 1e9
+    (qq, qd), (kq, kd), (vq, vd) = (cutefa.quantize_fp8(x, "head") for x in (q, k, v))
+    ref = _reference(torch, q, k, v, causal)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device="cuda")
+    scale = 1.0 / math.sqrt(hdim)
+    row = [str(int(causal)), str(seqlen), f"{batch} x {heads}", f"{bf16:.0f}"]
+    for spec in specs:
+        try:
+            kernel = get_kernel(spec.replace(causal=causal), target)
+
+            def run(kernel=kernel):
+                kernel(qq, kq, vq, out, lse, qd, kd, vd, scale)
+
+            out.fill_(math.nan)
+            run()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if not err <= MAX_REL_ERR:
+                row.append(f"WRONG (rel err {err:.3f})")
+                continue
+            tflops = flops / time_ms(run) / 1e9
+            row.append(f"{tflops:.0f} ({tflops / bf16:.2f})")
+        except Exception as exc:  # noqa: BLE001 - shown in the table
+            row.append(f"err: {str(exc).splitlines()[0][:40]}")
+    return row
+
+
+def _side_by_side(args) -> int:
+    import torch
+
+    import cutefa
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+
+    columns = variant_columns(args.variants if not args.all_variants else None, args.hdim)
+    if not columns:
+        print("no e4m3 variant matches the given head dims", file=sys.stderr)
+        return 2
+    _, time_ms = _load_bench().make_timer(args.warmup, args.rep)
+    target = current_target()
+    for hdim, specs in sorted(columns.items()):
+        print(f"\nhead_dim {hdim}: TFLOP/s (x bf16); first fp8 column is the default variant\n")
+        header = ["causal", "seqlen", "b x h", "bf16", *(_label(s) for s in specs)]
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for causal in map(bool, args.causal):
+            for seqlen in args.seqlen:
+                row = _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim, causal, seqlen)
+                print("| " + " | ".join(row) + " |", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

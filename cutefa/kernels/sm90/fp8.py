@@ -21,6 +21,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
+from cutefa.kernels.common.exp2 import exp2_fma
 from cutefa.kernels.common.softmax import LN_2, quad_allreduce_max, quad_allreduce_sum
 from cutefa.kernels.sm90.parts import WG_ROWS, WG_THREADS
 
@@ -157,10 +158,20 @@ def transpose_v(
 
 @cute.jit
 def online_softmax_step(
-    s_mn: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32, corr: cute.Tensor
+    s_mn: cute.Tensor,
+    row_max: cute.Tensor,
+    row_sum: cute.Tensor,
+    scale_log2: Float32,
+    corr: cute.Tensor,
+    emu_per_16: cutlass.Constexpr = 0,
 ):
     """Scores ``s_mn`` (rows x cols, fp32) to probabilities scaled by 2^P_OFFSET_LOG2, in place;
-    the per-row rescale factors of O go to ``corr`` (applied by the caller once no MMA reads O)."""
+    the per-row rescale factors of O go to ``corr`` (applied by the caller once no MMA reads O).
+
+    Of every 16 scores of a thread's row the last ``emu_per_16`` take :func:`exp2_fma` on the FMA
+    units instead of MUFU.EX2 (0: all on MUFU, the code of the default variants). Its arguments
+    reach +P_OFFSET_LOG2 = 8 here, not only <= 0: the Cody-Waite split adds round(x) into the
+    exponent bits, exact for any x up to 127."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
         blk_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
@@ -169,7 +180,16 @@ def online_softmax_step(
         # A row that has seen only masked scores keeps max = -inf: offset by 0 so that
         # exp2(-inf - offset) = 0 instead of NaN.
         offset = (0.0 if new_max == -Float32.inf else new_max) * scale_log2
-        p = cute.math.exp2(row * scale_log2 - (offset - P_OFFSET_LOG2), fastmath=True)
+        if cutlass.const_expr(emu_per_16 == 0):
+            p = cute.math.exp2(row * scale_log2 - (offset - P_OFFSET_LOG2), fastmath=True)
+        else:
+            s_mn[r, None].store(row * scale_log2 - (offset - P_OFFSET_LOG2))
+            for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                if cutlass.const_expr(j % 16 >= 16 - emu_per_16):
+                    s_mn[r, j] = exp2_fma(s_mn[r, j])
+                else:
+                    s_mn[r, j] = cute.math.exp2(s_mn[r, j], fastmath=True)
+            p = s_mn[r, None].load()
         corr[r] = cute.math.exp2(prev_max * scale_log2 - offset, fastmath=True)
         row_sum[r] = row_sum[r] * corr[r] + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
         row_max[r] = new_max

@@ -1,0 +1,53 @@
+"""tools/bench_fp8.py's side-by-side mode picks its columns on the CPU: the default e4m3 variant
+first, then the requested (or every committed) alternative, one column per causal pair."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from cutefa import space
+
+BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_fp8.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("cutefa_tools_bench_fp8", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_all_variants_cover_every_committed_e4m3_variant():
+    columns = _bench().variant_columns(None, [128, 256])
+    committed = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3" and s.head_dim in (128, 256)]
+    shown = {s.replace(causal=c) for specs in columns.values() for s in specs for c in (False, True)}
+    assert shown == set(committed)
+    for hdim, specs in columns.items():
+        default = specs[0]
+        assert default not in space.fp8_alternative_specs()
+        assert (default.tile_n, default.stages) == tuple(space.DEFAULT_TILES["sm90"][hdim])[1:3]
+        assert all(not s.causal and s.head_dim == hdim for s in specs)
+        assert len(set(specs)) == len(specs)
+
+
+def test_named_variants_get_the_default_beside_them():
+    alt = next(s for s in space.fp8_alternative_specs() if s.head_dim == 256 and s.causal)
+    columns = _bench().variant_columns([alt.name], None)
+    assert list(columns) == [256]
+    assert columns[256][1] == alt.replace(causal=False)
+    assert columns[256][0] not in space.fp8_alternative_specs()
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_ov_pp", "not an sm90 e4m3 forward variant"),
+        ("cutefa_sm90_fwd_e4m3_hd128_64x128_s2_w8_ov_pp", "cannot be built: pingpong needs exactly two consumer"),
+    ],
+)
+def test_bad_variant_names_raise(name, match):
+    with pytest.raises(ValueError, match=match):
+        _bench().variant_columns([name], None)
