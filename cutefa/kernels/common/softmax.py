@@ -87,7 +87,7 @@ def online_softmax_step_deferred(
         blk_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
         prev_max = row_max[r]
         new_max = cute.arch.fmax(prev_max, blk_max)
-        if cutlass.const_expr(rescale_threshold > 0.0):
+        if cutlass.const_expr(rescale_threshold > 0.0):  # noqa: SIM102 -- compile-time test, then a run-time one
             # From -inf (a first block) the growth is inf or NaN: the comparison fails, max moves.
             if (new_max - prev_max) * scale_log2 <= rescale_threshold:
                 new_max = prev_max
