@@ -142,3 +142,12 @@ def test_fp8_rules():
     assert space.sm100_smem_bytes(base) == (256 + 3 * 128) * 128 + 128 * 128 * 2 + 4 * space.SMEM_RESERVE
     bf16 = base.replace(dtype="bf16")
     assert space.sm100_smem_bytes(bf16) == ((256 + 3 * 128) * 128 + 128 * 128) * 2 + 4 * space.SMEM_RESERVE
+
+
+@pytest.mark.compile
+def test_sass_sm103a(tmp_path):
+    """The same e4m3 kernel compiled for the B300 (cc 10.3), whose GPUs do not load sm_100a code."""
+    spec = CHECKED[1]
+    report = sass.analyze(sass.dump_cubins([spec], "sm_103a", tmp_path)[spec.name])
+    assert report.missing("sm100", "e4m3") == [], f"{spec.name}: {report.summary()}"
+    assert report.counts["UTCHMMA"] == 0 and report.spills == 0, f"{spec.name}: {report.summary()}"
