@@ -41,7 +41,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 )
-FP8_INPUT_DTYPE = torch.float8_e4m3fn  # the fp8 format of the sm90 fp8 forward
+FP8_INPUT_DTYPE = torch.float8_e4m3fn  # the fp8 format of the sm90 and sm100 fp8 forwards
 FP8_OUT_DTYPES = (torch.bfloat16,)  # the fp8 forward's output dtypes (the kernel writes bf16)
 # Device types the kernels run on; the validation tests widen it.
 DEVICE_TYPES: tuple[str, ...] = ("cuda",)
@@ -534,7 +534,8 @@ def flash_attn_func(
     ``q_descale``, ``k_descale``, ``v_descale`` of shape () or (batch, heads_kv) (None: 1) attend
     the dequantized inputs ``x * descale``; the output is ``out_dtype`` (None or torch.bfloat16)
     and the lse that of the dequantized scores. Forward only: its backward raises
-    NotImplementedError. Runs on the sm90 (Hopper) family.
+    NotImplementedError. Runs on the sm90 (Hopper) family, and on the sm100 (Blackwell) family
+    (compiled, not hardware-tested).
     """
     if _plain_eager(q, k, v):
         key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)

@@ -28,7 +28,12 @@ EXPECTED = {
 # The sm90 fp8 forward: WGMMA with e4m3 operands shows as QGMMA (e.g.
 # ``QGMMA.64x128x32.F32.E4M3.E4M3``), the on-chip V transpose as PRMT byte permutes, P's
 # conversion as F2FP.SATFINITE.E4M3.F32.PACK_AB.
-EXPECTED_FP8 = {"sm90": ("QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "PRMT", "F2FP.SATFINITE.E4M3")}
+# The sm100 fp8 forward: tcgen05 kind::f8f6f4 UMMAs show as UTCQMMA (``UTCQMMA gdesc[..], gdesc[..],
+# tmem[..]`` for S = Q K^T, ``UTCQMMA tmem[..], gdesc[..], ...`` for O += P V with P in TMEM).
+EXPECTED_FP8 = {
+    "sm90": ("QGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "PRMT", "F2FP.SATFINITE.E4M3"),
+    "sm100": ("UTCQMMA", "LDTM", "STTM", "UTMALDG", "USETMAXREG", "F2FP.SATFINITE.E4M3"),
+}
 SPILL_OPS = ("LDL", "STL")
 _COUNTED = sorted(
     {op for ops in (*EXPECTED.values(), *EXPECTED_FP8.values()) for op in ops}

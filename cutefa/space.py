@@ -469,7 +469,7 @@ _ARCH_RULES: dict[str, tuple[Rule, ...]] = {
 # ---------------------------------------------------------------------------------------------
 # sm100 (FlashAttention-4 design): compiled and SASS-checked for sm_100a, not hardware-tested.
 
-IMPLEMENTED[("sm100", "fwd")] = ("fp16", "bf16")
+IMPLEMENTED[("sm100", "fwd")] = ("fp16", "bf16", "e4m3")
 SM100_SMEM_LIMIT = 227 * 1024  # B200 per-block opt-in limit (232448 B; the DSL's capacity for sm_100)
 SM100_TMEM_COLUMNS = 512  # 128 lanes x 512 columns x 32 bit per SM
 SM100_WARPS = 16  # softmax 0 and 1, correction, MMA / load / epilogue / spare: 4 warpgroups
@@ -505,10 +505,12 @@ def sm100_tmem_columns(spec: VariantSpec) -> int:
 def sm100_smem_bytes(spec: VariantSpec) -> int:
     """Q tiles, the K/V ring (K and V share its stages) and one 128-row O staging tile, plus
     mbarriers and 1 KiB alignment of each buffer. A CTA of a pair (cta_pair) holds half of each
-    K/V stage: tile_n / 2 keys of K or head_dim / 2 columns of V."""
+    K/V stage: tile_n / 2 keys of K or head_dim / 2 columns of V. e4m3: Q, K and V take one byte
+    per element, the staged O (bf16 output) two."""
     ring_rows = spec.tile_n // 2 if spec.cta_pair else spec.tile_n
-    elements = (spec.tile_m + spec.stages * ring_rows + 128) * spec.head_dim
-    return elements * spec.elem_bytes + 4 * SMEM_RESERVE
+    operands = (spec.tile_m + spec.stages * ring_rows) * spec.head_dim * spec.elem_bytes
+    out_bytes = 2  # fp16/bf16 output; e4m3 inputs give bf16 output
+    return operands + 128 * spec.head_dim * out_bytes + 4 * SMEM_RESERVE
 
 
 SM100_BWD_REGISTERS = 128  # one warpgroup, no setmaxnreg: up to 255 per thread
@@ -574,6 +576,32 @@ def _sm100_pair(spec: VariantSpec) -> str | None:
         return (
             f"tile_n=128 with exp_emu=0 spills registers in the pair's softmax/correction warps at "
             f"head_dim={spec.head_dim}, tile_m={spec.tile_m} (compiled SASS); exp_emu=25 does not"
+        )
+    return None
+
+
+SM100_FP8_MMA_K = 32  # k of a tcgen05 kind::f8f6f4 UMMA: O += P V steps over keys 32 at a time
+SM100_FP8_V_MN_STEP = 16  # UMMA N step with an 8-bit MN-major B (V as TMA lands it), cta_group::1
+
+
+def _sm100_fp8(spec: VariantSpec) -> str | None:
+    """The e4m3 forward's own limits (tcgen05 kind::f8f6f4, P as four e4m3 per TMEM column)."""
+    if spec.dtype != "e4m3":
+        return None
+    if spec.cta_pair:
+        return (
+            "cta_pair: the sm100 e4m3 forward is single-CTA only (no CTA-pair, 2-SM e4m3 UMMA variant "
+            "is built)"
+        )
+    if spec.tile_n % SM100_FP8_MMA_K:
+        return (
+            f"tile_n={spec.tile_n} is not a multiple of {SM100_FP8_MMA_K} (the k of an e4m3 UMMA: P V "
+            "steps over keys 32 at a time, and each 32-score chunk of P fills 8 TMEM columns)"
+        )
+    if spec.head_dim % SM100_FP8_V_MN_STEP:
+        return (
+            f"head_dim={spec.head_dim} is not a multiple of {SM100_FP8_V_MN_STEP} (the N step of an e4m3 "
+            "UMMA whose B operand, V, is MN-major)"
         )
     return None
 
@@ -756,7 +784,16 @@ _ARCH_RULES["sm90"] = (
 _ARCH_RULES["sm100"] = (
     *(
         _forward_only(r)
-        for r in (_sm100_roles, _sm100_tile_n, _exp_emu_share, _sm100_pair, _sm100_tmem, _sm100_smem, _sm100_regs)
+        for r in (
+            _sm100_roles,
+            _sm100_fp8,
+            _sm100_tile_n,
+            _exp_emu_share,
+            _sm100_pair,
+            _sm100_tmem,
+            _sm100_smem,
+            _sm100_regs,
+        )
     ),
     _backward_only(_sm100_bwd),
 )

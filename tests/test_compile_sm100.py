@@ -17,7 +17,7 @@ from cutefa import sass, space
 from cutefa.spec import VariantSpec
 
 ALL_FWD = space.default_variants("sm100", "fwd")
-DEFAULTS = [s for s in ALL_FWD if not s.cta_pair]
+DEFAULTS = [s for s in ALL_FWD if not s.cta_pair and s.dtype != "e4m3"]  # e4m3: test_compile_sm100_fp8.py
 # Two of the committed CTA-pair variants: two Q tiles per CTA with a causal mask (head dim 128), and
 # one Q tile at head dim 256.
 PAIRS = [

@@ -108,6 +108,26 @@ def test_blackwell_picks_the_sm100_family(monkeypatch, head_dim, causal, capabil
     assert ("sm90", f"family sm90 does not run on {target}") in choice.rejected
 
 
+SPACE_IMPLEMENTED = dict(space.IMPLEMENTED)  # the real kernel set, before the fixture narrows it
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["e4m3", torch.float8_e4m3fn])
+def test_fp8_on_blackwell_picks_the_sm100_e4m3_default(monkeypatch, head_dim, causal, dtype):
+    """An fp8 call on a B200 (what ops.py's fp8 path asks with q's torch dtype) gets the sm100 e4m3
+    default of the head dim, compiled for sm_100a; on an H100/H200 the sm90 e4m3 default."""
+    monkeypatch.setattr(space, "IMPLEMENTED", SPACE_IMPLEMENTED)
+    choice = dispatch.choose(**problem(target="sm_100a", dtype=dtype, head_dim=head_dim, causal=causal))
+    tile = DEFAULT_TILES["sm100"][head_dim]
+    extras = space.default_extras("sm100", "fwd", head_dim)
+    assert choice.spec == VariantSpec("sm100", "fwd", "e4m3", head_dim, *tile, causal=causal, **extras)
+    assert choice.target == "sm_100a"
+    assert choice.spec in space.default_variants("sm100", "fwd")  # committed in generated/
+    hopper = dispatch.choose(**problem(target="sm_90a", dtype=dtype, head_dim=head_dim, causal=causal))
+    assert (hopper.spec.arch, hopper.spec.dtype) == ("sm90", "e4m3")
+
+
 def test_tuned_table_takes_precedence_by_seqlen_bucket(isolated):
     short, longer = "cutefa_sm80_fwd_bf16_hd128_64x64_s1_w4", "cutefa_sm80_fwd_bf16_hd128_128x128_s1_w8"
     write_table(isolated, "sm80_a100.json", [entry(longer, None), entry(short, 1024)])

@@ -41,7 +41,18 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=4),
             "KiB of shared memory, over the 227 KiB per-block opt-in limit of the H100/H200",
         ),
-        (SM80.replace(arch="sm100", dtype="e4m3", tile_m=128, tile_n=128, warps=16, stages=2), "no e4m3 sm100 fwd kernel"),
+        (
+            SM80.replace(arch="sm100", dtype="e4m3", tile_m=128, tile_n=128, warps=16, stages=2, cta_pair=True),
+            "cta_pair: the sm100 e4m3 forward is single-CTA only",
+        ),
+        (
+            SM80.replace(arch="sm100", dtype="e4m3", tile_m=128, tile_n=80, warps=16, stages=2),
+            "tile_n=80 is not a multiple of 32 (the k of an e4m3 UMMA",
+        ),
+        (
+            SM80.replace(arch="sm100", dtype="e4m3", head_dim=256, tile_m=256, tile_n=128, warps=16, stages=2),
+            "needs 768 TMEM columns",
+        ),
         (SM80.replace(overlap=True), "overlap/pingpong are sm90 (FlashAttention-3) schedule flags, not sm80"),
         (SM80.replace(arch="sm90", tile_m=192, warps=16, stages=2, pingpong=True), "pingpong needs exactly two"),
         (SM80.replace(persistent=True), "persistent is an sm90 forward scheduler flag, not a sm80 fwd one"),
@@ -308,3 +319,17 @@ def test_fp8_alternatives_are_valid_and_differ_from_the_defaults():
     wide = space.fp8_alternative_specs("sm90")[0].replace(head_dim=256, tile_n=128, stages=2)
     assert wide not in alternatives
     assert "would spill registers" in space.why_invalid(wide)
+
+
+def test_sm100_fp8_defaults():
+    """sm100 e4m3: the default tile of each head dim (what dispatch picks on a B200), causal and not;
+    no CTA-pair or tuning alternatives; every e4m3 candidate that passes is single-CTA."""
+    fp8 = [s for s in space.default_variants("sm100", "fwd") if s.dtype == "e4m3"]
+    assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
+    assert len(fp8) == 2 * len(HEAD_DIMS)
+    for s in fp8:
+        assert (s.tile_m, s.tile_n, s.stages, s.warps) == tuple(space.DEFAULT_TILES["sm100"][s.head_dim])
+        assert s.tile_n % space.SM100_FP8_MMA_K == 0 and not s.cta_pair
+        assert space.why_invalid(s) is None
+    valid = [s for s in space.valid_variants("sm100") if s.dtype == "e4m3"]
+    assert valid and not any(s.cta_pair for s in valid)

@@ -1,4 +1,5 @@
-"""FP8 (e4m3) forward benchmark on a Hopper GPU: cutefa fp8 vs cutefa bf16 on the same problems,
+"""FP8 (e4m3) forward benchmark on a Hopper GPU (or a Blackwell one: the sm100 e4m3 kernels, not yet
+hardware-tested): cutefa fp8 vs cutefa bf16 on the same problems,
 and FlashAttention-3's fp8 forward (``flash_attn_interface``) when it is installed.
 
 Grid as in tools/bench.py: batch x seqlen = 16384 tokens, heads x head_dim = 2048, random normal

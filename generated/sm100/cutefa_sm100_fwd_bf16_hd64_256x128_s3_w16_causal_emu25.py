@@ -38,6 +38,7 @@ from cutefa.kernels.sm100 import parts
 
 SPEC_NAME = "cutefa_sm100_fwd_bf16_hd64_256x128_s3_w16_causal_emu25"
 DTYPE = cutlass.BFloat16
+OUT_DTYPE = DTYPE
 HEAD_DIM = 64
 TILE_N = 128
 STAGES = 3
@@ -46,6 +47,7 @@ ROWS = parts.ROWS_PER_Q_TILE
 CAUSAL = True
 EXP_EMU_PER_16 = 4  # of every 16 scores, this many take exp2 on the FMA units
 RESCALE_THRESHOLD = 8.0  # log2 units
+P_SHIFT_LOG2 = 0.0  # P = exp2(s - max + P_SHIFT_LOG2)
 THREADS = 512
 WARP_SOFTMAX = ((0, 1, 2, 3), (4, 5, 6, 7))
 WARP_CORRECTION = 8
@@ -57,7 +59,8 @@ REG_CORRECTION = 80
 REG_OTHER = 64
 TMEM_S = (0, 128, )
 TMEM_O = (256, 320, )
-TMEM_P = TILE_N // 2  # inside S_q
+P_PER_COLUMN = 32 // DTYPE.width  # 2 P values packed per 32-bit TMEM column
+TMEM_P = TILE_N // 2  # inside S_q (64 columns)
 TMEM_ALLOC = 512
 O_CHUNK = 16  # TMEM columns per correction load/store
 P_CHUNK = 32  # scores exponentiated and stored as P per step
@@ -90,7 +93,7 @@ class Kernel:
         sK_layout = sm100_utils.make_smem_layout_b(qk_mma, qk_tiler, DTYPE, STAGES)
         sV_layout = sm100_utils.make_smem_layout_b(pv_mma, pv_tiler, DTYPE, STAGES)
         tP_layout = sm100_utils.make_smem_layout_a(pv_mma, pv_tiler, DTYPE, 1)
-        sO_layout = sm100_utils.make_smem_layout_epi(DTYPE, utils.LayoutEnum.ROW_MAJOR, (ROWS, HEAD_DIM), 1)
+        sO_layout = sm100_utils.make_smem_layout_epi(OUT_DTYPE, utils.LayoutEnum.ROW_MAJOR, (ROWS, HEAD_DIM), 1)
 
         q_view = parts.seq_major_view(mQ)
         o_view = parts.seq_major_view(mO)
@@ -115,7 +118,7 @@ class Kernel:
             bar_epi: cute.struct.MemRange[Int64, 2]
             bar_tmem_free: cute.struct.MemRange[Int64, 1]
             tmem_base: Int32
-            sO: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sO_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[OUT_DTYPE, cute.cosize(sO_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sK_layout)], 1024]
 
@@ -441,10 +444,10 @@ class Kernel:
         return (
             cute.make_tensor(tmem + TMEM_S[0], tS_frag.layout),
             cute.make_tensor(tmem + TMEM_O[0], tO_frag.layout),
-            cute.make_tensor(tP_frag.iterator + 2 * (TMEM_S[0] + TMEM_P), tP_frag.layout),
+            cute.make_tensor(tP_frag.iterator + P_PER_COLUMN * (TMEM_S[0] + TMEM_P), tP_frag.layout),
             cute.make_tensor(tmem + TMEM_S[1], tS_frag.layout),
             cute.make_tensor(tmem + TMEM_O[1], tO_frag.layout),
-            cute.make_tensor(tP_frag.iterator + 2 * (TMEM_S[1] + TMEM_P), tP_frag.layout),
+            cute.make_tensor(tP_frag.iterator + P_PER_COLUMN * (TMEM_S[1] + TMEM_P), tP_frag.layout),
         )
 
     @cute.jit
@@ -464,11 +467,12 @@ class Kernel:
         tidx, _, _ = cute.arch.thread_idx()
         thread = tidx % 128
         s_ld, s_thr = parts.tmem_copy(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32, parts.tmem_cols(tS, 0, TILE_N), thread)
-        p_st, p_thr = parts.tmem_copy(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(P_CHUNK // 2)), Float32, parts.tmem_cols(tS, TMEM_P, P_CHUNK // 2), thread)
+        p_cols = P_CHUNK // P_PER_COLUMN  # TMEM columns of one chunk of P
+        p_st, p_thr = parts.tmem_copy(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(p_cols)), Float32, parts.tmem_cols(tS, TMEM_P, p_cols), thread)
         v_st, v_thr = parts.tmem_copy(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(2)), Float32, parts.tmem_cols(tS, 0, 2), thread)
         tSt = s_thr.partition_S(parts.tmem_cols(tS, 0, TILE_N))
         tSc = s_thr.partition_D(cute.make_identity_tensor((ROWS, TILE_N)))
-        tPc = p_thr.partition_S(cute.make_identity_tensor((ROWS, P_CHUNK // 2)))
+        tPc = p_thr.partition_S(cute.make_identity_tensor((ROWS, p_cols)))
         tVt = v_thr.partition_D(parts.tmem_cols(tS, 0, 2))
         tVc = v_thr.partition_S(cute.make_identity_tensor((ROWS, 2)))
         row = tile_row0 + tSc[0][0]
@@ -507,7 +511,7 @@ class Kernel:
                 sums = parts.exp2_sum(x, scale_log2, offset, EXP_EMU_PER_16, sums)
                 p32 = cute.make_rmem_tensor(tPc.shape, Float32)
                 cute.make_tensor(cute.recast_ptr(p32.iterator, dtype=DTYPE), cute.make_layout(P_CHUNK)).store(x.load().to(DTYPE))
-                cute.copy(p_st, p32, p_thr.partition_D(parts.tmem_cols(tS, TMEM_P + c * P_CHUNK // 2, P_CHUNK // 2)))
+                cute.copy(p_st, p32, p_thr.partition_D(parts.tmem_cols(tS, TMEM_P + c * p_cols, p_cols)))
             cute.arch.fence_view_async_tmem_store()
             hs.release()
             total = cute.arch.add_packed_f32x2(sums[0], sums[1])
@@ -548,8 +552,8 @@ class Kernel:
             cute.copy(ld, ld_thr.partition_S(parts.tmem_cols(tO, c * O_CHUNK, O_CHUNK)), r)
             for j in cutlass.range_constexpr(0, cute.size(r), 2):
                 r[j], r[j + 1] = cute.arch.mul_packed_f32x2((r[j], r[j + 1]), (inv, inv))
-            r16 = cute.make_rmem_tensor(cO.shape, DTYPE)
-            r16.store(r.load().to(DTYPE))
+            r16 = cute.make_rmem_tensor(cO.shape, OUT_DTYPE)
+            r16.store(r.load().to(OUT_DTYPE))
             sO_chunk = cute.local_tile(sO, (ROWS, O_CHUNK), (0, c))
             cute.autovec_copy(r16, ld_thr.partition_D(sO_chunk))
         cute.arch.fence_proxy("async.shared", space="cta")

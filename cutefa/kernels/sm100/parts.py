@@ -7,7 +7,8 @@ SASS-checked on the CPU for sm_100a; not run on hardware.
 TMEM map of one CTA (columns; 128 lanes = 128 query rows of a Q tile)::
 
     S_q  at q * tile_n            fp32 scores of Q tile q (tile_n columns)
-      P_q  inside S_q at + tile_n/2   16-bit probabilities (tile_n/2 columns, packed)
+      P_q  inside S_q at + tile_n/2   16-bit probabilities (tile_n/2 columns, 2 per column;
+                                      e4m3 variants: tile_n/4 columns, 4 per column)
       stats_q inside S_q at + 0       (previous max, current max) for the correction warpgroup
     O_q  at q_tiles * tile_n + q * head_dim_v   fp32 output accumulator of Q tile q
 
@@ -54,7 +55,8 @@ def cta_group(ctas: int):
 
 def tiled_mmas(dtype, tile_n: int, head_dim_v: int, ctas: int = 1):
     """(QK^T MMA: S = Q K^T, both operands K-major in smem; PV MMA: O += P V, P from TMEM, V MN-major).
-    ``ctas`` = 2: 2-SM UMMAs (cta_group::2) of M = 256, 128 rows in each CTA of the pair."""
+    ``ctas`` = 2: 2-SM UMMAs (cta_group::2) of M = 256, 128 rows in each CTA of the pair. An e4m3
+    ``dtype`` gives kind::f8f6f4 UMMAs (k = 32), which take an 8-bit MN-major V as well."""
     k_major = tcgen05.OperandMajorMode.K
     group = cta_group(ctas)
     qk = sm100_utils.make_trivial_tiled_mma(
