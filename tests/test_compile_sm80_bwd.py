@@ -19,11 +19,14 @@ from cutefa import sass, space
 pytestmark = pytest.mark.compile
 
 DEFAULTS = space.default_variants("sm80", "bwd")
-# fp16 causal: the default tiles at hd128 and hd256, the double-buffered Q tiles at hd128 and hd192.
+# fp16 causal: the default tiles at hd128 and hd256, the double-buffered Q tiles at hd128 and hd192,
+# and hd64's 128x128 double-buffered tile (255 registers on sm_80).
 A100_SUBSET = [
     s
     for s in DEFAULTS
-    if s.dtype == "fp16" and s.causal and (s.head_dim, s.stages) in ((128, 1), (256, 1), (128, 2), (192, 2))
+    if s.dtype == "fp16"
+    and s.causal
+    and (s.head_dim, s.tile_m, s.stages) in ((128, 64, 1), (256, 64, 1), (128, 64, 2), (192, 64, 2), (64, 128, 2))
 ]
 
 
@@ -32,6 +35,7 @@ def test_alternatives_are_committed():
     assert {s.name for s in A100_SUBSET} >= {
         "cutefa_sm80_bwd_fp16_hd128_64x128_s2_w8_causal",
         "cutefa_sm80_bwd_fp16_hd192_64x64_s2_w8_causal",
+        "cutefa_sm80_bwd_fp16_hd64_128x128_s2_w8_causal",
     }
 
 
