@@ -56,6 +56,28 @@ def _reductions(cubin) -> tuple[int, int]:
     return len(re.findall(r"\bREDG?\.E\.ADD\.F32\b(?!x)", text)), vector
 
 
+def _grid(rows: int, cols: int, spec) -> tuple[int, int]:
+    """The warp grid the template uses for a dV/dK or dQ output of (rows, cols): (w/2, 2), or
+    (2, w/2) where valid and squarer per warp, except at head_dim 256."""
+    tall, wide = (spec.warps // 2, 2), (2, spec.warps // 2)
+    if spec.head_dim == 256 or rows % (16 * wide[0]) or cols % (16 * wide[1]):
+        return tall
+    return wide if rows // wide[0] + cols // wide[1] < rows // tall[0] + cols // tall[1] else tall
+
+
+def _ldmatrix_per_warp(spec) -> int:
+    """ldmatrix.x4 per warp and step: per 16-deep k-block, one per 16 rows of the warp's A tile
+    and one per 16 columns of its B tile, over the five GEMMs (S and dP: (tile_m, tile_n) by
+    head_dim; dV and dK: (tile_n, head_dim) by tile_m; dQ: (tile_m, head_dim) by tile_n)."""
+
+    def gemm(rows, cols, depth, grid):
+        return depth // 16 * (rows // grid[0] // 16 + cols // grid[1] // 16)
+
+    m, n, d = spec.tile_m, spec.tile_n, spec.head_dim
+    sdp = gemm(m, n, d, (2, spec.warps // 2))
+    return 2 * sdp + 2 * gemm(n, d, m, _grid(n, d, spec)) + gemm(m, d, n, _grid(m, d, spec))
+
+
 def _check(cubin, spec, vector_red: bool) -> None:
     report = sass.analyze(cubin)
     assert report.missing("sm80") == [], f"{spec.name}: {report.summary()}"
@@ -64,6 +86,8 @@ def _check(cubin, spec, vector_red: bool) -> None:
     # Five GEMMs per query block (S, dP, dV, dK, dQ), each tile_m * tile_n * head_dim MACs per CTA.
     per_warp = spec.tile_m * spec.tile_n * spec.head_dim // (16 * 8 * 16) // spec.warps
     assert report.counts["HMMA"] == 5 * per_warp, f"{spec.name}: {report.summary()}"
+    # The warp grids the template chose: ldmatrix traffic as the model says (hd128 64x128: 144).
+    assert report.counts["LDSM"] == _ldmatrix_per_warp(spec), f"{spec.name}: {report.summary()}"
     # One fp32 reduction per dQ element a thread holds, or one per pair of adjacent columns.
     per_thread = spec.tile_m * spec.head_dim // spec.threads
     expected = (0, per_thread // 2) if vector_red else (per_thread, 0)
