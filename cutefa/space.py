@@ -138,6 +138,19 @@ DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {
     },
 }
 
+# Backward tiles committed next to the default one so benchmarks can compare (dispatch runs the
+# default). sm80: a double-buffered Q tile (stages=2, FlashAttention-2's design): the next query
+# block's Q loads during a whole step, dO during the dQ and dK GEMMs; hd256 64x64 would need 182
+# KiB. hd64 also 128 query rows per step (FA2's "slightly faster" hd64 tile): 0.45 ldmatrix per
+# mma.sync instead of 0.55 and half the barriers per FLOP; 255 registers, no spill (sm_80, sm_90a).
+BWD_TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
+    "sm80": {
+        64: (Tile(64, 128, 2, 8), Tile(128, 128, 1, 8), Tile(128, 128, 2, 8)),
+        128: (Tile(64, 128, 2, 8),),
+        192: (Tile(64, 64, 2, 8),),
+    },
+}
+
 # Extra tiles committed next to the default one so dispatch and benchmarks can compare.
 TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
     "sm80": {
@@ -230,8 +243,10 @@ def smem_bytes(spec: VariantSpec) -> int:
 
 
 def _sm80_bwd_smem_bytes(spec: VariantSpec) -> int:
-    # Q and dO (tile_m x d), K and V (tile_n x d), P and dS (tile_m x tile_n), 1 KiB-aligned each.
-    elements = 2 * (spec.tile_m + spec.tile_n) * spec.head_dim + 2 * spec.tile_m * spec.tile_n
+    # Q (``stages`` buffers) and dO (tile_m x d), K and V (tile_n x d), P and dS (tile_m x tile_n),
+    # 1 KiB-aligned each.
+    elements = (spec.stages + 1) * spec.tile_m * spec.head_dim + 2 * spec.tile_n * spec.head_dim
+    elements += 2 * spec.tile_m * spec.tile_n
     return elements * spec.elem_bytes + 6 * SMEM_RESERVE
 
 
@@ -319,11 +334,15 @@ def why_no_kernel(spec: VariantSpec) -> str | None:
 
 def _sm80_bwd_warps(spec: VariantSpec) -> str | None:
     # Warp grids (2, warps/2) over (tile_m, tile_n) for S and dP, (warps/2, 2) over (tile_n, d)
-    # for dK/dV and over (tile_m, d) for dQ; each warp owns 16-row by 16-column pieces.
+    # for dK/dV and over (tile_m, d) for dQ, or (2, warps/2) there where it is valid and reads
+    # less (bwd_parts.warp_grid); each warp owns 16-row by 16-column pieces.
     if spec.warps not in (4, 8):
         return f"warps={spec.warps}: the sm80 backward runs 4 or 8 warps"
-    if spec.stages != 1:
-        return f"stages={spec.stages}: the sm80 backward loads K and V once per CTA (stages=1)"
+    if spec.stages not in (1, 2):
+        return (
+            f"stages={spec.stages}: the sm80 backward loads K and V once per CTA and has 1 or 2 "
+            "buffers for Q (stages=1 or 2)"
+        )
     for what, value in (("tile_m", spec.tile_m), ("tile_n", spec.tile_n)):
         if value % (8 * spec.warps) or value % 32:
             return (
@@ -830,9 +849,10 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
 
     Forward: the DEFAULT_TILES tile with the default extras, the TUNING_ALTERNATIVES tiles, the
     SCHEDULE_ALTERNATIVES schedules on the default tile, and the PAIR_ALTERNATIVES tiles as CTA
-    pairs (cta_pair, with the default extras); backward: DEFAULT_BWD_TILES. A direction
-    contributes only once its kernel exists (IMPLEMENTED). e4m3 (fp8) gets the default tile and
-    schedule (:data:`DEFAULT_ONLY_DTYPES`) plus its own explicit list, :data:`FP8_ALTERNATIVES`.
+    pairs (cta_pair, with the default extras); backward: DEFAULT_BWD_TILES and the
+    BWD_TUNING_ALTERNATIVES tiles. A direction contributes only once its kernel exists
+    (IMPLEMENTED). e4m3 (fp8) gets the default tile and schedule (:data:`DEFAULT_ONLY_DTYPES`)
+    plus its own explicit list, :data:`FP8_ALTERNATIVES`.
     """
     _require("arch", arch, ARCHS)
     # (direction, head_dim, tile, extras, is the default)
@@ -846,6 +866,8 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     for hd, alts in PAIR_ALTERNATIVES.get(arch, {}).items():
         entries += [("fwd", hd, tile, {**default_extras(arch, "fwd", hd), "cta_pair": True}, False) for tile in alts]
     entries += [("bwd", hd, tile, {}, True) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()]
+    for hd, alts in BWD_TUNING_ALTERNATIVES.get(arch, {}).items():
+        entries += [("bwd", hd, tile, {}, False) for tile in alts]
     directions = DIRECTIONS if direction is None else (direction,)
     fp8_alternatives = (
         fp8_alternative_specs(arch) if "fwd" in directions and "e4m3" in IMPLEMENTED.get((arch, "fwd"), ()) else []

@@ -1,6 +1,8 @@
-"""Every default sm80 backward variant compiles on this CPU, and its SASS shows the FlashAttention-2
-backward design: mma.sync (HMMA), ldmatrix (LDSM), cp.async (LDGSTS), MUFU.EX2 for the recomputed
-probabilities and fp32 reductions (REDG ... ADD.F32) for the dQ accumulator; no local-memory spills.
+"""Every committed sm80 backward variant (defaults and the stages=2 tuning alternatives) compiles on
+this CPU, and its SASS shows the FlashAttention-2 backward design: mma.sync (HMMA), ldmatrix (LDSM),
+cp.async (LDGSTS), MUFU.EX2 for the recomputed probabilities and fp32 reductions for the dQ
+accumulator: 8-byte vector ones (REDG ... ADD.F32x2) on sm_90a, element-wise ones (REDG ... ADD.F32)
+on sm_80, which has no vector reduction; no local-memory spills.
 
 One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three and
 registers are the largest of them (the main kernel).
@@ -17,7 +19,24 @@ from cutefa import sass, space
 pytestmark = pytest.mark.compile
 
 DEFAULTS = space.default_variants("sm80", "bwd")
-A100_SUBSET = [s for s in DEFAULTS if s.dtype == "fp16" and s.causal and s.head_dim in (128, 256)]
+# fp16 causal: the default tiles at hd128 and hd256, the double-buffered Q tiles at hd128 and hd192,
+# and hd64's 128x128 double-buffered tile (255 registers on sm_80).
+A100_SUBSET = [
+    s
+    for s in DEFAULTS
+    if s.dtype == "fp16"
+    and s.causal
+    and (s.head_dim, s.tile_m, s.stages) in ((128, 64, 1), (256, 64, 1), (128, 64, 2), (192, 64, 2), (64, 128, 2))
+]
+
+
+def test_alternatives_are_committed():
+    assert {(s.head_dim, s.stages) for s in DEFAULTS if s.stages == 2} == {(64, 2), (128, 2), (192, 2)}
+    assert {s.name for s in A100_SUBSET} >= {
+        "cutefa_sm80_bwd_fp16_hd128_64x128_s2_w8_causal",
+        "cutefa_sm80_bwd_fp16_hd192_64x64_s2_w8_causal",
+        "cutefa_sm80_bwd_fp16_hd64_128x128_s2_w8_causal",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +49,36 @@ def cubins_sm80(tmp_path_factory):
     return sass.dump_cubins(A100_SUBSET, "sm_80", tmp_path_factory.mktemp("bwd_sm_80"))
 
 
-def _reductions(cubin) -> int:
-    return len(re.findall(r"\bREDG?\.E\.ADD\.F32", sass._cuobjdump(cubin, "-sass")))
+def _reductions(cubin) -> tuple[int, int]:
+    """(element-wise, 8-byte vector) fp32 reductions in the SASS."""
+    text = sass._cuobjdump(cubin, "-sass")
+    vector = len(re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text))
+    return len(re.findall(r"\bREDG?\.E\.ADD\.F32\b(?!x)", text)), vector
 
 
-def _check(cubin, spec) -> None:
+def _grid(rows: int, cols: int, spec) -> tuple[int, int]:
+    """The warp grid the template uses for a dV/dK or dQ output of (rows, cols): (w/2, 2), or
+    (2, w/2) where valid and squarer per warp, except at head_dim 256."""
+    tall, wide = (spec.warps // 2, 2), (2, spec.warps // 2)
+    if spec.head_dim == 256 or rows % (16 * wide[0]) or cols % (16 * wide[1]):
+        return tall
+    return wide if rows // wide[0] + cols // wide[1] < rows // tall[0] + cols // tall[1] else tall
+
+
+def _ldmatrix_per_warp(spec) -> int:
+    """ldmatrix.x4 per warp and step: per 16-deep k-block, one per 16 rows of the warp's A tile
+    and one per 16 columns of its B tile, over the five GEMMs (S and dP: (tile_m, tile_n) by
+    head_dim; dV and dK: (tile_n, head_dim) by tile_m; dQ: (tile_m, head_dim) by tile_n)."""
+
+    def gemm(rows, cols, depth, grid):
+        return depth // 16 * (rows // grid[0] // 16 + cols // grid[1] // 16)
+
+    m, n, d = spec.tile_m, spec.tile_n, spec.head_dim
+    sdp = gemm(m, n, d, (2, spec.warps // 2))
+    return 2 * sdp + 2 * gemm(n, d, m, _grid(n, d, spec)) + gemm(m, d, n, _grid(m, d, spec))
+
+
+def _check(cubin, spec, vector_red: bool) -> None:
     report = sass.analyze(cubin)
     assert report.missing("sm80") == [], f"{spec.name}: {report.summary()}"
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
@@ -42,15 +86,19 @@ def _check(cubin, spec) -> None:
     # Five GEMMs per query block (S, dP, dV, dK, dQ), each tile_m * tile_n * head_dim MACs per CTA.
     per_warp = spec.tile_m * spec.tile_n * spec.head_dim // (16 * 8 * 16) // spec.warps
     assert report.counts["HMMA"] == 5 * per_warp, f"{spec.name}: {report.summary()}"
-    # One fp32 reduction per dQ element a thread holds.
-    assert _reductions(cubin) == spec.tile_m * spec.head_dim // spec.threads, spec.name
+    # The warp grids the template chose: ldmatrix traffic as the model says (hd128 64x128: 144).
+    assert report.counts["LDSM"] == _ldmatrix_per_warp(spec), f"{spec.name}: {report.summary()}"
+    # One fp32 reduction per dQ element a thread holds, or one per pair of adjacent columns.
+    per_thread = spec.tile_m * spec.head_dim // spec.threads
+    expected = (0, per_thread // 2) if vector_red else (per_thread, 0)
+    assert _reductions(cubin) == expected, spec.name
 
 
 @pytest.mark.parametrize("spec", DEFAULTS, ids=lambda s: s.name)
 def test_sass_sm90a(cubins_sm90a, spec):
-    _check(cubins_sm90a[spec.name], spec)
+    _check(cubins_sm90a[spec.name], spec, vector_red=True)
 
 
 @pytest.mark.parametrize("spec", A100_SUBSET, ids=lambda s: s.name)
 def test_sass_sm80(cubins_sm80, spec):
-    _check(cubins_sm80[spec.name], spec)
+    _check(cubins_sm80[spec.name], spec, vector_red=False)

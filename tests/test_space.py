@@ -72,8 +72,12 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             "needs 768 TMEM columns (S^T + dP^T + dK + dV), over the 512",
         ),
         (
-            SM80.replace(direction="bwd", tile_m=64, tile_n=128, warps=8, stages=2),
-            "stages=2: the sm80 backward loads K and V once per CTA",
+            SM80.replace(direction="bwd", tile_m=64, tile_n=128, warps=8, stages=3),
+            "stages=3: the sm80 backward loads K and V once per CTA and has 1 or 2 buffers for Q",
+        ),
+        (
+            SM80.replace(direction="bwd", head_dim=256, tile_m=64, tile_n=64, warps=8, stages=2),
+            "needs 182.0 KiB of shared memory, over the 163 KiB per-block opt-in limit of the A100",
         ),
         (SM80.replace(direction="bwd", tile_m=64, tile_n=32, warps=8), "tile_n=32 is not a multiple of 64"),
         (SM80.replace(dtype="e4m3"), "e4m3 is only for sm90/sm100 forward kernels, not sm80 fwd"),
@@ -143,9 +147,11 @@ def test_sm90_bwd_dq_pieces():
 
 def test_sm80_bwd_default_set():
     defaults = space.default_variants("sm80", "bwd")
-    assert len(defaults) == 2 * 2 * len(HEAD_DIMS)
+    extra = space.BWD_TUNING_ALTERNATIVES["sm80"]
+    assert len(defaults) == 2 * 2 * (len(HEAD_DIMS) + sum(len(tiles) for tiles in extra.values()))
     for spec in defaults:
-        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == space.DEFAULT_BWD_TILES["sm80"][spec.head_dim]
+        tile = (spec.tile_m, spec.tile_n, spec.stages, spec.warps)
+        assert tile == space.DEFAULT_BWD_TILES["sm80"][spec.head_dim] or tile in extra[spec.head_dim]
         assert space.smem_bytes(spec) <= space.SM80_SMEM_LIMIT
     assert space.default_variants("sm80") == sorted(defaults + space.default_variants("sm80", "fwd"))
 
@@ -333,3 +339,11 @@ def test_sm100_fp8_defaults():
         assert space.why_invalid(s) is None
     valid = [s for s in space.valid_variants("sm100") if s.dtype == "e4m3"]
     assert valid and not any(s.cta_pair for s in valid)
+
+
+def test_sm80_bwd_smem_counts_the_q_buffers():
+    one = VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8)
+    # Q, dO (64x128), K, V (128x128), P, dS (64x128), 16-bit, plus six 1 KiB alignment reserves.
+    assert space.smem_bytes(one) == (2 * 64 * 128 + 2 * 128 * 128 + 2 * 64 * 128) * 2 + 6 * space.SMEM_RESERVE
+    assert space.smem_bytes(one.replace(stages=2)) == space.smem_bytes(one) + 64 * 128 * 2
+    assert space.why_invalid(one.replace(stages=2)) is None

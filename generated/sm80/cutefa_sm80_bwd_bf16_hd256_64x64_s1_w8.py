@@ -2,7 +2,7 @@
 """cutefa_sm80_bwd_bf16_hd256_64x64_s1_w8: FlashAttention-2 backward (sm80 family: mma.sync m16n8k16, cp.async, ldmatrix).
 
 bf16, head_dim 256, 64 query rows x 64 keys per step, 8 warps,
-non-causal.
+1 shared-memory buffer(s) for Q, non-causal.
 
 Calling convention (``Kernel.__call__``; :func:`fake_arguments` builds the same for a compile)::
 
@@ -14,7 +14,9 @@ Calling convention (``Kernel.__call__``; :func:`fake_arguments` builds the same 
     dk, dv        (batch, seqlen_k, heads_q, head_dim)   input dtype, written: one slice per QUERY
                                                          head; the caller sums the heads that share
                                                          a KV head (grouped-query attention)
-    dq_accum      (splits, batch, seqlen_q, heads_q, head_dim)  float32 workspace
+    dq_accum      (splits, batch, seqlen_q, heads_q, head_dim)  float32 workspace, 8-byte aligned,
+                                                         every stride even (sm_90+ adds column pairs
+                                                         with 8-byte vector reductions)
     lse_log2, dpsum  (batch, heads_q, seqlen_q)          float32 workspaces
     softmax_scale float; deterministic int (0 or 1); the stream is the caller's current one
 
@@ -29,6 +31,12 @@ its own warp grid. With deterministic=0 there is one dq_accum split and one CTA 
 order of the reductions varies); with deterministic=1 CTA x of the grid (x < splits) walks the key
 blocks x, x + splits, ... and owns split x alone, so every dq_accum element is summed by one thread
 in a fixed order, and the postprocess sums the splits in order: bitwise-reproducible gradients.
+
+Per query block: S = Q K^T, P, P -> smem, dP = dO V^T, dS, dS -> smem, barrier, then
+dV += P^T dO, dK += dS^T Q, barrier, the next block's Q and dO loads (cp.async, under the dQ GEMM),
+dQ = dS K and its reductions.
+The dQ reductions are 8-byte red.global.add.v2.f32 (two adjacent columns) where the target is
+sm_90 or newer, element-wise red.global.add.f32 on sm_80/sm_86/sm_89.
 """
 
 import cuda.bindings.driver as cuda
@@ -46,10 +54,14 @@ HEAD_DIM = 256
 TILE_M = 64
 TILE_N = 64
 WARPS = 8
+STAGES = 1
 THREADS = 256
 CAUSAL = False
 # Warp grids: S = Q K^T and dP = dO V^T over (TILE_M, TILE_N); dV, dK over (TILE_N, HEAD_DIM);
-# dQ over (TILE_M, HEAD_DIM).
+# dQ over (TILE_M, HEAD_DIM). dV, dK and dQ take the squarer of (warps/2, 2) and (2, warps/2) per
+# warp tile (bwd_parts.warp_grid), so that the warps read less of their operands from shared
+# memory; except at head_dim 256, where the fp32 dK and dV accumulators take half the registers
+# and the other grids spill (8-16 bytes, sm_80 and sm_90a).
 SDP_WARPS = (2, 4)
 DKV_WARPS = (4, 2)
 DQ_WARPS = (4, 2)
@@ -74,9 +86,10 @@ def fake_arguments(spec, cutlass, cute):
         strides = (cute.sym_int64(), cute.sym_int64(), 1)
         return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads_q, seqlen_q), strides, assumed_align=4)
 
-    accum_strides = tuple(cute.sym_int64() for _ in range(4)) + (1,)
+    # Even strides and an 8-byte aligned base: the sm_90+ dQ reductions add 8-byte column pairs.
+    accum_strides = tuple(cute.sym_int64(divisibility=2) for _ in range(4)) + (1,)
     dq_accum = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (splits, batch, seqlen_q, heads_q, spec.head_dim), accum_strides, assumed_align=4
+        cutlass.Float32, (splits, batch, seqlen_q, heads_q, spec.head_dim), accum_strides, assumed_align=8
     )
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     q, do, o, dq = (bshd(seqlen_q, heads_q) for _ in range(4))
@@ -117,14 +130,15 @@ class Kernel:
             grid=row_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
         )
 
-        sQ_layout = parts.smem_layout(DTYPE, TILE_M, HEAD_DIM)
+        sQ_layout = parts.smem_layout(DTYPE, TILE_M, HEAD_DIM, STAGES)
+        sdO_layout = parts.smem_layout(DTYPE, TILE_M, HEAD_DIM)
         sKV_layout = parts.smem_layout(DTYPE, TILE_N, HEAD_DIM)
         sP_layout = parts.smem_layout(DTYPE, TILE_M, TILE_N)
 
         @cute.struct
         class Storage:
             sQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sKV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sP_layout)], 1024]
@@ -147,6 +161,7 @@ class Kernel:
             softmax_scale * LOG2_E,
             deterministic,
             sQ_layout,
+            sdO_layout,
             sKV_layout,
             sP_layout,
             bwd_parts.tiled_mma(DTYPE, *SDP_WARPS),
@@ -208,6 +223,7 @@ class Kernel:
         scale_log2: Float32,
         deterministic: Int32,
         sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
         mma_sdp: cute.TiledMma,
@@ -241,13 +257,15 @@ class Kernel:
 
         storage = cutlass.utils.SmemAllocator().allocate(Storage)
         sQ = storage.sQ.get_tensor(sQ_layout)
-        sdO = storage.sdO.get_tensor(sQ_layout)
+        sdO = storage.sdO.get_tensor(sdO_layout)
         sK = storage.sK.get_tensor(sKV_layout)
         sV = storage.sV.get_tensor(sKV_layout)
         sP = storage.sP.get_tensor(sP_layout)
         sdS = storage.sdS.get_tensor(sP_layout)
         # Transposed views: the operands whose contiguous mode is their M or N mode.
-        sQt = bwd_parts.transposed(sQ, TILE_M, HEAD_DIM)
+        sQt = cute.composition(
+            sQ, cute.make_layout((HEAD_DIM, TILE_M, STAGES), stride=(TILE_M, 1, TILE_M * HEAD_DIM))
+        )
         sdOt = bwd_parts.transposed(sdO, TILE_M, HEAD_DIM)
         sKt = bwd_parts.transposed(sK, TILE_N, HEAD_DIM)
         sPt = bwd_parts.transposed(sP, TILE_M, TILE_N)
@@ -268,7 +286,7 @@ class Kernel:
 
         # S = Q K^T and dP = dO V^T: both operands from shared memory.
         thr_sdp = mma_sdp.get_slice(tidx)
-        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
+        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ[None, None, 0]))
         tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
         tdPrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))
         tdPrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
@@ -296,7 +314,7 @@ class Kernel:
         tdVrPt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sPt))
         tdVrdOt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdOt))
         tdKrdSt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sdSt))
-        tdKrQt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt))
+        tdKrQt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt[None, None, 0]))
         _, dkv_at, _, dkv_bt = bwd_parts.ldmatrix_copies(DTYPE, mma_dkv)
         dkv_at_thr = dkv_at.get_slice(tidx)
         dkv_bt_thr = dkv_bt.get_slice(tidx)
@@ -344,7 +362,7 @@ class Kernel:
             parts.copy_rows(g2s, tVgV[None, None, None, n_block], tVsV, tKVc, seqlen_k - n0, True)
             if m_count > 0:
                 m0 = m_begin * TILE_M
-                parts.copy_rows(g2s, tQgQ[None, None, None, m_begin], tQsQ, tQc, seqlen_q - m0, True)
+                parts.copy_rows(g2s, tQgQ[None, None, None, m_begin], tQsQ[None, None, None, 0], tQc, seqlen_q - m0, True)
                 parts.copy_rows(g2s, tdOgdO[None, None, None, m_begin], tdOsdO, tQc, seqlen_q - m0, True)
             cute.arch.cp_async_commit_group()
             acc_dK.fill(0.0)
@@ -353,6 +371,7 @@ class Kernel:
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_begin + i
                 m0 = m_block * TILE_M
+                q_stage = 0
                 bwd_parts.load_row_values(lse2, lse2_row, cS_mn, m0, seqlen_q, Float32.inf)
                 bwd_parts.load_row_values(dpsum, dpsum_row, cS_mn, m0, seqlen_q, Float32(0.0))
                 # Q and dO of this block (and K, V on the first step) landed; every warp is done
@@ -362,7 +381,9 @@ class Kernel:
 
                 acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
                 acc_S.fill(0.0)
-                parts.gemm_ss(mma_sdp, acc_S, tSrQ, tSsQ, tSrQ_v, sdp_a, tSrK, tSsK, tSrK_v, sdp_b)
+                parts.gemm_ss(
+                    mma_sdp, acc_S, tSrQ, tSsQ[None, None, None, q_stage], tSrQ_v, sdp_a, tSrK, tSsK, tSrK_v, sdp_b
+                )
                 s_mn = parts.acc_mn_view(acc_S)
                 # Keys past seqlen_k, and (causal) keys after a row's diagonal, are masked.
                 if n0 + TILE_N > seqlen_k:
@@ -384,19 +405,24 @@ class Kernel:
                 cute.arch.barrier()
 
                 parts.gemm_ss(mma_dkv, acc_dV, tdVrPt, tdVsPt, tdVrPt_v, dkv_at, tdVrdOt, tdVsdOt, tdVrdOt_v, dkv_bt)
-                parts.gemm_ss(mma_dkv, acc_dK, tdKrdSt, tdKsdSt, tdKrdSt_v, dkv_at, tdKrQt, tdKsQt, tdKrQt_v, dkv_bt)
+                parts.gemm_ss(
+                    mma_dkv, acc_dK, tdKrdSt, tdKsdSt, tdKrdSt_v, dkv_at,
+                    tdKrQt, tdKsQt[None, None, None, q_stage], tdKrQt_v, dkv_bt,
+                )  # fmt: skip
                 # Every warp is done with Q and dO: prefetch the next block's under the dQ GEMM.
                 cute.arch.barrier()
                 if i + 1 < m_count:
                     m_next = m0 + TILE_M
-                    parts.copy_rows(g2s, tQgQ[None, None, None, m_block + 1], tQsQ, tQc, seqlen_q - m_next, True)
+                    parts.copy_rows(
+                        g2s, tQgQ[None, None, None, m_block + 1], tQsQ[None, None, None, 0], tQc, seqlen_q - m_next, True
+                    )
                     parts.copy_rows(g2s, tdOgdO[None, None, None, m_block + 1], tdOsdO, tQc, seqlen_q - m_next, True)
                 cute.arch.cp_async_commit_group()
 
                 acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                 acc_dQ.fill(0.0)
                 parts.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)
-                bwd_parts.atomic_add_rows(acc_dQ, tdQc, tdQgdQ[None, None, None, m_block], seqlen_q - m0)
+                bwd_parts.add_rows(acc_dQ, tdQc, tdQgdQ[None, None, None, m_block], seqlen_q - m0)
 
             # Epilogue: dK (scaled) and dV through shared memory (reusing sK, sV), 16-byte stores.
             cute.arch.cp_async_wait_group(0)

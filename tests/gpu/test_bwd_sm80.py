@@ -201,3 +201,90 @@ def test_training_loop_matches_sdpa():
     for a, b in zip(losses[False], losses[True]):
         assert abs(a - b) <= 2e-2 * abs(a), (losses[False], losses[True])
     assert losses[True][-1] < losses[True][0]
+
+
+def _load_reference():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "cutefa_tests_reference"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("reference.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# Every committed sm80 backward variant (the defaults and the tuning alternatives: dispatch runs only
+# the defaults), called directly. (batch, seqlen_q, seqlen_k, heads_q, heads_kv): partial tiles on
+# both sides, one query row, one key, more query blocks than two (a double-buffered Q alternates
+# its buffers several times), grouped-query heads.
+VARIANT_SHAPES = (
+    (1, 1, 1, 2, 2),
+    (2, 17, 1000, 4, 2),
+    (1, 1000, 17, 3, 3),
+    (2, 333, 257, 6, 2),
+    (1, 1000, 1100, 4, 1),
+)
+
+
+def _variants():
+    from cutefa import space
+
+    return space.default_variants("sm80", "bwd")
+
+
+@pytest.mark.parametrize("deterministic", [0, 1], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
+def test_bwd_variant(gen, spec, deterministic):
+    """dq, dk and dv of one variant against float32 autograd of the exact reference, with every
+    output and the dQ accumulator poisoned with NaN beforehand (an element the kernel does not
+    write, or a split the preprocess does not clear, fails). Deterministic mode with up to 3
+    splits makes each CTA walk several key blocks (the Q buffers restart at each)."""
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+
+    reference = _load_reference()
+    target = current_target()
+    if not spec.runs_on(target):
+        pytest.skip(f"{spec.arch} kernels do not run on {target}")
+    kernel = get_kernel(spec, target)
+    dt = DTYPES[spec.dtype]
+    scale = 1.0 / math.sqrt(spec.head_dim)
+    for batch, sq, sk, hq, hkv in VARIANT_SHAPES:
+        q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dt)
+        k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dt)
+        v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dt)
+        dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dt)
+        with torch.no_grad():
+            out, lse = reference.attention_ref(q, k, v, causal=spec.causal, softmax_scale=scale)
+        out = out.to(dt)
+        # as backward.dq_splits: never more splits than key blocks
+        splits = min(3, math.ceil(sk / spec.tile_n)) if deterministic else 1
+        nan = {"device": "cuda"}
+        dq = torch.full(q.shape, math.nan, dtype=dt, **nan)
+        dk_heads = torch.full((batch, sk, hq, spec.head_dim), math.nan, dtype=dt, **nan)
+        dv_heads = torch.full_like(dk_heads, math.nan)
+        dq_accum = torch.full((splits, batch, sq, hq, spec.head_dim), math.nan, **nan)
+        lse_log2 = torch.full((batch, hq, sq), math.nan, **nan)
+        dpsum = torch.full_like(lse_log2, math.nan)
+        dlse = torch.zeros_like(lse_log2)
+        kernel(
+            q, k, v, out, dout, lse.float().contiguous(), dlse, dq, dk_heads, dv_heads, dq_accum, lse_log2,
+            dpsum, scale, deterministic,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        group = hq // hkv
+        dk = dk_heads.float().view(batch, sk, hkv, group, -1).sum(3)
+        dv = dv_heads.float().view(batch, sk, hkv, group, -1).sum(3)
+        exact = grads(
+            lambda a, b, c: attention(a, b, c, spec.causal, scale), q.float(), k.float(), v.float(), dout.float()
+        )
+        base = grads(lambda a, b, c: attention(a, b, c, spec.causal, scale), q, k, v, dout)
+        shape = f"b{batch} sq{sq} sk{sk} hq{hq} hkv{hkv}"
+        for name, g, e, b in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, base):
+            assert torch.isfinite(g).all(), f"{spec.name} {shape}: {name} has non-finite values"
+            err, err_base = rel(g, e), rel(b, e)
+            assert err <= 3 * err_base + 1e-3, f"{spec.name} {shape}: {name} rel err {err:.3g} vs SDPA {err_base:.3g}"

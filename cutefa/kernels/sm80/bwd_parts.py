@@ -10,7 +10,10 @@ dtype). The row kernels use one warp per query row, each lane owning the columns
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import warp
+from cutlass.cutlass_dsl import BaseDSL
 
 from cutefa.kernels.common.softmax import LOG2_E
 
@@ -23,6 +26,19 @@ def tiled_mma(dtype, warps_m: int, warps_n: int):
         (warps_m, warps_n, 1),
         permutation_mnk=(warps_m * 16, warps_n * 16, 16),
     )
+
+
+def warp_grid(rows: int, cols: int, warps: int) -> tuple[int, int]:
+    """Warp grid of a (rows, cols) GEMM output: (warps/2, 2), or (2, warps/2) where that is valid
+    (16-row and 16-column slabs per warp) and each warp then reads fewer operand rows and columns
+    from shared memory (rows / 2 + cols / (warps/2) < rows / (warps/2) + cols / 2): per k-step a
+    warp loads its A rows and its B columns, so squarer warp tiles read less."""
+    tall, wide = (warps // 2, 2), (2, warps // 2)
+    if rows % (16 * wide[0]) or cols % (16 * wide[1]):
+        return tall
+    if rows // wide[0] + cols // wide[1] < rows // tall[0] + cols // tall[1]:
+        return wide
+    return tall
 
 
 def ldmatrix_copies(dtype, mma):
@@ -149,3 +165,41 @@ def atomic_add_rows(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, ro
                 sem="relaxed",
                 scope="gpu",
             )
+
+
+def vector_red_supported() -> bool:
+    """Whether the target being compiled for has red.global.add.v2.f32 (sm_90 and newer; the sm80
+    family also compiles for sm_80, sm_86 and sm_89, which have element-wise fp32 reductions only)."""
+    return BaseDSL._get_dsl().get_arch_enum().major >= 9
+
+
+@cute.jit
+def red_add_pairs(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32):
+    """gdst += acc for rows below ``row_limit``, two adjacent columns per 8-byte vector reduction
+    (red.global.add.v2.f32: half the reductions of element-wise ones, each a full 8-byte word).
+
+    ``acc`` is an mma.sync accumulator fragment ((2, 2), MMA_M, MMA_N), whose elements 2i and
+    2i + 1 are adjacent columns (even, odd) of one row; ``gdst`` is the thread's partition of an
+    fp32 destination with contiguous rows, an 8-byte aligned base and even strides, so that every
+    pair is 8-byte aligned; ``coords`` the tile-local (row, col) of each element."""
+    pair_type = ir.VectorType.get([2], Float32.mlir_type)
+    for i in cutlass.range_constexpr(cute.size(acc) // 2):
+        if coords[2 * i][0] < row_limit:
+            pair = vector.from_elements(pair_type, [acc[2 * i].ir_value(), acc[2 * i + 1].ir_value()])
+            cute.arch.red(
+                gdst.iterator + cute.crd2idx(2 * i, gdst.layout),
+                pair,
+                op="add",
+                dtype=Float32,
+                sem="relaxed",
+                scope="gpu",
+            )
+
+
+def add_rows(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32):
+    """gdst += acc (rows below ``row_limit``) with the widest fp32 reductions the target has:
+    :func:`red_add_pairs` on sm_90 and newer, :func:`atomic_add_rows` before. Chosen while tracing."""
+    if vector_red_supported():
+        red_add_pairs(acc, coords, gdst, row_limit)
+    else:
+        atomic_add_rows(acc, coords, gdst, row_limit)
