@@ -41,6 +41,14 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=4),
             "KiB of shared memory, over the 227 KiB per-block opt-in limit of the H100/H200",
         ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=2, pingpong=True),
+            "pingpong: the sm90 backward has no ping-pong schedule",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", head_dim=96, tile_m=64, tile_n=128, warps=12, stages=2, overlap=True),
+            "overlap with head_dim=96, tile_m=64: the consumers' dQ pieces differ in width (64 and 32 columns)",
+        ),
         (SM80.replace(arch="sm100", dtype="e4m3", tile_m=128, tile_n=128, warps=16, stages=2), "no e4m3 sm100 fwd kernel"),
         (SM80.replace(overlap=True), "overlap/pingpong are sm90 (FlashAttention-3) schedule flags, not sm80"),
         (SM80.replace(arch="sm90", tile_m=192, warps=16, stages=2, pingpong=True), "pingpong needs exactly two"),
@@ -287,3 +295,15 @@ def test_fp8_defaults_are_the_default_schedule_only():
     assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not; no schedule or tile alternatives
     assert all((s.tile_m, s.tile_n) == tuple(space.DEFAULT_TILES["sm90"][s.head_dim])[:2] for s in fp8)
     assert all(s.overlap and s.pingpong and s.tile_n % 32 == 0 for s in fp8)
+
+
+def test_sm90_bwd_overlap_is_valid_where_the_dq_pieces_match():
+    base = VariantSpec("sm90", "bwd", "bf16", 64, 128, 128, 2, 12)
+    assert space.why_invalid(base.replace(overlap=True)) is None
+    assert space.why_invalid(base.replace(head_dim=128, tile_m=64, overlap=True)) is None
+    assert space.why_invalid(base.replace(head_dim=128, tile_m=64, stages=3, overlap=True)) is None
+    assert base.replace(overlap=True).name == "cutefa_sm90_bwd_bf16_hd64_128x128_s2_w12_ov"
+    # the backward's flag sets are enumerated: the overlap twin of every valid backward tile
+    bwd = space.valid_variants("sm90", "bwd")
+    assert {s.replace(overlap=False) for s in bwd if s.overlap} <= set(bwd)
+    assert not any(s.pingpong for s in bwd)
