@@ -40,9 +40,9 @@ query's diagonal are set to 0, query rows past seqlen_q get LSE2 = +inf (P = 0).
 dK (times the softmax scale) and dV go from registers to global memory at the end of a key block.
 
 Overlap (FlashAttention-3's issue order): dV += P^T dO is issued as soon as P^T is in registers, so
-it runs while dS^T is formed and stored; after the barrier dQ = dS K and then dK += dS^T Q go out
-as separate commit groups, and once dQ is done its reductions into dq_accum are issued while dK
-still runs, so the tensor cores do not idle through the dS^T math or the RED issue.
+it runs while dS^T is formed and stored; after the barrier dQ = dS K and
+then dK += dS^T Q go out as separate commit groups, and once dQ is done its reductions into
+dq_accum are issued while dK still runs, so the tensor cores do not idle through the RED issue.
 (Keeping dQ in flight into the next query block instead makes ptxas serialize every WGMMA: it
 does not follow commit groups across the loop's back edge.)
 

@@ -39,9 +39,9 @@ zero-fills rows past the end of Q, dO, K and V; probabilities of keys past seqle
 dK (times the softmax scale) and dV go from registers to global memory at the end of a key block.
 
 Overlap (FlashAttention-3's issue order): dV += P^T dO is issued as soon as P^T is in registers, so
-it runs while dS^T is formed and stored; after the barrier dQ = dS K and then dK += dS^T Q go out
-as separate commit groups, and once dQ is done its reductions into dq_accum are issued while dK
-still runs, so the tensor cores do not idle through the dS^T math or the RED issue.
+it runs while dS^T is formed and stored; after the barrier dQ = dS K and
+then dK += dS^T Q go out as separate commit groups, and once dQ is done its reductions into
+dq_accum are issued while dK still runs, so the tensor cores do not idle through the RED issue.
 (Keeping dQ in flight into the next query block instead makes ptxas serialize every WGMMA: it
 does not follow commit groups across the loop's back edge.)
 

@@ -39,10 +39,10 @@ zero-fills rows past the end of Q, dO, K and V; probabilities of keys past seqle
 query's diagonal are set to 0, query rows past seqlen_q get LSE2 = +inf (P = 0).
 dK (times the softmax scale) and dV go from registers to global memory at the end of a key block.
 
-Overlap (FlashAttention-3's issue order): dV += P^T dO is issued as soon as P^T is in registers, so
-it runs while dS^T is formed and stored; after the barrier dQ = dS K and then dK += dS^T Q go out
-as separate commit groups, and once dQ is done its reductions into dq_accum are issued while dK
-still runs, so the tensor cores do not idle through the dS^T math or the RED issue.
+Overlap (FlashAttention-3's issue order): dV += P^T dO is issued before the barrier (at tile_m 128 the
+registers do not allow holding P^T for it while dS^T is formed); after the barrier dQ = dS K and
+then dK += dS^T Q go out as separate commit groups, and once dQ is done its reductions into
+dq_accum are issued while dK still runs, so the tensor cores do not idle through the RED issue.
 (Keeping dQ in flight into the next query block instead makes ptxas serialize every WGMMA: it
 does not follow commit groups across the loop's back edge.)
 
@@ -411,11 +411,7 @@ class Kernel:
                     else:
                         bwd_parts.recompute_pt(st_mn, cS_mn, sLSE[None, buf], scale_log2, key_limit, diag, False, CAUSAL)
                     rP_acc.store(acc_S.load().to(DTYPE))
-                    # dV += P^T dO (register A operand) as soon as P^T is formed: it runs while dS^T is.
-                    warpgroup.fence()
-                    parts.gemm_acc(dkv_mma, acc_dV, rP, tdVrdOt[None, None, None, handle.index])
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)  # dP^T done; dV may still run
+                    warpgroup.wait_group(0)
                     bwd_parts.compute_dst(st_mn, dpt_mn, cS_mn, sD[None, buf])
                     rdS_acc.store(acc_dP.load().to(DTYPE))
 
@@ -423,6 +419,11 @@ class Kernel:
                     sdSt = bwd_parts.transposed(sdS[None, None, buf], TILE_M, TILE_N)
                     tdSsdS = r2s_thr.partition_D(cute.local_tile(sdSt, (parts.WG_ROWS, TILE_M), (c, 0)))
                     cute.copy(r2s, r2s_thr.retile(rdS_acc), tdSsdS)
+
+                    # dV += P^T dO (register A operand); dK after dQ.
+                    warpgroup.fence()
+                    parts.gemm_acc(dkv_mma, acc_dV, rP, tdVrdOt[None, None, None, handle.index])
+                    warpgroup.commit_group()
                     bwd_parts.store_row_value(sLSE[None, 1 - buf], sD[None, 1 - buf], row_val, ctid, TILE_M)
                     # Generic-proxy dS writes -> visible to WGMMA; both warpgroups' dS^T written.
                     cute.arch.fence_proxy("async.shared", space="cta")
