@@ -707,6 +707,28 @@ _TILE_GRID["sm90"] = (
     *_TILE_GRID["sm90"],
     *(Tile(m, 128, s, 12) for m in (64, 128) for s in (2, 3) if (m, s) != (128, 2)),
 )
+# Backward schedules: the default, and overlap (a query block's dQ WGMMA stays in flight and its
+# reductions into dq_accum are issued behind the next block's S^T/dP^T WGMMAs).
+_FLAG_SETS[("sm90", "bwd")] = ({}, {"overlap": True})
+
+# Backward alternatives committed next to the defaults (tile, extras), bf16 only (the dtype the
+# benchmark measures), so that one GPU run can time each beside the default; dispatch keeps the
+# DEFAULT_BWD_TILES until a tuned table says otherwise. docs/perf-notes.md has the predictions.
+BWD_ALTERNATIVE_DTYPES = ("bf16",)
+BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]] = {
+    "sm90": {
+        64: (
+            (Tile(128, 128, 3, 12), {}),
+            (Tile(128, 128, 2, 12), {"overlap": True}),
+            (Tile(128, 128, 3, 12), {"overlap": True}),
+        ),
+        128: (
+            (Tile(64, 128, 3, 12), {}),
+            (Tile(64, 128, 2, 12), {"overlap": True}),
+            (Tile(64, 128, 3, 12), {"overlap": True}),
+        ),
+    },
+}
 
 
 def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | None:
@@ -764,6 +786,15 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
         )
     if spec.stages < 2:
         return f"stages={spec.stages}: the Q/dO TMA ring needs at least 2 stages to overlap loads with MMAs"
+    if spec.pingpong:
+        return "pingpong: the sm90 backward has no ping-pong schedule (its consumers meet at a barrier per query block)"
+    if spec.overlap:
+        pieces = sm90_bwd_dq_pieces(spec)
+        if pieces[0][2] != pieces[1][2]:
+            return (
+                f"overlap with head_dim={spec.head_dim}, tile_m={spec.tile_m}: the consumers' dQ pieces differ "
+                f"in width ({pieces[0][2]} and {pieces[1][2]} columns) and overlap carries one accumulator shape"
+            )
     estimate = sm90_bwd_registers(spec)
     if estimate > SM90_CONSUMER_REGS:
         return (
@@ -849,10 +880,11 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
 
     Forward: the DEFAULT_TILES tile with the default extras, the TUNING_ALTERNATIVES tiles, the
     SCHEDULE_ALTERNATIVES schedules on the default tile, and the PAIR_ALTERNATIVES tiles as CTA
-    pairs (cta_pair, with the default extras); backward: DEFAULT_BWD_TILES and the
-    BWD_TUNING_ALTERNATIVES tiles. A direction contributes only once its kernel exists
-    (IMPLEMENTED). e4m3 (fp8) gets the default tile and schedule (:data:`DEFAULT_ONLY_DTYPES`)
-    plus its own explicit list, :data:`FP8_ALTERNATIVES`.
+    pairs (cta_pair, with the default extras); backward: DEFAULT_BWD_TILES, the
+    BWD_TUNING_ALTERNATIVES tiles, and the BWD_ALTERNATIVES (tile, flags) in the
+    BWD_ALTERNATIVE_DTYPES. A direction contributes only once its kernel exists (IMPLEMENTED).
+    e4m3 (fp8) gets the default tile and schedule (:data:`DEFAULT_ONLY_DTYPES`) plus its own
+    explicit list, :data:`FP8_ALTERNATIVES`.
     """
     _require("arch", arch, ARCHS)
     # (direction, head_dim, tile, extras, is the default)
@@ -868,6 +900,9 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     entries += [("bwd", hd, tile, {}, True) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()]
     for hd, alts in BWD_TUNING_ALTERNATIVES.get(arch, {}).items():
         entries += [("bwd", hd, tile, {}, False) for tile in alts]
+    bwd_alternatives = [
+        ("bwd", hd, tile, extras, False) for hd, alts in BWD_ALTERNATIVES.get(arch, {}).items() for tile, extras in alts
+    ]
     directions = DIRECTIONS if direction is None else (direction,)
     fp8_alternatives = (
         fp8_alternative_specs(arch) if "fwd" in directions and "e4m3" in IMPLEMENTED.get((arch, "fwd"), ()) else []
@@ -880,6 +915,14 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
             if d in directions
             for dtype in IMPLEMENTED.get((arch, d), ())
             if is_default or dtype not in DEFAULT_ONLY_DTYPES
+            for causal in (False, True)
+        }
+        | {
+            VariantSpec(arch, d, dtype, head_dim, *tile, causal=causal, **extras)
+            for d, head_dim, tile, extras, _ in bwd_alternatives
+            if d in directions
+            for dtype in BWD_ALTERNATIVE_DTYPES
+            if dtype in IMPLEMENTED.get((arch, d), ())
             for causal in (False, True)
         }
     )

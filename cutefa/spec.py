@@ -58,8 +58,11 @@ class VariantSpec:
     stages: int  # shared-memory buffers for each of K and V
     warps: int  # warps per CTA
     causal: bool = False
-    # sm90: issue the next S = Q K^T before this block's softmax (intra-warpgroup overlap) / make
-    # the consumer warpgroups take turns issuing MMAs (ping-pong). Name tokens _ov / _pp.
+    # sm90 forward: issue the next S = Q K^T before this block's softmax (intra-warpgroup overlap) /
+    # make the consumer warpgroups take turns issuing MMAs (ping-pong). Name tokens _ov / _pp.
+    # sm90 backward: overlap leaves a query block's dQ = dS K WGMMA in flight and issues its
+    # reductions into the fp32 dQ accumulator behind the next block's S^T/dP^T WGMMAs (software
+    # pipelining of dQ); pingpong has no backward meaning (rejected).
     overlap: bool = False
     pingpong: bool = False
     # sm90: a persistent grid (one CTA per SM) walking the tiles longest-first (causal: the last

@@ -4,6 +4,10 @@ K, V, Q and dO, setmaxnreg (USETMAXREG), mbarrier pipelines (SYNCS), MUFU.EX2 fo
 probabilities and 8-byte fp32 vector reductions (REDG ... ADD.F32x2) into the dQ accumulator; no local-memory
 spills. Also: the shared-memory layouts that read one buffer in two roles address the same bytes.
 
+The committed alternatives (BWD_ALTERNATIVES: a 3-stage Q/dO ring, the overlap schedule) are checked
+the same way, one per kind; overlap issues dK in each consumer's dQ branch (its HGMMAs twice) and
+must keep ptxas from serializing the WGMMAs (one wait per commit-group boundary, no more).
+
 One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
 Correctness on hardware: tests/gpu/test_bwd_sm90.py.
 """
@@ -21,13 +25,27 @@ import pytest
 
 from cutefa import sass, space
 
-DEFAULTS = space.default_variants("sm90", "bwd")
+COMMITTED = space.default_variants("sm90", "bwd")
+
+
+def _is_default(s) -> bool:
+    return (s.tile_m, s.tile_n, s.stages, s.warps) == space.DEFAULT_BWD_TILES["sm90"][s.head_dim] and not s.overlap
+
+
+DEFAULTS = [s for s in COMMITTED if _is_default(s)]
+ALTERNATIVES = [s for s in COMMITTED if not _is_default(s)]
 # fp16 and bf16 differ only in the operand type: every head dim, both masks, alternating dtypes
-# (5 of the 12 defaults, to keep the compile suite short).
+# (5 of the 12 defaults, to keep the compile suite short); of the alternatives, overlap at both
+# head dims (one causal) and one 3-stage ring.
 CHECKED = [
     s
     for s in DEFAULTS
     if (s.dtype == "bf16") == (s.causal == (s.head_dim == 64)) and (s.head_dim != 96 or s.causal)
+] + [
+    s
+    for s in ALTERNATIVES
+    if (s.overlap and s.stages == 2 and s.causal == (s.head_dim == 64))
+    or (not s.overlap and s.stages == 3 and s.head_dim == 128 and not s.causal)
 ]
 
 
@@ -45,6 +63,8 @@ def test_sass_sm90a_bwd(cubins, spec):
     # Per query block: S^T and dP^T (head_dim/16 k-steps each), dV and dK (tile_m/16 each), dQ
     # (tile_n/16, once per consumer's piece): every k-step one WGMMA, unrolled.
     expected = 2 * spec.head_dim // 16 + 2 * spec.tile_m // 16 + 2 * spec.tile_n // 16
+    if spec.overlap:  # dK issued after dQ, in each consumer's branch
+        expected += spec.tile_m // 16
     assert report.counts["HGMMA"] == expected, f"{spec.name}: {report.summary()}"
     assert report.counts["USETMAXREG"] >= 2, report.summary()  # producer gives, consumers take
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
@@ -56,6 +76,26 @@ def test_sass_sm90a_bwd(cubins, spec):
     assert len(reductions) == expected, f"{spec.name}: {len(reductions)} REDs, expected {expected}"
     # K, V once per key block, Q and dO per query block: 4 TMA loads per box row of 64 columns.
     assert report.counts["UTMALDG"] >= 4, report.summary()
+    # WGMMAs stay asynchronous: ptxas serializing them would put a wait after every HGMMA.
+    waits = re.findall(r"WARPGROUP\.DEPBAR", text)
+    assert len(waits) <= 8, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
+
+
+def test_alternatives_are_bf16_schedules_beside_the_defaults():
+    """BWD_ALTERNATIVES: bf16 only, at most 12, each a valid spec that differs from its head dim's
+    default; dispatch (backward.choose_bwd) still picks the default tile."""
+    import torch
+
+    from cutefa import backward
+
+    assert 0 < len(ALTERNATIVES) <= 12
+    assert {s.dtype for s in ALTERNATIVES} == {"bf16"}
+    assert {s.head_dim for s in ALTERNATIVES} == {64, 128}
+    for spec in ALTERNATIVES:
+        assert space.why_invalid(spec) is None, spec.name
+        chosen = backward.choose_bwd("sm_90a", torch.bfloat16, spec.head_dim, spec.causal)
+        assert chosen in DEFAULTS and chosen != spec
+    assert any(s.overlap for s in ALTERNATIVES) and any(s.stages == 3 for s in ALTERNATIVES)
 
 
 def test_bwd_budgets_in_the_predicate():

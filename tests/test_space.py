@@ -53,6 +53,14 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             SM80.replace(arch="sm100", dtype="e4m3", head_dim=256, tile_m=256, tile_n=128, warps=16, stages=2),
             "needs 768 TMEM columns",
         ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", tile_n=128, warps=12, stages=2, pingpong=True),
+            "pingpong: the sm90 backward has no ping-pong schedule",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", head_dim=96, tile_m=64, tile_n=128, warps=12, stages=2, overlap=True),
+            "overlap with head_dim=96, tile_m=64: the consumers' dQ pieces differ in width (64 and 32 columns)",
+        ),
         (SM80.replace(overlap=True), "overlap/pingpong are sm90 (FlashAttention-3) schedule flags, not sm80"),
         (SM80.replace(arch="sm90", tile_m=192, warps=16, stages=2, pingpong=True), "pingpong needs exactly two"),
         (SM80.replace(persistent=True), "persistent is an sm90 forward scheduler flag, not a sm80 fwd one"),
@@ -347,3 +355,15 @@ def test_sm80_bwd_smem_counts_the_q_buffers():
     assert space.smem_bytes(one) == (2 * 64 * 128 + 2 * 128 * 128 + 2 * 64 * 128) * 2 + 6 * space.SMEM_RESERVE
     assert space.smem_bytes(one.replace(stages=2)) == space.smem_bytes(one) + 64 * 128 * 2
     assert space.why_invalid(one.replace(stages=2)) is None
+
+
+def test_sm90_bwd_overlap_is_valid_where_the_dq_pieces_match():
+    base = VariantSpec("sm90", "bwd", "bf16", 64, 128, 128, 2, 12)
+    assert space.why_invalid(base.replace(overlap=True)) is None
+    assert space.why_invalid(base.replace(head_dim=128, tile_m=64, overlap=True)) is None
+    assert space.why_invalid(base.replace(head_dim=128, tile_m=64, stages=3, overlap=True)) is None
+    assert base.replace(overlap=True).name == "cutefa_sm90_bwd_bf16_hd64_128x128_s2_w12_ov"
+    # the backward's flag sets are enumerated: the overlap twin of every valid backward tile
+    bwd = space.valid_variants("sm90", "bwd")
+    assert {s.replace(overlap=False) for s in bwd if s.overlap} <= set(bwd)
+    assert not any(s.pingpong for s in bwd)

@@ -16,6 +16,14 @@ exceeds the tolerance is reported as WRONG and its speed is not. A backend that 
     python3 tools/bench.py --enqueue            # host cost per call, all backends
     python3 tools/bench.py --enqueue --pack DIR # ... with cutefa's kernel from a kernel pack
     python3 tools/bench.py --startup            # import cutefa -> first result from a pack, ms
+    python3 tools/bench.py --pass bwd --hdim 128 --seqlen 2048 --causal 0 \
+        --bwd-variants cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_ov,cutefa_sm90_bwd_bf16_hd128_64x128_s3_w12
+
+``--bwd-variants NAME,...`` times each named backward variant (or ``sm90`` / ``ARCH``: every
+committed backward variant of that family) on the backward cells whose dtype, head dim and mask
+it serves, exactly as the cutefa column is timed (cutefa's forward, then autograd's backward,
+checked against SDPA) but with the backward forced to that variant; each gets a row of its own in
+a "Backward variants" table beside FA4 and the default cutefa backward of the same cell.
 
 Writes ``bench.md``, ``bench.json`` and ``bench.png`` (``enqueue.md``/``enqueue.json`` for
 ``--enqueue``, ``startup.md``/``startup.json`` for ``--startup``) under ``--out`` (default
@@ -92,6 +100,34 @@ def _backend_list(text: str) -> list[str]:
     return [by_lower[x] for x in values]
 
 
+def _bwd_variant_list(text: str) -> list[str]:
+    """Backward variant names, checked: a comma list of names and/or family names (sm90: every
+    committed sm90 backward variant)."""
+    from cutefa import space
+    from cutefa.spec import ARCHS, parse_name
+
+    names: list[str] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        if item in ARCHS:
+            names += [s.name for s in space.default_variants(item, "bwd")]
+            continue
+        try:
+            spec = parse_name(item)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if spec.direction != "bwd":
+            raise argparse.ArgumentTypeError(f"--bwd-variants: {item!r} is not a backward variant")
+        why = space.why_invalid(spec)
+        if why is not None:
+            raise argparse.ArgumentTypeError(f"--bwd-variants: {item!r} is not valid: {why}")
+        names.append(item)
+    if not names:
+        raise argparse.ArgumentTypeError(f"--bwd-variants takes variant names, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench.py",
@@ -118,7 +154,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--startup-runs", type=int, default=7, help="fresh processes timed by --startup")
     p.add_argument("--pack", type=Path, default=None, help="kernel pack for cutefa (--enqueue, --startup)")
+    p.add_argument(
+        "--bwd-variants",
+        type=_bwd_variant_list,
+        default=[],
+        help="backward variant names (comma-separated), or a family (sm90) for all its committed ones: "
+        "each timed on the matching bwd cells, one row per variant (implies --pass bwd)",
+    )
     args = p.parse_args(argv)
+    if args.bwd_variants and "bwd" not in args.passes:
+        args.passes = [*args.passes, "bwd"]
     if args.hdim is None:
         args.hdim = list(QUICK_HDIMS if args.quick else HDIMS)
     if args.seqlen is None:
@@ -196,6 +241,8 @@ class Row:
     cell: Cell
     results: dict[str, Result] = field(default_factory=dict)
     variant: str | None = None
+    # --bwd-variants: variant name -> its result on this cell (backward cells it serves only)
+    bwd_variants: dict[str, Result] = field(default_factory=dict)
 
     def value(self, backend: str) -> float | None:
         r = self.results.get(backend)
@@ -227,6 +274,37 @@ def markdown_table(rows: list[Row], backends: list[str]) -> str:
     return "\n".join(lines)
 
 
+def variant_serves(name: str, cell: Cell) -> bool:
+    """Whether backward variant ``name`` runs the backward of ``cell`` (dtype, head dim, mask)."""
+    from cutefa.spec import parse_name
+
+    spec = parse_name(name)
+    return (
+        cell.pass_ == "bwd"
+        and spec.dtype == cell.dtype
+        and spec.head_dim == cell.hdim
+        and spec.causal == cell.causal
+    )
+
+
+def bwd_variants_table(rows: list[Row]) -> str:
+    """One row per (--bwd-variants variant, cell): its TFLOP/s beside FA4 and cutefa's default."""
+    head = ["variant", "hdim", "causal", "seqlen", "TFLOP/s", "FA4", "variant/FA4", "cutefa default", "variant/default"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        c = row.cell
+        fa4, default = row.value("FA4"), row.value("cutefa")
+        for name, res in row.bwd_variants.items():
+            mine = res.tflops if res.status == "ok" else None
+            cells = [name, str(c.hdim), str(int(c.causal)), str(c.seqlen), res.text()]
+            cells += ["" if fa4 is None else f"{fa4:.0f}"]
+            cells += [_ratio(mine / fa4) if mine and fa4 else ""]
+            cells += ["" if default is None else f"{default:.0f}"]
+            cells += [_ratio(mine / default) if mine and default else ""]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report_markdown(meta: dict, rows: list[Row], backends: list[str], notes: list[str]) -> str:
     out = ["# Attention, TFLOP/s (higher is better)", ""]
     out.append(f"GPU: {meta.get('gpu', '?')}; torch {meta.get('torch', '?')}; {meta.get('date', '')}")
@@ -239,6 +317,15 @@ def report_markdown(meta: dict, rows: list[Row], backends: list[str], notes: lis
         f"(rel err > {meta.get('check_tol')}); err: the backend raised (see notes); empty: not installed."
     )
     out += ["", markdown_table(rows, backends), ""]
+    if any(row.bwd_variants for row in rows):
+        out += [
+            "## Backward variants",
+            "",
+            "Each variant timed like the cutefa column (checked against SDPA), with the backward forced to it.",
+            "",
+            bwd_variants_table(rows),
+            "",
+        ]
     if notes:
         out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(out)
@@ -262,6 +349,7 @@ def report_json(meta: dict, rows: list[Row], notes: list[str]) -> dict:
                 "results": {name: vars(r) for name, r in row.results.items()},
                 "cutefa_over_best": row.ratio_best(),
                 "cutefa_over_fa2": row.ratio_fa2(),
+                "bwd_variants": {name: vars(r) for name, r in row.bwd_variants.items()},
             }
         )
     return {"meta": meta, "cells": cells, "notes": notes}
@@ -377,6 +465,33 @@ class Backend:
     make: Callable | None
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     missing: str | None = None
+
+
+@contextlib.contextmanager
+def forced_bwd_variant(name: str):
+    """Within the block, cutefa's backward runs variant ``name`` whatever dispatch would choose."""
+    from cutefa import backward
+    from cutefa.spec import parse_name
+
+    spec = parse_name(name)
+    saved = backward.choose_bwd
+
+    def choose(target, dtype, head_dim, causal):
+        wanted = saved(target, dtype, head_dim, causal)
+        if (wanted.dtype, wanted.head_dim, wanted.causal) != (spec.dtype, spec.head_dim, spec.causal):
+            raise ValueError(f"--bwd-variants: {name} does not serve this problem (dispatch wants {wanted.name})")
+        return spec
+
+    backward.choose_bwd = choose
+    try:
+        yield
+    finally:
+        backward.choose_bwd = saved
+
+
+def bwd_variant_backend(name: str, cutefa_backend: "Backend") -> "Backend":
+    """cutefa's backend with the backward forced to variant ``name``."""
+    return Backend(name, cutefa_backend.make, context=lambda: forced_bwd_variant(name), missing=cutefa_backend.missing)
 
 
 def load_backends(wanted: list[str]) -> list[Backend]:
@@ -531,6 +646,9 @@ def run_grid(args: argparse.Namespace) -> int:
     for b in backends:
         if b.missing:
             print(b.missing)
+    cutefa_backend = next((b for b in backends if b.name == "cutefa"), None)
+    if args.bwd_variants and cutefa_backend is None:
+        (cutefa_backend,) = load_backends(["cutefa"])
     timer_name, time_ms = make_timer(args.warmup, args.rep)
     meta = environment() | {"timer": timer_name, "check_tol": args.check_tol, "argv": sys.argv[1:]}
     notes: list[str] = []
@@ -563,6 +681,17 @@ def run_grid(args: argparse.Namespace) -> int:
             if res.status in ("WRONG", "err"):
                 notes.append(f"{b.name} {cell.label}: {res.error}")
             row.results[b.name] = res
+        for vname in [n for n in args.bwd_variants if variant_serves(n, cell)]:
+            vb = bwd_variant_backend(vname, cutefa_backend)
+            res = run_backend(vb, q, k, v, cell.causal, time_ms, expect, args.check_tol, dout)
+            if res.ms is not None:
+                res.tflops = tflops(cell.flops, res.ms)
+            if expect is None and res.status == "ok":
+                res.status = "unchecked"
+            if res.status in ("WRONG", "err"):
+                notes.append(f"{vname} {cell.label}: {res.error}")
+            row.bwd_variants[vname] = res
+            print(f"    {vname}: {res.text() or '-'}", file=sys.stderr, flush=True)
         if "cutefa" in names:
             row.variant = _variant(q, k, v, cell.causal)
         rows.append(row)

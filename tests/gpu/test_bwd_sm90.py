@@ -1,12 +1,14 @@
 """The sm90-family (FlashAttention-3 design) backward on a Hopper GPU, variant by variant.
 
-Each default sm90 backward variant is called directly (not through dispatch) with the calling
+Each committed sm90 backward variant (the defaults and the BWD_ALTERNATIVES) is called directly (not through dispatch) with the calling
 convention of cutefa/backward.py: O and the LSE come from the float32 reference forward, dq, dk and
 dv are poisoned with NaN beforehand (an element the kernel does not write fails), and the grouped
 heads of dk/dv are summed as backward.py does. Gradients are judged against float32 autograd of
 the exact attention, with the tolerance of tests/gpu/test_bwd_sm80.py (at most 3x the error of
 PyTorch's own attention on the same low-precision inputs). Shapes: ragged lengths (1, 17, 1000,
 4097), seqlen_q != seqlen_k both ways, GQA and MQA; deterministic=1 must be bitwise reproducible.
+An alternative (another Q/dO ring depth, the overlap schedule) does the same arithmetic in the same
+order as its default twin, so with deterministic=1 their gradients must be bitwise equal.
 
 Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_sm90.py``.
 """
@@ -50,6 +52,14 @@ def _skip_reason() -> str | None:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
 BACKWARDS = space.default_variants("sm90", "bwd")
+
+
+def _default_twin(spec):
+    tile = space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
+    return spec.replace(tile_m=tile.tile_m, tile_n=tile.tile_n, stages=tile.stages, warps=tile.warps, overlap=False)
+
+
+ALTERNATIVES = [s for s in BACKWARDS if _default_twin(s) != s]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 SHAPES = (
     (1, 1, 1, 2, 2),
@@ -155,3 +165,29 @@ def test_dispatch_picks_sm90_backward(target):
     for head_dim in (64, 96, 128, 256):
         spec = choose_bwd(target, torch.bfloat16, head_dim, True)
         assert spec.arch == ("sm90" if head_dim in space.DEFAULT_BWD_TILES["sm90"] else "sm80"), head_dim
+        if spec.arch == "sm90":  # the default, not an alternative, until tuned tables exist
+            assert _default_twin(spec) == spec, spec.name
+
+
+def test_every_alternative_is_exercised():
+    """The alternatives are part of BACKWARDS (so test_variant_grads runs each of them)."""
+    assert ALTERNATIVES and all(_default_twin(s) in BACKWARDS for s in ALTERNATIVES)
+    assert len(ALTERNATIVES) == sum(2 * len(a) for a in space.BWD_ALTERNATIVES["sm90"].values())
+
+
+@pytest.mark.parametrize("spec", ALTERNATIVES, ids=lambda s: s.name)
+def test_alternative_matches_default_bitwise(gen, target, spec):
+    from cutefa.compile import get_kernel
+
+    twin = _default_twin(spec)
+    dtype = bwd80.DTYPES[spec.dtype]
+    q = torch.randn(2, 1000, 4, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    k = torch.randn(2, 777, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(2, 777, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+    out, lse = forward_ref(q, k, v, spec.causal)
+    mine = run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
+    ref = run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
+        assert torch.isfinite(a).all(), f"{spec.name} {name}"
+        assert torch.equal(a, b), f"{spec.name} {name} differs from {twin.name}"

@@ -233,3 +233,40 @@ def dq_step(
     handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
     warpgroup.wait_group(0)
     red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS)
+
+
+
+@cute.jit
+def dq_step_under_dk(
+    mma: cute.TiledMma,
+    t_a: cute.Tensor,
+    t_b: cute.Tensor,
+    dst: cute.Tensor,
+    coords: cute.Tensor,
+    acc_shape: cutlass.Constexpr,
+    dkv_mma: cute.TiledMma,
+    acc_dK: cute.Tensor,
+    rdS: cute.Tensor,
+    t_qt: cute.Tensor,
+    buf: Int32,
+    handle,
+    row_block: Int32,
+    seqlen_q: Int32,
+):
+    """:func:`dq_step` of the overlap schedule: acc = dS K (dS buffer ``buf``) committed behind the
+    dV WGMMA, then dK += dS^T Q (``rdS`` the register A operand, ``t_qt`` Q^T of this stage) as its
+    own group; once dQ is done (dK may still run) acc goes into the fp32 accumulator's 64-row block
+    ``row_block``, and the Q/dO stage is released after dK."""
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+    acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
+    warpgroup.commit_group()
+    for k in cutlass.range_constexpr(cute.size(rdS, mode=[2])):
+        cute.gemm(dkv_mma, acc_dK, rdS[None, None, k], t_qt[None, None, k], acc_dK)
+    warpgroup.commit_group()
+    warpgroup.wait_group(1)  # dV and dQ done; dK may still run
+    red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS)
+    warpgroup.wait_group(0)
+    handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)

@@ -1,0 +1,88 @@
+"""tools/bench.py --bwd-variants on the CPU: argument checking, which cells a variant serves, the
+forced backward choice and the per-variant table (the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cutefa import backward, space
+
+
+def _bench():
+    key = "cutefa_tools_bench"
+    if key not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
+        spec = importlib.util.spec_from_file_location(key, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+OV = "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_ov"
+S3 = "cutefa_sm90_bwd_bf16_hd128_64x128_s3_w12"
+
+
+def test_names_and_families_parse():
+    bench = _bench()
+    args = bench.parse_args(["--bwd-variants", f"{OV},{S3},{OV}"])
+    assert args.bwd_variants == [OV, S3]  # duplicates dropped, order kept
+    assert "bwd" in args.passes  # implied
+    every = bench.parse_args(["--bwd-variants", "sm90"]).bwd_variants
+    assert every == [s.name for s in space.default_variants("sm90", "bwd")]
+    assert OV in every and S3 in every
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_ov_pp",  # a forward
+        "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_pp",  # invalid: no backward ping-pong
+        "not_a_variant",
+        ",",
+    ],
+)
+def test_bad_names_are_refused(bad, capsys):
+    with pytest.raises(SystemExit):
+        _bench().parse_args(["--bwd-variants", bad])
+    assert "--bwd-variants" in capsys.readouterr().err
+
+
+def test_a_variant_serves_its_own_cells_only():
+    bench = _bench()
+    assert bench.variant_serves(OV, bench.Cell("bf16", 128, False, 2048, "bwd"))
+    assert not bench.variant_serves(OV, bench.Cell("bf16", 128, True, 2048, "bwd"))
+    assert not bench.variant_serves(OV, bench.Cell("bf16", 64, False, 2048, "bwd"))
+    assert not bench.variant_serves(OV, bench.Cell("fp16", 128, False, 2048, "bwd"))
+    assert not bench.variant_serves(OV, bench.Cell("bf16", 128, False, 2048, "fwd"))
+
+
+def test_forced_variant_replaces_the_backward_choice_and_restores_it():
+    bench = _bench()
+    default = backward.choose_bwd("sm_90a", torch.bfloat16, 128, False)
+    assert default.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12"  # dispatch keeps the default
+    with bench.forced_bwd_variant(OV):
+        assert backward.choose_bwd("sm_90a", torch.bfloat16, 128, False).name == OV
+        with pytest.raises(ValueError, match="does not serve"):
+            backward.choose_bwd("sm_90a", torch.bfloat16, 64, False)
+    assert backward.choose_bwd("sm_90a", torch.bfloat16, 128, False) == default
+
+
+def test_table_has_one_row_per_variant_with_ratios():
+    bench = _bench()
+    row = bench.Row(bench.Cell("bf16", 128, False, 2048, "bwd"))
+    row.results["FA4"] = bench.Result("ok", ms=1.0, tflops=500.0)
+    row.results["cutefa"] = bench.Result("ok", ms=1.0, tflops=400.0)
+    row.bwd_variants[OV] = bench.Result("ok", ms=1.0, tflops=450.0)
+    row.bwd_variants[S3] = bench.Result("err", error="boom")
+    lines = bench.bwd_variants_table([row]).splitlines()
+    assert len(lines) == 2 + 2
+    assert lines[2].split(" | ")[1:] == ["128", "0", "2048", "450", "500", "0.90", "400", "1.12 |"]
+    assert lines[3].startswith(f"| {S3} |") and "| err |" in lines[3]
+    text = bench.report_markdown({"check_tol": 0.02}, [row], ["cutefa", "FA4"], [])
+    assert "## Backward variants" in text
