@@ -22,7 +22,7 @@ from cutefa.kernels.common.softmax import (
     LOG2_E,
     online_softmax_step,
     online_softmax_step_deferred,
-    rescale_changed_rows,
+    rescale_rows,
     softmax_finalize,
     softmax_state,
 )
@@ -40,9 +40,6 @@ CAUSAL = False
 OVERLAP = True  # intra-warpgroup overlap of softmax with the MMAs
 PINGPONG = True  # consumer warpgroups take turns issuing MMAs
 EXP_EMU_PER_16 = 0  # of every 16 scores, exp2 on the FMA units (the rest MUFU)
-# O is rescaled only when a row's running max grows by more than 2**8 (FlashAttention-4's rule):
-# most key blocks then leave O alone.
-RESCALE_THRESHOLD = 8.0
 PERSISTENT = False  # one CTA per SM walking the tiles longest-first
 PP_BARRIER = CONSUMERS + 1  # named barriers CONSUMERS+1, +2 (0: CTA sync, 1..CONSUMERS: epilogues)
 PRODUCER_REGS = 24
@@ -232,7 +229,7 @@ class Kernel:
                 warpgroup.wait_group(0)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
-                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16, RESCALE_THRESHOLD)
+                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16)
                 rP_acc.store(acc_S.load().to(DTYPE))
             masked_rest = cutlass.max(n_blocks - n_unmasked - 1, 0)
             unmasked_rest = cutlass.max(n_blocks - 1 - masked_rest, 0)
@@ -254,10 +251,10 @@ class Kernel:
                 warpgroup.wait_group(1)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
-                online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16, RESCALE_THRESHOLD)
+                online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16)
                 warpgroup.wait_group(0)
                 v_handle.release()
-                rescale_changed_rows(o_mn, corr)
+                rescale_rows(o_mn, corr)
                 rP_acc.store(acc_S.load().to(DTYPE))
             for i in cutlass.range(unmasked_rest, unroll=1):
                 n = unmasked_rest - 1 - i
@@ -276,10 +273,10 @@ class Kernel:
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
                 warpgroup.wait_group(1)
                 k_handle.release()
-                online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16, RESCALE_THRESHOLD)
+                online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16)
                 warpgroup.wait_group(0)
                 v_handle.release()
-                rescale_changed_rows(o_mn, corr)
+                rescale_rows(o_mn, corr)
                 rP_acc.store(acc_S.load().to(DTYPE))
             if n_blocks > 0:  # P V of the first key block
                 v_handle = v_consumer.wait_and_advance()

@@ -22,7 +22,7 @@ from cutefa.kernels.common.softmax import (
     LOG2_E,
     online_softmax_step,
     online_softmax_step_deferred,
-    rescale_changed_rows,
+    rescale_rows,
     softmax_finalize,
     softmax_state,
 )
@@ -40,9 +40,6 @@ CAUSAL = False
 OVERLAP = False  # intra-warpgroup overlap of softmax with the MMAs
 PINGPONG = False  # consumer warpgroups take turns issuing MMAs
 EXP_EMU_PER_16 = 0  # of every 16 scores, exp2 on the FMA units (the rest MUFU)
-# O is rescaled only when a row's running max grows by more than 2**8 (FlashAttention-4's rule):
-# most key blocks then leave O alone.
-RESCALE_THRESHOLD = 8.0
 PERSISTENT = False  # one CTA per SM walking the tiles longest-first
 PP_BARRIER = CONSUMERS + 1  # named barriers CONSUMERS+1, +2 (0: CTA sync, 1..CONSUMERS: epilogues)
 PRODUCER_REGS = 24
@@ -226,7 +223,7 @@ class Kernel:
                 warpgroup.wait_group(0)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
-                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16, RESCALE_THRESHOLD)
+                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16)
                 rP_acc.store(acc_S.load().to(DTYPE))
                 v_handle = v_consumer.wait_and_advance()
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -245,7 +242,7 @@ class Kernel:
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 k_handle.release()
-                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16, RESCALE_THRESHOLD)
+                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16)
                 rP_acc.store(acc_S.load().to(DTYPE))
                 v_handle = v_consumer.wait_and_advance()
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)

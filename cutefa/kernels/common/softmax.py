@@ -46,7 +46,6 @@ def online_softmax_step(
     row_sum: cute.Tensor,
     scale_log2: Float32,
     emu_per_16: cutlass.Constexpr = 0,
-    rescale_threshold: cutlass.Constexpr = 0.0,
 ):
     """Turn scores ``s_mn`` (rows x cols view, fp32) into unnormalised probabilities in place and
     rescale the output accumulator ``o_mn`` (rows x head_dim view) by exp2 of the max change.
@@ -54,15 +53,11 @@ def online_softmax_step(
     ``scale_log2`` is softmax_scale * log2(e): one FFMA and one MUFU.EX2 per score. ``row_sum``
     holds this thread's partial sums; the quad reduction happens once, in :func:`softmax_finalize`.
     Of every 16 scores of a thread's row the last ``emu_per_16`` take :func:`exp2_fma` on the FMA
-    units instead of MUFU.EX2 (0: all on MUFU). ``rescale_threshold`` > 0: see
-    :func:`online_softmax_step_deferred`.
+    units instead of MUFU.EX2 (0: all on MUFU).
     """
     corr = cute.make_rmem_tensor((cute.size(row_max),), Float32)
-    online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, emu_per_16, rescale_threshold)
-    if cutlass.const_expr(rescale_threshold > 0.0):
-        rescale_changed_rows(o_mn, corr)
-    else:
-        rescale_rows(o_mn, corr)
+    online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, emu_per_16)
+    rescale_rows(o_mn, corr)
 
 
 @cute.jit
@@ -73,24 +68,14 @@ def online_softmax_step_deferred(
     scale_log2: Float32,
     corr: cute.Tensor,
     emu_per_16: cutlass.Constexpr = 0,
-    rescale_threshold: cutlass.Constexpr = 0.0,
 ):
     """:func:`online_softmax_step` without touching O: the per-row rescale factors go to ``corr``
-    for :func:`rescale_rows` once the MMA still reading the previous P into O has finished.
-
-    ``rescale_threshold`` > 0 (log2 units): a row keeps its running max until a block raises it by
-    more than the threshold, so most blocks leave the max, and O, alone (corr is exactly 1; see
-    :func:`rescale_changed_rows`). Exact: the max is only the exponent offset the sums and LSE are
-    taken against; the unnormalised probabilities stay below 2**threshold."""
+    for :func:`rescale_rows` once the MMA still reading the previous P into O has finished."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
         blk_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
         prev_max = row_max[r]
         new_max = cute.arch.fmax(prev_max, blk_max)
-        if cutlass.const_expr(rescale_threshold > 0.0):  # noqa: SIM102 -- compile-time test, then a run-time one
-            # From -inf (a first block) the growth is inf or NaN: the comparison fails, max moves.
-            if (new_max - prev_max) * scale_log2 <= rescale_threshold:
-                new_max = prev_max
         # A row that has seen only masked scores keeps max = -inf; offset by 0 so that
         # exp2(-inf - offset) = 0 instead of NaN.
         offset = (0.0 if new_max == -Float32.inf else new_max) * scale_log2
@@ -114,14 +99,6 @@ def online_softmax_step_deferred(
 def rescale_rows(o_mn: cute.Tensor, corr: cute.Tensor):
     for r in cutlass.range_constexpr(cute.size(corr)):
         o_mn[r, None].store(o_mn[r, None].load() * corr[r])
-
-
-@cute.jit
-def rescale_changed_rows(o_mn: cute.Tensor, corr: cute.Tensor):
-    """:func:`rescale_rows` for the rows whose factor is not exactly 1 (the running max moved)."""
-    for r in cutlass.range_constexpr(cute.size(corr)):
-        if corr[r] != 1.0:
-            o_mn[r, None].store(o_mn[r, None].load() * corr[r])
 
 
 @cute.jit
