@@ -68,6 +68,9 @@ def test_forced_variant_replaces_the_backward_choice_and_restores_it():
     assert default.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12"  # dispatch keeps the default
     with bench.forced_bwd_variant(OV):
         assert backward.choose_bwd("sm_90a", torch.bfloat16, 128, False).name == OV
+        # the backward passes the key length and the GPU (for tuned tables): forced all the same
+        forced = backward.choose_bwd("sm_90a", torch.bfloat16, 128, False, seqlen_k=4096, gpu_name="NVIDIA H200")
+        assert forced.name == OV
         with pytest.raises(ValueError, match="does not serve"):
             backward.choose_bwd("sm_90a", torch.bfloat16, 64, False)
     assert backward.choose_bwd("sm_90a", torch.bfloat16, 128, False) == default

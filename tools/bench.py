@@ -476,8 +476,8 @@ def forced_bwd_variant(name: str):
     spec = parse_name(name)
     saved = backward.choose_bwd
 
-    def choose(target, dtype, head_dim, causal):
-        wanted = saved(target, dtype, head_dim, causal)
+    def choose(target, dtype, head_dim, causal, **where):
+        wanted = saved(target, dtype, head_dim, causal, **where)
         if (wanted.dtype, wanted.head_dim, wanted.causal) != (spec.dtype, spec.head_dim, spec.causal):
             raise ValueError(f"--bwd-variants: {name} does not serve this problem (dispatch wants {wanted.name})")
         return spec
