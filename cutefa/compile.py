@@ -481,7 +481,9 @@ def _with_sm_count(fn: Callable[..., Any]) -> Callable[..., Any]:
         if sms is None:
             import torch
 
-            sms = counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+            # Tensors not on a GPU (device -1) get 1: the kernel's own checks then refuse them.
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
+            counts[device] = sms
         return fn(q, k, v, o, lse, softmax_scale, sms)
 
     return call
