@@ -443,6 +443,11 @@ def tiny_sources(directory: Path, specs) -> Path:
         text = TINY.read_text().replace(
             'SPEC_NAME = "cutefa_sm80_fwd_fp16_hd64_128x128_s1_w4"', f"SPEC_NAME = {spec.name!r}"
         )
+        if spec.persistent:  # a persistent variant's calling convention also takes its grid size
+            text = text.replace(
+                "softmax_scale: cutlass.Float32,\n", "softmax_scale: cutlass.Float32,\n        num_ctas: cutlass.Int32,\n"
+            )
+            assert "num_ctas" in text
         (directory / f"{spec.name}.py").write_text(text)
     return directory
 
