@@ -10,11 +10,10 @@ dtype). The row kernels use one warp per query row, each lane owning the columns
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import warp
 from cutlass.cutlass_dsl import BaseDSL
 
+from cutefa.kernels.common.reduce import red_add_pairs
 from cutefa.kernels.common.softmax import LOG2_E
 
 
@@ -171,29 +170,6 @@ def vector_red_supported() -> bool:
     """Whether the target being compiled for has red.global.add.v2.f32 (sm_90 and newer; the sm80
     family also compiles for sm_80, sm_86 and sm_89, which have element-wise fp32 reductions only)."""
     return BaseDSL._get_dsl().get_arch_enum().major >= 9
-
-
-@cute.jit
-def red_add_pairs(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32):
-    """gdst += acc for rows below ``row_limit``, two adjacent columns per 8-byte vector reduction
-    (red.global.add.v2.f32: half the reductions of element-wise ones, each a full 8-byte word).
-
-    ``acc`` is an mma.sync accumulator fragment ((2, 2), MMA_M, MMA_N), whose elements 2i and
-    2i + 1 are adjacent columns (even, odd) of one row; ``gdst`` is the thread's partition of an
-    fp32 destination with contiguous rows, an 8-byte aligned base and even strides, so that every
-    pair is 8-byte aligned; ``coords`` the tile-local (row, col) of each element."""
-    pair_type = ir.VectorType.get([2], Float32.mlir_type)
-    for i in cutlass.range_constexpr(cute.size(acc) // 2):
-        if coords[2 * i][0] < row_limit:
-            pair = vector.from_elements(pair_type, [acc[2 * i].ir_value(), acc[2 * i + 1].ir_value()])
-            cute.arch.red(
-                gdst.iterator + cute.crd2idx(2 * i, gdst.layout),
-                pair,
-                op="add",
-                dtype=Float32,
-                sem="relaxed",
-                scope="gpu",
-            )
 
 
 def add_rows(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32):

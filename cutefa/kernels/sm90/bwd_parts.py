@@ -24,10 +24,9 @@ import cutlass.cute as cute
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import warpgroup
 
+from cutefa.kernels.common.reduce import red_add_pairs
 from cutefa.kernels.sm90.parts import WG_ROWS
 
 
@@ -163,28 +162,6 @@ def store_rows(src: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_lim
     for i in cutlass.range_constexpr(cute.size(src)):
         if coords[i][0] < row_limit:
             gdst[i] = src[i]
-
-
-@cute.jit
-def red_add_pairs(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32):
-    """gdst += acc for rows below ``row_limit``, two adjacent columns per 8-byte vector reduction
-    (red.global.add.v2.f32: half the reductions of element-wise ones).
-
-    ``acc`` is a WGMMA accumulator fragment, whose elements 2i and 2i + 1 are adjacent columns of
-    one row; ``gdst`` is the thread's partition of an fp32 destination with contiguous, even-length
-    rows (so every pair is 8-byte aligned); ``coords`` the tile-local (row, col) of each element."""
-    pair_type = ir.VectorType.get([2], Float32.mlir_type)
-    for i in cutlass.range_constexpr(cute.size(acc) // 2):
-        if coords[2 * i][0] < row_limit:
-            pair = vector.from_elements(pair_type, [acc[2 * i].ir_value(), acc[2 * i + 1].ir_value()])
-            cute.arch.red(
-                gdst.iterator + cute.crd2idx(2 * i, gdst.layout),
-                pair,
-                op="add",
-                dtype=Float32,
-                sem="relaxed",
-                scope="gpu",
-            )
 
 
 def dq_operands(
