@@ -108,17 +108,26 @@ def measure(
             kernel = get_kernel(spec, target)
             o = torch.full_like(q, math.nan)
             lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
-            kernel(q, k, v, o, lse, scale)
+            run = functools.partial(kernel, q, k, v, o, lse, scale)
+            run()
             err = ((o.float() - expect).norm() / expect.norm()).item()
-            tflops = None
-            if err <= CHECK_TOL:  # NaN fails this too
-                ms = timer(functools.partial(kernel, q, k, v, o, lse, scale))
-                tflops = flops / (ms * 1e-3) / 1e12
-            out.append(Measurement(spec.dtype, spec.head_dim, spec.causal, seqlen, spec.name, tflops, err))
-            if progress:
-                shown = f"{tflops:7.1f} TFLOP/s" if tflops is not None else f"WRONG (rel err {err:.2e})"
-                print(f"  seqlen {seqlen:6d}  {spec.name:52s} {shown}", flush=True)
+            out.append(_timed_if_correct(spec, seqlen, err, CHECK_TOL, run, flops, timer, progress))
     return out
+
+
+def _timed_if_correct(
+    spec: VariantSpec, seqlen: int, err: float, tol: float, run: Callable[[], Any], flops: float,
+    timer: Callable[[Callable[[], Any]], float], progress: bool,
+) -> Measurement:  # fmt: skip
+    """The measurement of ``spec`` at ``seqlen``: timed only when its relative error is within
+    ``tol`` (NaN is not), else recorded with no speed; printed when ``progress``."""
+    tflops = None
+    if err <= tol:
+        tflops = flops / (timer(run) * 1e-3) / 1e12
+    if progress:
+        shown = f"{tflops:7.1f} TFLOP/s" if tflops is not None else f"WRONG (rel err {err:.2e})"
+        print(f"  seqlen {seqlen:6d}  {spec.name:52s} {shown}", flush=True)
+    return Measurement(spec.dtype, spec.head_dim, spec.causal, seqlen, spec.name, tflops, err)
 
 
 def measure_backward(
@@ -156,14 +165,7 @@ def measure_backward(
             )
             grads = run()
             err = max(((g.float() - e).norm() / e.norm()).item() for g, e in zip(grads, expect))
-            tflops = None
-            if err <= BWD_CHECK_TOL:  # NaN fails this too
-                ms = timer(run)
-                tflops = flops / (ms * 1e-3) / 1e12
-            out_list.append(Measurement(spec.dtype, spec.head_dim, spec.causal, seqlen, spec.name, tflops, err))
-            if progress:
-                shown = f"{tflops:7.1f} TFLOP/s" if tflops is not None else f"WRONG (rel err {err:.2e})"
-                print(f"  seqlen {seqlen:6d}  {spec.name:52s} {shown}", flush=True)
+            out_list.append(_timed_if_correct(spec, seqlen, err, BWD_CHECK_TOL, run, flops, timer, progress))
     return out_list
 
 
