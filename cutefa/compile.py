@@ -2,7 +2,7 @@
 
 One compiled kernel serves every batch size, sequence length and head count: the DSL sees fake
 tensors whose dynamic dims are shared ``SymInt`` objects. The kernel is exported with the TVM-FFI
-calling convention, linked into ``kernel.so`` and loaded with ``tvm_ffi.load_module``, so a cached
+calling convention, linked into ``kernel.so`` and called through that C ABI by :mod:`cutefa.ffi`, so a cached
 kernel loads in about a millisecond without the DSL compiler, takes torch tensors directly and runs
 on the caller's current torch stream.
 
@@ -68,8 +68,6 @@ _ROW_ALIGN_BYTES = 16
 # (q, k, v, o, lse, q_descale, k_descale, v_descale, softmax_scale)
 _KERNELS: dict[tuple[str, str], Callable[..., Any]] = {}
 _KERNELS_LOCK = threading.Lock()
-# Loaded tvm_ffi modules, kept alive for as long as their functions may be called.
-_MODULES: dict[Path, Any] = {}
 _RUNTIMES: dict[Path, ctypes.CDLL] = {}
 # (variant name, target) -> where its kernel came from: "pack <dir>", "cache <dir>" or "jit <dir>"
 _ORIGINS: dict[tuple[str, str], str] = {}
@@ -417,25 +415,20 @@ def _runtime_for(flavour: str) -> Path:
 
 
 def load_library(so_path: Path, function_name: str, runtime: str) -> Callable[..., Any]:
-    """Load a linked kernel ``.so`` through tvm_ffi (after the DSL runtime it needs) and return its function."""
+    """Load a linked kernel ``.so`` (after the DSL runtime it needs) and return its function, called
+    through the TVM-FFI C ABI by :mod:`cutefa.ffi` (the ``tvm_ffi`` package is not imported)."""
     with profile.phase("DSL runtime library (find, dlopen)"):
         lib = _runtime_for(runtime)
         if lib not in _RUNTIMES:
             _RUNTIMES[lib] = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-    if "tvm_ffi" not in sys.modules:
-        with profile.phase("import tvm_ffi"):
-            import tvm_ffi
-    import tvm_ffi
+    from cutefa import ffi
 
-    module = _MODULES.get(so_path)
-    if module is None:
-        with profile.phase("tvm_ffi.load_module"):
-            module = _MODULES[so_path] = tvm_ffi.load_module(str(so_path))
-    return module[function_name]
+    with profile.phase("kernel library (dlopen libtvm_ffi and the kernel)"):
+        return ffi.load(so_path, function_name)
 
 
 def _load(entry: _Entry) -> Callable[..., Any]:
-    """Load a committed entry's ``kernel.so`` through tvm_ffi and return its function."""
+    """Load a committed entry's ``kernel.so`` and return its function."""
     meta = entry.read_meta()
     if meta is None:
         raise RuntimeError(f"cache entry {entry.dir} is not committed")
@@ -473,20 +466,33 @@ def get_kernel(spec: VariantSpec, target: str) -> Callable[..., Any]:
 def _with_sm_count(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn(q, k, v, o, lse, softmax_scale)`` for a persistent kernel, whose compiled entry also
     takes the number of CTAs to launch: the SM count of q's GPU (looked up once per device)."""
-    counts: dict[int, int] = {}
+    return _WithSmCount(fn)
 
-    def call(q: Any, k: Any, v: Any, o: Any, lse: Any, softmax_scale: float) -> Any:
-        device = q.get_device()
-        sms = counts.get(device)
+
+class _WithSmCount:
+    __slots__ = ("fn", "_counts")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._counts: dict[int, int] = {}
+
+    def sms(self, device: int) -> int:
+        sms = self._counts.get(device)
         if sms is None:
             import torch
 
             # Tensors not on a GPU (device -1) get 1: the kernel's own checks then refuse them.
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
-            counts[device] = sms
-        return fn(q, k, v, o, lse, softmax_scale, sms)
+            self._counts[device] = sms
+        return sms
 
-    return call
+    def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, softmax_scale: float) -> Any:
+        return self.fn(q, k, v, o, lse, softmax_scale, self.sms(q.get_device()))
+
+    def bind(self, args: Sequence[Any], tensor_slots: Sequence[int]) -> Any:
+        """:meth:`cutefa.ffi.Function.bind` of the kernel with the SM count appended (AttributeError
+        when the kernel has none: a DSL object kept in memory, not loaded from a file)."""
+        return self.fn.bind([*args, self.sms(args[0].get_device())], tensor_slots)
 
 
 def build_command(name: str, target: str, pack_dir: Path | str | None = None) -> str:

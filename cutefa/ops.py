@@ -451,6 +451,11 @@ def _make_plan(
     of k and v, that all tensors are on q's device (it switches to that device itself), 16-byte
     aligned data pointers and row strides, contiguous last dims. When it refuses, the call goes the
     validating way, which names the problem or copies misaligned inputs.
+
+    Contiguous q, k, v take the kernel's bound launcher (:meth:`cutefa.ffi.Function.bind`): the
+    argument buffer is laid out once for the key's shapes and each call writes only the five data
+    pointers, after the checks the kernel would make on the fields it no longer reads (v's shape,
+    the dtypes and devices of k and v). Other strides go through the kernel's full call.
     """
     batch, seqlen_q, heads_q, _ = q.shape
     lse_shape = (batch, heads_q, seqlen_q)
@@ -459,12 +464,27 @@ def _make_plan(
     scratch = _scratch_lse(q.device, lse_shape)
     q_shape, k_shape = tuple(q.shape), tuple(k.shape)
     empty_like = torch.empty_like
+    fast = _bind(kernel, q, k, lse_shape, softmax_scale)
+    dtype, device = q.dtype, q.get_device()
 
     def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool) -> Any:
         out = empty_like(out_proto)
         lse = scratch if scratch is not None and not return_lse else empty_like(lse_proto)
         try:
-            kernel(q, k, v, out, lse, softmax_scale)
+            # The bound launcher takes contiguous q/k/v of the key's layout (v like k) on q's device.
+            if not (
+                fast is not None
+                and q.is_contiguous()
+                and k.is_contiguous()
+                and v.is_contiguous()
+                and k.dtype is dtype
+                and v.dtype is dtype
+                and v.shape == k_shape
+                and k.get_device() == device
+                and v.get_device() == device
+                and fast(q, k, v, out, lse)
+            ):
+                kernel(q, k, v, out, lse, softmax_scale)
         except (ValueError, TypeError):  # refused before launching: see above
             out, lse, _ = _forward(q, k, v, causal, softmax_scale)
         else:
@@ -473,6 +493,30 @@ def _make_plan(
         return (out, lse) if return_lse else out
 
     return plan
+
+
+def _bind(
+    kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, lse_shape: tuple[int, int, int], softmax_scale: float
+) -> Callable[..., bool] | None:  # fmt: skip
+    """The kernel's launcher for contiguous q, k, v, out, lse of these shapes on q's CUDA device
+    (:meth:`cutefa.ffi.Function.bind`), or None when the kernel cannot bind (kept in memory)."""
+    binder = getattr(kernel, "bind", None)
+    if binder is None or not q.is_cuda:
+        return None
+    from cutefa.ffi import TensorLayout
+
+    device = q.get_device()
+    layouts = [
+        TensorLayout(q.shape, q.dtype, device),
+        TensorLayout(k.shape, q.dtype, device),
+        TensorLayout(k.shape, q.dtype, device),
+        TensorLayout(q.shape, q.dtype, device),
+        TensorLayout(lse_shape, torch.float32, device),
+    ]
+    try:
+        return binder([*layouts, softmax_scale], (0, 1, 2, 3, 4))
+    except AttributeError:
+        return None
 
 
 def _eager(

@@ -1,5 +1,5 @@
 """Kernel packs on the CPU: manifest, search path, refusals, the JIT fallback and its switch, the
-``compile --pack`` command, and (marked ``compile``) real packs loaded through tvm_ffi in processes
+``compile --pack`` command, and (marked ``compile``) real packs loaded through the TVM-FFI C ABI in processes
 that never import the DSL.
 
 Fast tests use dummy ``.so`` files with real checksums and fingerprints and stub the loader; the
@@ -453,7 +453,7 @@ def tiny_sources(directory: Path, specs) -> Path:
 
 
 @pytest.mark.compile
-def test_tiny_pack_loads_through_tvm_ffi_without_the_dsl(tmp_path):
+def test_tiny_pack_loads_without_the_dsl_or_the_tvm_ffi_package(tmp_path):
     src, out, cache = tmp_path / "src", tmp_path / "pack", tmp_path / "cache"
     redirect = f"cc.kernel_source_path = lambda spec: Path({str(src)!r}) / f'{{spec.name}}.py'"
     # The child builds a pack of two tiny kernels: one named like the variant the dispatcher picks
@@ -515,6 +515,7 @@ def test_tiny_pack_loads_through_tvm_ffi_without_the_dsl(tmp_path):
         from cutefa import profile
         print(json.dumps({{"error": error, "misaligned": misaligned, "origins": list(cc.loaded_kernels().values()),
                            "cutlass": sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "iket")),
+                           "tvm_ffi": "tvm_ffi" in sys.modules,
                            "phases": list(profile.totals())}}))
         """,
         CUTEFA_CACHE_DIR=str(tmp_path / "empty-cache"),
@@ -523,17 +524,17 @@ def test_tiny_pack_loads_through_tvm_ffi_without_the_dsl(tmp_path):
         CUTEFA_PROFILE="1",
     )
     assert ran["cutlass"] == [], "loading and calling a packed kernel must not import the DSL"
+    assert ran["tvm_ffi"] is False, "kernels are called through libtvm_ffi.so with ctypes, not the tvm_ffi package"
     assert "Mismatched Tensor on argument #0" in ran["error"] and "device_type=cuda" in ran["error"]
     assert "Misaligned Tensor data on argument #0" in ran["misaligned"]
     assert ran["origins"] == [f"pack {out}", f"pack {out}"]
     loading = [
         "DSL runtime library (find, dlopen)",
-        "import tvm_ffi",
-        "tvm_ffi.load_module",
+        "kernel library (dlopen libtvm_ffi and the kernel)",
         "first kernel call",
     ]
     start = ran["phases"].index(loading[0])  # CUTEFA_PROFILE=1: the loading phases, in order
-    assert [p.split(" (module")[0] for p in ran["phases"][start : start + 4]] == loading
+    assert [p.split(" (module")[0] for p in ran["phases"][start : start + 3]] == loading
     assert not (tmp_path / "empty-cache").exists() or not any((tmp_path / "empty-cache").rglob("*.so"))
 
 

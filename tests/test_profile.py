@@ -27,7 +27,7 @@ FIRST_CALL_PHASES = [
     "pack checks (target, DSL version)",
     "pack kernel sha256",
     "DSL runtime library (find, dlopen)",
-    "tvm_ffi.load_module",
+    "kernel library (dlopen libtvm_ffi and the kernel)",
     "first kernel call (module load, launch)",
 ]
 
@@ -47,16 +47,16 @@ def run(code: str, **env: str) -> dict:
 
 
 # A fresh process: a pack of dummy kernel files (true checksums and fingerprints) holding the
-# variant an H200 picks, the public API called on CPU tensors. tvm_ffi is imported up front only to
-# stand in for its loader (the dummy files are no shared objects); the kernel it hands back counts
-# its calls. The DSL runtime library is loaded for real.
+# variant an H200 picks, the public API called on CPU tensors. cutefa.ffi's loader is replaced (the
+# dummy files are no shared objects); the kernel it hands back counts its calls. The DSL runtime
+# library is loaded for real.
 CHILD = """
 import json, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-import tvm_ffi
+from cutefa import ffi
 calls = []
-tvm_ffi.load_module = lambda path: {{Path(path).stem: lambda *args: calls.append(len(args))}}
+ffi.load = lambda path, name: lambda *args: calls.append(len(args))
 import torch
 import cutefa
 fn = cutefa.flash_attn_func  # imports cutefa.ops
@@ -92,7 +92,7 @@ def test_first_call_reports_its_phases_in_order_without_the_dsl(tmp_path):
     assert names[first:] == FIRST_CALL_PHASES[1:], names  # later calls take the plan: no phases
     assert all(ms >= 0 for _, ms in got["phases"])
     assert list(got["totals"]) == FIRST_CALL_PHASES
-    assert "tvm_ffi.load_module" in got["report"] and got["report"].splitlines()[-1].startswith("total")
+    assert "kernel library (dlopen libtvm_ffi and the kernel)" in got["report"] and got["report"].splitlines()[-1].startswith("total")
 
 
 def test_nothing_is_recorded_when_off(tmp_path):

@@ -36,6 +36,7 @@ cutefa runs from; the kernel of the tiny problem is compiled into it first when 
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -749,18 +750,38 @@ def ensure_pack(pack_dir: Path, q, k, causal: bool) -> str:
     return choice.spec.name
 
 
-def _raw_kernel(q, k, v, causal):
-    """A call of cutefa's kernel alone (outputs allocated once): the floor under the API's cost."""
+def _raw_kernel(q, k, v, causal, how="call"):
+    """A call of cutefa's kernel alone (outputs allocated once): the floor under the API's cost.
+    ``how``: "call" (the loaded kernel's full call: arguments laid out per call), "bound" (the
+    launcher the API's call plans use: data pointers only) or "tvm_ffi" (the same kernel file
+    loaded and called through the tvm_ffi package, for comparison)."""
     import torch
 
-    from cutefa import ops
-    from cutefa.compile import get_kernel
+    from cutefa import compile as cc
+    from cutefa import ffi, ops
 
     choice = ops._choose(q, k, causal)
-    kernel = get_kernel(choice.spec, choice.target)
+    kernel = cc.get_kernel(choice.spec, choice.target)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     scale = 1.0 / math.sqrt(q.shape[-1])
+    if how == "bound":
+        bound = ops._bind(kernel, q, k, tuple(lse.shape), scale)
+        if bound is None:
+            raise RuntimeError("the kernel cannot bind (not loaded from a file)")
+
+        def run():
+            if not bound(q, k, v, out, lse):
+                raise RuntimeError("bound launcher busy")
+            return out
+
+        return run
+    if how == "tvm_ffi":
+        import tvm_ffi
+
+        path = next(p for p in ffi._LIBRARIES if p.stem == choice.spec.name or p.parent.name.startswith(choice.spec.name))
+        fn = tvm_ffi.load_module(str(path))[choice.spec.name]
+        kernel = cc._with_sm_count(fn) if choice.spec.persistent else fn
 
     def run():
         kernel(q, k, v, out, lse, scale)
@@ -786,7 +807,11 @@ def run_enqueue(args: argparse.Namespace) -> int:
     backends = load_backends(args.backends)
     names = [b.name for b in backends]
     if "cutefa" in names:
-        backends.insert(names.index("cutefa") + 1, Backend("cutefa kernel alone", _raw_kernel))
+        at = names.index("cutefa") + 1
+        for label, how in (("cutefa kernel alone (full call)", "call"), ("cutefa kernel alone (bound)", "bound"),
+                           ("cutefa kernel via tvm_ffi", "tvm_ffi")):  # fmt: skip
+            backends.insert(at, Backend(label, functools.partial(_raw_kernel, how=how)))
+            at += 1
     results = {}
     for b in backends:
         if b.missing:
@@ -839,7 +864,9 @@ def run_enqueue(args: argparse.Namespace) -> int:
             f"b={sh['batch']} s={sh['seqlen']} h={sh['heads']} d={sh['hdim']} causal, {args.dtype[0]}; "
             f"median of 5 loops of {iters} calls; host = loop time on the host / calls, "
             "total = including the final synchronize. 'cutefa kernel alone' calls the loaded kernel "
-            "with preallocated outputs: the floor under cutefa's own call path."
+            "with preallocated outputs, with its arguments laid out per call (full call) or only its "
+            "data pointers written (bound, as the API's call plans do): the floor under cutefa's own "
+            "call path; 'via tvm_ffi' is the same kernel file called through the tvm_ffi package."
         ),
         "",
         "| backend | host us/call | total us/call |",
@@ -903,27 +930,21 @@ if which == "cutefa":
     phases["other (validation, allocation, Python)"] = (t3 - t1) * 1e3 - sum(phases.values())
     report["phases"] = phases
     report["bytecode_cached"] = os.path.exists(importlib.util.cache_from_source(cc.__file__))
-    # The first error a process raises through tvm_ffi initializes its backtrace support (0.6 s
-    # on a 2-core CPU). Raising one now tells whether start-up raised (and caught) one already:
-    # then this is fast.
-    import tvm_ffi
-    t4 = time.perf_counter()
-    try:
-        tvm_ffi.load_module("/nonexistent/cutefa-startup-probe.so")
-    except Exception:
-        pass
-    report["tvm_ffi_error_after_ms"] = (time.perf_counter() - t4) * 1e3
+    report["tvm_ffi_imported"] = "tvm_ffi" in sys.modules
     # The first call's one-time costs against per-kernel ones: a copy of the kernel file loads as a
-    # new module, so its first call pays the CUDA module load again but no process-wide set-up.
+    # new library, so its first call pays the CUDA module load again but no process-wide set-up.
     import math, shutil, tempfile
     from pathlib import Path
-    so_path = next(iter(cc._MODULES))
+    from cutefa import ffi
+    so_path = next(iter(ffi._LIBRARIES))
     o, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / so_path.name
         shutil.copyfile(so_path, copy)
         t5 = time.perf_counter()
-        fn = tvm_ffi.load_module(str(copy))[so_path.stem]
+        fn = ffi.load(copy, so_path.stem)
+        if cc.parse_name(so_path.stem).persistent:
+            fn = cc._with_sm_count(fn)
         t6 = time.perf_counter()
         fn(q, k, v, o, lse, 1 / math.sqrt(q.shape[-1]))
         torch.cuda.synchronize()
@@ -1031,13 +1052,8 @@ def run_startup(args: argparse.Namespace) -> int:
     beyond = med("cutefa", "beyond_torch_ms")
     lines += ["", f"cutefa beyond torch: {beyond:.1f} ms (goal < 50 ms)"]
     lines += ["", *startup_phase_lines(cutefa_runs)]
-    error_ms = statistics.median(r.get("tvm_ffi_error_after_ms", 0.0) for r in cutefa_runs)
-    probe = (
-        f"A tvm_ffi error raised after the first result took {error_ms:.1f} ms (hundreds of ms: the "
-        "first error of the process, so start-up raised none; well under 1 ms: start-up raised and "
-        "caught one, paying for tvm_ffi's backtrace set-up)."
-    )
-    lines += ["", probe]
+    if any(r.get("tvm_ffi_imported") for r in cutefa_runs):
+        problems.append("the tvm_ffi package was imported (the kernel loader needs only libtvm_ffi.so)")
 
     def med_of(field: str) -> float:
         return statistics.median(r.get(field, math.nan) for r in cutefa_runs)
@@ -1045,7 +1061,7 @@ def run_startup(args: argparse.Namespace) -> int:
     lines += [
         "",
         (
-            f"The same kernel file copied and loaded again after the first result: load_module "
+            f"The same kernel file copied and loaded again after the first result: dlopen "
             f"{med_of('copy_load_module_ms'):.2f} ms, its first call (CUDA module load, launch, "
             f"synchronize) {med_of('copy_first_call_ms'):.2f} ms, its second call "
             f"{med_of('copy_second_call_ms'):.2f} ms. The first kernel call above minus this first "

@@ -83,7 +83,8 @@ def _jit(spec):
     if not cc.can_compile_here(target):
         pytest.skip(f"this process's DSL compiles for {cc.dsl_target()}, not {target}")
     if spec not in _JIT:
-        _JIT[spec] = cc.compile_object(spec, target)
+        compiled = cc.compile_object(spec, target)
+        _JIT[spec] = cc._with_sm_count(compiled) if spec.persistent else compiled
     return _JIT[spec]
 
 
@@ -100,6 +101,8 @@ def test_pack_kernel_is_bitwise_the_jit_kernel(packed, name, monkeypatch):
     found, refusals = pack.find_kernel(spec.name, target, cc.fingerprint(spec, target))
     assert found is not None and found.pack == out_dir, f"the pack was refused: {refusals}"
     from_pack = cc.load_library(found.path, found.function_name, found.runtime)
+    if spec.persistent:  # its entry also takes the number of CTAs (get_kernel adds it)
+        from_pack = cc._with_sm_count(from_pack)
     q, k, v = _inputs(problem)
     scale = 1.0 / math.sqrt(q.shape[-1])
     packed_out, packed_lse = _run(from_pack, q, k, v, scale)
@@ -196,3 +199,41 @@ def test_call_plan_runs_the_pack_kernel_on_the_current_stream(packed, monkeypatc
     odd = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape).copy_(q)
     assert odd.data_ptr() % 16
     assert _same(cutefa.flash_attn_func(odd, k, v, causal=True), jit_out)
+
+    # A view of the same shape with other strides: the bound launcher is not for it (the full call
+    # passes its strides); the result is the same.
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not q_strided.is_contiguous()
+    assert _same(cutefa.flash_attn_func(q_strided, k, v, causal=True), jit_out)
+
+
+def test_call_plan_uses_the_bound_launcher_and_is_thread_safe(packed, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cutefa import ffi
+
+    out_dir, chosen = packed
+    problem = PROBLEMS["bf16-hd128-causal-tiny"]
+    monkeypatch.setenv("CUTEFA_KERNEL_PATH", str(out_dir))
+    monkeypatch.setattr(cc, "_KERNELS", {})
+    monkeypatch.setattr(ops, "_PLANS", {})
+    inputs = [_inputs(problem, seed=i) for i in range(4)]
+    bound_calls = []
+    real_bind = ffi.Function.bind
+
+    def counting_bind(self, args, slots):
+        launch = real_bind(self, args, slots)
+        return lambda *t: bound_calls.append(1) or launch(*t)
+
+    monkeypatch.setattr(ffi.Function, "bind", counting_bind)
+    expected = [cutefa.flash_attn_func(q, k, v, causal=True).clone() for q, k, v in inputs]  # 1st: makes the plan
+    assert bound_calls == [1, 1, 1]  # calls 2-4 took the plan's bound launcher
+    assert _same(cutefa.flash_attn_func(*inputs[1], causal=True), expected[1]) and len(bound_calls) == 4
+
+    def worker(i):
+        q, k, v = inputs[i]
+        return all(_same(cutefa.flash_attn_func(q, k, v, causal=True), expected[i]) for _ in range(50))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(worker, range(4)))
+    torch.cuda.synchronize()
