@@ -19,8 +19,10 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
         ),
         (
             SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2),
-            "tile_n=64 with head_dim=64: the head-dim-split sm90 backward (two warpgroups sharing 64 keys) "
-            "handles head_dim in (192, 256)",
+            (
+                "tile_n=64 with head_dim=64: the head-dim-split sm90 backward (two warpgroups sharing 64 keys) "
+                "handles head_dim in (192, 256)"
+            ),
         ),
         (
             SM80.replace(arch="sm90", direction="bwd", head_dim=256, tile_m=128, warps=12, stages=2),
