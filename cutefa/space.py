@@ -773,15 +773,17 @@ def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
     """K and V (tile_n x d), the Q and dO ring (stages x tile_m x d each), two dS buffers
     (tile_m x tile_n), 1 KiB-aligned each, plus the LSE2/D rows (two buffers) and mbarriers.
     The head-dim split (:func:`sm90_bwd_head_split`) also keeps two P^T buffers (tile_n x tile_m);
-    its struct puts the 1 KiB-aligned buffers first and the rows (counted exactly) and mbarriers
-    after them, and one 1 KiB covers the kernel's static shared memory (1 KiB on the compiled
-    sm_90a cubins): hd256 s2 needs 231,472 of the 232,448 bytes of the opt-in limit."""
+    its struct (the 1 KiB-aligned buffers, then the rows and mbarriers) is counted exactly, rounded
+    up to its 1 KiB alignment as the DSL sizes it, plus the kernel's 1 KiB of static shared memory
+    (every compiled sm_90a backward cubin has it): hd256 s2 and hd192 s3 need exactly the 232,448
+    bytes of the opt-in limit (a 231,424-byte struct, Storage.size_in_bytes())."""
     elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
     if sm90_bwd_head_split(spec):
         elements += 4 * spec.tile_m * spec.tile_n
         rows = 2 * 2 * spec.tile_m * 4  # LSE2 and D, two buffers each, fp32
         barriers = (2 + 2 * spec.stages) * 8
-        return elements * spec.elem_bytes + rows + barriers + SMEM_RESERVE
+        struct = elements * spec.elem_bytes + rows + barriers
+        return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
     elements += 2 * spec.tile_m * spec.tile_n
     return elements * spec.elem_bytes + 4 * 2 * spec.tile_m * 4 + 6 * SMEM_RESERVE
 
