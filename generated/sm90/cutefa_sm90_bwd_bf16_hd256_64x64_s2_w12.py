@@ -30,10 +30,10 @@ each query block for S^T and dP^T, and head-dim columns [128 c, 128 c + 128) of 
     S^T  = K Q_c^T, dP^T = V dO_c^T   WGMMA, K-major operands in shared memory (64 x 32)
     P^T  = exp2(S^T * scale * log2 e - LSE2), dS^T = P^T (dP^T - D)   in registers
                                   P^T and dS^T (16-bit) -> shared memory; barrier of both consumers
-    dQ_c = dS K_c                 WGMMA over all 64 keys, dS from shared memory; added into
-                                  dq_accum with 8-byte fp32 vector reductions (RED.ADD.F32x2) while
-    dV_c += P^T dO_c, dK_c += dS^T Q_c   run: WGMMA over all 64 queries, both operands in shared
-                                  memory; dK, dV (128 columns each) stay in registers
+    dQ_c = dS K_c                 WGMMA over all 64 keys, dS from shared memory, then
+    dV_c += P^T dO_c, dK_c += dS^T Q_c   WGMMA over all 64 queries, both operands in shared memory;
+                                  dK, dV (128 columns each) stay in registers; dQ_c goes into
+                                  dq_accum by 8-byte fp32 vector reductions (RED.ADD.F32x2) while dV, dK run
 
 LSE2 and D of a query block are staged in shared memory by the consumers one block ahead; P^T and
 dS have two shared-memory buffers each, so one named barrier per query block orders the consumers.
