@@ -4,6 +4,8 @@ this CPU: the default variants compile for sm_90a and their SASS shows the desig
 dQ (each consumer its half of the head dim), TMA loads (UTMALDG) of K, V, Q and dO, setmaxnreg
 (USETMAXREG), MUFU.EX2, 8-byte fp32 vector reductions into the dQ accumulator, WGMMAs left
 asynchronous, and no local-memory spills; the consumers stay within setmaxnreg's 240 registers.
+The committed overlap alternative (_ov: dV/dK over each consumer's own queries from registers
+before the per-block barrier) is checked the same way at both head dims.
 The shared-memory layouts that read one buffer in two roles address the same bytes.
 
 One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
@@ -23,10 +25,14 @@ import pytest
 
 from cutefa import sass, space
 
-SPLIT = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
+COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
+SPLIT = [s for s in COMMITTED if not s.overlap]  # the dispatch defaults
+OVERLAP = [s for s in COMMITTED if s.overlap]  # BWD_ALTERNATIVES: bf16, both masks
 # fp16 and bf16 differ only in the operand type: both head dims, each with one dtype causal and the
-# other not.
-CHECKED = [s for s in SPLIT if (s.dtype == "bf16") == s.causal]
+# other not; the overlap schedule at both head dims (one causal).
+CHECKED = [s for s in SPLIT if (s.dtype == "bf16") == s.causal] + [
+    s for s in OVERLAP if s.causal == (s.head_dim == 256)
+]
 
 
 def test_split_defaults():
@@ -46,6 +52,8 @@ def test_split_defaults():
         assert backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal) == spec
     # the sm80 family still serves these head dims below Hopper
     assert backward.choose_bwd("sm_80", torch.bfloat16, 256, True).arch == "sm80"
+    # the overlap schedule is committed beside the bf16 defaults; dispatch keeps the defaults
+    assert sorted(OVERLAP) == sorted(s.replace(overlap=True) for s in SPLIT if s.dtype == "bf16")
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +80,10 @@ def test_sass_sm90a_bwd_hsplit(cubins, spec):
         f"64x{half_d}": 2 * spec.tile_m // 16 + spec.tile_n // 16,
     }, f"{spec.name}: {shapes}"
     assert sum(shapes.values()) == report.counts["HGMMA"]
+    # overlap: dV and dK over the consumer's own tile_m/2 queries take P^T, dS^T from registers
+    # (``HGMMA ... Rd, Ra, gdesc``), tile_m/32 k-steps each; the default has no register A operand.
+    register_a = re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", text)
+    assert len(register_a) == (2 * half_m // 16 if spec.overlap else 0), f"{spec.name}: {len(register_a)}"
     # The producer gives registers up, the consumers take 240 and stay within them.
     regions = sass.setmaxnreg_regions(text)
     assert [budget for budget, _ in regions] == [24, 240], regions
@@ -84,7 +96,7 @@ def test_sass_sm90a_bwd_hsplit(cubins, spec):
     assert report.counts["UTMALDG"] == 4 * spec.head_dim // atom, report.summary()
     # WGMMAs stay asynchronous: ptxas serializing them would put a wait after every HGMMA.
     waits = re.findall(r"WARPGROUP\.DEPBAR", text)
-    assert len(waits) <= 6, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
+    assert len(waits) <= (5 if spec.overlap else 4), f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
 
 
 _LAYOUT_CHECK = """

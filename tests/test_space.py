@@ -35,8 +35,8 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             "the Q/dO TMA ring needs at least 2 stages",
         ),
         (
-            SM80.replace(arch="sm90", direction="bwd", head_dim=192, tile_m=64, warps=12, stages=2, overlap=True),
-            "overlap/pingpong: the head-dim-split sm90 backward has one schedule",
+            SM80.replace(arch="sm90", direction="bwd", head_dim=192, tile_m=64, warps=12, stages=2, pingpong=True),
+            "pingpong: the sm90 backward has no ping-pong schedule",
         ),
         (
             SM80.replace(arch="sm90", direction="bwd", head_dim=256, tile_m=64, warps=12, stages=3),
@@ -207,7 +207,12 @@ def test_sm90_bwd_head_split():
     # the split's tiles are in the enumerated space: every valid one a 64x64 tile at 192 or 256
     valid = [s for s in space.valid_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
     assert {(s.head_dim, s.tile_m, s.stages) for s in valid} == {(192, 64, 2), (192, 64, 3), (256, 64, 2)}
-    assert not any(s.overlap for s in valid)
+    assert {s.replace(overlap=False) for s in valid if s.overlap} == {s for s in valid if not s.overlap}
+    # the overlap schedule is committed beside each default (bf16), dispatch keeps the default
+    committed = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
+    assert sorted((s.dtype, s.head_dim, s.causal) for s in committed if s.overlap) == [
+        ("bf16", d, c) for d in (192, 256) for c in (False, True)
+    ]
 
 
 def test_sm80_bwd_default_set():

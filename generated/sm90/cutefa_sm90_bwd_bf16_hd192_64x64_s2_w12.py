@@ -146,7 +146,7 @@ class Kernel:
         q_tma, gQ_tma = parts.tma_load_atom(parts.bshd_as_sdhb(mQ), sQ_layout, (TILE_M, HEAD_DIM))
         do_tma, gdO_tma = parts.tma_load_atom(parts.bshd_as_sdhb(mdO), sQ_layout, (TILE_M, HEAD_DIM))
 
-        # The 1 KiB-aligned operand buffers first, the rows and mbarriers after them (no padding).
+        # The 1 KiB-aligned operand buffers first, the rows and mbarriers after them.
         @cute.struct
         class Storage:
             sK: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sK_layout)], 1024]

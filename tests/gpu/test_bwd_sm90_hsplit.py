@@ -2,7 +2,7 @@
 on a Hopper GPU.
 
 Each split variant (DEFAULT_BWD_TILES["sm90"][192 | 256]: 64 keys per CTA shared by both consumer
-warpgroups, each owning half of the head dim) is called directly with the calling convention of
+warpgroups, each owning half of the head dim; and its committed overlap alternative, _ov) is called directly with the calling convention of
 cutefa/backward.py through tests/gpu/test_bwd_sm90.py's ``run_kernel`` (dq, dk, dv and every
 workspace poisoned with NaN, so an element the kernel does not write fails; grouped heads summed
 as backward.py does) and judged against float32 autograd of the exact attention with the
@@ -54,6 +54,7 @@ def _skip_reason() -> str | None:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
+# The defaults (fp16/bf16) and the committed overlap alternatives (bf16).
 SPLIT = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 SHAPES = (
@@ -97,9 +98,12 @@ def target():
     return current_target()
 
 
-def test_split_variants_are_the_defaults():
-    assert sorted({(s.head_dim, s.dtype, s.causal) for s in SPLIT}) == sorted(
+def test_split_variants_are_the_defaults_and_overlap():
+    assert sorted((s.head_dim, s.dtype, s.causal) for s in SPLIT if not s.overlap) == sorted(
         (d, t, c) for d in (192, 256) for t in ("bf16", "fp16") for c in (False, True)
+    )
+    assert sorted((s.head_dim, s.dtype, s.causal) for s in SPLIT if s.overlap) == sorted(
+        (d, "bf16", c) for d in (192, 256) for c in (False, True)
     )
 
 
