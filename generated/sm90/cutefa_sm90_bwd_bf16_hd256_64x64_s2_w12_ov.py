@@ -330,10 +330,6 @@ class Kernel:
             tSrV = sdp_thr.make_fragment_A(sdp_thr.partition_A(sV[None, None, 0]))
             tSrQ = sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sQ, (HALF_M, HEAD_DIM), (c, 0, None))))
             tSrdO = sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sdO, (HALF_M, HEAD_DIM), (c, 0, None))))
-            tdVrP = dkv_thr.make_fragment_A(dkv_thr.partition_A(sPt))
-            tdKrdS = dkv_thr.make_fragment_A(dkv_thr.partition_A(sdSt))
-            tdVrdOt = dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sdOt, (HALF_D, TILE_M), (c, 0, None))))
-            tdKrQt = dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sQt, (HALF_D, TILE_M), (c, 0, None))))
             tdQrdS = dq_thr.make_fragment_A(dq_thr.partition_A(sdS))
             tdQrKt = dq_thr.make_fragment_B(dq_thr.partition_B(cute.local_tile(sKt[None, None, 0], (HALF_D, TILE_N), (c, 0))))
             # Overlap: dV and dK over this consumer's own HALF_M queries go out before the barrier
