@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jinja2
 
-from cutefa.space import sm90_bwd_dq_pieces, smem_bytes, why_invalid, why_no_kernel
+from cutefa.space import sm90_bwd_dq_pieces, sm90_bwd_head_split, smem_bytes, why_invalid, why_no_kernel
 from cutefa.spec import ARCHS, VariantSpec, parse_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +32,8 @@ def template_name(spec: VariantSpec) -> str:
     """File name of the template that renders ``spec``, inside the templates directory."""
     if (spec.arch, spec.direction, spec.dtype) == ("sm90", "fwd", "e4m3"):
         return "fwd_sm90_fp8.py.j2"  # FP8: V transposed on chip, P as an e4m3 register operand
+    if sm90_bwd_head_split(spec):
+        return "bwd_sm90_hsplit.py.j2"  # head dims 192/256: consumers share 64 keys, split the head dim
     return f"{spec.direction}_{spec.arch}.py.j2"
 
 

@@ -702,10 +702,24 @@ SM90_BWD_TILE_N = 128
 SM90_BWD_WARPS = 12
 SM90_BWD_HEAD_DIMS = (64, 96, 128)
 SM90_BWD_REG_OVERHEAD = 40  # descriptors, pipeline state, coordinates, LSE/D reads, addresses
-DEFAULT_BWD_TILES["sm90"] = {64: Tile(128, 128, 2, 12), 96: Tile(64, 128, 2, 12), 128: Tile(64, 128, 2, 12)}
+# Head dims 192 and 256 (templates/bwd_sm90_hsplit.py.j2): fp32 dK + dV of 64 keys would take d
+# registers per thread, so the two consumer warpgroups share the CTA's 64 keys instead and split the
+# head dim of dK, dV and dQ between them (d/2 columns each); S^T and dP^T (64 keys x 64 queries) are
+# split by queries (32 each), and P^T, dS^T go through shared memory so that each warpgroup reads
+# all 64 queries of them as the K of its dV and dK WGMMAs. tile_n = 64, tile_m = 64.
+SM90_BWD_SPLIT_TILE_N = 64
+SM90_BWD_SPLIT_HEAD_DIMS = (192, 256)
+DEFAULT_BWD_TILES["sm90"] = {
+    64: Tile(128, 128, 2, 12),
+    96: Tile(64, 128, 2, 12),
+    128: Tile(64, 128, 2, 12),
+    192: Tile(64, 64, 2, 12),
+    256: Tile(64, 64, 2, 12),
+}
 _TILE_GRID["sm90"] = (
     *_TILE_GRID["sm90"],
     *(Tile(m, 128, s, 12) for m in (64, 128) for s in (2, 3) if (m, s) != (128, 2)),
+    *(Tile(64, 64, s, 12) for s in (2, 3)),
 )
 # Backward schedules: the default, and overlap (a query block's dQ WGMMA stays in flight and its
 # reductions into dq_accum are issued behind the next block's S^T/dP^T WGMMAs).
@@ -727,6 +741,11 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             (Tile(64, 128, 2, 12), {"overlap": True}),
             (Tile(64, 128, 3, 12), {"overlap": True}),
         ),
+        # The head-dim split's overlap: each consumer issues dV and dK over its own 32 queries with
+        # P^T, dS^T as register operands before the per-block barrier, the other consumer's 32
+        # after it from shared memory (the first half of those WGMMAs fills the barrier's idle phase).
+        192: ((Tile(64, 64, 2, 12), {"overlap": True}),),
+        256: ((Tile(64, 64, 2, 12), {"overlap": True}),),
     },
 }
 
@@ -736,6 +755,9 @@ def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | 
     where none fits. tile_m=128: one 64-row block each, all columns. tile_m=64: a column split at a
     swizzle-atom boundary of K (64 columns when head_dim is a multiple of 64, else 32): halves for
     head_dim 128, 64 + 32 for head_dim 96; the second piece must tile the columns from its start."""
+    if sm90_bwd_head_split(spec):  # each consumer its half of the head dim, all 64 rows
+        half = spec.head_dim // 2
+        return ((0, 0, half), (0, half, half))
     if spec.tile_m == 128:
         return ((0, 0, spec.head_dim), (1, 0, spec.head_dim))
     atom = 64 if spec.head_dim % 64 == 0 else 32
@@ -746,10 +768,27 @@ def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | 
     return ((0, 0, first), (0, first, second))
 
 
+def sm90_bwd_head_split(spec: VariantSpec) -> bool:
+    """Whether ``spec`` is the head-dim-split sm90 backward (templates/bwd_sm90_hsplit.py.j2): the
+    two consumer warpgroups share tile_n = 64 keys and each owns half of the head dim."""
+    return (spec.arch, spec.direction, spec.tile_n) == ("sm90", "bwd", SM90_BWD_SPLIT_TILE_N)
+
+
 def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
     """K and V (tile_n x d), the Q and dO ring (stages x tile_m x d each), two dS buffers
-    (tile_m x tile_n), 1 KiB-aligned each, plus the LSE2/D rows (two buffers) and mbarriers."""
+    (tile_m x tile_n), 1 KiB-aligned each, plus the LSE2/D rows (two buffers) and mbarriers.
+    The head-dim split (:func:`sm90_bwd_head_split`) also keeps two P^T buffers (tile_n x tile_m);
+    its struct (the 1 KiB-aligned buffers, then the rows and mbarriers) is counted exactly, rounded
+    up to its 1 KiB alignment as the DSL sizes it, plus the kernel's 1 KiB of static shared memory
+    (every compiled sm_90a backward cubin has it): hd256 s2 and hd192 s3 need exactly the 232,448
+    bytes of the opt-in limit (a 231,424-byte struct, Storage.size_in_bytes())."""
     elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
+    if sm90_bwd_head_split(spec):
+        elements += 4 * spec.tile_m * spec.tile_n
+        rows = 2 * 2 * spec.tile_m * 4  # LSE2 and D, two buffers each, fp32
+        barriers = (2 + 2 * spec.stages) * 8
+        struct = elements * spec.elem_bytes + rows + barriers
+        return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
     elements += 2 * spec.tile_m * spec.tile_n
     return elements * spec.elem_bytes + 4 * 2 * spec.tile_m * 4 + 6 * SMEM_RESERVE
 
@@ -760,24 +799,67 @@ def sm90_bwd_registers(spec: VariantSpec) -> int:
     the 16-bit P^T/dS^T replace them as they are formed, the dQ piece comes after them).
     Calibrated on compiled SASS (sm_90a, DSL 4.8.1): the defaults (estimates 232) compile within
     the 240 registers of setmaxnreg with no spill."""
+    if sm90_bwd_head_split(spec):
+        return sm90_bwd_split_registers(spec)
     acc_dkv = 2 * 64 * spec.head_dim // 128
     acc_sdp = 2 * 64 * spec.tile_m // 128
     return acc_dkv + acc_sdp + SM90_BWD_REG_OVERHEAD
 
 
-def _sm90_bwd(spec: VariantSpec) -> str | None:
-    if spec.warps != SM90_BWD_WARPS or spec.tile_n != SM90_BWD_TILE_N:
+def sm90_bwd_split_registers(spec: VariantSpec) -> int:
+    """The head-dim split's consumer thread at the peak: fp32 dK and dV of 64 keys x d/2 columns
+    for the whole query loop, beside the larger of S^T + dP^T (64 keys x tile_m/2 queries each,
+    with their 16-bit copies) and the fp32 dQ piece (64 queries x d/2 columns, formed after P^T and
+    dS^T have gone to shared memory). Calibrated on compiled SASS (sm_90a, DSL 4.8.1): the
+    defaults' consumers use 216 (hd256, estimate 232) and 168 (hd192, estimate 184) of their 240
+    registers, no spill; the estimate stays 16 high (the 16-bit copies are short-lived)."""
+    acc_dkv = 2 * 64 * (spec.head_dim // 2) // 128
+    acc_sdp = 3 * 64 * (spec.tile_m // 2) // 128
+    acc_dq = 64 * (spec.head_dim // 2) // 128
+    return acc_dkv + max(acc_sdp, acc_dq) + SM90_BWD_REG_OVERHEAD
+
+
+def _sm90_bwd_split(spec: VariantSpec) -> str | None:
+    """The head-dim split (tile_n = 64): head dims 192 and 256, 64 query rows per step."""
+    if spec.head_dim not in SM90_BWD_SPLIT_HEAD_DIMS:
         return (
-            f"the sm90 backward runs warps={SM90_BWD_WARPS} and tile_n={SM90_BWD_TILE_N} "
-            "(a producer warpgroup and two consumer warpgroups of 64 keys each)"
+            f"tile_n={spec.tile_n} with head_dim={spec.head_dim}: the head-dim-split sm90 backward "
+            f"(two warpgroups sharing 64 keys) handles head_dim in {SM90_BWD_SPLIT_HEAD_DIMS}; "
+            f"head dims {SM90_BWD_HEAD_DIMS} run tile_n={SM90_BWD_TILE_N}"
         )
+    if spec.tile_m != 64:
+        return (
+            f"tile_m={spec.tile_m}: the head-dim-split sm90 backward takes 64 query rows per step "
+            "(32 per warpgroup for S^T and dP^T; the Q/dO ring of 128 rows would not fit in shared memory)"
+        )
+    if spec.stages < 2:
+        return f"stages={spec.stages}: the Q/dO TMA ring needs at least 2 stages to overlap loads with MMAs"
+    if spec.pingpong:
+        return "pingpong: the sm90 backward has no ping-pong schedule (its consumers meet at a barrier per query block)"
+    return None
+
+
+def _sm90_bwd(spec: VariantSpec) -> str | None:
+    if spec.warps != SM90_BWD_WARPS or spec.tile_n not in (SM90_BWD_TILE_N, SM90_BWD_SPLIT_TILE_N):
+        return (
+            f"the sm90 backward runs warps={SM90_BWD_WARPS} and tile_n={SM90_BWD_TILE_N} (a producer "
+            "warpgroup and two consumer warpgroups of 64 keys each) or tile_n="
+            f"{SM90_BWD_SPLIT_TILE_N} (head dims {SM90_BWD_SPLIT_HEAD_DIMS}: the two consumers share "
+            "64 keys and split the head dim)"
+        )
+    if sm90_bwd_head_split(spec):
+        reason = _sm90_bwd_split(spec)
+        if reason is not None:
+            return reason
+        return _sm90_bwd_budgets(spec)
     if spec.tile_m not in (64, 128):
         return f"tile_m={spec.tile_m} must be 64 or 128 (the two consumers split dQ into 64-row blocks)"
     if spec.head_dim not in SM90_BWD_HEAD_DIMS:
         return (
-            f"head_dim={spec.head_dim}: the sm90 backward handles {SM90_BWD_HEAD_DIMS} (fp32 dK + dV of "
-            "64 keys, head_dim registers per thread, must fit beside S^T and dP^T); other head dims run "
-            "the sm80 backward"
+            f"head_dim={spec.head_dim}: the sm90 backward with tile_n={SM90_BWD_TILE_N} handles "
+            f"{SM90_BWD_HEAD_DIMS} (fp32 dK + dV of 64 keys, head_dim registers per thread, must fit "
+            f"beside S^T and dP^T); head dims {SM90_BWD_SPLIT_HEAD_DIMS} run tile_n={SM90_BWD_SPLIT_TILE_N} "
+            "(the head-dim split)"
         )
     if sm90_bwd_dq_pieces(spec) is None:
         return (
@@ -795,6 +877,10 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
                 f"overlap with head_dim={spec.head_dim}, tile_m={spec.tile_m}: the consumers' dQ pieces differ "
                 f"in width ({pieces[0][2]} and {pieces[1][2]} columns) and overlap carries one accumulator shape"
             )
+    return _sm90_bwd_budgets(spec)
+
+
+def _sm90_bwd_budgets(spec: VariantSpec) -> str | None:
     estimate = sm90_bwd_registers(spec)
     if estimate > SM90_CONSUMER_REGS:
         return (

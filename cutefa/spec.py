@@ -62,7 +62,9 @@ class VariantSpec:
     # make the consumer warpgroups take turns issuing MMAs (ping-pong). Name tokens _ov / _pp.
     # sm90 backward: overlap leaves a query block's dQ = dS K WGMMA in flight and issues its
     # reductions into the fp32 dQ accumulator behind the next block's S^T/dP^T WGMMAs (software
-    # pipelining of dQ); pingpong has no backward meaning (rejected).
+    # pipelining of dQ); at head dims 192/256 (the head-dim split) it issues each consumer's dV and
+    # dK over its own queries from registers before the per-block barrier; pingpong has no
+    # backward meaning (rejected).
     overlap: bool = False
     pingpong: bool = False
     # sm90: a persistent grid (one CTA per SM) walking the tiles longest-first (causal: the last

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from cutefa import space
@@ -14,8 +16,31 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
     ("spec", "reason"),
     [
         (
-            SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2),
+            SM80.replace(arch="sm90", direction="bwd", tile_n=96, warps=12, stages=2),
             "the sm90 backward runs warps=12 and tile_n=128",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", warps=12, stages=2),
+            (
+                "tile_n=64 with head_dim=64: the head-dim-split sm90 backward (two warpgroups sharing 64 keys) "
+                "handles head_dim in (192, 256)"
+            ),
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", head_dim=256, tile_m=128, warps=12, stages=2),
+            "tile_m=128: the head-dim-split sm90 backward takes 64 query rows per step",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", head_dim=256, tile_m=64, warps=12, stages=1),
+            "the Q/dO TMA ring needs at least 2 stages",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", head_dim=192, tile_m=64, warps=12, stages=2, pingpong=True),
+            "pingpong: the sm90 backward has no ping-pong schedule",
+        ),
+        (
+            SM80.replace(arch="sm90", direction="bwd", head_dim=256, tile_m=64, warps=12, stages=3),
+            "needs 291.0 KiB of shared memory, over the 227 KiB per-block opt-in limit of the H100/H200",
         ),
         (
             SM80.replace(arch="sm90", direction="bwd", tile_m=192, tile_n=128, warps=12, stages=2),
@@ -23,7 +48,7 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
         ),
         (
             SM80.replace(arch="sm90", direction="bwd", head_dim=192, tile_n=128, warps=12, stages=2),
-            "head_dim=192: the sm90 backward handles (64, 96, 128)",
+            "head_dim=192: the sm90 backward with tile_n=128 handles (64, 96, 128)",
         ),
         (
             SM80.replace(arch="sm90", direction="bwd", tile_m=64, tile_n=128, warps=12, stages=2),
@@ -151,6 +176,43 @@ def test_sm90_bwd_dq_pieces():
     assert space.sm90_bwd_dq_pieces(bwd.replace(head_dim=128, tile_m=64)) == ((0, 0, 64), (0, 64, 64))
     assert space.sm90_bwd_dq_pieces(bwd.replace(head_dim=96, tile_m=64)) == ((0, 0, 64), (0, 64, 32))
     assert space.sm90_bwd_dq_pieces(bwd.replace(tile_m=64)) is None  # one 64-column atom: no split
+
+
+def test_sm90_bwd_head_split():
+    """Head dims 192 and 256: tile_n=64 (the two consumers share the keys, each owns half of the
+    head dim of dK, dV and dQ), tile_m=64; the budgets follow the split's own models."""
+    split = VariantSpec("sm90", "bwd", "bf16", 256, 64, 64, 2, 12)
+    assert space.sm90_bwd_head_split(split)
+    assert not space.sm90_bwd_head_split(split.replace(head_dim=128, tile_n=128))
+    assert not space.sm90_bwd_head_split(split.replace(arch="sm80", warps=8))
+    for head_dim in (192, 256):
+        spec = split.replace(head_dim=head_dim)
+        assert space.why_invalid(spec) is None, spec.name
+        assert space.DEFAULT_BWD_TILES["sm90"][head_dim] == space.Tile(64, 64, 2, 12)
+        half = head_dim // 2
+        assert space.sm90_bwd_dq_pieces(spec) == ((0, 0, half), (0, half, half))
+        # dK + dV (64 keys x d/2, fp32 over 128 threads) beside the larger of S^T/dP^T (+ 16-bit
+        # copies, 64 x 32) and the fp32 dQ piece (64 x d/2)
+        assert space.sm90_bwd_registers(spec) == half + max(48, half // 2) + space.SM90_BWD_REG_OVERHEAD
+        assert space.est_registers(spec) == space.sm90_bwd_registers(spec) <= space.SM90_CONSUMER_REGS
+        # K, V, the Q/dO ring, two dS and two P^T buffers, the LSE2/D rows and 6 mbarriers in a
+        # struct rounded up to 1 KiB, plus 1 KiB of static shared memory
+        elements = 2 * 64 * head_dim + 2 * 2 * 64 * head_dim + 4 * 64 * 64
+        struct = elements * 2 + 2 * 2 * 64 * 4 + 6 * 8
+        assert space.smem_bytes(spec) == math.ceil(struct / 1024) * 1024 + 1024
+        assert space.smem_bytes(spec) <= space.SM90_SMEM_LIMIT
+    assert space.sm90_bwd_registers(split) == 232
+    assert space.smem_bytes(split) == space.SM90_SMEM_LIMIT  # hd256: the whole opt-in limit
+    assert space.why_invalid(split.replace(head_dim=192, stages=3)) is None  # 3 stages fit at 192 only
+    # the split's tiles are in the enumerated space: every valid one a 64x64 tile at 192 or 256
+    valid = [s for s in space.valid_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
+    assert {(s.head_dim, s.tile_m, s.stages) for s in valid} == {(192, 64, 2), (192, 64, 3), (256, 64, 2)}
+    assert {s.replace(overlap=False) for s in valid if s.overlap} == {s for s in valid if not s.overlap}
+    # the overlap schedule is committed beside each default (bf16), dispatch keeps the default
+    committed = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
+    assert sorted((s.dtype, s.head_dim, s.causal) for s in committed if s.overlap) == [
+        ("bf16", d, c) for d in (192, 256) for c in (False, True)
+    ]
 
 
 def test_sm80_bwd_default_set():

@@ -8,7 +8,9 @@ the exact attention, with the tolerance of tests/gpu/test_bwd_sm80.py (at most 3
 PyTorch's own attention on the same low-precision inputs). Shapes: ragged lengths (1, 17, 1000,
 4097), seqlen_q != seqlen_k both ways, GQA and MQA; deterministic=1 must be bitwise reproducible.
 An alternative (another Q/dO ring depth, the overlap schedule) does the same arithmetic in the same
-order as its default twin, so with deterministic=1 their gradients must be bitwise equal.
+order as its default twin, so with deterministic=1 their gradients must be bitwise equal. (One
+exception: the head-dim split's overlap (head dims 192/256) adds consumer 1's dK/dV columns over
+the two query halves in the other order; those columns must be close, the rest bitwise equal.)
 
 Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_sm90.py``.
 """
@@ -188,6 +190,12 @@ def test_alternative_matches_default_bitwise(gen, target, spec):
     out, lse = forward_ref(q, k, v, spec.causal)
     mine = run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
     ref = run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
+    reordered = space.sm90_bwd_head_split(spec) and spec.overlap
+    half = spec.head_dim // 2
     for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
         assert torch.isfinite(a).all(), f"{spec.name} {name}"
-        assert torch.equal(a, b), f"{spec.name} {name} differs from {twin.name}"
+        if reordered and name != "dq":  # consumer 1's columns: its own queries first, then consumer 0's
+            assert torch.equal(a[..., :half], b[..., :half]), f"{spec.name} {name} differs from {twin.name}"
+            assert bwd80.rel(a[..., half:], b[..., half:]) < 1e-2, f"{spec.name} {name} vs {twin.name}"
+        else:
+            assert torch.equal(a, b), f"{spec.name} {name} differs from {twin.name}"

@@ -247,3 +247,51 @@ def dq_step_under_dk(
     red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS)
     warpgroup.wait_group(0)
     handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
+
+
+# --- Head-dim split (templates/bwd_sm90_hsplit.py.j2, head dims 192 and 256) -----------------------
+# The two consumer warpgroups share the CTA's 64 keys. Per query block of 64 rows, warpgroup c
+# computes S^T and dP^T for its 32 queries (64 keys x 32), writes P^T and dS^T to shared memory, and
+# after a barrier accumulates dV and dK for columns [c d/2, (c+1) d/2) over all 64 queries (A from
+# shared memory) and forms the same columns of dQ = dS K.
+
+
+def _tiled_smem(layout_enum, shape, dtype, atom_major: int, stages: int, k_major: bool):
+    """``shape`` + (stages,) tiled by the swizzle atom the WGMMA helpers would pick for a major
+    mode of ``atom_major`` elements (a warpgroup's half of the head dim), in the helpers' order."""
+    atom = sm90_utils.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(layout_enum, dtype, atom_major), dtype)
+    return cute.tile_to_shape(atom, (*shape, stages), order=(0, 1, 2) if k_major else (1, 0, 2))
+
+
+def split_smem_layouts(dtype, tile_m: int, tile_n: int, head_dim: int, stages: int):
+    """Swizzled layouts of the head-dim split's shared-memory operands.
+
+    Returns (sK, sKt, sQ, sQt, sdS, sdSt):
+      sK   (tile_n, head_dim, 1)       K and V: K-major A of S^T = K Q^T and dP^T = V dO^T
+      sKt  (head_dim, tile_n, 1)       the same bytes as K: MN-major B of dQ = dS K
+      sQ   (tile_m, head_dim, stages)  Q and dO: K-major B of S^T and dP^T
+      sQt  (head_dim, tile_m, stages)  the same bytes: MN-major B of dK = dS^T Q and dV = P^T dO
+      sdS  (tile_m, tile_n, 2)         dS, queries contiguous: MN-major A of dQ (two buffers)
+      sdSt (tile_n, tile_m, 2)         the same bytes as dS: K-major A of dK (P^T's buffers too)
+
+    The head-dim swizzle atom is chosen for d/2 columns (128-byte at 256, 64-byte at 192), so that
+    each warpgroup's half of the head dim starts on an atom boundary of K^T, Q^T and dO^T."""
+    half = head_dim // 2
+    row, col = utils.LayoutEnum.ROW_MAJOR, utils.LayoutEnum.COL_MAJOR
+    sk = _tiled_smem(row, (tile_n, head_dim), dtype, half, 1, True)
+    skt = _tiled_smem(col, (head_dim, tile_n), dtype, half, 1, False)
+    sq = _tiled_smem(row, (tile_m, head_dim), dtype, half, stages, True)
+    sqt = _tiled_smem(col, (head_dim, tile_m), dtype, half, stages, False)
+    sds = sm90_utils.make_smem_layout_a(col, (tile_m, WG_ROWS, tile_n), dtype, 2)
+    sdst = sm90_utils.make_smem_layout_a(row, (tile_n, WG_ROWS, tile_m), dtype, 2)
+    return sk, skt, sq, sqt, sds, sdst
+
+
+def split_dkv_tiled_mma(dtype, half: int):
+    """dV += P^T dO and dK += dS^T Q for one warpgroup of the head-dim split: 64 keys x d/2
+    columns, A (P^T, dS^T) K-major and B (dO^T, Q^T) MN-major, both in shared memory."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+        Float32, (1, 1, 1), (WG_ROWS, half),
+    )  # fmt: skip
+

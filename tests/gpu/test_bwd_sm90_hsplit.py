@@ -1,0 +1,178 @@
+"""The sm90 backward at head dims 192 and 256 (the head-dim split, templates/bwd_sm90_hsplit.py.j2)
+on a Hopper GPU.
+
+Each split variant (DEFAULT_BWD_TILES["sm90"][192 | 256]: 64 keys per CTA shared by both consumer
+warpgroups, each owning half of the head dim; and its committed overlap alternative, _ov) is called directly with the calling convention of
+cutefa/backward.py through tests/gpu/test_bwd_sm90.py's ``run_kernel`` (dq, dk, dv and every
+workspace poisoned with NaN, so an element the kernel does not write fails; grouped heads summed
+as backward.py does) and judged against float32 autograd of the exact attention with the
+tolerance of tests/gpu/test_bwd_sm80.py (at most 3x the error of PyTorch's own attention on the
+same low-precision inputs). Shapes: seqlens 1, 17, 1000, 4097, seqlen_q != seqlen_k both ways,
+GQA and MQA, and the split's own edges: a key past a 64-key block (65), a query past one
+consumer's 32 queries (33), causal diagonals that cross a consumer's half. deterministic=1 must be
+bitwise reproducible, also where each CTA walks several key blocks. Through the public API the
+dispatcher must run these kernels and the log-sum-exp gradient must flow.
+
+Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_sm90_hsplit.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cutefa import space
+
+
+def _load(name: str):
+    key = f"cutefa_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+bwd80 = _load("test_bwd_sm80")
+bwd90 = _load("test_bwd_sm90")
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU: torch.cuda.is_available() is False"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return f"needs a Hopper GPU (sm_90a), this GPU is {torch.cuda.get_device_capability()}"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+
+# The defaults (fp16/bf16) and the committed overlap alternatives (bf16).
+SPLIT = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+SHAPES = (
+    (1, 1, 1, 2, 2),
+    (2, 17, 17, 2, 2),
+    (1, 1000, 1000, 2, 1),
+    (1, 4097, 4097, 1, 1),
+    (1, 17, 1000, 4, 2),
+    (1, 1000, 17, 3, 3),
+    (1, 33, 65, 2, 2),  # one query past consumer 0's half, one key past a block
+    (2, 95, 64, 4, 1),  # MQA; causal: the diagonal crosses both consumers' halves
+    (1, 64, 127, 6, 2),  # GQA; one key short of two blocks
+    (1, 128, 4097, 8, 1),
+)
+
+
+def _check(spec, kernel, batch, sq, sk, hq, hkv, gen, *, deterministic=False):
+    dtype = bwd80.DTYPES[spec.dtype]
+    q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+    out, lse = bwd90.forward_ref(q, k, v, spec.causal)
+    got = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=deterministic)
+    scale = 1.0 / math.sqrt(spec.head_dim)
+    fn = functools.partial(bwd80.attention, causal=spec.causal, scale=scale)
+    exact = bwd80.grads(fn, q.float(), k.float(), v.float(), dout.float())
+    base = bwd80.grads(fn, q, k, v, dout)
+    where = f"{spec.name} b{batch} sq{sq} sk{sk} hq{hq} hkv{hkv} det{int(deterministic)}"
+    for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
+        assert g.shape == e.shape, f"{where} {name}"
+        assert torch.isfinite(g).all(), f"{where} {name}: non-finite values (unwritten or NaN)"
+        err, err_base = bwd80.rel(g, e), bwd80.rel(b, e)
+        assert err <= 3 * err_base + 1e-3, f"{where} {name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
+
+
+@pytest.fixture(scope="module")
+def target():
+    from cutefa.dispatch import current_target
+
+    return current_target()
+
+
+def test_split_variants_are_the_defaults_and_overlap():
+    assert sorted((s.head_dim, s.dtype, s.causal) for s in SPLIT if not s.overlap) == sorted(
+        (d, t, c) for d in (192, 256) for t in ("bf16", "fp16") for c in (False, True)
+    )
+    assert sorted((s.head_dim, s.dtype, s.causal) for s in SPLIT if s.overlap) == sorted(
+        (d, "bf16", c) for d in (192, 256) for c in (False, True)
+    )
+
+
+@pytest.mark.parametrize("spec", SPLIT, ids=lambda s: s.name)
+def test_split_grads(gen, target, spec):
+    from cutefa.compile import get_kernel
+
+    kernel = get_kernel(spec, target)
+    for shape in SHAPES:
+        _check(spec, kernel, *shape, gen)
+
+
+@pytest.mark.parametrize("spec", SPLIT, ids=lambda s: s.name)
+def test_split_deterministic(gen, target, spec):
+    """deterministic=1: two runs bitwise equal and as accurate as the atomic mode; with 32 (batch,
+    head) pairs each CTA walks several of the 16 key blocks (one dq_accum split per CTA)."""
+    from cutefa.backward import dq_splits
+    from cutefa.compile import get_kernel
+
+    kernel = get_kernel(spec, target)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    assert dq_splits(True, 2, 16, 1000, spec.tile_n, sm_count) < math.ceil(1000 / spec.tile_n)
+    _check(spec, kernel, 2, 1000, 1000, 16, 4, gen, deterministic=True)
+    dtype = bwd80.DTYPES[spec.dtype]
+    q = torch.randn(1, 2048, 4, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    k = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+    out, lse = bwd90.forward_ref(q, k, v, spec.causal)
+    first = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
+    second = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
+    plain = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout)
+    for name, a, b, c in zip(("dq", "dk", "dv"), first, second, plain):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{spec.name} {name} differs between two deterministic runs"
+        assert bwd80.rel(a, c) < 1e-2, name
+
+
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dispatched_backward_runs_the_split(gen, target, head_dim, causal):
+    """cutefa.flash_attn_func's backward picks the split on Hopper and matches the reference."""
+    from cutefa.backward import choose_bwd
+
+    spec = choose_bwd(target, torch.bfloat16, head_dim, causal, seqlen_k=777)
+    assert spec.arch == "sm90" and space.sm90_bwd_head_split(spec), spec.name
+    q = torch.randn(2, 500, 4, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 777, 2, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 777, 2, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    bwd80.check(q, k, v, causal, gen)
+
+
+def test_lse_gradient_hd256(gen):
+    """The incoming log-sum-exp gradient (D = rowsum(dO * O) - dLSE) through the split kernel."""
+    q, k, v = (torch.randn(1, 300, 2, 256, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    w = torch.randn(1, 2, 300, generator=gen, device="cuda")
+    import cutefa
+
+    def loss(a, b, c, lse_fn):
+        out, lse = lse_fn(a, b, c)
+        return out.float().sum() + (lse * w).sum()
+
+    def ref(a, b, c):
+        s = torch.einsum("bqhd,bkhd->bhqk", a.float(), b.float()) / 16.0
+        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), c.float()), torch.logsumexp(s, -1)
+
+    got = [t.detach().requires_grad_() for t in (q, k, v)]
+    loss(*got, lambda a, b, c: cutefa.flash_attn_func(a, b, c, return_lse=True)).backward()
+    want = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    loss(*want, ref).backward()
+    for g, e in zip(got, want):
+        assert bwd80.rel(g.grad, e.grad) < 1e-2
