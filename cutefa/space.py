@@ -128,8 +128,9 @@ def fp8_block_specs(arch: str = "sm90") -> list[VariantSpec]:
     if arch not in BLOCK_QUANT_FAMILIES:
         return []
     return sorted(
-        VariantSpec(arch, "fwd", "e4m3", hd, *tile, causal=causal, block_quant=True,
-                    **default_extras(arch, "fwd", hd))  # fmt: skip
+        VariantSpec(
+            arch, "fwd", "e4m3", hd, *tile, causal=causal, block_quant=True, **default_extras(arch, "fwd", hd)
+        )
         for hd, tile in DEFAULT_TILES.get(arch, {}).items()
         for causal in (False, True)
     )
@@ -948,7 +949,9 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     fp8_alternatives = (
         fp8_alternative_specs(arch) if "fwd" in directions and "e4m3" in IMPLEMENTED.get((arch, "fwd"), ()) else []
     )
-    fp8_blocks = fp8_block_specs(arch) if "fwd" in directions and "e4m3" in IMPLEMENTED.get((arch, "fwd"), ()) else []
+    fp8_blocks = (
+        fp8_block_specs(arch) if "fwd" in directions and "e4m3" in IMPLEMENTED.get((arch, "fwd"), ()) else []
+    )
     return sorted(
         set(fp8_alternatives)
         | set(fp8_blocks)

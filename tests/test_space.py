@@ -388,7 +388,10 @@ def test_fp8_block_quant_variants():
     assert not any(s.block_quant for s in space.candidates("sm100"))
     fp8 = committed[0]
     for bad, words in (
-        (fp8.replace(dtype="bf16"), "block_quant (FP8 block quantization) is an sm90 e4m3 forward flag, not a sm90 fwd bf16"),
+        (
+            fp8.replace(dtype="bf16"),
+            "block_quant (FP8 block quantization) is an sm90 e4m3 forward flag, not a sm90 fwd bf16",
+        ),
         (
             VariantSpec("sm100", "fwd", "e4m3", 128, 256, 128, 3, 16, block_quant=True),
             "not a sm100 fwd e4m3",
