@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cutefa.fp8 import quantize_fp8
-    from cutefa.ops import explain, flash_attn_func
+    from cutefa.ops import explain, flash_attn_func, fp8_block_sizes
 
-__all__ = ["__version__", "explain", "flash_attn_func", "quantize_fp8"]
+__all__ = ["__version__", "explain", "flash_attn_func", "fp8_block_sizes", "quantize_fp8"]
 
 __version__ = "0.1.0"  # keep equal to pyproject.toml's version (a test checks)
 
-_LAZY = {"flash_attn_func", "explain"}
+_LAZY = {"flash_attn_func", "explain", "fp8_block_sizes"}
 
 
 def __getattr__(name: str) -> Any:

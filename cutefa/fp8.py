@@ -7,6 +7,12 @@ descale (shape ``()``) is broadcast. Granularity ``"head"`` gives a descale per 
 per (batch, group of ``group`` consecutive heads): for grouped-query attention, quantize q with
 ``group=heads_q // heads_kv`` so that its descale has the (batch, heads_kv) shape of k's and v's.
 
+Granularity ``"block"`` (FlashAttention-3's block quantization) gives one descale per ``block``
+consecutive rows along seqlen as well: shape (batch, heads // group, ceil(seqlen / block)), the
+last block partial. A token with large activations then costs precision only to the rows of its
+own block. The sm90 fp8 kernel takes q's blocks of its tile_m rows and k's and v's of its tile_n
+rows: :func:`cutefa.fp8_block_sizes` returns the pair for a problem.
+
 Incoherent processing (``hadamard=True``): q and k are multiplied along head_dim by the same
 random orthogonal matrix M = diag(signs) H / sqrt(n) (H a Sylvester Hadamard matrix, block-diagonal
 for head dims that are not powers of two; the signs drawn from ``seed``) before they are quantized.
@@ -21,7 +27,7 @@ import functools
 import torch
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-GRANULARITIES = ("tensor", "head")
+GRANULARITIES = ("tensor", "head", "block")
 
 
 @functools.lru_cache(maxsize=32)
@@ -56,13 +62,16 @@ def quantize_fp8(
     *,
     group: int = 1,
     seed: int = 0,
+    block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (batch, seqlen, heads, head_dim) to float8_e4m3fn with float32 descales.
 
-    Returns ``(x_e4m3, descale)``: descale has shape ``()`` for granularity ``"tensor"`` and
-    ``(batch, heads // group)`` for ``"head"``, and ``x_e4m3 * descale`` (per its head group)
-    approximates ``x`` (rotated by :func:`hadamard_matrix` when ``hadamard``). Each scale maps the
-    group's largest magnitude to 448, the largest e4m3 value; an all-zero group gets descale 1.
+    Returns ``(x_e4m3, descale)``: descale has shape ``()`` for granularity ``"tensor"``,
+    ``(batch, heads // group)`` for ``"head"`` and ``(batch, heads // group, ceil(seqlen / block))``
+    for ``"block"`` (``block`` rows along seqlen per descale, required there), and
+    ``x_e4m3 * descale`` (per its head group and block) approximates ``x`` (rotated by
+    :func:`hadamard_matrix` when ``hadamard``). Each scale maps the group's largest magnitude to
+    448, the largest e4m3 value; an all-zero group gets descale 1.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
@@ -70,11 +79,6 @@ def quantize_fp8(
         raise TypeError(f"x must be a float16, bfloat16 or float32 tensor; got dtype {x.dtype}")
     if x.dim() != 4:
         raise ValueError(f"x must be 4-D (batch, seqlen, heads, head_dim); got shape {tuple(x.shape)}")
-    if granularity == "block":
-        raise NotImplementedError(
-            "granularity='block' (one scale per tile of keys/queries) is not implemented: the fp8 kernel "
-            "takes one descale per (batch, kv head); use 'tensor' or 'head'"
-        )
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity={granularity!r} is not one of {GRANULARITIES}")
     if not isinstance(hadamard, bool):
@@ -82,20 +86,67 @@ def quantize_fp8(
     if isinstance(group, bool) or not isinstance(group, int) or group <= 0 or x.shape[2] % group:
         raise ValueError(f"group={group!r} must be a positive int dividing heads={x.shape[2]}")
     if granularity == "tensor" and group != 1:
-        raise ValueError(f"group={group} applies to granularity 'head' only")
+        raise ValueError(f"group={group} applies to granularity 'head' or 'block' only")
+    if granularity == "block":
+        if block is None:
+            raise ValueError(
+                "granularity='block' needs block= (rows along seqlen per descale): the fp8 kernel takes q in "
+                "blocks of its tile_m rows and k, v in blocks of its tile_n rows; cutefa.fp8_block_sizes(q, k, "
+                "causal=...) returns them"
+            )
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise ValueError(f"block={block!r} must be a positive int (rows along seqlen per descale)")
+    elif block is not None:
+        raise ValueError(
+            f"block={block!r} applies to granularity 'block' only; got granularity={granularity!r}"
+        )
     xf = x.float()
     if hadamard:
         xf = xf @ hadamard_matrix(x.shape[-1], seed=seed, device=x.device)
     batch, seqlen, heads, head_dim = xf.shape
     if granularity == "tensor":
         amax = xf.abs().amax()
-    else:
+    elif granularity == "head":
         grouped = xf.reshape(batch, seqlen, heads // group, group * head_dim)
         amax = grouped.abs().amax(dim=(1, 3))  # (batch, heads // group)
+    else:
+        blocks = -(-seqlen // block)
+        # zero rows pad the last block: they leave its amax as it is
+        padded = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, blocks * block - seqlen))
+        grouped = padded.reshape(batch, blocks, block, heads // group, group * head_dim)
+        amax = grouped.abs().amax(dim=(2, 4)).transpose(1, 2)  # (batch, heads // group, blocks)
     descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).float()
-    scale = descale if granularity == "tensor" else descale.repeat_interleave(group, 1)[:, None, :, None]
-    q = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, descale
+    q = (xf / expand_descale(descale, xf.shape, block)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, descale.contiguous()
+
+
+def expand_descale(
+    descale: torch.Tensor, shape: tuple[int, ...] | torch.Size, block: int | None = None
+) -> torch.Tensor:
+    """``descale`` of shape (), (batch, heads // group) or (batch, heads // group, blocks) as a
+    float32 tensor that broadcasts against ``shape`` (batch, seqlen, heads, head_dim): each head of
+    a group and, for 3-D descales, each of the ``block`` rows of a block take its value."""
+    d = descale.float()
+    if d.dim() == 0:
+        return d
+    batch, seqlen, heads, _ = shape
+    if d.dim() not in (2, 3) or d.shape[0] != batch or heads % d.shape[1]:
+        raise ValueError(
+            f"descale of shape {tuple(d.shape)} does not fit x of shape {tuple(shape)}: expected (), "
+            "(batch, heads // group) or (batch, heads // group, blocks)"
+        )
+    d = d.repeat_interleave(heads // d.shape[1], 1)
+    if d.dim() == 2:
+        return d[:, None, :, None]
+    if block is None or isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(
+            f"a 3-D (block) descale needs block=, a positive int (rows per block); got {block!r}"
+        )
+    if d.shape[2] != -(-seqlen // block):
+        raise ValueError(
+            f"descale has {d.shape[2]} blocks; seqlen={seqlen} in blocks of {block} rows needs {-(-seqlen // block)}"
+        )
+    return d.repeat_interleave(block, 2)[:, :, :seqlen].transpose(1, 2)[..., None]
 
 
 _FP8 = tuple(
@@ -103,11 +154,8 @@ _FP8 = tuple(
 )
 
 
-def dequantize_fp8(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+def dequantize_fp8(x: torch.Tensor, descale: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """float32 ``x * descale``, descale of shape () or (batch, heads // group) broadcast over the
-    seqlen and head_dim of x (batch, seqlen, heads, head_dim)."""
-    xf = x.float()
-    if descale.dim() == 0:
-        return xf * descale
-    group = x.shape[2] // descale.shape[1]
-    return xf * descale.float().repeat_interleave(group, 1)[:, None, :, None]
+    seqlen and head_dim of x (batch, seqlen, heads, head_dim), or (batch, heads // group, blocks)
+    with ``block`` rows along seqlen per descale."""
+    return x.float() * expand_descale(descale, x.shape, block)

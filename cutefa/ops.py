@@ -22,6 +22,7 @@ on the call path synchronizes with the GPU, so calls can be captured in a CUDA g
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import threading
@@ -35,6 +36,7 @@ from cutefa import backward as _backward_pass
 from cutefa import dispatch
 from cutefa import profile as _profile
 from cutefa.compile import get_kernel
+from cutefa.space import why_invalid
 from cutefa.spec import HEAD_DIMS
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -268,7 +270,9 @@ _DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 def _fp8_descale(name: str, d: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """A float32 (batch, heads_kv) descale on q's device from None (1), a 0-d/1-element tensor
-    (per tensor) or a (batch, heads_kv) tensor."""
+    (per tensor) or a (batch, heads_kv) tensor; a (batch, heads_kv, blocks) block descale is
+    passed on (contiguous) as it is: its block count is checked against the kernel's tiles at
+    launch (:func:`_fp8_kernel_args`)."""
     batch, heads_kv = q.shape[0], k.shape[2]
     if d is None:
         return torch.ones((batch, heads_kv), dtype=torch.float32, device=q.device)
@@ -280,12 +284,106 @@ def _fp8_descale(name: str, d: object, q: torch.Tensor, k: torch.Tensor) -> torc
         raise ValueError(f"{name} must be on q's device {q.device}; got {d.device}")
     if d.numel() == 1 and d.dim() <= 2:
         return d.reshape(1, 1).expand(batch, heads_kv).clone(memory_format=torch.contiguous_format)
-    if tuple(d.shape) != (batch, heads_kv):
+    if tuple(d.shape) != (batch, heads_kv) and not (d.dim() == 3 and tuple(d.shape[:2]) == (batch, heads_kv)):
         raise ValueError(
-            f"{name} must have shape () or (batch, heads_kv) = {(batch, heads_kv)}; got {tuple(d.shape)} "
-            "(with grouped-query attention q's descale is per kv head too: quantize q with group=heads_q // heads_kv)"
+            f"{name} must have shape () or (batch, heads_kv) = {(batch, heads_kv)}, or (batch, heads_kv, blocks) "
+            f"= {(batch, heads_kv, 'blocks')} for block quantization; got {tuple(d.shape)} (with grouped-query "
+            "attention q's descale is per kv head too: quantize q with group=heads_q // heads_kv)"
         )
     return d if d.is_contiguous() else d.clone(memory_format=torch.contiguous_format)
+
+
+def _block_choice(choice: dispatch.Choice) -> dispatch.Choice:
+    """The block-quantization variant (``block_quant``) of the dispatched e4m3 forward ``choice``."""
+    spec = choice.spec.replace(block_quant=True)
+    why_not = why_invalid(spec)
+    if why_not is not None:
+        raise NotImplementedError(
+            f"block-quantized fp8 descales (3-D) have no kernel for {choice.spec.name} on {choice.target}: "
+            f"{why_not}; use per-tensor or per-head descales there"
+        )
+    return dataclasses.replace(choice, spec=spec, reason=f"{choice.reason}; block quantization (_blockq)")
+
+
+def _block_descale(name: str, d: torch.Tensor, seqlen_name: str, seqlen: int, tile: str, rows: int, spec: Any
+) -> torch.Tensor:  # fmt: skip
+    """``d`` (batch, heads_kv) or (batch, heads_kv, blocks) as the (batch, heads_kv, ceil(seqlen /
+    rows)) descale of the block kernel, whose ``tile`` is ``rows`` rows; a block count that does not
+    fit is a ValueError naming both block sizes."""
+    blocks = -(-seqlen // rows)
+    if d.dim() == 2:
+        return d[:, :, None].expand(*d.shape, blocks)
+    if d.shape[2] != blocks:
+        given = -(-seqlen // d.shape[2])
+        raise ValueError(
+            f"{name} must have shape (batch, heads_kv, ceil({seqlen_name} / {rows})) = {(*d.shape[:2], blocks)}: "
+            f"the dispatched kernel {spec.name} quantizes in blocks of its {tile}={rows} rows; got "
+            f"{tuple(d.shape)}, {d.shape[2]} blocks for {seqlen_name}={seqlen} (blocks of about {given} rows). "
+            f"Quantize with cutefa.quantize_fp8(x, 'block', block={rows}); cutefa.fp8_block_sizes(q, k, causal=...) "
+            "returns the block sizes for a problem"
+        )
+    return d
+
+
+def _fp8_kernel_args(
+    q: torch.Tensor, k: torch.Tensor, descales: Sequence[torch.Tensor], choice: dispatch.Choice
+) -> tuple[dispatch.Choice, tuple[torch.Tensor, ...]]:
+    """What the fp8 kernel takes after (q, k, v, out, lse), and the variant that takes it.
+
+    Per-tensor/per-head descales (all (batch, heads_kv)) go to the dispatched variant unchanged.
+    With any 3-D (block) descale the block-quantization variant runs (:func:`_block_choice`); every
+    descale is brought to its blocks (a (batch, heads_kv) one is broadcast over them) and the kernel
+    takes (q_descale (batch, heads_kv, q blocks), kv_scales (batch, heads_kv, k blocks, 4),
+    v_descale (batch, heads_kv)): per key block (k descale, log2 r, 1 / r, 0), r = v's block descale
+    over its largest one, that largest one being v_descale (the kernel folds log2 r into the exp2
+    of the block's probabilities, which then stay normal e4m3 numbers, and O is multiplied by the
+    largest descale at the end; templates/fwd_sm90_fp8.py.j2). Descales must be positive.
+    """
+    if all(d.dim() == 2 for d in descales):
+        return choice, tuple(descales)
+    choice = _block_choice(choice)
+    spec = choice.spec
+    qd, kd, vd = (
+        _block_descale(name, d, seqlen_name, x.shape[1], tile, rows, spec)
+        for name, d, seqlen_name, x, tile, rows in zip(
+            _DESCALE_NAMES, descales, ("seqlen_q", "seqlen_k", "seqlen_k"), (q, k, k),
+            ("tile_m", "tile_n", "tile_n"), (spec.tile_m, spec.tile_n, spec.tile_n),
+        )
+    )  # fmt: skip
+    v_max = vd.amax(dim=2)
+    ratio = vd / v_max[:, :, None]
+    kv_scales = torch.stack((kd, torch.log2(ratio), 1.0 / ratio, torch.zeros_like(kd)), dim=-1).contiguous()
+    return choice, (qd.contiguous(), kv_scales, v_max.contiguous())
+
+
+def fp8_block_sizes(
+    q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, target: str | None = None
+) -> tuple[int, int]:
+    """``(q_block, kv_block)``: the rows per descale that block-quantized fp8 inputs of this problem
+    need, the tile_m and tile_n of the e4m3 forward that :func:`flash_attn_func` dispatches for it.
+
+    Only shapes are read, so q and k may be the tensors before quantization (any dtype):
+    ``cutefa.quantize_fp8(q, "block", block=q_block, group=heads_q // heads_kv)``, and k and v with
+    ``block=kv_block``. ``target`` (e.g. 'sm_90a') answers for that compile target instead of the
+    GPU of q's device. Raises NotImplementedError where the dispatched family has no
+    block-quantization kernel (only the sm90 family has one).
+    """
+    tensors = _check_tensors((q, k, k))
+    _check_options(causal, None)
+    if target is None:
+        _check_devices(tensors, DEVICE_TYPES)
+        target, gpu_name = dispatch.device_target(q.device)
+    else:
+        gpu_name = None
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if k.shape[3] != head_dim or k.shape[0] != batch:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have one batch size and head_dim")
+    choice = dispatch.choose(
+        target=target, dtype=FP8_INPUT_DTYPE, head_dim=head_dim, causal=causal, seqlen_q=seqlen_q,
+        seqlen_k=k.shape[1], batch=batch, heads_q=heads_q, heads_kv=k.shape[2], gpu_name=gpu_name,
+    )  # fmt: skip
+    spec = _block_choice(choice).spec
+    return spec.tile_m, spec.tile_n
 
 
 def validate_fp8_inputs(
@@ -311,8 +409,9 @@ def _flash_fwd_fp8(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor, k_descale: torch.Tensor,
     v_descale: torch.Tensor, causal: bool, softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """fp8 attention forward: e4m3 q/k/v, float32 (batch, heads_kv) descales; returns (out bf16,
-    lse float32 (batch, heads_q, seqlen_q)) of the dequantized problem."""
+    """fp8 attention forward: e4m3 q/k/v, float32 (batch, heads_kv) descales, or (batch, heads_kv,
+    blocks) block descales for any of them (:func:`_fp8_kernel_args`); returns (out bf16, lse
+    float32 (batch, heads_q, seqlen_q)) of the dequantized problem."""
     validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
     out, lse = _fp8_outputs(q)
     if out.numel() == 0:
@@ -327,16 +426,17 @@ def _launch_fp8(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor], causal: bool, softmax_scale: float,
 ) -> None:  # fmt: skip
-    """Dispatch (an e4m3 variant) and run the fp8 kernel on the current stream of q's device."""
-    choice = _choose(q, k, causal)
+    """Dispatch (an e4m3 variant; its block-quantization variant for 3-D descales) and run the fp8
+    kernel on the current stream of q's device."""
+    choice, args = _fp8_kernel_args(q, k, descales, _choose(q, k, causal))
     kernel = get_kernel(choice.spec, choice.target)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     with _first_call_phase(kernel):
         if q.device.index == torch.cuda.current_device():
-            kernel(q, k, v, out, lse, *descales, softmax_scale)
+            kernel(q, k, v, out, lse, *args, softmax_scale)
         else:
             with torch.cuda.device(q.device):
-                kernel(q, k, v, out, lse, *descales, softmax_scale)
+                kernel(q, k, v, out, lse, *args, softmax_scale)
     dispatch.log_run(choice, q.shape, k.shape, causal)
 
 
@@ -579,7 +679,11 @@ def flash_attn_func(
     the dequantized inputs ``x * descale``; the output is ``out_dtype`` (None or torch.bfloat16)
     and the lse that of the dequantized scores. Forward only: its backward raises
     NotImplementedError. Runs on the sm90 (Hopper) family, and on the sm100 (Blackwell) family
-    (compiled, not hardware-tested).
+    (compiled, not hardware-tested). Block quantization (sm90 family only): any descale may be
+    (batch, heads_kv, blocks), one per block of rows along seqlen (``quantize_fp8(x, "block",
+    block=...)``); q's blocks are the dispatched kernel's tile_m rows and k's and v's its tile_n
+    rows, which :func:`cutefa.fp8_block_sizes` returns (another block count is a ValueError);
+    block descales must be positive.
     """
     if _plain_eager(q, k, v):
         key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)

@@ -116,6 +116,26 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
 }
 
 
+# Families with an FP8 block-quantization forward (spec flag block_quant: one descale per query
+# tile of q and per key tile of k and v). Committed on the e4m3 default tile and schedule of each
+# head dim, the variant dispatch runs for block descales (:func:`fp8_block_specs`).
+BLOCK_QUANT_FAMILIES = ("sm90",)
+
+
+def fp8_block_specs(arch: str = "sm90") -> list[VariantSpec]:
+    """The committed e4m3 block-quantization forwards of ``arch``: the e4m3 default tile and
+    schedule of each head dim with ``block_quant``, causal and not."""
+    if arch not in BLOCK_QUANT_FAMILIES:
+        return []
+    return sorted(
+        VariantSpec(
+            arch, "fwd", "e4m3", hd, *tile, causal=causal, block_quant=True, **default_extras(arch, "fwd", hd)
+        )
+        for hd, tile in DEFAULT_TILES.get(arch, {}).items()
+        for causal in (False, True)
+    )
+
+
 def fp8_alternative_specs(arch: str = "sm90") -> list[VariantSpec]:
     """The committed e4m3 forward alternatives of ``arch`` (:data:`FP8_ALTERNATIVES`), causal and not."""
     return sorted(
@@ -202,19 +222,28 @@ def _candidate_dtypes(arch: str, direction: str) -> tuple[str, ...]:
     return ("fp16", "bf16")
 
 
+def _block_quant_options(arch: str, direction: str, dtype: str) -> tuple[bool, ...]:
+    if direction == "fwd" and dtype == "e4m3" and arch in BLOCK_QUANT_FAMILIES:
+        return (False, True)
+    return (False,)
+
+
 def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
     """Every spec of the raw tile product for ``arch``, valid or not, plus the committed e4m3
     alternatives (:data:`FP8_ALTERNATIVES`: deeper rings than the grid's)."""
     _require("arch", arch, ARCHS)
     _require("direction", direction, DIRECTIONS)
     grid = [
-        VariantSpec(arch, direction, dtype, head_dim, *tile, causal=causal, exp_emu=exp_emu, **flags)
+        VariantSpec(
+            arch, direction, dtype, head_dim, *tile, causal=causal, exp_emu=exp_emu, block_quant=block_quant, **flags
+        )
         for dtype in _candidate_dtypes(arch, direction)
         for head_dim in HEAD_DIMS
         for tile in _TILE_GRID[arch]
         for causal in (False, True)
         for exp_emu in ((0, 25) if arch in ("sm90", "sm100") and direction == "fwd" else (0,))
         for flags in _FLAG_SETS.get((arch, direction), ({},))
+        for block_quant in _block_quant_options(arch, direction, dtype)
     ]
     if direction == "fwd" and "e4m3" in _candidate_dtypes(arch, direction):
         known = set(grid)
@@ -313,6 +342,17 @@ def _persistent_rule(spec: VariantSpec) -> str | None:
 def _cta_pair_rule(spec: VariantSpec) -> str | None:
     if spec.cta_pair and (spec.arch, spec.direction) != ("sm100", "fwd"):
         return f"cta_pair (2-CTA UMMA) is an sm100 forward flag, not a {spec.arch} {spec.direction} one"
+    return None
+
+
+def _block_quant_rule(spec: VariantSpec) -> str | None:
+    if spec.block_quant and (
+        spec.arch not in BLOCK_QUANT_FAMILIES or spec.direction != "fwd" or spec.dtype != "e4m3"
+    ):
+        return (
+            f"block_quant (FP8 block quantization) is an sm90 e4m3 forward flag, not a "
+            f"{spec.arch} {spec.direction} {spec.dtype} one"
+        )
     return None
 
 
@@ -475,6 +515,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _sm90_flags_rule,
     _persistent_rule,
     _cta_pair_rule,
+    _block_quant_rule,
     _head_dim_rule,
     why_no_kernel,
 )
@@ -970,7 +1011,8 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     BWD_TUNING_ALTERNATIVES tiles, and the BWD_ALTERNATIVES (tile, flags) in the
     BWD_ALTERNATIVE_DTYPES. A direction contributes only once its kernel exists (IMPLEMENTED).
     e4m3 (fp8) gets the default tile and schedule (:data:`DEFAULT_ONLY_DTYPES`) plus its own
-    explicit list, :data:`FP8_ALTERNATIVES`.
+    explicit list, :data:`FP8_ALTERNATIVES`, and the block-quantization forwards
+    (:func:`fp8_block_specs`).
     """
     _require("arch", arch, ARCHS)
     # (direction, head_dim, tile, extras, is the default)
@@ -993,8 +1035,12 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     fp8_alternatives = (
         fp8_alternative_specs(arch) if "fwd" in directions and "e4m3" in IMPLEMENTED.get((arch, "fwd"), ()) else []
     )
+    fp8_blocks = (
+        fp8_block_specs(arch) if "fwd" in directions and "e4m3" in IMPLEMENTED.get((arch, "fwd"), ()) else []
+    )
     return sorted(
         set(fp8_alternatives)
+        | set(fp8_blocks)
         | {
             VariantSpec(arch, d, dtype, head_dim, *tile, causal=causal, **extras)
             for d, head_dim, tile, extras, is_default in entries

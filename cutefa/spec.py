@@ -42,6 +42,7 @@ _FLAG_TOKENS = (
     ("pingpong", "pp"),
     ("persistent", "persist"),
     ("cta_pair", "pair"),
+    ("block_quant", "blockq"),
 )
 
 
@@ -73,6 +74,10 @@ class VariantSpec:
     # sm100: a pair of CTAs in a cluster shares each UMMA (tcgen05 cta_group::2): each CTA loads
     # half of the K/V tile. Name token _pair.
     cta_pair: bool = False
+    # sm90 e4m3 forward: FP8 block quantization (FlashAttention-3): one descale per tile_m query rows
+    # of q and per tile_n key rows of k and v (per batch and kv head) instead of one per (batch, kv
+    # head). Name token _blockq.
+    block_quant: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0

@@ -117,6 +117,7 @@ def test_manifest(out):
         "pingpong": False,
         "persistent": False,
         "cta_pair": False,
+        "block_quant": False,
         "exp_emu": 0,
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),

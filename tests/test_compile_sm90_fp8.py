@@ -2,7 +2,8 @@
 the design: e4m3 WGMMA (QGMMA, e.g. ``QGMMA.64x128x32.F32.E4M3.E4M3``) for both products, TMA
 loads (UTMALDG), setmaxnreg (USETMAXREG), mbarrier pipelines (SYNCS), the on-chip V transpose
 (32-bit LDS/STS and PRMT byte permutes), P converted to e4m3 (F2FP.SATFINITE.E4M3); no 16-bit
-HGMMA and no local-memory spills."""
+HGMMA and no local-memory spills. The block-quantization variants (_blockq) keep their twins'
+MMAs, exp2 count and conversions and add one 16-byte load of the key tile's scales per step."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from cutefa.kernels.sm90 import fp8
 pytestmark = pytest.mark.compile
 
 FP8_ALTERNATIVES = space.fp8_alternative_specs("sm90")
-FP8_DEFAULTS = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3" and s not in FP8_ALTERNATIVES]
+FP8_DEFAULTS = [
+    s
+    for s in space.default_variants("sm90", "fwd")
+    if s.dtype == "e4m3" and s not in FP8_ALTERNATIVES and not s.block_quant
+]
 # One per head dim, causal and not alternating: every head dim's tile and both mask paths.
 CHECKED = [
     next(s for s in FP8_DEFAULTS if s.head_dim == hd and s.causal == bool(i % 2))
@@ -120,6 +125,46 @@ def test_alternative_sass(alternative_cubins, spec):
     assert report.counts["MUFU.EX2"] >= bodies * exps, summary
     if spec.exp_emu:
         assert report.counts["MUFU.EX2"] < bodies * (spec.tile_n // 2 + 2), summary
+    regions = sass.setmaxnreg_regions(text)
+    assert [budget for budget, _ in regions] == [40, 232], regions
+    assert all(used < budget for budget, used in regions), regions
+
+
+# Block quantization: the twins of two checked defaults (hd128 non-causal, hd192 causal).
+BLOCK_CHECKED = [s.replace(block_quant=True) for s in CHECKED if s.head_dim in (128, 192)]
+
+
+@pytest.fixture(scope="module")
+def block_cubins(tmp_path_factory):
+    return sass.dump_cubins(BLOCK_CHECKED, "sm_90a", tmp_path_factory.mktemp("sm_90a_fp8_block"))
+
+
+def test_block_variants_are_committed():
+    committed = set(space.default_variants("sm90", "fwd"))
+    assert {s.replace(block_quant=True) for s in FP8_DEFAULTS} <= committed
+    assert set(BLOCK_CHECKED) <= committed and len(BLOCK_CHECKED) == 2
+
+
+@pytest.mark.parametrize("spec", BLOCK_CHECKED, ids=lambda s: s.name)
+def test_block_sass(cubins, block_cubins, spec):
+    """A _blockq variant: QGMMA only, no spill or local memory, each setmaxnreg region within its
+    budget; the same QGMMA, MUFU.EX2 and e4m3 conversion counts as its per-head twin (the V ratio
+    rides in the exp2 bias, no per-score work is added); the key tile's (k descale, log2 r, 1 / r)
+    arrive in one 16-byte global load (LDG.E.128) per step."""
+    text = sass.disassemble(block_cubins[spec.name])
+    report = sass.analyze(block_cubins[spec.name])
+    twin = sass.analyze(cubins[spec.replace(block_quant=False).name])
+    summary = f"{spec.name}: {report.summary()}"
+    assert report.missing("sm90", "e4m3") == [], summary
+    assert report.spills == 0 and report.local_bytes == 0 and report.stack_bytes == 0, summary
+    assert report.counts["LDL"] == 0 and report.counts["STL"] == 0, summary
+    assert report.counts["HGMMA"] == 0, summary
+    per_block = spec.head_dim // fp8.MMA_K + spec.tile_n // fp8.MMA_K
+    assert report.counts["QGMMA"] == 3 * per_block == twin.counts["QGMMA"], summary
+    for op in ("MUFU.EX2", "F2FP.SATFINITE.E4M3"):
+        assert report.counts[op] == twin.counts[op], (op, summary, twin.summary())
+    # one per step body (prologue, masked, unmasked) plus the first tile's before the loops
+    assert text.count("LDG.E.128") == 4, summary
     regions = sass.setmaxnreg_regions(text)
     assert [budget for budget, _ in regions] == [40, 232], regions
     assert all(used < budget for budget, used in regions), regions

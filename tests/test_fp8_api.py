@@ -1,6 +1,7 @@
 """The fp8 API on the CPU: quantize_fp8 (granularities, Hadamard rotation, errors) and the fp8
 route of flash_attn_func (validation, descale handling, forward-only autograd) with the kernel
-launch replaced by a float32 reference of the dequantized problem."""
+launch replaced by a float32 reference of the dequantized problem. Block quantization:
+tests/test_fp8_block.py."""
 
 from __future__ import annotations
 
@@ -115,8 +116,8 @@ def test_hadamard_reduces_score_error_on_outlier_channels():
         ),
         (
             lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), "block"),
-            NotImplementedError,
-            "'block'.*is not implemented",
+            ValueError,
+            "granularity='block' needs block=",
         ),
         (
             lambda: cutefa.quantize_fp8(torch.ones(1, 2, 2, 64), hadamard=1),

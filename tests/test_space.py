@@ -373,7 +373,7 @@ def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
     alternatives = space.fp8_alternative_specs("sm90")
     assert set(alternatives) <= set(committed)
     assert len(alternatives) <= 12  # a short list for one GPU run, not a sweep
-    fp8 = [s for s in committed if s not in alternatives]
+    fp8 = [s for s in committed if s not in alternatives and not s.block_quant]
     assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
     assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not, on the default tile and schedule
     assert all((s.tile_m, s.tile_n) == tuple(space.DEFAULT_TILES["sm90"][s.head_dim])[:2] for s in fp8)
@@ -429,3 +429,35 @@ def test_sm90_bwd_overlap_is_valid_where_the_dq_pieces_match():
     bwd = space.valid_variants("sm90", "bwd")
     assert {s.replace(overlap=False) for s in bwd if s.overlap} <= set(bwd)
     assert not any(s.pingpong for s in bwd)
+
+
+def test_fp8_block_quant_variants():
+    """block_quant (FP8 block quantization): one committed variant per e4m3 default (the tile and
+    schedule dispatch runs), causal and not; the flag is refused off the sm90 e4m3 forward."""
+    committed = [s for s in space.default_variants("sm90") if s.block_quant]
+    defaults = [
+        s for s in space.default_variants("sm90")
+        if s.dtype == "e4m3" and not s.block_quant and s not in space.fp8_alternative_specs("sm90")
+    ]  # fmt: skip
+    assert sorted(committed) == space.fp8_block_specs("sm90")
+    assert sorted(committed) == sorted(s.replace(block_quant=True) for s in defaults)
+    assert all(space.why_invalid(s) is None for s in committed)
+    assert not [s for s in space.default_variants("sm100") if s.block_quant]
+    assert space.fp8_block_specs("sm100") == []
+    # candidates: the sm90 e4m3 forward grid has both settings, nothing else has the flag
+    assert {s.block_quant for s in space.candidates("sm90") if s.dtype == "e4m3"} == {False, True}
+    assert not any(s.block_quant for s in space.candidates("sm90") if s.dtype != "e4m3")
+    assert not any(s.block_quant for s in space.candidates("sm100"))
+    fp8 = committed[0]
+    for bad, words in (
+        (
+            fp8.replace(dtype="bf16"),
+            "block_quant (FP8 block quantization) is an sm90 e4m3 forward flag, not a sm90 fwd bf16",
+        ),
+        (
+            VariantSpec("sm100", "fwd", "e4m3", 128, 256, 128, 3, 16, block_quant=True),
+            "not a sm100 fwd e4m3",
+        ),
+        (VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, block_quant=True), "not a sm90 bwd"),
+    ):
+        assert words in space.why_invalid(bad), bad.name

@@ -57,6 +57,18 @@ def test_name_format():
     assert str(BASE.replace(causal=False)) == "cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4"
 
 
+def test_block_quant_name_token():
+    spec = VariantSpec("sm90", "fwd", "e4m3", 128, 128, 128, 2, 12, causal=True, overlap=True, pingpong=True)
+    block = spec.replace(block_quant=True)
+    assert block.name == "cutefa_sm90_fwd_e4m3_hd128_128x128_s2_w12_causal_ov_pp_blockq"
+    assert parse_name(block.name) == block and parse_name(spec.name) == spec
+    # the token comes after the schedule flags, like every flag in its fixed place
+    with pytest.raises(ValueError, match="in the order"):
+        parse_name("cutefa_sm90_fwd_e4m3_hd128_128x128_s2_w12_blockq_ov_pp")
+    with pytest.raises(TypeError, match="block_quant=1 must be a bool"):
+        spec.replace(block_quant=1)
+
+
 @pytest.mark.parametrize(
     ("name", "words"),
     [

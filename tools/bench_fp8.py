@@ -14,6 +14,9 @@ Side by side: ``--variants`` (comma-separated e4m3 variant names) or ``--all-var
 committed e4m3 variant of the chosen head dims) prints one table per head dim instead, one column
 per variant: the kernels are called directly (no dispatch), the default e4m3 variant first, each
 cell "TFLOP/s (ratio to bf16)". A name's causal twin runs the causal rows (give either one).
+Block-quantization variants (``_blockq``) get the inputs quantized in blocks of their tiles; their
+time is the kernel's alone (flash_attn_func adds a few small torch ops that build its scale
+arguments).
 
     python3 tools/bench_fp8.py --all-variants --hdim 128,256 --seqlen 4096,16384
     python3 tools/bench_fp8.py --hdim 128 --variants cutefa_sm90_fwd_e4m3_hd128_128x128_s3_w12_ov_pp
@@ -155,7 +158,11 @@ def variant_columns(names: list[str] | None, hdims: list[int] | None) -> dict[in
         base = spec.replace(causal=False)
         if hdims is not None and base.head_dim not in hdims:
             continue
-        default = next(s for s in committed if s.head_dim == base.head_dim and s not in space.fp8_alternative_specs())
+        default = next(
+            s
+            for s in committed
+            if s.head_dim == base.head_dim and s not in space.fp8_alternative_specs() and not s.block_quant
+        )
         cols = columns.setdefault(base.head_dim, [default.replace(causal=False)])
         if base not in cols:
             cols.append(base)
@@ -174,6 +181,7 @@ def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, c
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
     bf16 = flops / time_ms(lambda: cutefa.flash_attn_func(qb, kb, vb, causal=causal)) / 1e9
     (qq, qd), (kq, kd), (vq, vd) = (cutefa.quantize_fp8(x, "head") for x in (q, k, v))
+    blocks = {}  # (tile_m, tile_n) -> (e4m3 q, k, v, descales) quantized in those blocks
     ref = _reference(torch, q, k, v, causal)
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device="cuda")
@@ -182,9 +190,13 @@ def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, c
     for spec in specs:
         try:
             kernel = get_kernel(spec.replace(causal=causal), target)
+            inputs = (qq, kq, vq)
+            args = (qd, kd, vd)
+            if spec.block_quant:
+                inputs, args = _block_arguments(cutefa, blocks, q, k, v, spec.replace(causal=causal), target)
 
-            def run(kernel=kernel):
-                kernel(qq, kq, vq, out, lse, qd, kd, vd, scale)
+            def run(kernel=kernel, inputs=inputs, args=args):
+                kernel(*inputs, out, lse, *args, scale)
 
             out.fill_(math.nan)
             run()
@@ -197,6 +209,20 @@ def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, c
         except Exception as exc:  # noqa: BLE001 - shown in the table
             row.append(f"err: {str(exc).splitlines()[0][:40]}")
     return row
+
+
+def _block_arguments(cutefa, blocks: dict, q, k, v, spec, target: str):
+    """(e4m3 q, k, v) quantized in blocks of ``spec``'s tiles and the _blockq kernel's descale
+    arguments (built as flash_attn_func builds them)."""
+    from cutefa import dispatch, ops
+
+    tiles = (spec.tile_m, spec.tile_n)
+    if tiles not in blocks:
+        blocks[tiles] = tuple(cutefa.quantize_fp8(x, "block", block=b) for x, b in zip((q, k, v), (*tiles, tiles[1])))
+    (qq, qd), (kq, kd), (vq, vd) = blocks[tiles]
+    twin = dispatch.Choice(spec.replace(block_quant=False), target, "bench")
+    _, args = ops._fp8_kernel_args(qq, kq, (qd, kd, vd), twin)
+    return (qq, kq, vq), args
 
 
 def _side_by_side(args) -> int:

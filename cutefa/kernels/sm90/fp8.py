@@ -197,6 +197,51 @@ def online_softmax_step(
 
 
 @cute.jit
+def online_softmax_step_block(
+    s_mn: cute.Tensor,
+    row_max: cute.Tensor,
+    row_sum: cute.Tensor,
+    tile_scale_log2: Float32,
+    v_ratio_log2: Float32,
+    v_ratio_inv: Float32,
+    corr: cute.Tensor,
+    emu_per_16: cutlass.Constexpr = 0,
+):
+    """:func:`online_softmax_step` for block-quantized inputs (``block_quant`` variants).
+
+    Each key tile n has its own score scale ``tile_scale_log2`` = softmax_scale * log2(e) * sq * sk[n]
+    (sq: this CTA's query-tile descale, sk[n]: the key tile's), so ``row_max`` is kept in scaled
+    log2 units: since the scale is positive, the tile's largest scaled score is the largest raw
+    score times the scale, one multiply per row. V's tile descale enters as the ratio r[n] =
+    sv[n] / max(sv) in (0, 1]: its log2 ``v_ratio_log2`` joins the exp2 bias, so the probabilities
+    left in ``s_mn`` (and converted to e4m3 for P V) are P * r[n], while ``row_sum`` accumulates the
+    unscaled P (the tile's sum times ``v_ratio_inv`` = 1 / r[n]). The epilogue multiplies O by
+    max(sv). Per score this is the FFMA and MUFU.EX2 of the per-head path; per row two more FMULs."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        row = s_mn[r, None].load()
+        blk_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
+        prev_max = row_max[r]
+        new_max = cute.arch.fmax(prev_max, blk_max * tile_scale_log2)
+        # A row that has seen only masked scores keeps max = -inf: offset by 0 (see online_softmax_step).
+        offset = 0.0 if new_max == -Float32.inf else new_max
+        bias = offset - (P_OFFSET_LOG2 + v_ratio_log2)
+        if cutlass.const_expr(emu_per_16 == 0):
+            p = cute.math.exp2(row * tile_scale_log2 - bias, fastmath=True)
+        else:
+            s_mn[r, None].store(row * tile_scale_log2 - bias)
+            for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                if cutlass.const_expr(j % 16 >= 16 - emu_per_16):
+                    s_mn[r, j] = exp2_fma(s_mn[r, j])
+                else:
+                    s_mn[r, j] = cute.math.exp2(s_mn[r, j], fastmath=True)
+            p = s_mn[r, None].load()
+        corr[r] = cute.math.exp2(prev_max - offset, fastmath=True)
+        row_sum[r] = row_sum[r] * corr[r] + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0) * v_ratio_inv
+        row_max[r] = new_max
+        s_mn[r, None].store(p)
+
+
+@cute.jit
 def softmax_finalize(
     o_mn: cute.Tensor,
     row_max: cute.Tensor,
@@ -206,7 +251,8 @@ def softmax_finalize(
     lse: cute.Tensor,
 ):
     """O = O * v_descale / row_sum and the natural-log LSE of the dequantized scores per row.
-    Rows with no unmasked key get O = 0 and LSE = -inf."""
+    Rows with no unmasked key get O = 0 and LSE = -inf. ``row_max`` times ``scale_log2`` is the
+    row max in log2 units (block_quant variants keep it scaled already and pass 1)."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         total = quad_allreduce_sum(row_sum[r])
         empty = total == 0.0 or total != total  # noqa: PLR0124 -- the NaN test
@@ -235,6 +281,7 @@ __all__ = [
     "WG_THREADS",
     "key_of_a_column",
     "online_softmax_step",
+    "online_softmax_step_block",
     "p_views",
     "pv_tiled_mma",
     "qk_tiled_mma",

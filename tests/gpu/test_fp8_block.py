@@ -1,0 +1,246 @@
+"""FP8 block quantization (the sm90 e4m3 forward's _blockq variants) on a Hopper GPU.
+
+Inputs are quantized with one descale per block of rows along seqlen (q: the kernel's tile_m
+rows, k and v: its tile_n rows; cutefa.fp8_block_sizes). The yardstick is the one of
+tests/gpu/test_fp8.py: a float32 reference of the DEQUANTIZED inputs (what the kernel must compute
+up to the e4m3 rounding of P) and an emulation of that rounding; here P is rounded as the kernel
+rounds it, scaled by r[n] = v's block descale over its largest (the ratio rides in the exp2 bias)
+and by 2^8. The kernel's relative L2 error against the dequantized reference must be at most 1.25x
+the emulation's plus 0.005; the log-sum-exp (row sums of unrounded P) must match the reference to
+0.02. Outputs are poisoned with NaN beforehand, so an element the kernel does not write fails; rows
+that attend no key must be exactly 0 with lse = -inf.
+
+Inputs: unit-variance q/k/v with per-head scales and every 97th token 8x larger, so the block
+descales (and the V ratios) differ from block to block.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cutefa
+from cutefa import dispatch, fp8, ops, space
+
+
+def _load(name: str):
+    key = f"cutefa_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+ref = _load("reference")
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU: torch.cuda.is_available() is False"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"the fp8 block forward is an sm90 (Hopper) kernel; this GPU is {torch.cuda.get_device_capability()}"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+
+BLOCK_VARIANTS = space.fp8_block_specs("sm90")
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): seqlens 1/17/1000/4097 (partial tiles), sq != sk
+# both ways, GQA and MQA.
+SHAPES = (
+    (1, 1, 1, 2, 2),
+    (2, 17, 17, 4, 2),
+    (1, 1000, 1000, 3, 3),
+    (1, 4097, 4097, 2, 1),
+    (2, 17, 1000, 4, 2),
+    (1, 1000, 17, 8, 1),
+    (1, 128, 4097, 4, 4),
+)
+EMULATION_FACTOR = 1.25
+EMULATION_FLOOR = 0.005
+EMULATION_MAX_ERROR = 0.10
+LSE_TOL = 0.02
+
+
+def make_inputs(gen, batch, sq, sk, hq, hkv, d):
+    """Unit-variance q/k/v; k and v heads scaled differently; every 97th token 8x larger."""
+    q = torch.randn(batch, sq, hq, d, generator=gen, device="cuda")
+    k = torch.randn(batch, sk, hkv, d, generator=gen, device="cuda")
+    v = torch.randn(batch, sk, hkv, d, generator=gen, device="cuda")
+    scales = torch.linspace(0.5, 2.0, hkv, device="cuda")[None, None, :, None]
+    k, v = k * scales, v * scales.flip(2)
+
+    def tokens(x):
+        boost = torch.ones(x.shape[1], device="cuda")
+        boost[::97] = 8.0
+        return x * boost[None, :, None, None]
+
+    return tokens(q), tokens(k), tokens(v)
+
+
+def quantize_blocks(q, k, v, q_block, kv_block):
+    group = q.shape[2] // k.shape[2]
+    qq, qd = cutefa.quantize_fp8(q, "block", block=q_block, group=group)
+    kq, kd = cutefa.quantize_fp8(k, "block", block=kv_block)
+    vq, vd = cutefa.quantize_fp8(v, "block", block=kv_block)
+    return (qq, kq, vq), (qd, kd, vd)
+
+
+def dequantized(fp8s, descales, q_block, kv_block):
+    return tuple(
+        fp8.dequantize_fp8(x, d, block) for x, d, block in zip(fp8s, descales, (q_block, kv_block, kv_block))
+    )
+
+
+def emulate(deq, v_descale, kv_block, *, causal, scale):
+    """The kernel's result in float32 torch: dequantized inputs, P rounded to e4m3 as P * r * 2^8
+    (r = v's block descale over its largest, per key) against the final row max, unrounded row
+    sums. Returns (out, lse)."""
+    from cutefa.kernels.sm90.fp8 import P_OFFSET_LOG2  # the kernel's shift of P (imports the DSL)
+
+    q, k, v = deq
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    ratio = v_descale / v_descale.amax(dim=2, keepdim=True)  # (batch, heads_kv, blocks)
+    ratio = ratio.repeat_interleave(kv_block, 2)[:, :, :seqlen_k]  # per key
+    out = torch.zeros(batch, seqlen_q, heads_q, head_dim, device=q.device)
+    lse = torch.full((batch, heads_q, seqlen_q), -math.inf, device=q.device)
+    for blk in ref.blocks(q, k):
+        s = (q[blk.batch, blk.row0 : blk.row1, blk.head_q] @ k[blk.batch, :, blk.head_kv].T) * scale
+        if causal:
+            rows = torch.arange(blk.row0, blk.row1, device=q.device)
+            s = s.masked_fill(~ref.causal_allowed(rows, seqlen_q, seqlen_k), -math.inf)
+        m = s.amax(dim=-1)
+        empty = torch.isneginf(m)
+        m = torch.where(empty, torch.zeros_like(m), m)
+        p = torch.exp(s - m[:, None])
+        shift = ratio[blk.batch, blk.head_kv][None, :] * 2.0**P_OFFSET_LOG2
+        p_q = (p * shift).to(torch.float8_e4m3fn).float() / shift
+        denom = p.sum(dim=-1)
+        o = (p_q @ v[blk.batch, :, blk.head_kv]) / torch.where(empty, torch.ones_like(denom), denom)[:, None]
+        out[blk.batch, blk.row0 : blk.row1, blk.head_q] = torch.where(empty[:, None], torch.zeros_like(o), o)
+        lse[blk.batch, blk.head_q, blk.row0 : blk.row1] = torch.where(
+            empty, torch.full_like(denom, -math.inf), m + torch.log(denom)
+        )
+    return out, lse
+
+
+def check(out, lse, exact, exact_lse, emul, *, what):
+    assert not torch.isnan(out).any(), f"{what}: NaN in out (an element was not written)"
+    assert not torch.isnan(lse).any(), f"{what}: NaN in lse"
+    err = ref.rel_l2(out.float(), exact)
+    err_emul = ref.rel_l2(emul, exact)
+    assert err_emul <= EMULATION_MAX_ERROR, f"{what}: the e4m3 emulation itself is off by {err_emul:.4f}"
+    bound = EMULATION_FACTOR * err_emul + EMULATION_FLOOR
+    assert err <= bound, f"{what}: rel L2 {err:.4f} > {bound:.4f} (emulation {err_emul:.4f})"
+    finite = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse finite where the reference is not"
+    lse_err = ref.max_abs(lse[finite], exact_lse[finite])
+    assert lse_err <= LSE_TOL, f"{what}: lse off by {lse_err:.4g}"
+
+
+@pytest.mark.parametrize("spec", BLOCK_VARIANTS, ids=lambda s: s.name)
+def test_variant(gen, spec):
+    """Each committed _blockq kernel, called directly (arguments from ops._fp8_kernel_args) on
+    NaN-poisoned outputs, on every shape."""
+    from cutefa.compile import get_kernel
+
+    target = dispatch.current_target()
+    kernel = get_kernel(spec, target)
+    scale = ref.default_scale(spec.head_dim)
+    for batch, sq, sk, hq, hkv in SHAPES:
+        q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
+        fp8s, descales = quantize_blocks(q, k, v, spec.tile_m, spec.tile_n)
+        twin = dispatch.Choice(spec.replace(block_quant=False), target, "test")
+        choice, args = ops._fp8_kernel_args(fp8s[0], fp8s[1], descales, twin)
+        assert choice.spec == spec
+        out = torch.full((batch, sq, hq, spec.head_dim), math.nan, dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((batch, hq, sq), math.nan, device="cuda")
+        kernel(*fp8s, out, lse, *args, scale)
+        deq = dequantized(fp8s, descales, spec.tile_m, spec.tile_n)
+        exact, exact_lse = ref.attention_ref(*deq, causal=spec.causal)
+        emul, _ = emulate(deq, descales[2], spec.tile_n, causal=spec.causal, scale=scale)
+        check(out, lse, exact, exact_lse, emul, what=f"{spec.name} {(batch, sq, sk, hq, hkv)}")
+        if spec.causal and sq > sk:
+            rows = sq - sk
+            assert torch.all(out[:, :rows] == 0) and torch.all(torch.isneginf(lse[:, :, :rows]))
+
+
+@pytest.mark.parametrize("head_dim", sorted({s.head_dim for s in BLOCK_VARIANTS}))
+@pytest.mark.parametrize("causal", [False, True])
+def test_api(gen, head_dim, causal):
+    """flash_attn_func with block descales: block sizes from cutefa.fp8_block_sizes, GQA (q's
+    descale per kv head), sq != sk."""
+    batch, sq, sk, hq, hkv = 2, 300, 777, 6, 2
+    q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, head_dim)
+    q_block, kv_block = cutefa.fp8_block_sizes(q, k, causal=causal)
+    assert q_block == 128 and kv_block == space.DEFAULT_TILES["sm90"][head_dim].tile_n
+    fp8s, descales = quantize_blocks(q, k, v, q_block, kv_block)
+    out, lse = cutefa.flash_attn_func(
+        *fp8s,
+        causal=causal,
+        q_descale=descales[0],
+        k_descale=descales[1],
+        v_descale=descales[2],
+        return_lse=True,
+    )
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    deq = dequantized(fp8s, descales, q_block, kv_block)
+    exact, exact_lse = ref.attention_ref(*deq, causal=causal)
+    emul, _ = emulate(deq, descales[2], kv_block, causal=causal, scale=ref.default_scale(head_dim))
+    check(out, lse, exact, exact_lse, emul, what=f"api hd{head_dim} causal={causal}")
+
+
+def test_api_mixed_granularities(gen):
+    """A per-head q descale and a per-tensor v descale next to a block k descale: the block
+    variant runs with the others broadcast over the blocks."""
+    batch, sq, sk, hq, hkv, d = 1, 1000, 1000, 4, 2, 128
+    q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, d)
+    _, kv_block = cutefa.fp8_block_sizes(q, k)
+    qq, qd = cutefa.quantize_fp8(q, "head", group=hq // hkv)
+    kq, kd = cutefa.quantize_fp8(k, "block", block=kv_block)
+    vq, vd = cutefa.quantize_fp8(v)
+    out = cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
+    deq = (fp8.dequantize_fp8(qq, qd), fp8.dequantize_fp8(kq, kd, kv_block), fp8.dequantize_fp8(vq, vd))
+    exact, exact_lse = ref.attention_ref(*deq)
+    v_blocks = vd.reshape(1, 1, 1).expand(batch, hkv, -(-sk // kv_block))
+    emul, _ = emulate(deq, v_blocks, kv_block, causal=False, scale=ref.default_scale(d))
+    _, lse = cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
+    check(out, lse, exact, exact_lse, emul, what="mixed granularities")
+
+
+def test_block_size_mismatch_is_refused(gen):
+    q, k, v = make_inputs(gen, 1, 300, 300, 2, 2, 128)
+    fp8s, descales = quantize_blocks(q, k, v, 128, 64)  # hd128 runs 128x128
+    with pytest.raises(ValueError, match=r"k_descale must have shape .*tile_n=128"):
+        cutefa.flash_attn_func(*fp8s, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
+
+
+def test_outlier_channels_block_vs_tensor_and_head(gen):
+    """The accuracy table of tests/test_fp8_block.py on the GPU kernel: q and k with outlier
+    channels; block quantization's error against exact attention of the unquantized inputs is below
+    per-tensor's (printed with per-head's)."""
+    batch, seqlen, heads, d = 4, 1024, 4, 128
+    boost = torch.ones(d, device="cuda")
+    boost[[5, 61, 100]] = 30.0
+    q, k, v = (torch.randn(batch, seqlen, heads, d, generator=gen, device="cuda") for _ in range(3))
+    q, k = q * boost * 0.2, k * boost * 0.2
+    exact, _ = ref.attention_ref(q, k, v)
+    q_block, kv_block = cutefa.fp8_block_sizes(q, k)
+    errors = {}
+    for granularity in ("tensor", "head", "block"):
+        blocks = (q_block, kv_block) if granularity == "block" else (None, None)
+        qq, qd = cutefa.quantize_fp8(q, granularity, block=blocks[0])
+        kq, kd = cutefa.quantize_fp8(k, granularity, block=blocks[1])
+        vq, vd = cutefa.quantize_fp8(v, granularity, block=blocks[1])
+        out = cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
+        errors[granularity] = ref.rel_l2(out.float(), exact)
+    print("fp8 relative L2 error, outlier channels:", {n: f"{e:.4f}" for n, e in errors.items()})
+    assert errors["block"] < errors["tensor"]
