@@ -54,7 +54,7 @@ def _skip_reason() -> str | None:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
-# Per-tensor/per-head descales; the block-quantization variants (_blockq): test_fp8_block.py.
+# Per-tensor/per-head descales; the block-quantization variants (_blockq): test_fp8_block_gpu.py.
 FP8_VARIANTS = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3" and not s.block_quant]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): partial tiles, sq != sk both ways, GQA, MQA.
 SHAPES = (
