@@ -386,7 +386,14 @@ def _bound_launcher(
                 words[a2] = t2.data_ptr()
                 words[a3] = t3.data_ptr()
                 words[a4] = t4.data_ptr()
-                rc = call() if device >= 0 else fn(None, buf, num_args, result)
+                if device < 0:
+                    rc = fn(None, buf, num_args, result)
+                else:  # call(), inlined: the env stream set around the call only when it differs
+                    stream = _current_stream(device)
+                    if env_get(_DL_CUDA, device) == (stream or None):
+                        rc = fn(None, buf, num_args, result)
+                    else:
+                        rc = call()
             finally:
                 release()
             if rc:
