@@ -425,7 +425,7 @@ class Kernel:
                 acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                 acc_dQ.fill(0.0)
                 parts.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)
-                bwd_parts.add_rows(acc_dQ, tdQc, tdQgdQ[None, None, None, m_block], seqlen_q - m0)
+                bwd_parts.add_rows(acc_dQ, tdQc, tdQgdQ[None, None, None, m_block], seqlen_q - m0, TILE_M)
                 # dK after the dQ reductions are issued: its MMAs cover their latency.
                 parts.gemm_ss(
                     mma_dkv, acc_dK, tdKrdSt, tdKsdSt, tdKrdSt_v, dkv_at,

@@ -422,7 +422,7 @@ class Kernel:
                 acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                 acc_dQ.fill(0.0)
                 parts.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)
-                bwd_parts.add_rows(acc_dQ, tdQc, tdQgdQ[None, None, None, m_block], seqlen_q - m0)
+                bwd_parts.add_rows(acc_dQ, tdQc, tdQgdQ[None, None, None, m_block], seqlen_q - m0, TILE_M)
 
             # Epilogue: dK (scaled) and dV through shared memory (reusing sK, sV), 16-byte stores.
             cute.arch.cp_async_wait_group(0)

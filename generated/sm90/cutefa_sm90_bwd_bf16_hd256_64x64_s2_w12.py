@@ -437,7 +437,7 @@ class Kernel:
                     parts.gemm_acc(dkv_mma, acc_dK, tdKrdS[None, None, None, buf], tdKrQt[None, None, None, handle.index])
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)
-                    red_add_pairs(acc_dQ, tdQc, tdQg[None, None, None, m_block], seqlen_q - m0)
+                    red_add_pairs(acc_dQ, tdQc, tdQg[None, None, None, m_block], seqlen_q - m0, TILE_M)
                     warpgroup.wait_group(0)
                     handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
                 kv_handle.release()

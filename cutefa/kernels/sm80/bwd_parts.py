@@ -172,10 +172,11 @@ def vector_red_supported() -> bool:
     return BaseDSL._get_dsl().get_arch_enum().major >= 9
 
 
-def add_rows(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32):
+def add_rows(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32, tile_rows: int = 0):
     """gdst += acc (rows below ``row_limit``) with the widest fp32 reductions the target has:
-    :func:`red_add_pairs` on sm_90 and newer, :func:`atomic_add_rows` before. Chosen while tracing."""
+    :func:`red_add_pairs` on sm_90 and newer (unpredicated when all ``tile_rows`` rows of the tile
+    are in range), :func:`atomic_add_rows` before. Chosen while tracing."""
     if vector_red_supported():
-        red_add_pairs(acc, coords, gdst, row_limit)
+        red_add_pairs(acc, coords, gdst, row_limit, tile_rows)
     else:
         atomic_add_rows(acc, coords, gdst, row_limit)

@@ -209,7 +209,7 @@ def dq_step(
     warpgroup.wait_group(1)
     handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
     warpgroup.wait_group(0)
-    red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS)
+    red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS, WG_ROWS)
 
 
 
@@ -244,7 +244,7 @@ def dq_step_under_dk(
         cute.gemm(dkv_mma, acc_dK, rdS[None, None, k], t_qt[None, None, k], acc_dK)
     warpgroup.commit_group()
     warpgroup.wait_group(1)  # dV and dQ done; dK may still run
-    red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS)
+    red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS, WG_ROWS)
     warpgroup.wait_group(0)
     handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
 
