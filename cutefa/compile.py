@@ -470,7 +470,7 @@ def _with_sm_count(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _WithSmCount:
-    __slots__ = ("fn", "_counts")
+    __slots__ = ("_counts", "fn")
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn

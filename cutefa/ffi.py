@@ -42,11 +42,6 @@ _K_NONE, _K_INT, _K_BOOL, _K_FLOAT, _K_DLTENSOR_PTR = 0, 1, 2, 3, 7
 # DLPack device types
 _DL_CPU, _DL_CUDA = 1, 2
 _ANY_SIZE, _DLTENSOR_SIZE, _OBJECT_HEADER = 16, 48, 24
-_ANY_INT = struct.Struct("<iIq")
-_ANY_FLOAT = struct.Struct("<iId")
-_ANY_PTR = struct.Struct("<iIQ")
-_DLTENSOR = struct.Struct("<QiiiBBHQQQ")
-_U64 = struct.Struct("<Q")
 
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
@@ -151,7 +146,7 @@ class _Layout:
     """The buffer of one argument signature (a tuple: ndim per tensor, 'f'/'i'/'b'/'n' per scalar):
     the TVMFFIAny array, then per tensor a DLTensor followed by its shape and strides."""
 
-    __slots__ = ("struct", "size", "tensor_at")
+    __slots__ = ("size", "struct", "tensor_at")
 
     def __init__(self, key: tuple[Any, ...]) -> None:
         value = {"f": "d", "i": "q", "b": "q", "n": "q"}
@@ -185,7 +180,7 @@ class Function:
     """One exported kernel entry; call it like the ``tvm_ffi`` function it replaces:
     torch tensors, Python floats, ints and bools, or None."""
 
-    __slots__ = ("_fn", "name", "_rt")
+    __slots__ = ("_fn", "_rt", "name")
 
     def __init__(self, fn: Any, name: str, rt: ctypes.CDLL) -> None:
         self._fn = fn
@@ -258,23 +253,8 @@ class Function:
         return buf, cuda_device
 
     def _invoke(self, buf: ctypes.Array[ctypes.c_char], num_args: int, cuda_device: int) -> None:
-        rt = self._rt
-        result = _RESULT.get()
-        if cuda_device >= 0:
-            stream = _current_stream(cuda_device)
-            if rt.TVMFFIEnvGetStream(_DL_CUDA, cuda_device) != (stream or None):
-                original = ctypes.c_void_p()
-                rt.TVMFFIEnvSetStream(_DL_CUDA, cuda_device, stream, ctypes.byref(original))
-                try:
-                    rc = self._fn(None, buf, num_args, result)
-                finally:
-                    rt.TVMFFIEnvSetStream(_DL_CUDA, cuda_device, original, None)
-            else:
-                rc = self._fn(None, buf, num_args, result)
-        else:
-            rc = self._fn(None, buf, num_args, result)
-        if rc:
-            _raise_error(rt, self.name)
+        if _call(self._fn, self._rt, buf, num_args, _RESULT.get(), cuda_device):
+            _raise_error(self._rt, self.name)
 
     def bind(self, args: Sequence[Any], tensor_slots: Sequence[int]) -> Callable[..., bool]:
         """A launcher for calls like ``args`` that differ only in the data pointers of the tensors at
@@ -294,7 +274,7 @@ class TensorLayout:
     """What :meth:`Function.bind` needs of a tensor, without one: a contiguous layout of ``shape``
     and ``dtype`` on CUDA device ``device`` (data pointer 0 until a call writes one)."""
 
-    __slots__ = ("shape", "dtype", "device_index")
+    __slots__ = ("device_index", "dtype", "shape")
 
     def __init__(self, shape: Sequence[int], dtype: Any, device_index: int) -> None:
         self.shape = tuple(int(s) for s in shape)
@@ -348,6 +328,25 @@ def _current_stream(device: int) -> int:
     return raw(device)
 
 
+def _call(
+    fn: Any, rt: ctypes.CDLL, buf: ctypes.Array[ctypes.c_char], num_args: int, result: Any, device: int
+) -> int:  # fmt: skip
+    """The entry's return code for the arguments in ``buf``; with a CUDA ``device`` (>= 0) the call
+    runs on torch's current stream of that device: it is made the TVM-FFI environment stream for
+    the call when it is not already, and the previous one is put back afterwards."""
+    if device < 0:
+        return fn(None, buf, num_args, result)
+    stream = _current_stream(device)  # a module global: replaced on first use, patchable
+    if rt.TVMFFIEnvGetStream(_DL_CUDA, device) == (stream or None):
+        return fn(None, buf, num_args, result)
+    original = ctypes.c_void_p()
+    rt.TVMFFIEnvSetStream(_DL_CUDA, device, stream, ctypes.byref(original))
+    try:
+        return fn(None, buf, num_args, result)
+    finally:
+        rt.TVMFFIEnvSetStream(_DL_CUDA, device, original, None)
+
+
 def _bound_launcher(
     function: Function, buf: ctypes.Array[ctypes.c_char], num_args: int, device: int, slots: Sequence[int]
 ) -> Callable[..., bool]:  # fmt: skip
@@ -360,19 +359,7 @@ def _bound_launcher(
     lock = threading.Lock()
     acquire, release = lock.acquire, lock.release
     fn, rt, name = function._fn, function._rt, function.name
-    env_get, env_set = rt.TVMFFIEnvGetStream, rt.TVMFFIEnvSetStream
     result = ctypes.create_string_buffer(_ANY_SIZE)
-
-    def call() -> int:
-        stream = _current_stream(device)  # a module global: replaced on first use, patchable
-        if env_get(_DL_CUDA, device) == (stream or None):
-            return fn(None, buf, num_args, result)
-        original = ctypes.c_void_p()
-        env_set(_DL_CUDA, device, stream, ctypes.byref(original))
-        try:
-            return fn(None, buf, num_args, result)
-        finally:
-            env_set(_DL_CUDA, device, original, None)
 
     if len(at) == 5:
         a0, a1, a2, a3, a4 = at
@@ -386,14 +373,7 @@ def _bound_launcher(
                 words[a2] = t2.data_ptr()
                 words[a3] = t3.data_ptr()
                 words[a4] = t4.data_ptr()
-                if device < 0:
-                    rc = fn(None, buf, num_args, result)
-                else:  # call(), inlined: the env stream set around the call only when it differs
-                    stream = _current_stream(device)
-                    if env_get(_DL_CUDA, device) == (stream or None):
-                        rc = fn(None, buf, num_args, result)
-                    else:
-                        rc = call()
+                rc = _call(fn, rt, buf, num_args, result, device)
             finally:
                 release()
             if rc:
@@ -408,7 +388,7 @@ def _bound_launcher(
             try:
                 for w, t in zip(at, tensors):
                     words[w] = t.data_ptr()
-                rc = call() if device >= 0 else fn(None, buf, num_args, result)
+                rc = _call(fn, rt, buf, num_args, result, device)
             finally:
                 release()
             if rc:

@@ -212,7 +212,7 @@ def test_call_plan_uses_the_bound_launcher_and_is_thread_safe(packed, monkeypatc
 
     from cutefa import ffi
 
-    out_dir, chosen = packed
+    out_dir, _ = packed
     problem = PROBLEMS["bf16-hd128-causal-tiny"]
     monkeypatch.setenv("CUTEFA_KERNEL_PATH", str(out_dir))
     monkeypatch.setattr(cc, "_KERNELS", {})
