@@ -176,23 +176,56 @@ def _tensor_types() -> tuple[type, ...]:
     return _TENSOR_TYPES
 
 
+def _signature(args: Sequence[Any]) -> tuple[tuple[Any, ...] | None, list[Any]]:
+    """(the call's signature, its tensors): per plain torch tensor its shape, strides, dtype and
+    device, per other argument its type and value. None (not cached) when an argument is a tensor
+    subclass or not hashable: such calls always take the full path."""
+    tensor_type = _tensor_types()[0]
+    key: list[Any] = []
+    tensors: list[Any] = []
+    for a in args:
+        if a.__class__ is tensor_type:
+            key.append((a.shape, a.stride(), a.dtype, a.get_device()))
+            tensors.append(a)
+        elif isinstance(a, (int, float)) or a is None:  # bool is an int
+            key.append((a.__class__, a))
+        else:
+            return None, tensors
+    return tuple(key), tensors
+
+
 class Function:
     """One exported kernel entry; call it like the ``tvm_ffi`` function it replaces:
-    torch tensors, Python floats, ints and bools, or None."""
+    torch tensors, Python floats, ints and bools, or None.
 
-    __slots__ = ("_fn", "_rt", "name")
+    A call whose signature (each tensor's shape, strides, dtype and device; each other argument's
+    type and value) was seen before reuses that call's laid-out buffer through a bound launcher
+    (:meth:`bind`), writing only the data pointers; up to ``MAX_SIGNATURES`` signatures per
+    function are kept (the backward's kernels, a forward's first calls)."""
+
+    __slots__ = ("_bound", "_fn", "_rt", "name")
+    MAX_SIGNATURES = 64
 
     def __init__(self, fn: Any, name: str, rt: ctypes.CDLL) -> None:
         self._fn = fn
         self.name = name
         self._rt = rt
+        self._bound: dict[tuple[Any, ...], Callable[..., bool]] = {}
 
     def __repr__(self) -> str:
         return f"<cutefa.ffi.Function {self.name}>"
 
     def __call__(self, *args: Any) -> None:
+        signature, tensors = _signature(args)
+        launch = None if signature is None else self._bound.get(signature)
+        if launch is not None and launch(*tensors):
+            return
         buf, cuda_device = self._pack(args)
         self._invoke(buf, len(args), cuda_device)
+        if signature is not None and launch is None and tensors and len(self._bound) < self.MAX_SIGNATURES:
+            # the buffer just served a complete call: from now on it serves this signature
+            slots = [i for i, a in enumerate(args) if a.__class__ is _tensor_types()[0]]
+            self._bound.setdefault(signature, _bound_launcher(self, buf, len(args), cuda_device, slots))
 
     def _pack(self, args: Sequence[Any]) -> tuple[ctypes.Array[ctypes.c_char], int]:
         """One buffer: the TVMFFIAny array, then a DLTensor and its shape and strides per tensor,

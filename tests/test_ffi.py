@@ -171,3 +171,40 @@ def test_a_library_without_the_function_is_refused(tmp_path):
     path = ffi.tvm_ffi_library_path()  # a real shared object that exports no kernel
     with pytest.raises(RuntimeError, match="exports no TVM-FFI function 'nothing'"):
         ffi.load(path, "nothing")
+
+
+def test_full_calls_of_a_seen_signature_reuse_its_buffer(monkeypatch):
+    stand_in = StandIn()
+    packs = []
+    real_pack = ffi.Function._pack
+    monkeypatch.setattr(ffi.Function, "_pack", lambda self, args: packs.append(len(args)) or real_pack(self, args))
+    a, b = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 3, 8)
+    lse = torch.empty(2, 3, 5)
+    stand_in.function(a, lse, 0.5, 7)
+    stand_in.function(b, lse, 0.5, 7)  # same signature: the bound buffer, new data pointers
+    assert packs == [6 - 2] and len(stand_in.calls) == 2
+    assert stand_in.calls[1][0] == ("tensor", b.data_ptr(), 1, 0, (2, 32, 1), (2, 5, 3, 8), b.stride(), 0)
+    assert stand_in.calls[1][1:] == stand_in.calls[0][1:]
+    # another signature each: other strides, another scalar value or type, a tensor subclass
+    stand_in.function(a.transpose(1, 2), lse, 0.5, 7)
+    stand_in.function(a, lse, 0.25, 7)
+    stand_in.function(a, lse, 0.5, 7.0)
+    stand_in.function(a, lse, 0.5, True)
+    assert len(packs) == 5
+    assert stand_in.calls[-1][3] == (2, 1) and stand_in.calls[-2][3] == (3, 7.0)
+    param = torch.nn.Parameter(torch.randn(4))
+    stand_in.function(param)
+    stand_in.function(param)
+    assert len(packs) == 7  # tensor subclasses always take the full path
+    assert all(call[0][1] == param.data_ptr() for call in stand_in.calls[-2:])
+
+
+def test_a_refused_call_is_not_remembered(monkeypatch):
+    stand_in = StandIn(error=("ValueError", "Misaligned Tensor data on argument #0"))
+    x = torch.randn(4)
+    with pytest.raises(ValueError):
+        stand_in.function(x)
+    assert stand_in.function._bound == {}
+    stand_in.error = None
+    stand_in.function(x)
+    assert len(stand_in.function._bound) == 1
