@@ -32,24 +32,23 @@ def red_add_pairs(
         _red_add_guarded(acc, coords, gdst, row_limit)
 
 
-def _red_pair(acc: cute.Tensor, gdst: cute.Tensor, i: int):
-    """Elements 2i and 2i + 1 of ``acc`` added into ``gdst`` by one 8-byte reduction (traced inline)."""
-    pair = vector.from_elements(
-        ir.VectorType.get([2], Float32.mlir_type), [acc[2 * i].ir_value(), acc[2 * i + 1].ir_value()]
-    )
-    cute.arch.red(
-        gdst.iterator + cute.crd2idx(2 * i, gdst.layout), pair, op="add", dtype=Float32, sem="relaxed", scope="gpu"
-    )
-
-
 @cute.jit
 def _red_add_all(acc: cute.Tensor, gdst: cute.Tensor):
+    pair_type = ir.VectorType.get([2], Float32.mlir_type)
     for i in cutlass.range_constexpr(cute.size(acc) // 2):
-        _red_pair(acc, gdst, i)
+        pair = vector.from_elements(pair_type, [acc[2 * i].ir_value(), acc[2 * i + 1].ir_value()])
+        cute.arch.red(
+            gdst.iterator + cute.crd2idx(2 * i, gdst.layout), pair, op="add", dtype=Float32, sem="relaxed", scope="gpu"
+        )
 
 
 @cute.jit
 def _red_add_guarded(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32):
+    pair_type = ir.VectorType.get([2], Float32.mlir_type)
     for i in cutlass.range_constexpr(cute.size(acc) // 2):
         if coords[2 * i][0] < row_limit:
-            _red_pair(acc, gdst, i)
+            pair = vector.from_elements(pair_type, [acc[2 * i].ir_value(), acc[2 * i + 1].ir_value()])
+            cute.arch.red(
+                gdst.iterator + cute.crd2idx(2 * i, gdst.layout), pair, op="add", dtype=Float32, sem="relaxed",
+                scope="gpu",
+            )  # fmt: skip
