@@ -685,15 +685,7 @@ def flash_attn_func(
     rows, which :func:`cutefa.fp8_block_sizes` returns (another block count is a ValueError);
     block descales must be positive.
     """
-    # _plain_eager(q, k, v), inlined (a function call less on every call)
-    if (
-        type(q) is _Tensor
-        and type(k) is _Tensor
-        and type(v) is _Tensor
-        and not (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-        and not _is_compiling()
-        and not _dispatch_modes()
-    ):
+    if _plain_eager(q, k, v):
         key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)
         try:
             plan = _PLANS.get(key)
@@ -739,7 +731,7 @@ _dispatch_modes: Callable[[], Any] = getattr(torch._C, "_len_torch_dispatch_stac
 )
 
 
-def _plain_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:  # flash_attn_func inlines it
+def _plain_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether calling the implementation directly is the same as calling the op, minus the op's
     dispatch overhead: plain tensors, no gradient to track, no tracing and no dispatch mode."""
     if not (type(q) is type(k) is type(v) is _Tensor):
