@@ -20,7 +20,7 @@ import torch
 
 from cutefa import dispatch
 from cutefa.compile import get_kernel
-from cutefa.space import DEFAULT_BWD_TILES, why_invalid
+from cutefa.space import DEFAULT_BWD_TILES, sm90_bwd_dq_accum_shape, why_invalid
 from cutefa.spec import TORCH_DTYPE_NAMES, VariantSpec, families_for_target
 
 _ALIGN_BYTES = 16
@@ -77,6 +77,19 @@ def dq_splits(
         return 1
     n_blocks = max(1, math.ceil(seqlen_k / tile_n))
     return max(1, min(n_blocks, math.ceil(sm_count / max(1, batch * heads_q))))
+
+
+def dq_accum_workspace(
+    spec: VariantSpec, splits: int, batch: int, seqlen_q: int, heads_q: int, device: torch.device
+) -> torch.Tensor:
+    """The float32 dQ workspace of backward variant ``spec``. Default layout (splits, batch,
+    seqlen_q, heads_q, head_dim), zeroed by the variant's preprocess kernel (left uninitialized
+    here). sm90 dq_bulk: the tiled layout of :func:`cutefa.space.sm90_bwd_dq_accum_shape`, zeroed
+    here (one memset; its kernels do not zero it)."""
+    f32 = {"dtype": torch.float32, "device": device}
+    if spec.dq_bulk:
+        return torch.zeros(sm90_bwd_dq_accum_shape(spec, splits, batch, seqlen_q, heads_q), **f32)
+    return torch.empty((splits, batch, seqlen_q, heads_q, spec.head_dim), **f32)
 
 
 def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -146,7 +159,7 @@ def _launch_bwd(
     sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if deterministic else 0
     splits = dq_splits(deterministic, batch, heads_q, seqlen_k, spec.tile_n, sm_count)
     f32 = {"dtype": torch.float32, "device": q.device}
-    dq_accum = torch.empty((splits, batch, seqlen_q, heads_q, head_dim), **f32)
+    dq_accum = dq_accum_workspace(spec, splits, batch, seqlen_q, heads_q, q.device)
     lse_log2 = torch.empty((batch, heads_q, seqlen_q), **f32)
     dpsum = torch.empty((batch, heads_q, seqlen_q), **f32)
     dlse = torch.zeros_like(lse_log2) if dlse is None else dlse.float().contiguous()

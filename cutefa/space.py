@@ -356,6 +356,12 @@ def _block_quant_rule(spec: VariantSpec) -> str | None:
     return None
 
 
+def _dq_bulk_rule(spec: VariantSpec) -> str | None:
+    if spec.dq_bulk and (spec.arch, spec.direction) != ("sm90", "bwd"):
+        return f"dq_bulk (bulk reduce-add of dQ) is an sm90 backward flag, not a {spec.arch} {spec.direction} one"
+    return None
+
+
 def _head_dim_rule(spec: VariantSpec) -> str | None:
     if spec.head_dim not in HEAD_DIMS:
         return f"head_dim={spec.head_dim} is not one of {HEAD_DIMS}"
@@ -516,6 +522,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _persistent_rule,
     _cta_pair_rule,
     _block_quant_rule,
+    _dq_bulk_rule,
     _head_dim_rule,
     why_no_kernel,
 )
@@ -763,8 +770,9 @@ _TILE_GRID["sm90"] = (
     *(Tile(64, 64, s, 12) for s in (2, 3)),
 )
 # Backward schedules: the default, and overlap (a query block's dQ WGMMA stays in flight and its
-# reductions into dq_accum are issued behind the next block's S^T/dP^T WGMMAs).
-_FLAG_SETS[("sm90", "bwd")] = ({}, {"overlap": True})
+# reductions into dq_accum are issued behind the next block's S^T/dP^T WGMMAs); each with dQ added
+# by per-thread reductions or by one bulk reduce-add per consumer and query block (dq_bulk).
+_FLAG_SETS[("sm90", "bwd")] = ({}, {"overlap": True}, {"dq_bulk": True}, {"overlap": True, "dq_bulk": True})
 
 # Backward alternatives committed next to the defaults (tile, extras), bf16 only (the dtype the
 # benchmark measures), so that one GPU run can time each beside the default; dispatch keeps the
@@ -776,11 +784,13 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             (Tile(128, 128, 3, 12), {}),
             (Tile(128, 128, 2, 12), {"overlap": True}),
             (Tile(128, 128, 3, 12), {"overlap": True}),
+            (Tile(128, 128, 2, 12), {"dq_bulk": True}),
         ),
         128: (
             (Tile(64, 128, 3, 12), {}),
             (Tile(64, 128, 2, 12), {"overlap": True}),
             (Tile(64, 128, 3, 12), {"overlap": True}),
+            (Tile(64, 128, 2, 12), {"dq_bulk": True}),
         ),
         # The head-dim split's overlap: each consumer issues dV and dK over its own 32 queries with
         # P^T, dS^T as register operands before the per-block barrier, the other consumer's 32
@@ -831,7 +841,28 @@ def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
         struct = elements * spec.elem_bytes + rows + barriers
         return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
     elements += 2 * spec.tile_m * spec.tile_n
-    return elements * spec.elem_bytes + 4 * 2 * spec.tile_m * 4 + 6 * SMEM_RESERVE
+    staged_dq = sm90_bwd_dq_bulk_bytes(spec)
+    return elements * spec.elem_bytes + staged_dq + 4 * 2 * spec.tile_m * 4 + 6 * SMEM_RESERVE
+
+
+def sm90_bwd_dq_bulk_bytes(spec: VariantSpec) -> int:
+    """Shared memory of the dq_bulk path: the fp32 dQ of one query block (tile_m x head_dim), each
+    consumer's piece staged in its own buffer for the bulk reduce-add; 0 without dq_bulk."""
+    return 4 * spec.tile_m * spec.head_dim if spec.dq_bulk else 0
+
+
+def sm90_bwd_dq_accum_shape(
+    spec: VariantSpec, splits: int, batch: int, seqlen_q: int, heads_q: int
+) -> tuple[int, ...]:
+    """Shape of the fp32 dQ workspace of an sm90 backward variant. Default layout (splits, batch,
+    seqlen_q, heads_q, head_dim). dq_bulk: (splits, batch, heads_q, query blocks, tile_m * head_dim),
+    seqlen_q rounded up to whole query blocks; each block one contiguous chunk holding the consumers'
+    dQ pieces one after the other, each in its WGMMA fragment's order
+    (cutefa/kernels/sm90/bwd_parts.py, :func:`~cutefa.kernels.sm90.bwd_parts.bulk_dq_coords`)."""
+    if not spec.dq_bulk:
+        return (splits, batch, seqlen_q, heads_q, spec.head_dim)
+    blocks = -(-seqlen_q // spec.tile_m)
+    return (splits, batch, heads_q, blocks, spec.tile_m * spec.head_dim)
 
 
 def sm90_bwd_registers(spec: VariantSpec) -> int:
@@ -889,6 +920,8 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
             "64 keys and split the head dim)"
         )
     if sm90_bwd_head_split(spec):
+        if spec.dq_bulk:
+            return "dq_bulk: the head-dim-split sm90 backward (tile_n=64) adds dQ by per-thread reductions only"
         reason = _sm90_bwd_split(spec)
         if reason is not None:
             return reason

@@ -43,6 +43,7 @@ _FLAG_TOKENS = (
     ("persistent", "persist"),
     ("cta_pair", "pair"),
     ("block_quant", "blockq"),
+    ("dq_bulk", "dqbulk"),
 )
 
 
@@ -78,6 +79,12 @@ class VariantSpec:
     # of q and per tile_n key rows of k and v (per batch and kv head) instead of one per (batch, kv
     # head). Name token _blockq.
     block_quant: bool = False
+    # sm90 backward (tile_n 128): FlashAttention-3's dQ path. Each consumer warpgroup writes its dQ
+    # piece to shared memory in the WGMMA fragment's own order and one thread adds the whole piece
+    # into global memory with one bulk reduce-add (cp.reduce.async.bulk), into a tiled dq_accum
+    # workspace (one contiguous chunk per query block, in fragment order) that its own postprocess
+    # reads back; instead of per-thread 8-byte reductions. Name token _dqbulk.
+    dq_bulk: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0

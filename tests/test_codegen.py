@@ -118,6 +118,7 @@ def test_manifest(out):
         "persistent": False,
         "cta_pair": False,
         "block_quant": False,
+        "dq_bulk": False,
         "exp_emu": 0,
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),

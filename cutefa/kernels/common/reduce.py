@@ -2,9 +2,10 @@
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import vector
+from cutlass._mlir.dialects import llvm, vector
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 @cute.jit
@@ -52,3 +53,46 @@ def _red_add_guarded(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, r
                 gdst.iterator + cute.crd2idx(2 * i, gdst.layout), pair, op="add", dtype=Float32, sem="relaxed",
                 scope="gpu",
             )  # fmt: skip
+
+
+# --- Bulk reduce-add (sm_90+): a whole shared-memory buffer added into global memory by one thread --
+
+
+@dsl_user_op
+def st_shared_f32x4(addr: Int32, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """``st.shared.v4.f32 [addr], {a, b, c, d}``: one 16-byte store at the 32-bit shared-memory
+    address ``addr`` (16-byte aligned)."""
+    llvm.inline_asm(
+        None,
+        [Int32(addr).ir_value(loc=loc, ip=ip), *(Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d))],
+        "st.shared.v4.f32 [$0], {$1, $2, $3, $4};",
+        "r,f,f,f,f,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(gaddr: Int64, saddr: Int32, nbytes: int, *, loc=None, ip=None) -> None:
+    """``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``: ``nbytes`` (a multiple of
+    16) of fp32 at the shared-memory address ``saddr`` added element by element (each add atomic)
+    into global memory at ``gaddr`` (both 16-byte aligned), asynchronously, in this thread's current
+    bulk group (SASS ``UBLKRED``). The caller commits the group (``cute.arch.cp_async_bulk_commit_group``)
+    and waits on it (``cute.arch.cp_async_bulk_wait_group(0, read=True)``) before the shared memory is
+    written again."""
+    if nbytes % 16:
+        raise ValueError(f"nbytes={nbytes}: a bulk copy moves a multiple of 16 bytes")
+    llvm.inline_asm(
+        None,
+        [Int64(gaddr).ir_value(loc=loc, ip=ip), Int32(saddr).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )

@@ -81,9 +81,11 @@ def preprocess_row(
     row: Int32,
     lane: Int32,
     head_dim: cutlass.Constexpr,
+    zero_accum: cutlass.Constexpr = True,
 ):
     """One query row, one warp: D = rowsum(dO * O) - dLSE, LSE * log2(e) (+inf for a row that
-    attends no key, so that its probabilities recompute to 0), and the row of every dQ split zeroed."""
+    attends no key, so that its probabilities recompute to 0), and the row of every dQ split zeroed
+    (``zero_accum``; a workspace of another layout, zeroed by the caller, passes False)."""
     acc = Float32(0.0)
     for j in cutlass.range_constexpr(head_dim // 32):
         col = lane + 32 * j
@@ -93,9 +95,10 @@ def preprocess_row(
         lse = mLSE[batch, head, row]
         mDpsum[batch, head, row] = acc - mdLSE[batch, head, row]
         mLSE2[batch, head, row] = Float32.inf if lse == -Float32.inf else lse * LOG2_E
-    for s in cutlass.range(cute.size(mdQaccum, mode=[0]), unroll=1):
-        for j in cutlass.range_constexpr(head_dim // 32):
-            mdQaccum[s, batch, row, head, lane + 32 * j] = Float32(0.0)
+    if cutlass.const_expr(zero_accum):
+        for s in cutlass.range(cute.size(mdQaccum, mode=[0]), unroll=1):
+            for j in cutlass.range_constexpr(head_dim // 32):
+                mdQaccum[s, batch, row, head, lane + 32 * j] = Float32(0.0)
 
 
 @cute.jit

@@ -26,7 +26,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from cutefa.kernels.common.reduce import red_add_pairs
+from cutefa.kernels.common.reduce import bulk_reduce_add_f32, red_add_pairs, st_shared_f32x4
 from cutefa.kernels.sm90.parts import WG_ROWS
 
 
@@ -247,6 +247,172 @@ def dq_step_under_dk(
     red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS, WG_ROWS)
     warpgroup.wait_group(0)
     handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
+
+
+# --- dq_bulk: FlashAttention-3's dQ path ----------------------------------------------------------
+# Each consumer writes its dQ piece (64 rows x cols fp32, the WGMMA accumulator) to shared memory in
+# the fragment's own order: value 4j + e of thread t at word 4 (128 j + t) + e (16-byte stores,
+# contiguous over the warpgroup, no bank conflict); after a fence and a barrier of its 128 threads
+# one thread adds the whole piece into global memory with one bulk reduce-add. The global workspace
+# therefore holds, per query block, one contiguous chunk: consumer 0's piece, then consumer 1's,
+# each in that order (space.sm90_bwd_dq_accum_shape); :func:`bulk_dq_coords` maps it back.
+
+BULK_VEC = 4  # fp32 values per 16-byte store / load
+
+
+def bulk_piece_offsets(pieces) -> tuple[int, ...]:
+    """Word offset of each consumer's dQ piece inside a query block's chunk (pieces as
+    ``space.sm90_bwd_dq_pieces``: (64-row block, first column, columns))."""
+    offsets, at = [], 0
+    for _, _, cols in pieces:
+        offsets.append(at)
+        at += WG_ROWS * cols
+    return tuple(offsets)
+
+
+def dq_bulk_operands(mma, wtid, sdS: cute.Tensor, sKt: cute.Tensor, row_block: int, col0: int, cols: int):
+    """WGMMA operands of one dQ piece (as :func:`dq_operands`, without a global destination):
+    (A fragments by dS buffer, B fragment, accumulator shape) for :func:`dq_bulk_step`."""
+    tile_n = cute.size(sdS, mode=[1])
+    thr = mma.get_slice(wtid)
+    t_a = thr.make_fragment_A(thr.partition_A(cute.local_tile(sdS, (WG_ROWS, tile_n, 2), (row_block, 0, 0))))
+    t_b = thr.make_fragment_B(thr.partition_B(cute.local_tile(sKt, (cols, tile_n), (col0 // cols, 0))))
+    return t_a, t_b, thr.partition_shape_C((WG_ROWS, cols))
+
+
+def bulk_dq_coords(mma, thread, cols: int) -> cute.Tensor:
+    """Tile-local (row, col) of each accumulator value of ``thread`` in a 64 x ``cols`` dQ piece:
+    value i of the thread sits at word 4 (128 (i // 4) + thread) + i % 4 of the piece's chunk."""
+    return mma.get_slice(thread).partition_C(cute.make_identity_tensor((WG_ROWS, cols)))
+
+
+@cute.jit
+def stage_and_reduce(acc: cute.Tensor, s_base: Int32, g_addr, wtid: Int32, barrier_id: cutlass.Constexpr):
+    """``acc`` (this thread's fragment of a dQ piece) -> shared memory at ``s_base`` in fragment
+    order, then one thread of the warpgroup adds the whole piece into global memory at ``g_addr``
+    (Int64) with a bulk reduce-add and commits it. The caller has made sure the buffer's previous
+    bulk read is done (:func:`bulk_wait`, before a barrier all of the warpgroup passes)."""
+    n = cute.size(acc)
+    s_thread = s_base + wtid * (BULK_VEC * 4)
+    for j in cutlass.range_constexpr(n // BULK_VEC):
+        st_shared_f32x4(
+            s_thread + j * (WG_ROWS * 2 * BULK_VEC * 4),
+            acc[BULK_VEC * j], acc[BULK_VEC * j + 1], acc[BULK_VEC * j + 2], acc[BULK_VEC * j + 3],
+        )  # fmt: skip
+    cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> visible to the bulk copy
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_ROWS * 2)
+    if wtid == 0:
+        bulk_reduce_add_f32(g_addr, s_base, n * WG_ROWS * 2 * 4)
+        cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
+def bulk_wait(deterministic: Int32):
+    """The calling thread's bulk reduce-adds: until their shared-memory source is read, or (with
+    ``deterministic``) until they are complete, so that the next one into the same chunk lands
+    after them (the fixed order of a deterministic run)."""
+    if deterministic != 0:
+        cute.arch.cp_async_bulk_wait_group(0)
+    else:
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def dq_bulk_step(
+    mma: cute.TiledMma,
+    t_a: cute.Tensor,
+    t_b: cute.Tensor,
+    acc_shape: cutlass.Constexpr,
+    buf: Int32,
+    handle,
+    s_base: Int32,
+    g_addr,
+    wtid: Int32,
+    barrier_id: cutlass.Constexpr,
+):
+    """:func:`dq_step` of the dq_bulk path: acc = dS K (dS buffer ``buf``) behind the dV/dK WGMMAs,
+    the Q/dO stage released once those are done, then acc staged and bulk-added (:func:`stage_and_reduce`)."""
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+    acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(1)
+    handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
+    warpgroup.wait_group(0)
+    stage_and_reduce(acc, s_base, g_addr, wtid, barrier_id)
+
+
+@cute.jit
+def dq_bulk_step_under_dk(
+    mma: cute.TiledMma,
+    t_a: cute.Tensor,
+    t_b: cute.Tensor,
+    acc_shape: cutlass.Constexpr,
+    dkv_mma: cute.TiledMma,
+    acc_dK: cute.Tensor,
+    rdS: cute.Tensor,
+    t_qt: cute.Tensor,
+    buf: Int32,
+    handle,
+    s_base: Int32,
+    g_addr,
+    wtid: Int32,
+    barrier_id: cutlass.Constexpr,
+):
+    """:func:`dq_step_under_dk` of the dq_bulk path: dQ, then dK as its own group; acc staged and
+    bulk-added while dK runs; the Q/dO stage released after dK."""
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+    acc.fill(0.0)
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
+    warpgroup.commit_group()
+    for k in cutlass.range_constexpr(cute.size(rdS, mode=[2])):
+        cute.gemm(dkv_mma, acc_dK, rdS[None, None, k], t_qt[None, None, k], acc_dK)
+    warpgroup.commit_group()
+    warpgroup.wait_group(1)  # dV and dQ done; dK may still run
+    stage_and_reduce(acc, s_base, g_addr, wtid, barrier_id)
+    warpgroup.wait_group(0)
+    handle.release()
+
+
+@cute.jit
+def bulk_postprocess_piece(
+    mma: cute.TiledMma,
+    mdQaccum: cute.Tensor,
+    mdQ: cute.Tensor,
+    scale: Float32,
+    batch: Int32,
+    head: Int32,
+    m_block: Int32,
+    thread: Int32,
+    tile_m: cutlass.Constexpr,
+    row_block: cutlass.Constexpr,
+    col0: cutlass.Constexpr,
+    cols: cutlass.Constexpr,
+    offset: cutlass.Constexpr,
+    dtype: cutlass.Constexpr,
+):
+    """dQ of one consumer's piece of query block ``m_block`` from the dq_bulk workspace (splits,
+    batch, heads, blocks, tile_m * head_dim): thread ``thread`` (of 128) reads its fragment's values
+    16 bytes at a time (coalesced over the threads), sums the splits in order, scales and writes
+    the rows below seqlen_q."""
+    coords = bulk_dq_coords(mma, thread, cols)
+    seqlen_q = mdQ.shape[1]
+    row0 = m_block * tile_m + row_block * WG_ROWS
+    for j in cutlass.range_constexpr(cols // 2 // BULK_VEC):  # cols / 2 values per thread
+        word = offset + (j * WG_ROWS * 2 + thread) * BULK_VEC
+        acc = cute.make_rmem_tensor((BULK_VEC,), Float32)
+        acc.fill(0.0)
+        for s in cutlass.range(cute.size(mdQaccum, mode=[0]), unroll=1):
+            for e in cutlass.range_constexpr(BULK_VEC):
+                acc[e] = acc[e] + mdQaccum[s, batch, head, m_block, word + e]
+        for e in cutlass.range_constexpr(BULK_VEC):
+            row, col = coords[BULK_VEC * j + e]
+            if row0 + row < seqlen_q:
+                mdQ[batch, row0 + row, head, col0 + col] = dtype(acc[e] * scale)
 
 
 # --- Head-dim split (templates/bwd_sm90_hsplit.py.j2, head dims 192 and 256) -----------------------
