@@ -777,6 +777,8 @@ _FLAG_SETS[("sm90", "bwd")] = ({}, {"overlap": True}, {"dq_bulk": True}, {"overl
 # Backward alternatives committed next to the defaults (tile, extras), bf16 only (the dtype the
 # benchmark measures), so that one GPU run can time each beside the default; dispatch keeps the
 # DEFAULT_BWD_TILES until a tuned table says otherwise. docs/perf-notes.md has the predictions.
+# dq_bulk (FlashAttention-3's dQ path) on the default tiles, plain and with the overlap schedule:
+# the 32 KiB of dQ staging fit beside the 2-stage ring (202 and 200 KiB), not beside a 3-stage one.
 BWD_ALTERNATIVE_DTYPES = ("bf16",)
 BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]] = {
     "sm90": {
@@ -785,12 +787,14 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             (Tile(128, 128, 2, 12), {"overlap": True}),
             (Tile(128, 128, 3, 12), {"overlap": True}),
             (Tile(128, 128, 2, 12), {"dq_bulk": True}),
+            (Tile(128, 128, 2, 12), {"overlap": True, "dq_bulk": True}),
         ),
         128: (
             (Tile(64, 128, 3, 12), {}),
             (Tile(64, 128, 2, 12), {"overlap": True}),
             (Tile(64, 128, 3, 12), {"overlap": True}),
             (Tile(64, 128, 2, 12), {"dq_bulk": True}),
+            (Tile(64, 128, 2, 12), {"overlap": True, "dq_bulk": True}),
         ),
         # The head-dim split's overlap: each consumer issues dV and dK over its own 32 queries with
         # P^T, dS^T as register operands before the per-block barrier, the other consumer's 32

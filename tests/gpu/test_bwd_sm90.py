@@ -7,8 +7,8 @@ heads of dk/dv are summed as backward.py does. Gradients are judged against floa
 the exact attention, with the tolerance of tests/gpu/test_bwd_sm80.py (at most 3x the error of
 PyTorch's own attention on the same low-precision inputs). Shapes: ragged lengths (1, 17, 1000,
 4097), seqlen_q != seqlen_k both ways, GQA and MQA; deterministic=1 must be bitwise reproducible.
-An alternative (another Q/dO ring depth, the overlap schedule) does the same arithmetic in the same
-order as its default twin, so with deterministic=1 their gradients must be bitwise equal. (One
+An alternative (another Q/dO ring depth, the overlap schedule, the dq_bulk path) does the same
+arithmetic in the same order as its default twin, so with deterministic=1 their gradients must be bitwise equal. (One
 exception: the head-dim split's overlap (head dims 192/256) adds consumer 1's dK/dV columns over
 the two query halves in the other order; those columns must be close, the rest bitwise equal.)
 
@@ -58,7 +58,9 @@ BACKWARDS = space.default_variants("sm90", "bwd")
 
 def _default_twin(spec):
     tile = space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
-    return spec.replace(tile_m=tile.tile_m, tile_n=tile.tile_n, stages=tile.stages, warps=tile.warps, overlap=False)
+    return spec.replace(
+        tile_m=tile.tile_m, tile_n=tile.tile_n, stages=tile.stages, warps=tile.warps, overlap=False, dq_bulk=False
+    )
 
 
 ALTERNATIVES = [s for s in BACKWARDS if _default_twin(s) != s]
@@ -77,7 +79,7 @@ SHAPES = (
 
 def run_kernel(kernel, spec, q, k, v, out, lse, dout, *, deterministic=False):
     """dq, dk, dv from one variant, allocated and reduced like cutefa/backward.py does."""
-    from cutefa.backward import dq_splits
+    from cutefa.backward import dq_accum_workspace, dq_splits
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -89,7 +91,10 @@ def run_kernel(kernel, spec, q, k, v, out, lse, dout, *, deterministic=False):
     dk_heads = torch.full((batch, seqlen_k, heads_q, head_dim), nan, dtype=q.dtype, device=q.device)
     dv_heads = torch.full_like(dk_heads, nan)
     f32 = {"dtype": torch.float32, "device": q.device}
-    dq_accum = torch.full((splits, batch, seqlen_q, heads_q, head_dim), nan, **f32)
+    # the workspace of the variant's layout, as backward.py allocates it; NaN where its kernels zero it
+    dq_accum = dq_accum_workspace(spec, splits, batch, seqlen_q, heads_q, q.device)
+    if not spec.dq_bulk:
+        dq_accum.fill_(nan)
     lse_log2 = torch.full((batch, heads_q, seqlen_q), nan, **f32)
     dpsum = torch.full((batch, heads_q, seqlen_q), nan, **f32)
     dlse = torch.zeros((batch, heads_q, seqlen_q), **f32)

@@ -1,0 +1,146 @@
+"""The sm90 backward's dq_bulk path (FlashAttention-3's dQ path) on a Hopper GPU.
+
+Each committed _dqbulk variant (the hd64/hd128 default tiles with the flag, plain and with the
+overlap schedule) is forced: called
+directly with the calling convention of cutefa/backward.py (tests/gpu/test_bwd_sm90.py's
+``run_kernel``: dq, dk, dv poisoned with NaN first, the tiled dq_accum workspace allocated zeroed as
+backward.py does), and through ``backward.gradients(..., spec=...)`` (the host path that allocates
+the workspace by the variant's layout). Gradients are judged against float32 autograd of the exact
+attention with test_bwd_sm80.py's tolerance (at most 3x the error of PyTorch's attention on the same
+low-precision inputs); NaN or an unwritten element never passes. Shapes: seqlen_q 1, 17, 1000 and
+4097 (ragged last query blocks: the workspace's padded rows must never reach dq), seqlen_q !=
+seqlen_k both ways, GQA and MQA, causal and not. deterministic=1 must be bitwise reproducible, and
+bitwise equal to the default twin (the bulk adds land in the same order as its per-thread ones),
+also where each CTA walks several key blocks into one split.
+
+Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_dqbulk_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cutefa import space
+
+
+def _load(name: str):
+    key = f"cutefa_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+bwd80 = _load("test_bwd_sm80")
+bwd90 = _load("test_bwd_sm90")
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU: torch.cuda.is_available() is False"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return f"needs a Hopper GPU (sm_90a), this GPU is {torch.cuda.get_device_capability()}"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+
+BULK = [s for s in space.default_variants("sm90", "bwd") if s.dq_bulk]
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+SHAPES = (
+    (1, 1, 1, 2, 2),
+    (1, 1, 700, 2, 1),
+    (2, 17, 17, 2, 2),
+    (1, 17, 1000, 4, 2),
+    (1, 1000, 17, 3, 3),
+    (1, 1000, 1000, 2, 1),
+    (2, 333, 257, 6, 2),
+    (1, 4097, 4097, 1, 1),
+    (1, 128, 4097, 8, 1),
+)
+
+
+@pytest.fixture(scope="module")
+def target():
+    from cutefa.dispatch import current_target
+
+    return current_target()
+
+
+def _inputs(gen, spec, batch, sq, sk, hq, hkv):
+    dtype = bwd80.DTYPES[spec.dtype]
+    q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+    out, lse = bwd90.forward_ref(q, k, v, spec.causal)
+    return q, k, v, dout, out, lse
+
+
+def _judge(spec, where, got, q, k, v, dout):
+    scale = 1.0 / math.sqrt(spec.head_dim)
+    fn = functools.partial(bwd80.attention, causal=spec.causal, scale=scale)
+    exact = bwd80.grads(fn, q.float(), k.float(), v.float(), dout.float())
+    base = bwd80.grads(fn, q, k, v, dout)
+    for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
+        assert g.shape == e.shape, f"{where} {name}"
+        assert torch.isfinite(g).all(), f"{where} {name}: non-finite values (unwritten or NaN)"
+        err, err_base = bwd80.rel(g, e), bwd80.rel(b, e)
+        assert err <= 3 * err_base + 1e-3, f"{where} {name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
+
+
+def test_bulk_variants_committed():
+    assert sorted((s.head_dim, s.causal, s.overlap) for s in BULK) == [
+        (hd, causal, overlap) for hd in (64, 128) for causal in (False, True) for overlap in (False, True)
+    ]
+
+
+@pytest.mark.parametrize("spec", BULK, ids=lambda s: s.name)
+def test_bulk_grads_direct(gen, target, spec):
+    from cutefa.compile import get_kernel
+
+    kernel = get_kernel(spec, target)
+    for shape in SHAPES:
+        q, k, v, dout, out, lse = _inputs(gen, spec, *shape)
+        got = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout)
+        _judge(spec, f"{spec.name} b{shape[0]} sq{shape[1]} sk{shape[2]} hq{shape[3]} hkv{shape[4]}", got, q, k, v, dout)
+
+
+@pytest.mark.parametrize("spec", BULK, ids=lambda s: s.name)
+def test_bulk_grads_through_backward(gen, spec):
+    """backward.gradients with the variant forced: the host allocates the tiled workspace."""
+    from cutefa import backward
+
+    for shape in ((1, 17, 1000, 4, 2), (2, 1000, 777, 4, 4)):
+        q, k, v, dout, out, lse = _inputs(gen, spec, *shape)
+        scale = 1.0 / math.sqrt(spec.head_dim)
+        for deterministic in (False, True):
+            got = backward.gradients(dout, q, k, v, out, lse, None, spec.causal, scale, deterministic, spec=spec)
+            _judge(spec, f"{spec.name} {shape} deterministic={deterministic}", got, q, k, v, dout)
+
+
+@pytest.mark.parametrize("spec", [s for s in BULK if s.head_dim == 128], ids=lambda s: s.name)
+def test_bulk_deterministic(gen, target, spec):
+    """deterministic=1 twice: bitwise equal; and bitwise equal to the default twin (same adds in the
+    same order). 16 heads over 4097 keys: fewer splits than key blocks, so each CTA adds several key
+    blocks into the same chunks of its split one after the other."""
+    from cutefa.compile import get_kernel
+
+    twin = spec.replace(dq_bulk=False, overlap=False)  # the default
+    q, k, v, dout, out, lse = _inputs(gen, spec, 1, 1000, 4097, 16, 4)
+    first = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
+    second = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
+    ref = bwd90.run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
+    for name, a, b, c in zip(("dq", "dk", "dv"), first, second, ref):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{spec.name} {name} differs between two deterministic runs"
+        assert torch.equal(a, c), f"{spec.name} {name} differs from {twin.name}"

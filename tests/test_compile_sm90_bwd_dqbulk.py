@@ -1,0 +1,167 @@
+"""The sm90 backward's dq_bulk path (FlashAttention-3's dQ path) on this CPU.
+
+Each consumer warpgroup stages its fp32 dQ piece in shared memory in the WGMMA fragment's order and
+one thread adds the whole piece into the tiled dq_accum with one bulk reduce-add
+(cp.reduce.async.bulk, SASS ``UBLKRED``). Checked here: the committed _dqbulk variants sit beside
+the hd64/hd128 defaults (same tile, same schedule) and dispatch still picks the defaults; the
+predicate counts the staging buffers; two variants compile for sm_90a with the bulk reduce-add,
+16-byte shared-memory stores and no per-thread fp32 reduction (no REDG) or local-memory spill; and
+the fragment order that the main kernel writes and the postprocess reads back (bwd_parts.
+bulk_dq_coords, traced with the DSL) maps a query block's chunk one-to-one onto its tile_m x
+head_dim elements.
+
+Correctness on hardware: tests/gpu/test_bwd_dqbulk_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cutefa import sass, space
+from cutefa.spec import VariantSpec
+
+BULK = [s for s in space.default_variants("sm90", "bwd") if s.dq_bulk]
+# hd128 64x128 (a column split of dQ) non-causal, hd64 128x128 (a row split) causal; and the overlap
+# schedule's bulk path (its dQ staging runs while dK's WGMMA does) at hd128.
+CHECKED = [s for s in BULK if s.causal == (s.head_dim == 64) and (not s.overlap or s.head_dim == 128)]
+
+
+def _twin(spec: VariantSpec) -> VariantSpec:
+    return spec.replace(dq_bulk=False)
+
+
+def test_bulk_variants_are_the_default_tiles_with_the_flag():
+    import torch
+
+    from cutefa import backward
+
+    assert sorted((s.head_dim, s.causal, s.overlap) for s in BULK) == [
+        (hd, causal, overlap) for hd in (64, 128) for causal in (False, True) for overlap in (False, True)
+    ]
+    committed = set(space.default_variants("sm90", "bwd"))
+    for spec in BULK:
+        assert spec.name.endswith("_dqbulk") and spec.dtype == "bf16"
+        assert space.why_invalid(spec) is None, spec.name
+        tile = space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == tile
+        assert _twin(spec) in committed  # timed beside the variant it changes
+        chosen = backward.choose_bwd("sm_90a", torch.bfloat16, spec.head_dim, spec.causal)
+        assert chosen == _twin(spec).replace(overlap=False)  # dispatch keeps the default
+
+
+def test_predicate_counts_the_staging_buffers():
+    for spec in BULK:
+        extra = space.sm90_bwd_smem_bytes(spec) - space.sm90_bwd_smem_bytes(_twin(spec))
+        assert extra == 4 * spec.tile_m * spec.head_dim  # the fp32 dQ of one query block
+    # a 3-stage ring plus the buffers is over the 227 KiB; the head-dim split has no bulk path;
+    # the flag belongs to the sm90 backward only
+    deep = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 3, 12, dq_bulk=True)
+    assert "shared memory" in space.why_invalid(deep)
+    assert space.why_invalid(deep.replace(dq_bulk=False)) is None
+    assert "dq_bulk" in space.why_invalid(VariantSpec("sm90", "bwd", "bf16", 256, 64, 64, 2, 12, dq_bulk=True))
+    assert "dq_bulk" in space.why_invalid(VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8, dq_bulk=True))
+    assert "dq_bulk" in space.why_invalid(VariantSpec("sm90", "fwd", "bf16", 128, 128, 128, 2, 12, dq_bulk=True))
+
+
+def test_workspace_shapes():
+    spec = next(s for s in BULK if s.head_dim == 128)
+    assert space.sm90_bwd_dq_accum_shape(spec, 3, 2, 1000, 5) == (3, 2, 5, -(-1000 // 64), 64 * 128)
+    assert space.sm90_bwd_dq_accum_shape(spec, 1, 1, 1, 1) == (1, 1, 1, 1, 64 * 128)
+    assert space.sm90_bwd_dq_accum_shape(_twin(spec), 3, 2, 1000, 5) == (3, 2, 1000, 5, 128)
+
+
+@pytest.fixture(scope="module")
+def cubins(tmp_path_factory):
+    return sass.dump_cubins(CHECKED, "sm_90a", tmp_path_factory.mktemp("bwd_dqbulk_sm_90a"))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
+def test_sass_bulk_reduce(cubins, spec):
+    report = sass.analyze(cubins[spec.name])
+    text = sass.disassemble(cubins[spec.name])
+    for op in ("HGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "MUFU.EX2"):
+        assert report.counts.get(op, 0) > 0, f"{spec.name}: no {op}: {report.summary()}"
+    expected = 2 * spec.head_dim // 16 + 2 * spec.tile_m // 16 + 2 * spec.tile_n // 16
+    if spec.overlap:  # dK issued after dQ, in each consumer's branch
+        expected += spec.tile_m // 16
+    assert report.counts["HGMMA"] == expected, report.summary()
+    # one bulk reduce-add per consumer code path, fp32 add, and no per-thread reduction left
+    assert report.forms_of("UBLKRED") == {"UBLKRED.G.S.ADD.F32.RN": 2}, report.forms
+    assert not re.findall(r"\bREDG?\.", text), f"{spec.name}: per-thread reductions remain"
+    # the piece goes to shared memory 16 bytes at a time: cols / 8 stores per thread and consumer
+    stores = len(re.findall(r"\bSTS\.128\b", text))
+    assert stores >= sum(cols // 8 for _, _, cols in space.sm90_bwd_dq_pieces(spec)), stores
+    assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
+    for budget, used in sass.setmaxnreg_regions(text):
+        assert used < budget, f"{spec.name}: R{used} under setmaxnreg {budget}"
+    waits = re.findall(r"WARPGROUP\.DEPBAR", text)
+    assert len(waits) <= 8, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
+
+
+_COORDS = """
+import json, sys
+import cutlass, cutlass.cute as cute
+from cutefa.kernels.sm90 import bwd_parts
+
+result = {}
+
+@cute.jit
+def coords(cols: cutlass.Constexpr):
+    mma = bwd_parts.dq_tiled_mma(cutlass.BFloat16, cols)
+    slices = [bwd_parts.bulk_dq_coords(mma, t, cols) for t in range(128)]
+    result["coords"] = [[[int(c[i][0]), int(c[i][1])] for i in range(cute.size(c))] for c in slices]
+
+coords(int(sys.argv[1]))
+print(json.dumps(result))
+"""
+
+
+def _trace_coords(tmp_path, cols: int) -> list[list[list[int]]]:
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)}
+    script = tmp_path / f"coords{cols}.py"  # a file: the DSL reads the traced function's source
+    script.write_text(_COORDS)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(cols)], env=env, capture_output=True, text=True, check=False, cwd=root
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["coords"]
+
+
+@pytest.mark.compile  # traces the tiled-MMA partition with the DSL in a child process
+@pytest.mark.parametrize(("tile_m", "head_dim"), [(128, 64), (64, 128), (64, 96)])
+def test_chunk_order_is_a_bijection(tmp_path, tile_m, head_dim):
+    """Word w = offset(piece) + 4 (128 j + t) + e of a query block's chunk holds value 4 j + e of
+    thread t's fragment of that piece; through bulk_dq_coords (the tiled-MMA partition the kernel's
+    accumulator has) every word lands on its own element of the tile_m x head_dim block, and every
+    element is covered. The fragment order is the WGMMA accumulator's: thread t of warp w holds rows
+    16 w + (t % 32) / 4 (+ 8) and columns 8 k + 2 (t % 4) (+ 1)."""
+    from cutefa.kernels.sm90.bwd_parts import BULK_VEC, bulk_piece_offsets
+
+    spec = VariantSpec("sm90", "bwd", "bf16", head_dim, tile_m, 128, 2, 12, dq_bulk=True)
+    pieces = space.sm90_bwd_dq_pieces(spec)
+    offsets = bulk_piece_offsets(pieces)
+    traced = {cols: _trace_coords(tmp_path, cols) for cols in {c for _, _, c in pieces}}
+    element_of_word = {}
+    for (row_block, col0, cols), offset in zip(pieces, offsets):
+        table = traced[cols]
+        for t in range(128):
+            values = table[t]
+            assert len(values) == cols // 2
+            for i, (row, col) in enumerate(values):
+                warp, lane = divmod(t, 32)
+                k, v = divmod(i, 4)
+                assert (row, col) == (16 * warp + lane // 4 + 8 * (v // 2), 8 * k + 2 * (lane % 4) + v % 2)
+                j, e = divmod(i, BULK_VEC)
+                word = offset + BULK_VEC * (128 * j + t) + e
+                element_of_word[word] = (row_block * 64 + row, col0 + col)
+    assert sorted(element_of_word) == list(range(tile_m * head_dim))
+    assert sorted(element_of_word.values()) == [(r, c) for r in range(tile_m) for c in range(head_dim)]
