@@ -18,7 +18,8 @@ Calling convention: the sm80 backward's (``Kernel.__call__``; :func:`fake_argume
     lse_log2, dpsum  (batch, heads_q, seqlen_q)          float32 workspaces
     softmax_scale float; deterministic int (0 or 1); the stream is the caller's current one
 
-Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
+Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units; dq_accum
+zeroed by the caller), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
 
 Main kernel: a CTA owns 128 keys of one (batch, query head). Warpgroup 0 is the producer: one
 warp issues the TMA loads of K and V (once per key block, one-stage pipeline) and of Q and dO (per
