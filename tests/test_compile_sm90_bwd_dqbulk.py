@@ -77,6 +77,22 @@ def test_workspace_shapes():
     assert space.sm90_bwd_dq_accum_shape(_twin(spec), 3, 2, 1000, 5) == (3, 2, 1000, 5, 128)
 
 
+def test_host_allocates_the_variant_layout():
+    """backward.py's workspace: tiled and zeroed for dq_bulk (its kernels do not zero it), the
+    (splits, batch, seqlen_q, heads_q, head_dim) layout for every other variant."""
+    import torch
+
+    from cutefa.backward import dq_accum_workspace
+
+    spec = next(s for s in BULK if s.head_dim == 64)
+    ws = dq_accum_workspace(spec, 2, 3, 130, 4, torch.device("cpu"))
+    assert ws.shape == (2, 3, 4, 2, 128 * 64) and ws.dtype == torch.float32 and ws.is_contiguous()
+    assert not ws.any()
+    assert dq_accum_workspace(_twin(spec), 2, 3, 130, 4, torch.device("cpu")).shape == (2, 3, 130, 4, 64)
+    sm80 = VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8)
+    assert dq_accum_workspace(sm80, 1, 1, 17, 2, torch.device("cpu")).shape == (1, 1, 17, 2, 128)
+
+
 @pytest.fixture(scope="module")
 def cubins(tmp_path_factory):
     return sass.dump_cubins(CHECKED, "sm_90a", tmp_path_factory.mktemp("bwd_dqbulk_sm_90a"))
