@@ -20,7 +20,7 @@ import torch
 
 from cutefa import dispatch
 from cutefa.compile import get_kernel
-from cutefa.space import DEFAULT_BWD_TILES, sm90_bwd_dq_accum_shape, why_invalid
+from cutefa.space import DEFAULT_BWD_TILES, default_extras, sm90_bwd_dq_accum_shape, why_invalid
 from cutefa.spec import TORCH_DTYPE_NAMES, VariantSpec, families_for_target
 
 _ALIGN_BYTES = 16
@@ -50,7 +50,7 @@ def choose_bwd(
         if tile is None:
             reasons.append(f"{family}: no default backward tile for head_dim={head_dim}")
             continue
-        spec = VariantSpec(family, "bwd", token, head_dim, *tile, causal=causal)
+        spec = VariantSpec(family, "bwd", token, head_dim, *tile, causal=causal, **default_extras(family, "bwd", head_dim))
         reason = why_invalid(spec)
         if reason is None:
             return spec

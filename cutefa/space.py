@@ -774,26 +774,32 @@ _TILE_GRID["sm90"] = (
 # by per-thread reductions or by one bulk reduce-add per consumer and query block (dq_bulk).
 _FLAG_SETS[("sm90", "bwd")] = ({}, {"overlap": True}, {"dq_bulk": True}, {"overlap": True, "dq_bulk": True})
 
+# Flags of the sm90 backward default where the default tile is not the head-dim split (head dims
+# 64, 96, 128): dq_bulk, FlashAttention-3's dQ path (measured +9-19% over per-thread reductions at
+# hd64/hd128 on the H200, docs/perf-notes.md "dq_bulk ... measured").
+DEFAULT_BWD_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"dq_bulk": True}}
+
 # Backward alternatives committed next to the defaults (tile, extras), bf16 only (the dtype the
 # benchmark measures), so that one GPU run can time each beside the default; dispatch keeps the
-# DEFAULT_BWD_TILES until a tuned table says otherwise. docs/perf-notes.md has the predictions.
-# dq_bulk (FlashAttention-3's dQ path) on the default tiles, plain and with the overlap schedule:
-# the 32 KiB of dQ staging fit beside the 2-stage ring (202 and 200 KiB), not beside a 3-stage one.
+# defaults until a tuned table says otherwise. docs/perf-notes.md has the predictions. At hd64 and
+# hd128: the per-thread dQ reductions (the default before dq_bulk) on the default tile and with a
+# 3-stage ring, each with and without the overlap schedule, and dq_bulk with the overlap schedule
+# (the 32 KiB of dQ staging fit beside the 2-stage ring (202 and 200 KiB), not beside a 3-stage one).
 BWD_ALTERNATIVE_DTYPES = ("bf16",)
 BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]] = {
     "sm90": {
         64: (
+            (Tile(128, 128, 2, 12), {}),
             (Tile(128, 128, 3, 12), {}),
             (Tile(128, 128, 2, 12), {"overlap": True}),
             (Tile(128, 128, 3, 12), {"overlap": True}),
-            (Tile(128, 128, 2, 12), {"dq_bulk": True}),
             (Tile(128, 128, 2, 12), {"overlap": True, "dq_bulk": True}),
         ),
         128: (
+            (Tile(64, 128, 2, 12), {}),
             (Tile(64, 128, 3, 12), {}),
             (Tile(64, 128, 2, 12), {"overlap": True}),
             (Tile(64, 128, 3, 12), {"overlap": True}),
-            (Tile(64, 128, 2, 12), {"dq_bulk": True}),
             (Tile(64, 128, 2, 12), {"overlap": True, "dq_bulk": True}),
         ),
         # The head-dim split's overlap: each consumer issues dV and dK over its own 32 queries with
@@ -1029,8 +1035,12 @@ def valid_variants(arch: str, direction: str = "fwd") -> list[VariantSpec]:
 
 def default_extras(arch: str, direction: str, head_dim: int) -> dict[str, object]:
     """Spec fields beyond the tile that a family's default variant sets: schedule flags (sm90)
-    and the exp2 emulation share (sm100). Dispatch's heuristic uses the same."""
+    and the exp2 emulation share (sm100) of the forward; the sm90 backward's dq_bulk where its
+    default tile is not the head-dim split. Dispatch's heuristics use the same."""
     if direction != "fwd":
+        tile = DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
+        if arch == "sm90" and direction == "bwd" and tile is not None and tile.tile_n != SM90_BWD_SPLIT_TILE_N:
+            return dict(DEFAULT_BWD_FLAGS[arch])
         return {}
     extras: dict[str, object] = dict(DEFAULT_FLAGS.get(arch, {}))
     emu = DEFAULT_EXP_EMU.get(arch, {}).get(head_dim, 0)
@@ -1062,7 +1072,9 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
         entries += [("fwd", hd, tile, default_extras(arch, "fwd", hd), False) for tile in alts]
     for hd, alts in PAIR_ALTERNATIVES.get(arch, {}).items():
         entries += [("fwd", hd, tile, {**default_extras(arch, "fwd", hd), "cta_pair": True}, False) for tile in alts]
-    entries += [("bwd", hd, tile, {}, True) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()]
+    entries += [
+        ("bwd", hd, tile, default_extras(arch, "bwd", hd), True) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()
+    ]
     for hd, alts in BWD_TUNING_ALTERNATIVES.get(arch, {}).items():
         entries += [("bwd", hd, tile, {}, False) for tile in alts]
     bwd_alternatives = [

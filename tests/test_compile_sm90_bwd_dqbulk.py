@@ -2,8 +2,8 @@
 
 Each consumer warpgroup stages its fp32 dQ piece in shared memory in the WGMMA fragment's order and
 one thread adds the whole piece into the tiled dq_accum with one bulk reduce-add
-(cp.reduce.async.bulk, SASS ``UBLKRED``). Checked here: the committed _dqbulk variants sit beside
-the hd64/hd128 defaults (same tile, same schedule) and dispatch still picks the defaults; the
+(cp.reduce.async.bulk, SASS ``UBLKRED``). Checked here: dq_bulk is the default at head dims 64/96/128 (its per-thread-reduction twins
+committed beside it in bf16) and dispatch picks it; the
 predicate counts the staging buffers; two variants compile for sm_90a with the bulk reduce-add,
 16-byte shared-memory stores and no per-thread fp32 reduction (no REDG) or local-memory spill; and
 the fragment order that the main kernel writes and the postprocess reads back (bwd_parts.
@@ -37,23 +37,34 @@ def _twin(spec: VariantSpec) -> VariantSpec:
     return spec.replace(dq_bulk=False)
 
 
-def test_bulk_variants_are_the_default_tiles_with_the_flag():
+def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
+    """dq_bulk is the sm90 backward default at head dims 64, 96, 128 (every dtype, both masks) and
+    with the overlap schedule a bf16 alternative at 64 and 128; each has its per-thread-reduction
+    twin committed (bf16) to be timed beside it; dispatch picks the default without a tuned table's entry."""
     import torch
 
     from cutefa import backward
 
-    assert sorted((s.head_dim, s.causal, s.overlap) for s in BULK) == [
-        (hd, causal, overlap) for hd in (64, 128) for causal in (False, True) for overlap in (False, True)
+    defaults = [s for s in BULK if not s.overlap]
+    assert sorted((s.dtype, s.head_dim, s.causal) for s in defaults) == [
+        (dt, hd, causal) for dt in ("bf16", "fp16") for hd in (64, 96, 128) for causal in (False, True)
+    ]
+    assert sorted((s.head_dim, s.causal) for s in BULK if s.overlap) == [
+        (hd, causal) for hd in (64, 128) for causal in (False, True)
     ]
     committed = set(space.default_variants("sm90", "bwd"))
     for spec in BULK:
-        assert spec.name.endswith("_dqbulk") and spec.dtype == "bf16"
+        assert spec.name.endswith("_dqbulk")
         assert space.why_invalid(spec) is None, spec.name
         tile = space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
         assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == tile
-        assert _twin(spec) in committed  # timed beside the variant it changes
-        chosen = backward.choose_bwd("sm_90a", torch.bfloat16, spec.head_dim, spec.causal)
-        assert chosen == _twin(spec).replace(overlap=False)  # dispatch keeps the default
+        if spec.dtype == "bf16" and spec.head_dim != 96:
+            assert _twin(spec) in committed  # timed beside the variant it changes
+    for spec in defaults:  # no seqlen_k: the default, not a tuned table's entry
+        dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[spec.dtype])
+        assert backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal) == spec
+    assert space.default_extras("sm90", "bwd", 128) == {"dq_bulk": True}
+    assert space.default_extras("sm90", "bwd", 256) == {}  # the head-dim split
 
 
 def test_predicate_counts_the_staging_buffers():

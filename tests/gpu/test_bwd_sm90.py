@@ -59,8 +59,9 @@ BACKWARDS = space.default_variants("sm90", "bwd")
 def _default_twin(spec):
     tile = space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
     return spec.replace(
-        tile_m=tile.tile_m, tile_n=tile.tile_n, stages=tile.stages, warps=tile.warps, overlap=False, dq_bulk=False
-    )
+        tile_m=tile.tile_m, tile_n=tile.tile_n, stages=tile.stages, warps=tile.warps, overlap=False,
+        dq_bulk=bool(space.default_extras("sm90", "bwd", spec.head_dim).get("dq_bulk")),
+    )  # fmt: skip
 
 
 ALTERNATIVES = [s for s in BACKWARDS if _default_twin(s) != s]
