@@ -180,8 +180,13 @@ TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
     },
     # Longer key steps amortize each step's fixed costs (row reductions, barriers, pipeline
     # waits): hd64 192 keys (estimate 224 registers) compiles with no spill (sm_90a, DSL 4.8.1);
-    # hd256 80 keys (236) spills one register in fp16 causal.
-    "sm90": {64: (Tile(128, 192, 2, 12),)},
+    # hd256 80 keys (236; FlashAttention-3's hd256 tile) too in bf16, but it spills one register
+    # in fp16 causal, so it is committed in bf16 only (TUNING_ALTERNATIVE_DTYPES).
+    "sm90": {64: (Tile(128, 192, 2, 12),), 256: (Tile(128, 80, 2, 12),)},
+}
+# Tuning alternatives committed in some dtypes only: (arch, head_dim, tile) -> dtypes.
+TUNING_ALTERNATIVE_DTYPES: dict[tuple[str, int, Tile], tuple[str, ...]] = {
+    ("sm90", 256, Tile(128, 80, 2, 12)): ("bf16",),
 }
 
 _TILE_GRID: dict[str, tuple[Tile, ...]] = {
@@ -1096,6 +1101,7 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
             if d in directions
             for dtype in IMPLEMENTED.get((arch, d), ())
             if is_default or dtype not in DEFAULT_ONLY_DTYPES
+            if is_default or dtype in TUNING_ALTERNATIVE_DTYPES.get((arch, head_dim, tile), (dtype,))
             for causal in (False, True)
         }
         | {

@@ -243,6 +243,19 @@ def test_sm80_default_set():
     assert len(defaults) == 2 * 2 * (len(HEAD_DIMS) + sum(len(tiles) for tiles in extra.values()))
 
 
+def test_tuning_alternatives_restricted_to_some_dtypes():
+    """TUNING_ALTERNATIVE_DTYPES: the sm90 hd256 128x80 tile is committed in bf16 only (fp16 causal
+    spills a register), both masks, with the default schedule; every other tuning tile in both."""
+    tile = space.Tile(128, 80, 2, 12)
+    assert space.TUNING_ALTERNATIVE_DTYPES[("sm90", 256, tile)] == ("bf16",)
+    fwd = space.default_variants("sm90", "fwd")
+    found = [s for s in fwd if s.head_dim == 256 and (s.tile_m, s.tile_n, s.stages, s.warps) == tile]
+    assert sorted((s.dtype, s.causal) for s in found) == [("bf16", False), ("bf16", True)]
+    assert all(s.overlap and s.pingpong and space.why_invalid(s) is None for s in found)
+    hd64 = [s for s in fwd if s.head_dim == 64 and s.tile_n == 192]
+    assert {s.dtype for s in hd64} == {"bf16", "fp16"}
+
+
 def test_other_archs_have_no_defaults_yet():
     sm90 = space.default_variants("sm90")
     assert {(s.overlap, s.pingpong) for s in sm90 if s.head_dim == 128} == {(a, b) for a in (0, 1) for b in (0, 1)}
