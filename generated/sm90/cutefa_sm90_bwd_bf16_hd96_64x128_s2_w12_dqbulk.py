@@ -109,7 +109,7 @@ def fake_arguments(spec, cutlass, cute):
         return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads_q, seqlen_q), strides, assumed_align=4)
 
     chunk = spec.tile_m * spec.head_dim
-    accum_strides = tuple(cute.sym_int64() for _ in range(3)) + (chunk, 1)
+    accum_strides = tuple(cute.sym_int64(divisibility=4) for _ in range(3)) + (chunk, 1)  # whole chunks
     dq_accum = cute.runtime.make_fake_tensor(
         cutlass.Float32, (splits, batch, heads_q, cute.sym_int(symbol="mb"), chunk), accum_strides, assumed_align=16
     )

@@ -397,22 +397,32 @@ def bulk_postprocess_piece(
 ):
     """dQ of one consumer's piece of query block ``m_block`` from the dq_bulk workspace (splits,
     batch, heads, blocks, tile_m * head_dim): thread ``thread`` (of 128) reads its fragment's values
-    16 bytes at a time (coalesced over the threads), sums the splits in order, scales and writes
-    the rows below seqlen_q."""
+    16 bytes at a time (coalesced over the threads; every load of a split issued before its adds),
+    sums the splits in order, scales and writes the rows below seqlen_q."""
     coords = bulk_dq_coords(mma, thread, cols)
     seqlen_q = mdQ.shape[1]
     row0 = m_block * tile_m + row_block * WG_ROWS
-    for j in cutlass.range_constexpr(cols // 2 // BULK_VEC):  # cols / 2 values per thread
-        word = offset + (j * WG_ROWS * 2 + thread) * BULK_VEC
-        acc = cute.make_rmem_tensor((BULK_VEC,), Float32)
-        acc.fill(0.0)
-        for s in cutlass.range(cute.size(mdQaccum, mode=[0]), unroll=1):
-            for e in cutlass.range_constexpr(BULK_VEC):
-                acc[e] = acc[e] + mdQaccum[s, batch, head, m_block, word + e]
+    vecs = cols // 2 // BULK_VEC  # cols / 2 values per thread, BULK_VEC per 16-byte load
+    acc = cute.make_rmem_tensor((BULK_VEC, vecs), Float32)
+    part = cute.make_rmem_tensor((BULK_VEC,), Float32)
+    splits = cute.size(mdQaccum, mode=[0])
+    for s in cutlass.range(splits, unroll=1):
+        # The chunk as 16-byte vectors: vector (offset / BULK_VEC + j * 256 + thread) is word
+        # offset + (j * 256 + thread) * BULK_VEC; all of a split's loads go out before any add.
+        vectors = cute.logical_divide(mdQaccum[s, batch, head, m_block, None], cute.make_layout(BULK_VEC))
+        for j in cutlass.range_constexpr(vecs):
+            src = vectors[None, offset // BULK_VEC + j * WG_ROWS * 2 + thread]
+            if s == 0:
+                cute.autovec_copy(src, acc[None, j])
+            else:
+                cute.autovec_copy(src, part)
+                for e in cutlass.range_constexpr(BULK_VEC):
+                    acc[e, j] = acc[e, j] + part[e]
+    for j in cutlass.range_constexpr(vecs):
         for e in cutlass.range_constexpr(BULK_VEC):
             row, col = coords[BULK_VEC * j + e]
             if row0 + row < seqlen_q:
-                mdQ[batch, row0 + row, head, col0 + col] = dtype(acc[e] * scale)
+                mdQ[batch, row0 + row, head, col0 + col] = dtype(acc[e, j] * scale)
 
 
 # --- Head-dim split (templates/bwd_sm90_hsplit.py.j2, head dims 192 and 256) -----------------------
