@@ -799,7 +799,13 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
         # The head-dim split's overlap: each consumer issues dV and dK over its own 32 queries with
         # P^T, dS^T as register operands before the per-block barrier, the other consumer's 32
         # after it from shared memory (the first half of those WGMMAs fills the barrier's idle phase).
-        192: ((Tile(64, 64, 2, 12), {"overlap": True}),),
+        # dq_bulk on the head split: the 48 KiB of hd192's dQ staging fill the 2-stage struct up to
+        # the opt-in limit exactly; hd256's 64 KiB do not fit beside its (already full) 2-stage ring.
+        192: (
+            (Tile(64, 64, 2, 12), {"overlap": True}),
+            (Tile(64, 64, 2, 12), {"dq_bulk": True}),
+            (Tile(64, 64, 2, 12), {"overlap": True, "dq_bulk": True}),
+        ),
         256: ((Tile(64, 64, 2, 12), {"overlap": True}),),
     },
 }
@@ -836,13 +842,15 @@ def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
     its struct (the 1 KiB-aligned buffers, then the rows and mbarriers) is counted exactly, rounded
     up to its 1 KiB alignment as the DSL sizes it, plus the kernel's 1 KiB of static shared memory
     (every compiled sm_90a backward cubin has it): hd256 s2 and hd192 s3 need exactly the 232,448
-    bytes of the opt-in limit (a 231,424-byte struct, Storage.size_in_bytes())."""
+    bytes of the opt-in limit (a 231,424-byte struct, Storage.size_in_bytes()). dq_bulk adds its
+    1 KiB-aligned staging buffers (:func:`sm90_bwd_dq_bulk_bytes`) to that struct: hd192 s2 then
+    needs exactly the limit too (48 KiB more), hd256 s2 (64 KiB more) and every s3 do not fit."""
     elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
     if sm90_bwd_head_split(spec):
         elements += 4 * spec.tile_m * spec.tile_n
         rows = 2 * 2 * spec.tile_m * 4  # LSE2 and D, two buffers each, fp32
         barriers = (2 + 2 * spec.stages) * 8
-        struct = elements * spec.elem_bytes + rows + barriers
+        struct = elements * spec.elem_bytes + sm90_bwd_dq_bulk_bytes(spec) + rows + barriers
         return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
     elements += 2 * spec.tile_m * spec.tile_n
     staged_dq = sm90_bwd_dq_bulk_bytes(spec)
@@ -924,8 +932,6 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
             "64 keys and split the head dim)"
         )
     if sm90_bwd_head_split(spec):
-        if spec.dq_bulk:
-            return "dq_bulk: the head-dim-split sm90 backward (tile_n=64) adds dQ by per-thread reductions only"
         reason = _sm90_bwd_split(spec)
         if reason is not None:
             return reason
