@@ -3,9 +3,9 @@
 Each consumer warpgroup stages its fp32 dQ piece in shared memory in the WGMMA fragment's order and
 one thread adds the whole piece into the tiled dq_accum with one bulk reduce-add
 (cp.reduce.async.bulk, SASS ``UBLKRED``). Checked here: the committed _dqbulk variants sit beside
-the hd64/hd128 defaults and the hd192 head-dim-split default (same tile, same schedule) and
+the hd64/hd128 defaults and the hd192/hd256 head-dim-split defaults (same tile, same schedule) and
 dispatch still picks the defaults; the predicate counts the staging buffers (the head split's fill
-the opt-in limit exactly at hd192 and do not fit at hd256); two variants compile for sm_90a with the bulk reduce-add,
+the opt-in limit exactly at hd192; at hd256 they would not fit and dQ is staged in the Q/dO stage); two variants compile for sm_90a with the bulk reduce-add,
 16-byte shared-memory stores and no per-thread fp32 reduction (no REDG) or local-memory spill; and
 the fragment order that the main kernel writes and the postprocess reads back (bwd_parts.
 bulk_dq_coords, traced with the DSL) maps a query block's chunk one-to-one onto its tile_m x
@@ -31,9 +31,13 @@ from cutefa.spec import VariantSpec
 BULK = [s for s in space.default_variants("sm90", "bwd") if s.dq_bulk]
 # hd128 64x128 (a column split of dQ) non-causal, hd64 128x128 (a row split) causal; and the overlap
 # schedule's bulk path (its dQ staging runs while dK's WGMMA does) at hd128; the head-dim split at
-# hd192, plain non-causal and causal with the overlap schedule.
-CHECKED = [s for s in BULK if s.causal == (s.head_dim == 64) and (not s.overlap or s.head_dim == 128)]
+# hd192, plain non-causal and causal with the overlap schedule; hd256 (staged in the Q/dO stage)
+# plain non-causal.
+CHECKED = [
+    s for s in BULK if s.head_dim <= 128 and s.causal == (s.head_dim == 64) and (not s.overlap or s.head_dim == 128)
+]
 CHECKED += [s for s in BULK if s.head_dim == 192 and s.causal == s.overlap]
+CHECKED += [s for s in BULK if s.head_dim == 256 and not s.causal and not s.overlap]
 
 
 def _twin(spec: VariantSpec) -> VariantSpec:
@@ -46,7 +50,7 @@ def test_bulk_variants_are_the_default_tiles_with_the_flag():
     from cutefa import backward
 
     assert sorted((s.head_dim, s.causal, s.overlap) for s in BULK) == [
-        (hd, causal, overlap) for hd in (64, 128, 192) for causal in (False, True) for overlap in (False, True)
+        (hd, causal, overlap) for hd in (64, 128, 192, 256) for causal in (False, True) for overlap in (False, True)
     ]
     committed = set(space.default_variants("sm90", "bwd"))
     for spec in BULK:
@@ -62,22 +66,28 @@ def test_bulk_variants_are_the_default_tiles_with_the_flag():
 def test_predicate_counts_the_staging_buffers():
     for spec in BULK:
         extra = space.sm90_bwd_smem_bytes(spec) - space.sm90_bwd_smem_bytes(_twin(spec))
-        assert extra == 4 * spec.tile_m * spec.head_dim  # the fp32 dQ of one query block
+        if space.sm90_bwd_dq_bulk_aliases(spec):  # hd256: staged in the Q/dO stage
+            assert spec.head_dim == 256 and extra == 0
+        else:
+            assert extra == 4 * spec.tile_m * spec.head_dim  # the fp32 dQ of one query block
     # a 3-stage ring plus the buffers is over the 227 KiB; the flag belongs to the sm90 backward only
     deep = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 3, 12, dq_bulk=True)
     assert "shared memory" in space.why_invalid(deep)
     assert space.why_invalid(deep.replace(dq_bulk=False)) is None
     # the head-dim split: hd192 s2 with its 48 KiB of staging needs the opt-in limit exactly (the
-    # struct the DSL sizes plus the kernel's 1 KiB of static shared memory); hd256 s2 is already at
-    # the limit without them, and a 3-stage ring does not fit either
+    # struct the DSL sizes plus the kernel's 1 KiB of static shared memory); hd256 s2 (already at the
+    # limit without them) and hd192 s3 stage dQ in the Q/dO stage instead: no extra bytes
     split192 = VariantSpec("sm90", "bwd", "bf16", 192, 64, 64, 2, 12, dq_bulk=True)
     assert space.sm90_bwd_smem_bytes(split192) == space.SM90_SMEM_LIMIT == 232448
-    assert space.why_invalid(split192) is None and space.why_invalid(split192.replace(overlap=True)) is None
+    assert not space.sm90_bwd_dq_bulk_aliases(split192)
     split256 = split192.replace(head_dim=256)
-    assert space.sm90_bwd_smem_bytes(split256.replace(dq_bulk=False)) == space.SM90_SMEM_LIMIT
-    assert space.sm90_bwd_smem_bytes(split256) == space.SM90_SMEM_LIMIT + 4 * 64 * 256
-    for spec in (split256, split256.replace(overlap=True), split192.replace(stages=3)):
-        assert "shared memory" in space.why_invalid(spec), spec.name
+    for spec in (split256, split192.replace(stages=3)):
+        assert space.sm90_bwd_dq_bulk_aliases(spec), spec.name
+        assert space.sm90_bwd_smem_bytes(spec) == space.sm90_bwd_smem_bytes(_twin(spec)) == space.SM90_SMEM_LIMIT
+    for spec in (split192, split256, split192.replace(stages=3)):
+        assert space.why_invalid(spec) is None and space.why_invalid(spec.replace(overlap=True)) is None
+    assert not space.sm90_bwd_dq_bulk_aliases(split256.replace(dq_bulk=False))
+    assert not space.sm90_bwd_dq_bulk_aliases(VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 3, 12, dq_bulk=True))
     assert "dq_bulk" in space.why_invalid(VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8, dq_bulk=True))
     assert "dq_bulk" in space.why_invalid(VariantSpec("sm90", "fwd", "bf16", 128, 128, 128, 2, 12, dq_bulk=True))
 
@@ -124,8 +134,10 @@ def test_sass_bulk_reduce(cubins, spec):
     if spec.overlap and not space.sm90_bwd_head_split(spec):  # dK issued after dQ, in each consumer's branch
         expected += spec.tile_m // 16
     assert report.counts["HGMMA"] == expected, report.summary()
-    # one bulk reduce-add per consumer code path, fp32 add, and no per-thread reduction left
-    assert report.forms_of("UBLKRED") == {"UBLKRED.G.S.ADD.F32.RN": 2}, report.forms
+    # one bulk reduce-add per consumer code path (two, one per half, where the piece is staged in
+    # the Q/dO stage), fp32 add, and no per-thread reduction left
+    copies = 2 if space.sm90_bwd_dq_bulk_aliases(spec) else 1
+    assert report.forms_of("UBLKRED") == {"UBLKRED.G.S.ADD.F32.RN": 2 * copies}, report.forms
     assert not re.findall(r"\bREDG?\.", text), f"{spec.name}: per-thread reductions remain"
     # the piece goes to shared memory 16 bytes at a time: cols / 8 stores per thread and consumer
     stores = len(re.findall(r"\bSTS\.128\b", text))
@@ -168,14 +180,15 @@ def _trace_coords(tmp_path, cols: int) -> list[list[list[int]]]:
 
 
 @pytest.mark.compile  # traces the tiled-MMA partition with the DSL in a child process
-@pytest.mark.parametrize(("tile_m", "tile_n", "head_dim"), [(128, 128, 64), (64, 128, 128), (64, 128, 96), (64, 64, 192)])
+@pytest.mark.parametrize(("tile_m", "tile_n", "head_dim"), [(128, 128, 64), (64, 128, 128), (64, 128, 96), (64, 64, 192), (64, 64, 256)])
 def test_chunk_order_is_a_bijection(tmp_path, tile_m, tile_n, head_dim):
     """Word w = offset(piece) + 4 (128 j + t) + e of a query block's chunk holds value 4 j + e of
     thread t's fragment of that piece; through bulk_dq_coords (the tiled-MMA partition the kernel's
     accumulator has) every word lands on its own element of the tile_m x head_dim block, and every
     element is covered. The fragment order is the WGMMA accumulator's: thread t of warp w holds rows
     16 w + (t % 32) / 4 (+ 8) and columns 8 k + 2 (t % 4) (+ 1). tile_n=64: the head-dim split,
-    each consumer all 64 rows and its half of the columns."""
+    each consumer all 64 rows and its half of the columns (at 256 staged in two halves, words
+    [0, 64 d/4) and [64 d/4, 64 d/2) of the piece: the same chunk order)."""
     from cutefa.kernels.sm90.bwd_parts import BULK_VEC, bulk_piece_offsets
 
     spec = VariantSpec("sm90", "bwd", "bf16", head_dim, tile_m, tile_n, 2, 12, dq_bulk=True)
