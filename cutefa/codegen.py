@@ -17,7 +17,14 @@ from pathlib import Path
 
 import jinja2
 
-from cutefa.space import sm90_bwd_dq_pieces, sm90_bwd_head_split, smem_bytes, why_invalid, why_no_kernel
+from cutefa.space import (
+    sm90_bwd_dq_bulk_aliases,
+    sm90_bwd_dq_pieces,
+    sm90_bwd_head_split,
+    smem_bytes,
+    why_invalid,
+    why_no_kernel,
+)
 from cutefa.spec import ARCHS, VariantSpec, parse_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +54,7 @@ def derived(spec: VariantSpec) -> dict[str, object]:
     values: dict[str, object] = {"threads": spec.threads, "smem_bytes": smem_bytes(spec)}
     if (spec.arch, spec.direction) == ("sm90", "bwd"):
         values["dq_pieces"] = sm90_bwd_dq_pieces(spec)
+        values["dq_alias"] = sm90_bwd_dq_bulk_aliases(spec)
     return values
 
 

@@ -810,8 +810,19 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
         # The head-dim split's overlap: each consumer issues dV and dK over its own 32 queries with
         # P^T, dS^T as register operands before the per-block barrier, the other consumer's 32
         # after it from shared memory (the first half of those WGMMAs fills the barrier's idle phase).
-        192: ((Tile(64, 64, 2, 12), {"overlap": True}),),
-        256: ((Tile(64, 64, 2, 12), {"overlap": True}),),
+        # dq_bulk on the head split: the 48 KiB of hd192's dQ staging fill the 2-stage struct up to
+        # the opt-in limit exactly; hd256's 64 KiB do not fit beside its (already full) 2-stage
+        # ring, so there each consumer stages dQ in its own columns of the Q/dO stage.
+        192: (
+            (Tile(64, 64, 2, 12), {"overlap": True}),
+            (Tile(64, 64, 2, 12), {"dq_bulk": True}),
+            (Tile(64, 64, 2, 12), {"overlap": True, "dq_bulk": True}),
+        ),
+        256: (
+            (Tile(64, 64, 2, 12), {"overlap": True}),
+            (Tile(64, 64, 2, 12), {"dq_bulk": True}),
+            (Tile(64, 64, 2, 12), {"overlap": True, "dq_bulk": True}),
+        ),
     },
 }
 
@@ -847,23 +858,49 @@ def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
     its struct (the 1 KiB-aligned buffers, then the rows and mbarriers) is counted exactly, rounded
     up to its 1 KiB alignment as the DSL sizes it, plus the kernel's 1 KiB of static shared memory
     (every compiled sm_90a backward cubin has it): hd256 s2 and hd192 s3 need exactly the 232,448
-    bytes of the opt-in limit (a 231,424-byte struct, Storage.size_in_bytes())."""
-    elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
+    bytes of the opt-in limit (a 231,424-byte struct, Storage.size_in_bytes()). dq_bulk adds its
+    1 KiB-aligned staging buffers (:func:`sm90_bwd_dq_bulk_bytes`) to that struct: hd192 s2 then
+    needs exactly the limit too (48 KiB more); hd256 s2 and hd192 s3 stage dQ in the Q/dO stage
+    instead (:func:`sm90_bwd_dq_bulk_aliases`, no extra bytes)."""
     if sm90_bwd_head_split(spec):
-        elements += 4 * spec.tile_m * spec.tile_n
-        rows = 2 * 2 * spec.tile_m * 4  # LSE2 and D, two buffers each, fp32
-        barriers = (2 + 2 * spec.stages) * 8
-        struct = elements * spec.elem_bytes + rows + barriers
-        return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
+        return _sm90_bwd_split_smem_bytes(spec, sm90_bwd_dq_bulk_bytes(spec))
+    elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
     elements += 2 * spec.tile_m * spec.tile_n
     staged_dq = sm90_bwd_dq_bulk_bytes(spec)
     return elements * spec.elem_bytes + staged_dq + 4 * 2 * spec.tile_m * 4 + 6 * SMEM_RESERVE
 
 
+def _sm90_bwd_split_smem_bytes(spec: VariantSpec, staging: int) -> int:
+    """The head-dim split's struct with ``staging`` bytes of 1 KiB-aligned dQ staging, rounded up to
+    1 KiB, plus the kernel's 1 KiB of static shared memory (:func:`sm90_bwd_smem_bytes`)."""
+    elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
+    elements += 4 * spec.tile_m * spec.tile_n
+    rows = 2 * 2 * spec.tile_m * 4  # LSE2 and D, two buffers each, fp32
+    barriers = (2 + 2 * spec.stages) * 8
+    struct = elements * spec.elem_bytes + staging + rows + barriers
+    return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
+
+
+def sm90_bwd_dq_bulk_aliases(spec: VariantSpec) -> bool:
+    """Whether the dq_bulk path of the head-dim split stages dQ in the current Q/dO stage instead of
+    buffers of its own (which would not fit: hd256 s2, hd192 s3). After the consumers' barrier a
+    warpgroup's own head-dim columns of that stage (64 x d/2 of Q and of dO, 16-bit: exactly the
+    bytes of its fp32 64 x d/2 dQ piece, each a run of whole swizzle-atom panels) are read only by
+    its own dV and dK WGMMAs, and refilled only after it releases the stage: the piece goes out in
+    two halves (dO's columns once dV is done, Q's once dK is), and the stage is released after the
+    bulk copies have read them."""
+    if not (spec.dq_bulk and sm90_bwd_head_split(spec)):
+        return False
+    return _sm90_bwd_split_smem_bytes(spec, 4 * spec.tile_m * spec.head_dim) > SM90_SMEM_LIMIT
+
+
 def sm90_bwd_dq_bulk_bytes(spec: VariantSpec) -> int:
     """Shared memory of the dq_bulk path: the fp32 dQ of one query block (tile_m x head_dim), each
-    consumer's piece staged in its own buffer for the bulk reduce-add; 0 without dq_bulk."""
-    return 4 * spec.tile_m * spec.head_dim if spec.dq_bulk else 0
+    consumer's piece staged in its own buffer for the bulk reduce-add; 0 without dq_bulk and where
+    the head-dim split stages it in the Q/dO stage (:func:`sm90_bwd_dq_bulk_aliases`)."""
+    if not spec.dq_bulk or sm90_bwd_dq_bulk_aliases(spec):
+        return 0
+    return 4 * spec.tile_m * spec.head_dim
 
 
 def sm90_bwd_dq_accum_shape(
@@ -935,8 +972,6 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
             "64 keys and split the head dim)"
         )
     if sm90_bwd_head_split(spec):
-        if spec.dq_bulk:
-            return "dq_bulk: the head-dim-split sm90 backward (tile_n=64) adds dQ by per-thread reductions only"
         reason = _sm90_bwd_split(spec)
         if reason is not None:
             return reason

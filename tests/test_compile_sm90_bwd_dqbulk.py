@@ -2,9 +2,11 @@
 
 Each consumer warpgroup stages its fp32 dQ piece in shared memory in the WGMMA fragment's order and
 one thread adds the whole piece into the tiled dq_accum with one bulk reduce-add
-(cp.reduce.async.bulk, SASS ``UBLKRED``). Checked here: dq_bulk is the default at head dims 64/96/128 (its per-thread-reduction twins
-committed beside it in bf16) and dispatch picks it; the
-predicate counts the staging buffers; two variants compile for sm_90a with the bulk reduce-add,
+(cp.reduce.async.bulk, SASS ``UBLKRED``). Checked here: dq_bulk is the default at head dims 64/96/128
+(its per-thread-reduction twins committed beside it in bf16) and dispatch picks it; the head-dim
+split's _dqbulk variants (hd192/hd256) sit beside its defaults; the predicate counts the staging
+buffers (the head split's fill the opt-in limit exactly at hd192; at hd256 they would not fit and dQ
+is staged in the Q/dO stage); variants compile for sm_90a with the bulk reduce-add
 16-byte shared-memory stores and no per-thread fp32 reduction (no REDG) or local-memory spill; and
 the fragment order that the main kernel writes and the postprocess reads back (bwd_parts.
 bulk_dq_coords, traced with the DSL) maps a query block's chunk one-to-one onto its tile_m x
@@ -29,8 +31,14 @@ from cutefa.spec import VariantSpec
 
 BULK = [s for s in space.default_variants("sm90", "bwd") if s.dq_bulk]
 # hd128 64x128 (a column split of dQ) non-causal, hd64 128x128 (a row split) causal; and the overlap
-# schedule's bulk path (its dQ staging runs while dK's WGMMA does) at hd128.
-CHECKED = [s for s in BULK if s.causal == (s.head_dim == 64) and (not s.overlap or s.head_dim == 128)]
+# schedule's bulk path (its dQ staging runs while dK's WGMMA does) at hd128; the head-dim split at
+# hd192, plain non-causal and causal with the overlap schedule; hd256 (staged in the Q/dO stage)
+# plain non-causal.
+CHECKED = [
+    s for s in BULK if s.head_dim <= 128 and s.causal == (s.head_dim == 64) and (not s.overlap or s.head_dim == 128)
+]
+CHECKED += [s for s in BULK if s.head_dim == 192 and s.causal == s.overlap]
+CHECKED += [s for s in BULK if s.head_dim == 256 and not s.causal and not s.overlap]
 
 
 def _twin(spec: VariantSpec) -> VariantSpec:
@@ -39,19 +47,21 @@ def _twin(spec: VariantSpec) -> VariantSpec:
 
 def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
     """dq_bulk is the sm90 backward default at head dims 64, 96, 128 (every dtype, both masks) and
-    with the overlap schedule a bf16 alternative at 64 and 128; each has its per-thread-reduction
-    twin committed (bf16) to be timed beside it; dispatch picks the default without a tuned table's entry."""
+    with the overlap schedule a bf16 alternative at 64 and 128; on the head-dim split (192, 256) bf16
+    alternatives, plain and overlap; each has its per-thread-reduction twin committed (bf16) to be
+    timed beside it; dispatch picks the default without a tuned table's entry."""
     import torch
 
     from cutefa import backward
 
-    defaults = [s for s in BULK if not s.overlap]
+    defaults = [s for s in BULK if not s.overlap and s.head_dim <= 128]
     assert sorted((s.dtype, s.head_dim, s.causal) for s in defaults) == [
         (dt, hd, causal) for dt in ("bf16", "fp16") for hd in (64, 96, 128) for causal in (False, True)
     ]
-    assert sorted((s.head_dim, s.causal) for s in BULK if s.overlap) == [
-        (hd, causal) for hd in (64, 128) for causal in (False, True)
-    ]
+    assert sorted((s.head_dim, s.causal) for s in BULK if s.overlap or s.head_dim > 128) == sorted(
+        [(hd, causal) for hd in (64, 128, 192, 256) for causal in (False, True)]
+        + [(hd, causal) for hd in (192, 256) for causal in (False, True)]
+    )
     committed = set(space.default_variants("sm90", "bwd"))
     for spec in BULK:
         assert spec.name.endswith("_dqbulk")
@@ -70,13 +80,28 @@ def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
 def test_predicate_counts_the_staging_buffers():
     for spec in BULK:
         extra = space.sm90_bwd_smem_bytes(spec) - space.sm90_bwd_smem_bytes(_twin(spec))
-        assert extra == 4 * spec.tile_m * spec.head_dim  # the fp32 dQ of one query block
-    # a 3-stage ring plus the buffers is over the 227 KiB; the head-dim split has no bulk path;
-    # the flag belongs to the sm90 backward only
+        if space.sm90_bwd_dq_bulk_aliases(spec):  # hd256: staged in the Q/dO stage
+            assert spec.head_dim == 256 and extra == 0
+        else:
+            assert extra == 4 * spec.tile_m * spec.head_dim  # the fp32 dQ of one query block
+    # a 3-stage ring plus the buffers is over the 227 KiB; the flag belongs to the sm90 backward only
     deep = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 3, 12, dq_bulk=True)
     assert "shared memory" in space.why_invalid(deep)
     assert space.why_invalid(deep.replace(dq_bulk=False)) is None
-    assert "dq_bulk" in space.why_invalid(VariantSpec("sm90", "bwd", "bf16", 256, 64, 64, 2, 12, dq_bulk=True))
+    # the head-dim split: hd192 s2 with its 48 KiB of staging needs the opt-in limit exactly (the
+    # struct the DSL sizes plus the kernel's 1 KiB of static shared memory); hd256 s2 (already at the
+    # limit without them) and hd192 s3 stage dQ in the Q/dO stage instead: no extra bytes
+    split192 = VariantSpec("sm90", "bwd", "bf16", 192, 64, 64, 2, 12, dq_bulk=True)
+    assert space.sm90_bwd_smem_bytes(split192) == space.SM90_SMEM_LIMIT == 232448
+    assert not space.sm90_bwd_dq_bulk_aliases(split192)
+    split256 = split192.replace(head_dim=256)
+    for spec in (split256, split192.replace(stages=3)):
+        assert space.sm90_bwd_dq_bulk_aliases(spec), spec.name
+        assert space.sm90_bwd_smem_bytes(spec) == space.sm90_bwd_smem_bytes(_twin(spec)) == space.SM90_SMEM_LIMIT
+    for spec in (split192, split256, split192.replace(stages=3)):
+        assert space.why_invalid(spec) is None and space.why_invalid(spec.replace(overlap=True)) is None
+    assert not space.sm90_bwd_dq_bulk_aliases(split256.replace(dq_bulk=False))
+    assert not space.sm90_bwd_dq_bulk_aliases(VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 3, 12, dq_bulk=True))
     assert "dq_bulk" in space.why_invalid(VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8, dq_bulk=True))
     assert "dq_bulk" in space.why_invalid(VariantSpec("sm90", "fwd", "bf16", 128, 128, 128, 2, 12, dq_bulk=True))
 
@@ -116,12 +141,17 @@ def test_sass_bulk_reduce(cubins, spec):
     text = sass.disassemble(cubins[spec.name])
     for op in ("HGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "MUFU.EX2"):
         assert report.counts.get(op, 0) > 0, f"{spec.name}: no {op}: {report.summary()}"
-    expected = 2 * spec.head_dim // 16 + 2 * spec.tile_m // 16 + 2 * spec.tile_n // 16
-    if spec.overlap:  # dK issued after dQ, in each consumer's branch
+    if space.sm90_bwd_head_split(spec):  # S^T, dP^T over d; dQ over the 64 keys; dV, dK over 64 queries
+        expected = 2 * spec.head_dim // 16 + spec.tile_n // 16 + 2 * spec.tile_m // 16
+    else:
+        expected = 2 * spec.head_dim // 16 + 2 * spec.tile_m // 16 + 2 * spec.tile_n // 16
+    if spec.overlap and not space.sm90_bwd_head_split(spec):  # dK issued after dQ, in each consumer's branch
         expected += spec.tile_m // 16
     assert report.counts["HGMMA"] == expected, report.summary()
-    # one bulk reduce-add per consumer code path, fp32 add, and no per-thread reduction left
-    assert report.forms_of("UBLKRED") == {"UBLKRED.G.S.ADD.F32.RN": 2}, report.forms
+    # one bulk reduce-add per consumer code path (two, one per half, where the piece is staged in
+    # the Q/dO stage), fp32 add, and no per-thread reduction left
+    copies = 2 if space.sm90_bwd_dq_bulk_aliases(spec) else 1
+    assert report.forms_of("UBLKRED") == {"UBLKRED.G.S.ADD.F32.RN": 2 * copies}, report.forms
     assert not re.findall(r"\bREDG?\.", text), f"{spec.name}: per-thread reductions remain"
     # the piece goes to shared memory 16 bytes at a time: cols / 8 stores per thread and consumer
     stores = len(re.findall(r"\bSTS\.128\b", text))
@@ -164,16 +194,18 @@ def _trace_coords(tmp_path, cols: int) -> list[list[list[int]]]:
 
 
 @pytest.mark.compile  # traces the tiled-MMA partition with the DSL in a child process
-@pytest.mark.parametrize(("tile_m", "head_dim"), [(128, 64), (64, 128), (64, 96)])
-def test_chunk_order_is_a_bijection(tmp_path, tile_m, head_dim):
+@pytest.mark.parametrize(("tile_m", "tile_n", "head_dim"), [(128, 128, 64), (64, 128, 128), (64, 128, 96), (64, 64, 192), (64, 64, 256)])
+def test_chunk_order_is_a_bijection(tmp_path, tile_m, tile_n, head_dim):
     """Word w = offset(piece) + 4 (128 j + t) + e of a query block's chunk holds value 4 j + e of
     thread t's fragment of that piece; through bulk_dq_coords (the tiled-MMA partition the kernel's
     accumulator has) every word lands on its own element of the tile_m x head_dim block, and every
     element is covered. The fragment order is the WGMMA accumulator's: thread t of warp w holds rows
-    16 w + (t % 32) / 4 (+ 8) and columns 8 k + 2 (t % 4) (+ 1)."""
+    16 w + (t % 32) / 4 (+ 8) and columns 8 k + 2 (t % 4) (+ 1). tile_n=64: the head-dim split,
+    each consumer all 64 rows and its half of the columns (at 256 staged in two halves, words
+    [0, 64 d/4) and [64 d/4, 64 d/2) of the piece: the same chunk order)."""
     from cutefa.kernels.sm90.bwd_parts import BULK_VEC, bulk_piece_offsets
 
-    spec = VariantSpec("sm90", "bwd", "bf16", head_dim, tile_m, 128, 2, 12, dq_bulk=True)
+    spec = VariantSpec("sm90", "bwd", "bf16", head_dim, tile_m, tile_n, 2, 12, dq_bulk=True)
     pieces = space.sm90_bwd_dq_pieces(spec)
     offsets = bulk_piece_offsets(pieces)
     traced = {cols: _trace_coords(tmp_path, cols) for cols in {c for _, _, c in pieces}}

@@ -25,7 +25,8 @@ import pytest
 
 from cutefa import sass, space
 
-COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
+# (the dq_bulk twins have their own test: tests/test_compile_sm90_bwd_dqbulk.py)
+COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s) and not s.dq_bulk]
 SPLIT = [s for s in COMMITTED if not s.overlap]  # the dispatch defaults
 OVERLAP = [s for s in COMMITTED if s.overlap]  # BWD_ALTERNATIVES: bf16, both masks
 # fp16 and bf16 differ only in the operand type: both head dims, each with one dtype causal and the

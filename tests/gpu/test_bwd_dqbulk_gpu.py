@@ -1,7 +1,8 @@
 """The sm90 backward's dq_bulk path (FlashAttention-3's dQ path) on a Hopper GPU.
 
-Each committed _dqbulk variant (the hd64/hd128 default tiles with the flag, plain and with the
-overlap schedule) is forced: called
+Each committed _dqbulk variant (the hd64/hd128 default tiles and the hd192/hd256 head-dim-split
+default tile with the flag, plain and with the overlap schedule; hd256 stages dQ in the Q/dO stage)
+is forced: called
 directly with the calling convention of cutefa/backward.py (tests/gpu/test_bwd_sm90.py's
 ``run_kernel``: dq, dk, dv poisoned with NaN first, the tiled dq_accum workspace allocated zeroed as
 backward.py does), and through ``backward.gradients(..., spec=...)`` (the host path that allocates
@@ -99,13 +100,17 @@ def _judge(spec, where, got, q, k, v, dout):
 
 
 def test_bulk_variants_committed():
-    """The defaults at head dims 64/96/128 (both dtypes) and the bf16 overlap alternatives."""
-    assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if not s.overlap) == [
-        (dt, hd, causal) for dt in ("bf16", "fp16") for hd in (64, 96, 128) for causal in (False, True)
-    ]
+    """The defaults at head dims 64/96/128 (both dtypes), the bf16 overlap alternatives there, and
+    the bf16 head-dim-split variants at 192/256 (plain and overlap)."""
+    assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if not s.overlap) == sorted(
+        [(dt, hd, causal) for dt in ("bf16", "fp16") for hd in (64, 96, 128) for causal in (False, True)]
+        + [("bf16", hd, causal) for hd in (192, 256) for causal in (False, True)]
+    )
     assert sorted((s.head_dim, s.causal) for s in BULK if s.overlap) == [
-        (hd, causal) for hd in (64, 128) for causal in (False, True)
+        (hd, causal) for hd in (64, 128, 192, 256) for causal in (False, True)
     ]
+    assert all(space.sm90_bwd_head_split(s) == (s.head_dim >= 192) for s in BULK)
+    assert all(space.sm90_bwd_dq_bulk_aliases(s) == (s.head_dim == 256) for s in BULK)
 
 
 @pytest.mark.parametrize("spec", BULK, ids=lambda s: s.name)
@@ -132,11 +137,16 @@ def test_bulk_grads_through_backward(gen, spec):
             _judge(spec, f"{spec.name} {shape} deterministic={deterministic}", got, q, k, v, dout)
 
 
-@pytest.mark.parametrize("spec", [s for s in BULK if s.head_dim == 128 and s.dtype == "bf16"], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec",
+    [s for s in BULK if s.dtype == "bf16" and (s.head_dim == 128 or (s.head_dim >= 192 and not s.overlap))],
+    ids=lambda s: s.name,
+)
 def test_bulk_deterministic(gen, target, spec):
     """deterministic=1 twice: bitwise equal; and bitwise equal to the default twin (same adds in the
-    same order). 16 heads over 4097 keys: fewer splits than key blocks, so each CTA adds several key
-    blocks into the same chunks of its split one after the other."""
+    same order; at hd192/hd256 the head-dim split's default, 64 keys per CTA). 16 heads over 4097 keys:
+    fewer splits than key blocks, so each CTA adds several key blocks into the same chunks of its
+    split one after the other."""
     from cutefa.compile import get_kernel
 
     twin = spec.replace(dq_bulk=False, overlap=False)  # the per-thread reductions (committed in bf16)

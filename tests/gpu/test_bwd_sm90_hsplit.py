@@ -55,7 +55,8 @@ def _skip_reason() -> str | None:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
 # The defaults (fp16/bf16) and the committed overlap alternatives (bf16).
-SPLIT = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
+# (the dq_bulk twins have their own test: tests/gpu/test_bwd_dqbulk_gpu.py)
+SPLIT = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s) and not s.dq_bulk]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 SHAPES = (
     (1, 1, 1, 2, 2),

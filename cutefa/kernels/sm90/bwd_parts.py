@@ -307,6 +307,47 @@ def stage_and_reduce(acc: cute.Tensor, s_base: Int32, g_addr, wtid: Int32, barri
 
 
 @cute.jit
+def _stage_values_and_reduce(
+    acc: cute.Tensor, first: cutlass.Constexpr, count: cutlass.Constexpr, s_base: Int32, g_addr, wtid: Int32,
+    barrier_id: cutlass.Constexpr,
+):  # fmt: skip
+    """Values [first, first + count) of this thread's fragment (``first`` and ``count`` multiples of
+    4): words [128 first, 128 (first + count)) of the piece, staged at ``s_base`` and added into
+    global memory at ``g_addr`` (the piece's start) plus their offset by one bulk reduce-add."""
+    s_thread = s_base + wtid * (BULK_VEC * 4)
+    for j in cutlass.range_constexpr(count // BULK_VEC):
+        v = first + BULK_VEC * j
+        st_shared_f32x4(s_thread + j * (WG_ROWS * 2 * BULK_VEC * 4), acc[v], acc[v + 1], acc[v + 2], acc[v + 3])
+    cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> visible to the bulk copy
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_ROWS * 2)
+    if wtid == 0:
+        bulk_reduce_add_f32(g_addr + first * (WG_ROWS * 2 * 4), s_base, count * WG_ROWS * 2 * 4)
+        cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
+def stage_aliased_and_reduce(
+    acc: cute.Tensor, s_first: Int32, s_second: Int32, g_addr, wtid: Int32, barrier_id: cutlass.Constexpr,
+    deterministic: Int32,
+):  # fmt: skip
+    """dq_bulk of the head-dim split where no staging buffer of its own fits (head dim 256): the
+    piece is staged in the warpgroup's own head-dim columns of the current Q/dO stage, which only its
+    dV and dK WGMMAs read after the consumers' barrier. Called once dQ and dV are done (dK, the last
+    commit group, may still run): the first half of ``acc`` goes to ``s_first`` (this warpgroup's
+    columns of dO) and out by one bulk reduce-add; after the WGMMAs are done, the second half to
+    ``s_second`` (its columns of Q), a second bulk reduce-add. Thread 0 then waits until both copies
+    have read their source (deterministic: until they are complete) and the warpgroup meets at the
+    barrier: after it the Q/dO stage may go back to the producer."""
+    half = cute.size(acc) // 2
+    _stage_values_and_reduce(acc, 0, half, s_first, g_addr, wtid, barrier_id)
+    warpgroup.wait_group(0)
+    _stage_values_and_reduce(acc, half, half, s_second, g_addr, wtid, barrier_id)
+    if wtid == 0:
+        bulk_wait(deterministic)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_ROWS * 2)
+
+
+@cute.jit
 def bulk_wait(deterministic: Int32):
     """The calling thread's bulk reduce-adds: until their shared-memory source is read, or (with
     ``deterministic``) until they are complete, so that the next one into the same chunk lands
