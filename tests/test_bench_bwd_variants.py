@@ -65,7 +65,7 @@ def test_a_variant_serves_its_own_cells_only():
 def test_forced_variant_replaces_the_backward_choice_and_restores_it():
     bench = _bench()
     default = backward.choose_bwd("sm_90a", torch.bfloat16, 128, False)
-    assert default.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12"  # dispatch keeps the default
+    assert default.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk"  # the default (dq_bulk)
     with bench.forced_bwd_variant(OV):
         assert backward.choose_bwd("sm_90a", torch.bfloat16, 128, False).name == OV
         # the backward passes the key length and the GPU (for tuned tables): forced all the same
