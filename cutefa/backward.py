@@ -86,10 +86,8 @@ def dq_accum_workspace(
     seqlen_q, heads_q, head_dim), zeroed by the variant's preprocess kernel (left uninitialized
     here). sm90 dq_bulk: the tiled layout of :func:`cutefa.space.sm90_bwd_dq_accum_shape`, zeroed
     here (one memset; its kernels do not zero it)."""
-    f32 = {"dtype": torch.float32, "device": device}
-    if spec.dq_bulk:
-        return torch.zeros(sm90_bwd_dq_accum_shape(spec, splits, batch, seqlen_q, heads_q), **f32)
-    return torch.empty((splits, batch, seqlen_q, heads_q, spec.head_dim), **f32)
+    shape = sm90_bwd_dq_accum_shape(spec, splits, batch, seqlen_q, heads_q)  # the default layout without dq_bulk
+    return (torch.zeros if spec.dq_bulk else torch.empty)(shape, dtype=torch.float32, device=device)
 
 
 def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:

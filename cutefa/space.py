@@ -1079,9 +1079,9 @@ def default_extras(arch: str, direction: str, head_dim: int) -> dict[str, object
     default tile is not the head-dim split. Dispatch's heuristics use the same."""
     if direction != "fwd":
         tile = DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
-        if arch == "sm90" and direction == "bwd" and tile is not None and tile.tile_n != SM90_BWD_SPLIT_TILE_N:
-            return dict(DEFAULT_BWD_FLAGS[arch])
-        return {}
+        if tile is None or sm90_bwd_head_split(VariantSpec(arch, direction, "bf16", head_dim, *tile)):
+            return {}
+        return dict(DEFAULT_BWD_FLAGS.get(arch, {}))
     extras: dict[str, object] = dict(DEFAULT_FLAGS.get(arch, {}))
     emu = DEFAULT_EXP_EMU.get(arch, {}).get(head_dim, 0)
     if emu:
