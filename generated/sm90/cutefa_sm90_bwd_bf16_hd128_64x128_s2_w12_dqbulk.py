@@ -358,7 +358,7 @@ class Kernel:
             rP_acc = cute.make_tensor(rP.iterator, acc_S.layout)
             rdS = cute.make_rmem_tensor(parts.acc_to_a_layout(acc_dP.layout), DTYPE)
             rdS_acc = cute.make_tensor(rdS.iterator, acc_dP.layout)
-            r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE), sdp_mma)
+            r2s = cute.make_tiled_copy_C(parts.o_store_atom(DTYPE), sdp_mma)  # stmatrix: dS^T, queries contiguous
             r2s_thr = r2s.get_slice(wtid)
             acc_dK = cute.make_rmem_tensor(dkv_thr.partition_shape_C((parts.WG_ROWS, HEAD_DIM)), Float32)
             acc_dV = cute.make_rmem_tensor(dkv_thr.partition_shape_C((parts.WG_ROWS, HEAD_DIM)), Float32)
