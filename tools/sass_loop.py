@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cutefa.sass import _cuobjdump, disassemble, dump_cubins  # noqa: E402
+from cutefa.sass import _cuobjdump, disassemble, dump_cubins, setmaxnreg_regions  # noqa: E402
 from cutefa.spec import parse_name  # noqa: E402
 
 _INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -122,11 +122,13 @@ def report(label: str, cubin: Path, show_ops: int) -> dict:
     stats = loop_stats(sass)
     res = registers(cubin).get(stats["function"], {})
     stats["resources"] = res
+    stats["setmaxnreg_regions"] = setmaxnreg_regions(sass)
     stats["body"] = [f"/*{a:04x}*/ {pred + ' ' if pred else ''}{op}{rest};" for a, pred, op, rest in main_loop(functions(sass)[stats["function"]])]
     # highest register of the consumer region (after the last USETMAXREG of the larger budget)
     print(f"== {label}")
     print(f"   main kernel {stats['kernel_total']} insns, loop {stats['loop_total']} "
-          f"[{stats['loop_start']}..{stats['loop_end']}], {res}, STL/LDL {stats['spill_insns']}")
+          f"[{stats['loop_start']}..{stats['loop_end']}], {res}, STL/LDL {stats['spill_insns']}, "
+          f"(setmaxnreg budget, highest register) {stats['setmaxnreg_regions']}")
     order = [c for c, _ in CLASSES] + ["other"]
     print("   " + "  ".join(f"{c}={stats['by_class'].get(c, 0)}" for c in order if stats["by_class"].get(c)))
     if show_ops:

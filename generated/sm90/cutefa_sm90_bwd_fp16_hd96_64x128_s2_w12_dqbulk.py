@@ -375,8 +375,10 @@ class Kernel:
             tdKg = dkv_thr.partition_C(cute.local_tile(mdK[batch, None, head, None], (parts.WG_ROWS, HEAD_DIM), (None, 0)))
             tdVg = dkv_thr.partition_C(cute.local_tile(mdV[batch, None, head, None], (parts.WG_ROWS, HEAD_DIM), (None, 0)))
             tKVc = dkv_thr.partition_C(cute.make_identity_tensor((parts.WG_ROWS, HEAD_DIM)))
-            lse2_row = mLSE2[batch, head, None]
-            dpsum_row = mDpsum[batch, head, None]
+            # The LSE2/D row this thread stages per query block (threads that stage none: active False).
+            row_g, row_s, row_off, row_fill, row_active = bwd_parts.row_slot(
+                mLSE2[batch, head, None], mDpsum[batch, head, None], sLSE, sD, ctid, TILE_M
+            )
             sdp_mma.set(warpgroup.Field.ACCUMULATE, False)
             dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
             dq_mma0.set(warpgroup.Field.ACCUMULATE, True)
@@ -394,8 +396,8 @@ class Kernel:
                 dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
                 dq_mma0.set(warpgroup.Field.ACCUMULATE, True)
                 dq_mma1.set(warpgroup.Field.ACCUMULATE, True)
-                row_val = bwd_parts.load_row_value(lse2_row, dpsum_row, m_begin * TILE_M, seqlen_q, ctid, TILE_M)
-                bwd_parts.store_row_value(sLSE[None, 0], sD[None, 0], row_val, ctid, TILE_M)
+                row_val = bwd_parts.load_row_slot(row_g, row_off, row_fill, row_active, m_begin * TILE_M, seqlen_q)
+                bwd_parts.store_row_slot(row_s, row_active, row_val, 0, TILE_M)
                 # LSE2/D of the first block staged; the previous key block's readers are done.
                 cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
                 kv_handle = kv_consumer.wait_and_advance()
@@ -407,7 +409,7 @@ class Kernel:
                     # The next block's LSE2/D: loaded now, stored before this block's barrier (its
                     # latency hides behind the WGMMAs; read after the barrier). Rows past seqlen_q
                     # read as +inf/0, so the load past the last block is harmless.
-                    row_val = bwd_parts.load_row_value(lse2_row, dpsum_row, m0 + TILE_M, seqlen_q, ctid, TILE_M)
+                    row_val = bwd_parts.load_row_slot(row_g, row_off, row_fill, row_active, m0 + TILE_M, seqlen_q)
                     handle = qdo_consumer.wait_and_advance()
                     # Set here, in the loop body, so the tracer carries the MMAs' state through the loop.
                     sdp_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -445,7 +447,7 @@ class Kernel:
                     parts.gemm_acc(dkv_mma, acc_dV, rP, tdVrdOt[None, None, None, handle.index])
                     parts.gemm_acc(dkv_mma, acc_dK, rdS, tdKrQt[None, None, None, handle.index])
                     warpgroup.commit_group()
-                    bwd_parts.store_row_value(sLSE[None, 1 - buf], sD[None, 1 - buf], row_val, ctid, TILE_M)
+                    bwd_parts.store_row_slot(row_s, row_active, row_val, 1 - buf, TILE_M)
                     # The previous block's bulk copy has read this consumer's dQ buffer before the
                     # barrier lets any of its threads write the buffer again.
                     if wtid == 0:

@@ -118,6 +118,52 @@ def store_row_value(
 
 
 @cute.jit
+def row_slot(
+    lse2_row: cute.Tensor, dpsum_row: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, thread: Int32,
+    tile_m: cutlass.Constexpr,
+):  # fmt: skip
+    """Set-up of :func:`load_row_slot` / :func:`store_row_slot`, once per kernel (the same rows as
+    :func:`load_row_value` / :func:`store_row_value` without their per-block thread tests and
+    tensor indexing): consumer thread ``thread`` (of 256) stages row ``thread`` of the log2 LSE
+    (threads [0, tile_m)) or row ``thread - 128`` of D (threads [128, 128 + tile_m)).
+
+    Returns (global address of the thread's row array, its shared-memory address in buffer 0
+    (``sLSE`` / ``sD`` as (tile_m, 2) with the buffers tile_m words apart), the row offset, the value
+    of rows past seqlen_q, whether the thread stages a row at all)."""
+    g_addr = lse2_row.iterator.toint()
+    s_addr = sLSE.iterator.toint()
+    offset = thread
+    fill = Float32.inf
+    if thread >= 128:
+        g_addr = dpsum_row.iterator.toint()
+        s_addr = sD.iterator.toint()
+        offset = thread - 128
+        fill = Float32(0.0)
+    return g_addr, s_addr + offset * 4, offset, fill, offset < tile_m
+
+
+@cute.jit
+def load_row_slot(g_addr, offset: Int32, fill: Float32, active, row0: Int32, seqlen_q: Int32) -> Float32:
+    """:func:`load_row_value` from :func:`row_slot`'s set-up: the thread's value for the query block
+    at ``row0`` (``fill`` past seqlen_q, and for threads that stage nothing)."""
+    val = fill
+    row = row0 + offset
+    if active:
+        if row < seqlen_q:
+            src = cute.make_ptr(Float32, g_addr + cutlass.Int64(row) * 4, cute.AddressSpace.gmem, assumed_align=4)
+            val = cute.make_tensor(src, cute.make_layout(1))[0]
+    return val
+
+
+@cute.jit
+def store_row_slot(s_addr: Int32, active, val: Float32, buf, tile_m: cutlass.Constexpr):
+    """:func:`store_row_value` from :func:`row_slot`'s set-up: ``val`` into buffer ``buf``."""
+    if active:
+        dst = cute.make_ptr(Float32, s_addr + buf * (tile_m * 4), cute.AddressSpace.smem, assumed_align=4)
+        cute.make_tensor(dst, cute.make_layout(1))[0] = val
+
+
+@cute.jit
 def recompute_pt(
     st_mn: cute.Tensor,
     c_mn: cute.Tensor,
