@@ -163,6 +163,10 @@ def store_row_slot(s_addr: Int32, active, val: Float32, buf, tile_m: cutlass.Con
         cute.make_tensor(dst, cute.make_layout(1))[0] = val
 
 
+# A causal row bound that no tile-local query offset exceeds (the key is past key_limit).
+MASK_NONE = 1 << 30
+
+
 @cute.jit
 def recompute_pt(
     st_mn: cute.Tensor,
@@ -178,18 +182,34 @@ def recompute_pt(
 
     ``c_mn`` holds each element's tile-local (key, query). With ``masked``: keys at or past
     ``key_limit`` (tile-local) get P = 0, and with ``causal`` also keys past query + ``diag``
-    (tile-local key index minus tile-local query index allowed by the bottom-right diagonal)."""
+    (tile-local key index minus tile-local query index allowed by the bottom-right diagonal).
+
+    The mask is set up once per row (key): whether the key is below ``key_limit``, and (causal)
+    the bound that a query must exceed, relative to the thread's first query q0: key - diag - q0
+    for keys below ``key_limit``, else one no query offset reaches. Each element then costs one
+    compare against its constant column offset and one select (key < min(key_limit, query + diag)
+    <=> key < key_limit and key - diag - q0 < query - q0: the same elements as an element-wise
+    limit)."""
+    rows = cute.size(st_mn, mode=[0])
+    q0 = c_mn[0, 0][1]
+    row_ok = []
+    row_bound = []
+    if cutlass.const_expr(masked):
+        for r in cutlass.range_constexpr(rows):
+            key = c_mn[r, 0][0]
+            row_ok.append(key < key_limit)
+            if cutlass.const_expr(causal):
+                row_bound.append(cutlass.select_(key < key_limit, key - diag - q0, Int32(MASK_NONE)))
     for j in cutlass.range_constexpr(cute.size(st_mn, mode=[1])):
         query = c_mn[0, j][1]
         lse2 = sLSE[query]
-        for r in cutlass.range_constexpr(cute.size(st_mn, mode=[0])):
+        for r in cutlass.range_constexpr(rows):
             p = cute.math.exp2(st_mn[r, j] * scale_log2 - lse2, fastmath=True)
             if cutlass.const_expr(masked):
-                key = c_mn[r, 0][0]
-                limit = key_limit
                 if cutlass.const_expr(causal):
-                    limit = cutlass.min(limit, query + diag)
-                p = cutlass.select_(key < limit, p, Float32(0.0))
+                    p = cutlass.select_(row_bound[r] < query - q0, p, Float32(0.0))
+                else:
+                    p = cutlass.select_(row_ok[r], p, Float32(0.0))
             st_mn[r, j] = p
 
 
