@@ -73,6 +73,10 @@ def test_sass_sm90a_bwd(cubins, spec):
     assert report.counts["HGMMA"] == expected, f"{spec.name}: {report.summary()}"
     assert report.counts["USETMAXREG"] >= 2, report.summary()  # producer gives, consumers take
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
+    # dS^T to shared memory by stmatrix: tile_m / 16 per consumer warpgroup (64 keys x tile_m
+    # queries, four 8x8 matrices per warp and instruction); 32-bit shared stores only for LSE2/D.
+    assert report.forms_of("STSM") == {"STSM.16.M88.4": spec.tile_m // 16}, report.forms_of("STSM")
+    assert report.forms.get("STS", 0) == 2, report.forms_of("STS")
     text = sass._cuobjdump(cubins[spec.name], "-sass")
     # dQ into dq_accum: 8-byte vector reductions, one per two accumulator columns of each piece
     # (64 rows x its columns over 128 threads; one code path per consumer), each twice: unpredicated

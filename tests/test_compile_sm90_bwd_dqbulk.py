@@ -134,6 +134,14 @@ def cubins(tmp_path_factory):
     return sass.dump_cubins(CHECKED, "sm_90a", tmp_path_factory.mktemp("bwd_dqbulk_sm_90a"))
 
 
+def _check_ds_stmatrix(report, spec):
+    """dS^T goes to shared memory by stmatrix (one instruction per four 8x8 matrices of a warp: 64 keys
+    x tile_m queries per warpgroup is tile_m / 16 of them), and the only 32-bit shared stores left
+    are the two of the LSE2/D staging (before the loop and in it, one predicated store each)."""
+    assert report.forms_of("STSM") == {"STSM.16.M88.4": spec.tile_m // 16}, report.forms_of("STSM")
+    assert report.forms.get("STS", 0) == 2, report.forms_of("STS")
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
 def test_sass_bulk_reduce(cubins, spec):
@@ -156,6 +164,8 @@ def test_sass_bulk_reduce(cubins, spec):
     # the piece goes to shared memory 16 bytes at a time: cols / 8 stores per thread and consumer
     stores = len(re.findall(r"\bSTS\.128\b", text))
     assert stores >= sum(cols // 8 for _, _, cols in space.sm90_bwd_dq_pieces(spec)), stores
+    if not space.sm90_bwd_head_split(spec):
+        _check_ds_stmatrix(report, spec)
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
     for budget, used in sass.setmaxnreg_regions(text):
         assert used < budget, f"{spec.name}: R{used} under setmaxnreg {budget}"

@@ -197,9 +197,10 @@ def recompute_pt(
     if cutlass.const_expr(masked):
         for r in cutlass.range_constexpr(rows):
             key = c_mn[r, 0][0]
-            row_ok.append(key < key_limit)
             if cutlass.const_expr(causal):
                 row_bound.append(cutlass.select_(key < key_limit, key - diag - q0, Int32(MASK_NONE)))
+            else:
+                row_ok.append(key < key_limit)
     for j in cutlass.range_constexpr(cute.size(st_mn, mode=[1])):
         query = c_mn[0, j][1]
         lse2 = sLSE[query]
