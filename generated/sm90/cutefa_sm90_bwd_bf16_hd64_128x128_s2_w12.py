@@ -253,6 +253,11 @@ class Kernel:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        # The same bytes with the swizzle in the layout (applied to offsets from the 1024-byte
+        # aligned buffer): the dS^T stores' addresses fold into one base plus constants.
+        sdS_store = cute.make_tensor(
+            cute.make_ptr(DTYPE, sdS.iterator.toint(), cute.AddressSpace.smem, assumed_align=1024), sdS_layout
+        )
         sKt = bwd_parts.same_bytes(sK, sKt_layout)
         sQt = bwd_parts.same_bytes(sQ, sQt_layout)
         sdOt = bwd_parts.same_bytes(sdO, sQt_layout)
@@ -408,7 +413,7 @@ class Kernel:
                     rdS_acc.store(acc_dP.load().to(DTYPE))
 
                     # dS^T -> shared memory (this warpgroup's 64 keys of buffer buf) for dQ.
-                    sdSt = bwd_parts.transposed(sdS[None, None, buf], TILE_M, TILE_N)
+                    sdSt = bwd_parts.transposed(sdS_store[None, None, buf], TILE_M, TILE_N)
                     tdSsdS = r2s_thr.partition_D(cute.local_tile(sdSt, (parts.WG_ROWS, TILE_M), (c, 0)))
                     cute.copy(r2s, r2s_thr.retile(rdS_acc), tdSsdS)
 
