@@ -3,7 +3,9 @@
 Compiles each named variant for a target (sm_90a by default) on any machine (no GPU needed),
 finds the main kernel in its cubin (the function with the most HGMMA/UTCHMMA instructions), takes
 the innermost back-branch loop whose body holds all of them, and prints its instruction count by
-class, plus the kernel's registers and spill instructions. With ``--json`` the numbers go to a file.
+class, plus the kernel's registers, its spill instructions and, per setmaxnreg region, the budget
+and the highest register used. ``--keep DIR`` keeps the cubins, their SASS and each loop body
+(NAME.loop.txt); ``--json FILE`` writes the numbers (by class and by opcode).
 
     python tools/sass_loop.py cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk [more names]
     python tools/sass_loop.py --cubin path/to/x.cubin       # an already dumped cubin
@@ -20,14 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cutefa.sass import _cuobjdump, disassemble, dump_cubins, setmaxnreg_regions  # noqa: E402
-from cutefa.spec import parse_name  # noqa: E402
+from cutefa.sass import _cuobjdump, disassemble, dump_cubins, setmaxnreg_regions
+from cutefa.spec import parse_name
 
+# One SASS instruction line of ``cuobjdump -sass``: address, predicate, opcode, operands.
 _INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
-# Every instruction of one function: (address, predicate, opcode, operands).
-_TARGET = re.compile(r"`?\(?\.L_x_\d+\)?|0x([0-9a-f]+)")
 
-# (class, opcode prefixes); the first class whose prefix matches an opcode's base name wins.
+# (class, base opcodes): an instruction counts in the first class that lists its opcode's base
+# name (the part before the first dot); anything else is 'other'.
+# fmt: off
 CLASSES = (
     ("HGMMA", ("HGMMA", "WARPGROUP", "QGMMA")),
     ("fp32 math", ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FCHK", "FMAX", "FMIN")),
@@ -37,7 +40,7 @@ CLASSES = (
         "IMAD", "IADD3", "IADD", "LEA", "LOP3", "SHF", "ISETP", "SEL", "MOV", "IMNMX", "VIMNMX",
         "UIMAD", "UIADD3", "ULEA", "ULOP3", "USHF", "UISETP", "USEL", "UMOV", "UIMNMX", "UPRMT",
         "VIADD", "VIADDMNMX", "UVIADD", "R2UR", "S2R", "S2UR", "CS2R", "LDC", "ULDC", "PLOP3", "UPLOP3", "P2R", "R2P", "PRMT",
-        "IABS", "FLO", "POPC", "BREV", "UFLO", "UPOPC", "VOTEU", "VOTE", "IMNMX", "ISCADD",
+        "IABS", "FLO", "POPC", "BREV", "UFLO", "UPOPC", "VOTEU", "VOTE", "ISCADD",
     )),
     ("shared LDS/STS", ("LDS", "STS", "LDSM", "STSM")),
     ("global/bulk", ("LDG", "STG", "REDG", "RED", "UBLKRED", "UTMALDG", "UBLKCP", "UTMASTG", "ATOM", "LDGSTS")),
@@ -45,6 +48,7 @@ CLASSES = (
     ("branches", ("BRA", "BSSY", "BSYNC", "EXIT", "RET", "CALL", "BRX", "JMP", "YIELD", "ELECT", "NOP")),
     ("spill", ("LDL", "STL")),
 )
+# fmt: on
 
 
 def classify(op: str) -> str:
@@ -94,7 +98,9 @@ def main_loop(insns):
 
 def loop_stats(sass: str) -> dict:
     funcs = functions(sass)
-    name = max(funcs, key=lambda f: sum(op.startswith(("HGMMA", "QGMMA", "UTCHMMA")) for _, _, op, _ in funcs[f]))
+    name = max(
+        funcs, key=lambda f: sum(op.startswith(("HGMMA", "QGMMA", "UTCHMMA")) for _, _, op, _ in funcs[f])
+    )
     body = main_loop(funcs[name])
     by_class: dict[str, int] = {}
     by_op: dict[str, int] = {}
@@ -104,15 +110,23 @@ def loop_stats(sass: str) -> dict:
         by_op[base] = by_op.get(base, 0) + 1
     spills = sum(op.startswith(("LDL", "STL")) for f in funcs.values() for _, _, op, _ in f)
     return {
-        "function": name, "kernel_total": len(funcs[name]), "loop_total": len(body),
-        "loop_start": hex(body[0][0]), "loop_end": hex(body[-1][0]),
-        "by_class": by_class, "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])), "spill_insns": spills,
+        "function": name,
+        "kernel_total": len(funcs[name]),
+        "loop_total": len(body),
+        "loop_start": hex(body[0][0]),
+        "loop_end": hex(body[-1][0]),
+        "by_class": by_class,
+        "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
+        "spill_insns": spills,
     }
 
 
 def registers(cubin: Path) -> dict[str, int]:
     out = {}
-    for m in re.finditer(r"Function (\S+):\s*\n?\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", _cuobjdump(cubin, "-res-usage")):
+    for m in re.finditer(
+        r"Function (\S+):\s*\n?\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)",
+        _cuobjdump(cubin, "-res-usage"),
+    ):
         out[m.group(1)] = {"reg": int(m.group(2)), "stack": int(m.group(3)), "local": int(m.group(5))}
     return out
 
@@ -123,12 +137,16 @@ def report(label: str, cubin: Path, show_ops: int) -> dict:
     res = registers(cubin).get(stats["function"], {})
     stats["resources"] = res
     stats["setmaxnreg_regions"] = setmaxnreg_regions(sass)
-    stats["body"] = [f"/*{a:04x}*/ {pred + ' ' if pred else ''}{op}{rest};" for a, pred, op, rest in main_loop(functions(sass)[stats["function"]])]
-    # highest register of the consumer region (after the last USETMAXREG of the larger budget)
+    stats["body"] = [
+        f"/*{a:04x}*/ {pred + ' ' if pred else ''}{op}{rest};"
+        for a, pred, op, rest in main_loop(functions(sass)[stats["function"]])
+    ]
     print(f"== {label}")
-    print(f"   main kernel {stats['kernel_total']} insns, loop {stats['loop_total']} "
-          f"[{stats['loop_start']}..{stats['loop_end']}], {res}, STL/LDL {stats['spill_insns']}, "
-          f"(setmaxnreg budget, highest register) {stats['setmaxnreg_regions']}")
+    print(
+        f"   main kernel {stats['kernel_total']} insns, loop {stats['loop_total']} "
+        f"[{stats['loop_start']}..{stats['loop_end']}], {res}, STL/LDL {stats['spill_insns']}, "
+        f"(setmaxnreg budget, highest register) {stats['setmaxnreg_regions']}"
+    )
     order = [c for c, _ in CLASSES] + ["other"]
     print("   " + "  ".join(f"{c}={stats['by_class'].get(c, 0)}" for c in order if stats["by_class"].get(c)))
     if show_ops:
@@ -158,7 +176,9 @@ def _main(argv=None) -> int:
             if args.keep:
                 (out / f"{name}.loop.txt").write_text("\n".join(results[name]["body"]) + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps({k: {f: v for f, v in r.items() if f != "body"} for k, r in results.items()}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({k: {f: v for f, v in r.items() if f != "body"} for k, r in results.items()}, indent=1)
+        )
     return 0
 
 

@@ -148,10 +148,9 @@ def load_row_slot(g_addr, offset: Int32, fill: Float32, active, row0: Int32, seq
     at ``row0`` (``fill`` past seqlen_q, and for threads that stage nothing)."""
     val = fill
     row = row0 + offset
-    if active:
-        if row < seqlen_q:
-            src = cute.make_ptr(Float32, g_addr + cutlass.Int64(row) * 4, cute.AddressSpace.gmem, assumed_align=4)
-            val = cute.make_tensor(src, cute.make_layout(1))[0]
+    if active and row < seqlen_q:
+        src = cute.make_ptr(Float32, g_addr + cutlass.Int64(row) * 4, cute.AddressSpace.gmem, assumed_align=4)
+        val = cute.make_tensor(src, cute.make_layout(1))[0]
     return val
 
 
