@@ -300,6 +300,29 @@ def dq_step_under_dk(
     dV WGMMA, then dK += dS^T Q (``rdS`` the register A operand, ``t_qt`` Q^T of this stage) as its
     own group; once dQ is done (dK may still run) acc goes into the fp32 accumulator's 64-row block
     ``row_block``, and the Q/dO stage is released after dK."""
+    _dq_then_dk(
+        mma, t_a, t_b, acc_shape, dkv_mma, acc_dK, rdS, t_qt, buf, handle,
+        lambda acc: red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS, WG_ROWS),
+    )
+
+
+@cute.jit
+def _dq_then_dk(
+    mma: cute.TiledMma,
+    t_a: cute.Tensor,
+    t_b: cute.Tensor,
+    acc_shape: cutlass.Constexpr,
+    dkv_mma: cute.TiledMma,
+    acc_dK: cute.Tensor,
+    rdS: cute.Tensor,
+    t_qt: cute.Tensor,
+    buf: Int32,
+    handle,
+    reduce_dq: cutlass.Constexpr,
+):
+    """The overlap schedule's dQ step, whatever its reduction: acc = dS K committed behind the dV
+    WGMMA, then dK += dS^T Q as its own group; ``reduce_dq(acc)`` (traced inline) once dQ is done
+    while dK may still run; the Q/dO stage released after dK."""
     acc = cute.make_rmem_tensor(acc_shape, Float32)
     acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
     warpgroup.fence()
@@ -310,7 +333,7 @@ def dq_step_under_dk(
         cute.gemm(dkv_mma, acc_dK, rdS[None, None, k], t_qt[None, None, k], acc_dK)
     warpgroup.commit_group()
     warpgroup.wait_group(1)  # dV and dQ done; dK may still run
-    red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS, WG_ROWS)
+    reduce_dq(acc)
     warpgroup.wait_group(0)
     handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
 
@@ -470,19 +493,10 @@ def dq_bulk_step_under_dk(
 ):
     """:func:`dq_step_under_dk` of the dq_bulk path: dQ, then dK as its own group; acc staged and
     bulk-added while dK runs; the Q/dO stage released after dK."""
-    acc = cute.make_rmem_tensor(acc_shape, Float32)
-    acc.fill(0.0)
-    warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
-    warpgroup.commit_group()
-    for k in cutlass.range_constexpr(cute.size(rdS, mode=[2])):
-        cute.gemm(dkv_mma, acc_dK, rdS[None, None, k], t_qt[None, None, k], acc_dK)
-    warpgroup.commit_group()
-    warpgroup.wait_group(1)  # dV and dQ done; dK may still run
-    stage_and_reduce(acc, s_base, g_addr, wtid, barrier_id)
-    warpgroup.wait_group(0)
-    handle.release()
+    _dq_then_dk(
+        mma, t_a, t_b, acc_shape, dkv_mma, acc_dK, rdS, t_qt, buf, handle,
+        lambda acc: stage_and_reduce(acc, s_base, g_addr, wtid, barrier_id),
+    )
 
 
 @cute.jit
