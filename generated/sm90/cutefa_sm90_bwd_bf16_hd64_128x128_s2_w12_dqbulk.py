@@ -279,10 +279,11 @@ class Kernel:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        # The same bytes with the swizzle in the layout (applied to offsets from the 1024-byte
-        # aligned buffer): the dS^T stores' addresses fold into one base plus constants.
+        # The same bytes with the swizzle in the layout (restated on element offsets from the
+        # 1024-byte aligned buffer): the dS^T stores' addresses fold into one base plus constants.
         sdS_store = cute.make_tensor(
-            cute.make_ptr(DTYPE, sdS.iterator.toint(), cute.AddressSpace.smem, assumed_align=1024), sdS_layout
+            cute.make_ptr(DTYPE, sdS.iterator.toint(), cute.AddressSpace.smem, assumed_align=1024),
+            bwd_parts.element_swizzled(sdS_layout, DTYPE),
         )
         sKt = bwd_parts.same_bytes(sK, sKt_layout)
         sQt = bwd_parts.same_bytes(sQ, sQt_layout)

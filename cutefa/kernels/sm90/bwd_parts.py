@@ -79,6 +79,15 @@ def same_bytes(s: cute.Tensor, layout) -> cute.Tensor:
     return cute.make_tensor(cute.recast_ptr(s.iterator, layout.inner), layout.outer)
 
 
+def element_swizzled(layout, dtype):
+    """``layout`` (a composed layout from ``smem_layouts``, whose swizzle acts on byte addresses: it
+    goes into the pointer) with its swizzle restated on element offsets, for a tensor over an
+    aligned pointer to the same bytes (the swizzle's base bits drop by log2 of the element size)."""
+    sw = layout.inner
+    base = sw.num_base - (dtype.width // 8).bit_length() + 1
+    return cute.make_composed_layout(cute.make_swizzle(sw.num_bits, base, sw.num_shift), 0, layout.outer)
+
+
 def transposed(s: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
     """A (cols, rows) view of a (rows, cols) shared-memory tensor."""
     return cute.composition(s, cute.make_layout((cols, rows), stride=(rows, 1)))
