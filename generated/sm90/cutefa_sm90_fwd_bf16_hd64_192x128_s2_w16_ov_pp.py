@@ -197,6 +197,8 @@ class Kernel:
             sO = sO_all[None, None, c]
             r2s = cute.make_tiled_copy_C(parts.o_store_atom(DTYPE), pv_mma)
             r2s_thr = r2s.get_slice(wtid)
+            pp_mine = PP_BARRIER + c  # ping-pong barriers: mine, and the next consumer's in turn
+            pp_next = PP_BARRIER + (c + 1) % CONSUMERS
             corr = cute.make_rmem_tensor((cute.size(o_mn, mode=[0]),), Float32)
             bx, head, batch = cute.arch.block_idx()
             m_block = num_m - 1 - bx  # the last query tiles carry the most work when causal: start them first
@@ -227,11 +229,11 @@ class Kernel:
                 k_handle = k_consumer.wait_and_advance()
                 qk_mma.set(warpgroup.Field.ACCUMULATE, False)
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                cute.arch.barrier(barrier_id=PP_BARRIER + tidx // parts.WG_THREADS - 1, number_of_threads=2 * parts.WG_THREADS)  # my turn (c)
+                cute.arch.barrier(barrier_id=pp_mine, number_of_threads=2 * parts.WG_THREADS)  # my turn
                 warpgroup.fence()
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
-                cute.arch.barrier_arrive(barrier_id=PP_BARRIER + (tidx // parts.WG_THREADS) % CONSUMERS, number_of_threads=2 * parts.WG_THREADS, aligned=False)  # the next one (c + 1) % CONSUMERS
+                cute.arch.barrier_arrive(barrier_id=pp_next, number_of_threads=2 * parts.WG_THREADS, aligned=False)  # the next one's turn
                 warpgroup.wait_group(0)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
@@ -247,7 +249,7 @@ class Kernel:
                 # runs while P V is still on the tensor cores.
                 qk_mma.set(warpgroup.Field.ACCUMULATE, False)
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                cute.arch.barrier(barrier_id=PP_BARRIER + tidx // parts.WG_THREADS - 1, number_of_threads=2 * parts.WG_THREADS)  # my turn (c)
+                cute.arch.barrier(barrier_id=pp_mine, number_of_threads=2 * parts.WG_THREADS)  # my turn
                 warpgroup.fence()
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
@@ -255,7 +257,7 @@ class Kernel:
                 warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
-                cute.arch.barrier_arrive(barrier_id=PP_BARRIER + (tidx // parts.WG_THREADS) % CONSUMERS, number_of_threads=2 * parts.WG_THREADS, aligned=False)  # the next one (c + 1) % CONSUMERS
+                cute.arch.barrier_arrive(barrier_id=pp_next, number_of_threads=2 * parts.WG_THREADS, aligned=False)  # the next one's turn
                 warpgroup.wait_group(1)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
@@ -271,7 +273,7 @@ class Kernel:
                 # runs while P V is still on the tensor cores.
                 qk_mma.set(warpgroup.Field.ACCUMULATE, False)
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                cute.arch.barrier(barrier_id=PP_BARRIER + tidx // parts.WG_THREADS - 1, number_of_threads=2 * parts.WG_THREADS)  # my turn (c)
+                cute.arch.barrier(barrier_id=pp_mine, number_of_threads=2 * parts.WG_THREADS)  # my turn
                 warpgroup.fence()
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
@@ -279,7 +281,7 @@ class Kernel:
                 warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
-                cute.arch.barrier_arrive(barrier_id=PP_BARRIER + (tidx // parts.WG_THREADS) % CONSUMERS, number_of_threads=2 * parts.WG_THREADS, aligned=False)  # the next one (c + 1) % CONSUMERS
+                cute.arch.barrier_arrive(barrier_id=pp_next, number_of_threads=2 * parts.WG_THREADS, aligned=False)  # the next one's turn
                 warpgroup.wait_group(1)
                 k_handle.release()
                 online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16)
@@ -290,11 +292,11 @@ class Kernel:
             if n_blocks > 0:  # P V of the first key block
                 v_handle = v_consumer.wait_and_advance()
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                cute.arch.barrier(barrier_id=PP_BARRIER + tidx // parts.WG_THREADS - 1, number_of_threads=2 * parts.WG_THREADS)  # my turn (c)
+                cute.arch.barrier(barrier_id=pp_mine, number_of_threads=2 * parts.WG_THREADS)  # my turn
                 warpgroup.fence()
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
-                cute.arch.barrier_arrive(barrier_id=PP_BARRIER + (tidx // parts.WG_THREADS) % CONSUMERS, number_of_threads=2 * parts.WG_THREADS, aligned=False)  # the next one (c + 1) % CONSUMERS
+                cute.arch.barrier_arrive(barrier_id=pp_next, number_of_threads=2 * parts.WG_THREADS, aligned=False)  # the next one's turn
                 warpgroup.wait_group(0)
                 v_handle.release()
             if c == 0:  # take warpgroup 2's last hand-over, so no arrival is left pending
