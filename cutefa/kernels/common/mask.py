@@ -33,10 +33,12 @@ def apply_mask(
     ``row_base``/``col_base`` are the global coordinates of the tile origin.
 
     ``c0_mn`` (optional): the same view for thread 0 of the MMA, whose coordinates are compile-time
-    constants. A thread's columns are thread 0's shifted by one offset, so with ``c0_mn`` the
-    per-row key limit is moved by that offset once and each element costs one compare of a
-    constant column and one select (no per-element coordinate registers); each element is
-    selected on its own, so a masked block keeps the unmasked one's register schedule.
+    constants. A thread's rows and columns are thread 0's shifted by one offset each, so with
+    ``c0_mn`` each row's key limit is moved by the column offset once and every score is one select
+    (``arith.select``) against a constant column: in the accumulator's pair layout a bit mask per 32
+    scores feeds the selects' predicates (:func:`_mask_row_bits`), otherwise a compare per score.
+    Without it (the older path) each score is a dynamic ``if``, which the DSL lowers to a region
+    yielding the whole fragment: ~30 selects per score once compiled.
     """
     rows = cute.size(s_mn, mode=[0])
     cols = cute.size(s_mn, mode=[1])
