@@ -34,9 +34,20 @@ SM90_SMEM_LIMIT = 227 * 1024  # H100/H200 per-block opt-in limit
 SM90_CONSUMER_REGS = 240  # setmaxnreg budget of a consumer warpgroup (producer keeps 24)
 SM90_CONSUMER_REGS_3WG = 160  # with three consumer warpgroups: 24 x 128 + 160 x 384 <= 64K registers
 SM90_REG_OVERHEAD = 48  # row max/sum, descriptors, pipeline state, addresses
-# With three consumer warpgroups (160 registers each) the same overhead holds on compiled SASS
-# (sm_90a, DSL 4.8.1): hd64 192x112 overlap (estimate 164) spills 1-5 registers in fp16 (none in
-# bf16), 192x128 (180) spills 9 in bf16.
+# With three consumer warpgroups (160 registers each) the same overhead held on compiled SASS
+# (sm_90a, DSL 4.8.1) while a masked block's scores were selected through a branch per element:
+# hd64 192x112 overlap (estimate 164) spilled 1-5 registers in fp16 (none in bf16), 192x128 (176)
+# spilled 9 in bf16. The model stays as it is for the tiles nobody has compiled; the entries below
+# have been, and stand in for it (see SM90_3WG_NO_SPILL).
+# Three-consumer forwards (tile_m 192, 160 registers per consumer thread) that compile for sm_90a
+# with no spill and keep the uniform datapath, fp16 and bf16, causal or not, with or without
+# ping-pong: (head_dim, tile_n) of the overlap schedule, exp_emu 0, one CTA per tile. The
+# overhead above is what ptxas spends with a 240-register budget (it schedules more freely when it
+# may); held to 160, hd64 192x128 peaks at 151-152 registers (S 64 + P 32 + O 32 fp32/packed
+# registers and ~24 of state), with the mask a select per element (kernels/common/mask.py) and the
+# mask's row taken from the thread index (templates/fwd_sm90.py.j2). Checked by
+# tests/test_compile_sm90_fwd_hd64_192.py.
+SM90_3WG_NO_SPILL: frozenset[tuple[int, int]] = frozenset({(64, 128)})
 # The sm90 fp8 forward: the producer warpgroup keeps 40 registers for the on-chip V transpose, so
 # the two consumer warpgroups get 232 (40 * 128 + 232 * 256 = 168 * 384, what the CTA holds at launch).
 SM90_FP8_CONSUMER_REGS = 232
@@ -183,6 +194,18 @@ TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
     # hd256 80 keys (236; FlashAttention-3's hd256 tile) too in bf16, but it spills one register
     # in fp16 causal, so it is committed in bf16 only (TUNING_ALTERNATIVE_DTYPES).
     "sm90": {64: (Tile(128, 192, 2, 12),), 256: (Tile(128, 80, 2, 12),)},
+}
+# Tiles committed with their own schedules (not the default's), per head dim: (tile, flags); each
+# gives fp16 and bf16, causal and not. hd64 192x128: three consumer warpgroups of 64 rows
+# (FlashAttention-4's sm90 hd64 tile), with the overlap schedule, alone and with the consumers
+# taking turns issuing their MMAs (ping-pong in order 0, 1, 2).
+TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]] = {
+    "sm90": {
+        64: (
+            (Tile(192, 128, 2, 16), {"overlap": True}),
+            (Tile(192, 128, 2, 16), {"overlap": True, "pingpong": True}),
+        ),
+    },
 }
 # Tuning alternatives committed in some dtypes only: (arch, head_dim, tile) -> dtypes.
 TUNING_ALTERNATIVE_DTYPES: dict[tuple[str, int, Tile], tuple[str, ...]] = {
@@ -467,8 +490,8 @@ def _sm80_regs(spec: VariantSpec) -> str | None:
 def _sm90_roles(spec: VariantSpec) -> str | None:
     if spec.tile_m % 64 or spec.tile_m // 64 not in (1, 2, 3):
         return f"tile_m={spec.tile_m} must be 64, 128 or 192 (one consumer warpgroup per 64 query rows)"
-    if spec.pingpong and spec.tile_m != 128:
-        return f"pingpong needs exactly two consumer warpgroups (tile_m=128), not tile_m={spec.tile_m}"
+    if spec.pingpong and spec.tile_m not in (128, 192):
+        return f"pingpong needs two or three consumer warpgroups (tile_m=128 or 192), not tile_m={spec.tile_m}"
     if spec.warps != 4 * (spec.tile_m // 64 + 1):
         return (
             f"warps={spec.warps} must be {4 * (spec.tile_m // 64 + 1)}: one producer warpgroup plus "
@@ -490,9 +513,25 @@ def sm90_consumer_regs(spec: VariantSpec) -> int:
     return SM90_CONSUMER_REGS_3WG if spec.tile_m // 64 == 3 else SM90_CONSUMER_REGS
 
 
+def sm90_3wg_compiled(spec: VariantSpec) -> bool:
+    """Whether ``spec`` is a three-consumer forward of :data:`SM90_3WG_NO_SPILL`."""
+    return (
+        spec.arch == "sm90"
+        and spec.direction == "fwd"
+        and spec.dtype in ("fp16", "bf16")
+        and spec.tile_m == 192
+        and (spec.head_dim, spec.tile_n) in SM90_3WG_NO_SPILL
+        and spec.overlap
+        and not spec.persistent
+        and spec.exp_emu == 0
+    )
+
+
 def _sm90_regs(spec: VariantSpec) -> str | None:
     if spec.dtype == "e4m3" and spec.direction == "fwd" and spec in fp8_alternative_specs(spec.arch):
         return None  # compiled with no spill on sm_90a (tests/test_compile_sm90_fp8.py checks)
+    if sm90_3wg_compiled(spec):
+        return None  # compiled with no spill on sm_90a (tests/test_compile_sm90_fwd_hd64_192.py checks)
     estimate = _sm90_registers(spec)
     budget = SM90_FP8_CONSUMER_REGS if spec.dtype == "e4m3" else sm90_consumer_regs(spec)
     if estimate > budget:
@@ -1093,7 +1132,8 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     """The variants committed to generated/ for ``arch`` (both directions unless one is named), sorted.
 
     Forward: the DEFAULT_TILES tile with the default extras, the TUNING_ALTERNATIVES tiles, the
-    SCHEDULE_ALTERNATIVES schedules on the default tile, and the PAIR_ALTERNATIVES tiles as CTA
+    SCHEDULE_ALTERNATIVES schedules on the default tile, the TILE_SCHEDULE_ALTERNATIVES (tile,
+    schedule) pairs, and the PAIR_ALTERNATIVES tiles as CTA
     pairs (cta_pair, with the default extras); backward: DEFAULT_BWD_TILES, the
     BWD_TUNING_ALTERNATIVES tiles, and the BWD_ALTERNATIVES (tile, flags) in the
     BWD_ALTERNATIVE_DTYPES. A direction contributes only once its kernel exists (IMPLEMENTED).
@@ -1110,6 +1150,8 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
         entries += [("fwd", hd, tile, extras, False) for extras in alternatives]
     for hd, alts in TUNING_ALTERNATIVES.get(arch, {}).items():
         entries += [("fwd", hd, tile, default_extras(arch, "fwd", hd), False) for tile in alts]
+    for hd, alts in TILE_SCHEDULE_ALTERNATIVES.get(arch, {}).items():
+        entries += [("fwd", hd, tile, extras, False) for tile, extras in alts]
     for hd, alts in PAIR_ALTERNATIVES.get(arch, {}).items():
         entries += [("fwd", hd, tile, {**default_extras(arch, "fwd", hd), "cta_pair": True}, False) for tile in alts]
     entries += [

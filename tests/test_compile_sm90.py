@@ -31,5 +31,5 @@ def test_sass(cubins, spec):
     per_block = spec.head_dim // 16 + spec.tile_n // 16
     expected = 2 * per_block + ((spec.head_dim // 16) + (spec.tile_n // 16) if spec.overlap else 0)
     assert report.counts["HGMMA"] == expected, f"{spec.name}: {report.summary()}"
-    if spec.pingpong:  # named-barrier hand-over between the two consumer warpgroups
+    if spec.pingpong:  # named-barrier hand-over between the consumer warpgroups
         assert report.counts["BAR.SYNC"] > 2, report.summary()

@@ -87,7 +87,7 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             "overlap with head_dim=96, tile_m=64: the consumers' dQ pieces differ in width (64 and 32 columns)",
         ),
         (SM80.replace(overlap=True), "overlap/pingpong are sm90 (FlashAttention-3) schedule flags, not sm80"),
-        (SM80.replace(arch="sm90", tile_m=192, warps=16, stages=2, pingpong=True), "pingpong needs exactly two"),
+        (SM80.replace(arch="sm90", tile_m=64, warps=8, stages=2, pingpong=True), "pingpong needs two or three"),
         (SM80.replace(persistent=True), "persistent is an sm90 forward scheduler flag, not a sm80 fwd one"),
         (SM80.replace(arch="sm90", warps=12, stages=2, cta_pair=True), "cta_pair (2-CTA UMMA) is an sm100 forward"),
         (SM80.replace(arch="sm90", warps=8, stages=2), "warps=8 must be 12: one producer warpgroup plus 2"),

@@ -41,7 +41,7 @@ OVERLAP = True  # intra-warpgroup overlap of softmax with the MMAs
 PINGPONG = True  # consumer warpgroups take turns issuing MMAs
 EXP_EMU_PER_16 = 0  # of every 16 scores, exp2 on the FMA units (the rest MUFU)
 PERSISTENT = False  # one CTA per SM walking the tiles longest-first
-PP_BARRIER = CONSUMERS + 1  # named barriers CONSUMERS+1, +2 (0: CTA sync, 1..CONSUMERS: epilogues)
+PP_BARRIER = CONSUMERS + 1  # named barriers CONSUMERS+1 .. 2 CONSUMERS (0: CTA sync, 1..CONSUMERS: epilogues)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240  # 24 x 128 + CONSUMER_REGS x 128 x CONSUMERS <= 64K
 
@@ -188,6 +188,8 @@ class Kernel:
             acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((parts.WG_ROWS, HEAD_DIM)), Float32)
             o_mn = parts.acc_mn_view(acc_O)
             cS_mn = parts.acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((parts.WG_ROWS, TILE_N))))
+            # Thread 0's coordinates (compile-time constants): the mask compares against these.
+            cS0_mn = parts.acc_mn_view(qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((parts.WG_ROWS, TILE_N))))
             acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
             s_mn = parts.acc_mn_view(acc_S)
             rP = cute.make_rmem_tensor(parts.acc_to_a_layout(acc_S.layout), DTYPE)
@@ -206,6 +208,10 @@ class Kernel:
             n_unmasked = cutlass.min(n_unmasked, n_blocks)
 
             wg_row0 = row0 + c * parts.WG_ROWS
+            # The same row for the mask, from the thread index rather than the warp-uniform c: mixed into
+            # per-thread limits, a value ptxas keeps in uniform registers made it give up the uniform datapath
+            # for the whole kernel at 160 registers (descriptors and pipeline state in regular registers).
+            mask_row0 = row0 + (tidx // parts.WG_THREADS - 1) * parts.WG_ROWS
             acc_O.fill(0.0)
             row_max, row_sum = softmax_state(cute.size(o_mn, mode=[0]))
             qk_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -228,8 +234,9 @@ class Kernel:
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
                 warpgroup.wait_group(0)
                 k_handle.release()
-                apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
-                online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16)
+                apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
+                # O is still zero: no rescale (corr is not read).
+                online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16)
                 rP_acc.store(acc_S.load().to(DTYPE))
             masked_rest = cutlass.max(n_blocks - n_unmasked - 1, 0)
             unmasked_rest = cutlass.max(n_blocks - 1 - masked_rest, 0)
@@ -245,12 +252,13 @@ class Kernel:
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
                 v_handle = v_consumer.wait_and_advance()
+                warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
                 warpgroup.wait_group(1)
                 k_handle.release()
-                apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
+                apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
                 online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16)
                 warpgroup.wait_group(0)
                 v_handle.release()
@@ -268,6 +276,7 @@ class Kernel:
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
                 v_handle = v_consumer.wait_and_advance()
+                warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
