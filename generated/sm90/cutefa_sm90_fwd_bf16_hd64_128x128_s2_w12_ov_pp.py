@@ -234,7 +234,7 @@ class Kernel:
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
                 warpgroup.wait_group(0)
                 k_handle.release()
-                apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
+                apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
                 # O is still zero: no rescale (corr is not read).
                 online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16)
                 rP_acc.store(acc_S.load().to(DTYPE))
@@ -252,13 +252,12 @@ class Kernel:
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
                 v_handle = v_consumer.wait_and_advance()
-                warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
                 warpgroup.wait_group(1)
                 k_handle.release()
-                apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
+                apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
                 online_softmax_step_deferred(s_mn, row_max, row_sum, scale_log2, corr, EXP_EMU_PER_16)
                 warpgroup.wait_group(0)
                 v_handle.release()
@@ -276,7 +275,6 @@ class Kernel:
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
                 v_handle = v_consumer.wait_and_advance()
-                warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)

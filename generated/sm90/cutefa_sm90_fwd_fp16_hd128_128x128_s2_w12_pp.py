@@ -232,7 +232,7 @@ class Kernel:
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
                 warpgroup.wait_group(0)
                 k_handle.release()
-                apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
+                apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
                 online_softmax_step(s_mn, o_mn, row_max, row_sum, scale_log2, EXP_EMU_PER_16)
                 rP_acc.store(acc_S.load().to(DTYPE))
                 v_handle = v_consumer.wait_and_advance()

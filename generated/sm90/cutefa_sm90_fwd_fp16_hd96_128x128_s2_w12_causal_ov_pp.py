@@ -260,7 +260,6 @@ class Kernel:
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
                 v_handle = v_consumer.wait_and_advance()
-                warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
@@ -284,7 +283,6 @@ class Kernel:
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
                 v_handle = v_consumer.wait_and_advance()
-                warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
