@@ -512,13 +512,12 @@ def dq_bulk_step_under_dk(
 def bulk_postprocess_piece(
     mma: cute.TiledMma,
     mdQaccum: cute.Tensor,
-    mdQ: cute.Tensor,
+    sdQ: cute.Tensor,
     scale: Float32,
     batch: Int32,
     head: Int32,
     m_block: Int32,
     thread: Int32,
-    tile_m: cutlass.Constexpr,
     row_block: cutlass.Constexpr,
     col0: cutlass.Constexpr,
     cols: cutlass.Constexpr,
@@ -526,12 +525,12 @@ def bulk_postprocess_piece(
     dtype: cutlass.Constexpr,
 ):
     """dQ of one consumer's piece of query block ``m_block`` from the dq_bulk workspace (splits,
-    batch, heads, blocks, tile_m * head_dim): thread ``thread`` (of 128) reads its fragment's values
-    16 bytes at a time (coalesced over the threads; every load of a split issued before its adds),
-    sums the splits in order, scales and writes the rows below seqlen_q."""
+    batch, heads, blocks, tile_m * head_dim) into ``sdQ`` (the block's tile_m x head_dim tile in
+    shared memory, rows padded by :data:`POST_ROW_PAD`): thread ``thread`` (of 128) reads its
+    fragment's values 16 bytes at a time (coalesced over the threads; every load of a split issued
+    before its adds), sums the splits in order, scales and converts. All rows, padded ones too
+    (:func:`store_dq_tile` guards the rows when it writes dQ)."""
     coords = bulk_dq_coords(mma, thread, cols)
-    seqlen_q = mdQ.shape[1]
-    row0 = m_block * tile_m + row_block * WG_ROWS
     vecs = cols // 2 // BULK_VEC  # cols / 2 values per thread, BULK_VEC per 16-byte load
     acc = cute.make_rmem_tensor((BULK_VEC, vecs), Float32)
     part = cute.make_rmem_tensor((BULK_VEC,), Float32)
@@ -551,8 +550,60 @@ def bulk_postprocess_piece(
     for j in cutlass.range_constexpr(vecs):
         for e in cutlass.range_constexpr(BULK_VEC):
             row, col = coords[BULK_VEC * j + e]
-            if row0 + row < seqlen_q:
-                mdQ[batch, row0 + row, head, col0 + col] = dtype(acc[e, j] * scale)
+            sdQ[row_block * WG_ROWS + row, col0 + col] = dtype(acc[e, j] * scale)
+
+
+POST_ROW_PAD = 8  # 16-bit elements after each row of the postprocess's dQ tile: 16 bytes, so that
+# the fragment-order stores of a warp (8 rows x 4 column pairs) fall in 32 different banks
+
+
+def post_tile_layout(tile_m: int, head_dim: int):
+    """Layout of the postprocess's tile_m x head_dim dQ tile in shared memory (rows padded)."""
+    return cute.make_layout((tile_m, head_dim), stride=(head_dim + POST_ROW_PAD, 1))
+
+
+@cute.jit
+def store_dq_tile(
+    sdQ: cute.Tensor, mdQ: cute.Tensor, batch: Int32, head: Int32, m_block: Int32, thread: Int32,
+    tile_m: cutlass.Constexpr, head_dim: cutlass.Constexpr, threads: cutlass.Constexpr,
+):  # fmt: skip
+    """dQ rows of query block ``m_block`` below seqlen_q from the tile in shared memory to global
+    memory, 16 bytes (8 elements) per copy: copy j * ``threads`` + ``thread`` is row (it / (d / 8)),
+    column 8 (it % (d / 8)), so that consecutive threads write consecutive bytes of a row. The caller
+    has met the CTA at a barrier after the tile was written."""
+    per_row = head_dim // 8
+    seqlen_q = mdQ.shape[1]
+    s_vec = cute.zipped_divide(sdQ, (1, 8))
+    g_vec = cute.zipped_divide(mdQ[batch, None, head, None], (1, 8))
+    frag = cute.make_rmem_tensor((1, 8), sdQ.element_type)
+    for j in cutlass.range_constexpr(tile_m * per_row // threads):
+        it = j * threads + thread
+        row = it // per_row
+        col = it % per_row
+        if m_block * tile_m + row < seqlen_q:
+            cute.autovec_copy(s_vec[None, (row, col)], frag)
+            cute.autovec_copy(frag, g_vec[None, (m_block * tile_m + row, col)])
+
+
+@cute.jit
+def zero_bulk_part(
+    mdQaccum: cute.Tensor, batch: Int32, head: Int32, bx: Int32, thread: Int32, rows: cutlass.Constexpr,
+    tile_m: cutlass.Constexpr, head_dim: cutlass.Constexpr, threads: cutlass.Constexpr,
+):  # fmt: skip
+    """Zero part ``bx`` of the dq_bulk workspace of (``batch``, ``head``), in every split, with
+    16-byte stores: a query block's chunk (tile_m * head_dim words) is cut into tile_m / ``rows``
+    parts of ``rows`` * head_dim words, and part bx is words [(bx % p) rows d, (bx % p + 1) rows d)
+    of chunk bx / p (p = tile_m / rows). Parts 0, 1, ... of a grid of whole chunks zero every word
+    once, the padding rows of the last chunk too (the main kernel adds whole chunks)."""
+    per_chunk = tile_m // rows
+    m_block = bx // per_chunk
+    first = (bx % per_chunk) * (rows * head_dim // BULK_VEC)
+    zero = cute.make_rmem_tensor((BULK_VEC,), Float32)
+    zero.fill(0.0)
+    for s in cutlass.range(cute.size(mdQaccum, mode=[0]), unroll=1):
+        vectors = cute.logical_divide(mdQaccum[s, batch, head, m_block, None], cute.make_layout(BULK_VEC))
+        for j in cutlass.range_constexpr(rows * head_dim // BULK_VEC // threads):
+            cute.autovec_copy(zero, vectors[None, first + j * threads + thread])
 
 
 # --- Head-dim split (templates/bwd_sm90_hsplit.py.j2, head dims 192 and 256) -----------------------
