@@ -184,15 +184,17 @@ def _memory_forms(text: str, role: str) -> dict[str, int]:
 @pytest.mark.compile
 @pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
 def test_sass_pre_postprocess(cubins, spec):
-    """The side kernels move whole 16-byte vectors. Preprocess: zeroes its 16 x head_dim words of a
-    dq_accum chunk, per split, with head_dim / 32 STG.E.128 per thread (the loop over splits is not
-    unrolled). Postprocess: reads each piece's fragment with LDG.E.128 (cols / 8 per piece and
+    """The side kernels move whole 16-byte vectors. Preprocess: reads the 4 rows of O and dO of its
+    warp with one LDG.E.128 per row, tensor and lane (no narrower load but the LSE's and dLSE's
+    32-bit ones), and zeroes its 16 x head_dim words of a dq_accum chunk, per split, with
+    head_dim / 32 STG.E.128 per thread (the loop over splits is not unrolled). Postprocess: reads each piece's fragment with LDG.E.128 (cols / 8 per piece and
     thread), stages the converted tile in shared memory (32-bit stores of bf16 pairs, then LDS.128)
     and writes dQ with STG.E.128 only (tile_m * head_dim / 8 / 128 per thread, each guarded by its
     row): no 16- or 32-bit global store, no local memory."""
     text = sass.disassemble(cubins[spec.name])
     pre = _memory_forms(text, "preprocess")
     assert pre.get("STG.E.128", 0) == spec.head_dim // 32, pre
+    assert {f: n for f, n in pre.items() if f.startswith("LDG")} == {"LDG.E.128": 2 * 4, "LDG.E": 2}, pre
     post = _memory_forms(text, "postprocess")
     pieces = space.sm90_bwd_dq_pieces(spec)
     assert post.get("LDG.E.128", 0) >= sum(cols // 8 for _, _, cols in pieces), post

@@ -99,7 +99,8 @@ DQ_PIECES = ((0, 0, 128), (0, 128, 128))
 DQ_OFFSETS = bwd_parts.bulk_piece_offsets(DQ_PIECES)
 DQ_BULK_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
-# Pre/postprocess: one warp per query row, ROW_WARPS warps per CTA, ROWS_PER_WARP rows each.
+# Preprocess (and the postprocess without dq_bulk): one warp per query row, ROW_WARPS warps per
+# CTA, ROWS_PER_WARP rows each (the preprocess reads rows in 16-byte vectors, all rows' loads first).
 ROW_WARPS = 4
 ROWS_PER_WARP = 4
 ROWS_PER_CTA = ROW_WARPS * ROWS_PER_WARP
@@ -229,11 +230,7 @@ class Kernel:
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
         first = bx * ROWS_PER_CTA + (tidx // 32) * ROWS_PER_WARP
-        for i in cutlass.range_constexpr(ROWS_PER_WARP):
-            if first + i < mO.shape[1]:
-                row_parts.preprocess_row(
-                    mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum, batch, head, first + i, lane, HEAD_DIM, False
-                )
+        bwd_parts.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
         # dq_accum: this CTA's ROWS_PER_CTA x HEAD_DIM words of a chunk, every split (before the main kernel)
         bwd_parts.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
 

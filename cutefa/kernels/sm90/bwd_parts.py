@@ -27,6 +27,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from cutefa.kernels.common.reduce import bulk_reduce_add_f32, red_add_pairs, st_shared_f32x4
+from cutefa.kernels.common.softmax import LOG2_E
+from cutefa.kernels.sm80.bwd_parts import warp_allreduce_sum
 from cutefa.kernels.sm90.parts import WG_ROWS
 
 
@@ -583,6 +585,56 @@ def store_dq_tile(
         if m_block * tile_m + row < seqlen_q:
             cute.autovec_copy(s_vec[None, (row, col)], frag)
             cute.autovec_copy(frag, g_vec[None, (m_block * tile_m + row, col)])
+
+
+@cute.jit
+def preprocess_rows(
+    mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor, mLSE2: cute.Tensor,
+    mDpsum: cute.Tensor, batch: Int32, head: Int32, first: Int32, lane: Int32, rows: cutlass.Constexpr,
+    head_dim: cutlass.Constexpr,
+):  # fmt: skip
+    """Query rows [first, first + ``rows``) of (``batch``, ``head``), one warp (``rows`` <= 32),
+    those below seqlen_q written: D = rowsum(dO * O) - dLSE and LSE * log2(e) (+inf for a row that
+    attends no key, so that its probabilities recompute to 0). Lane l reads 16-byte vectors l,
+    l + 32, ... of each row (8 elements each; lanes past head_dim / 8 read none) and lane i < rows
+    the LSE and dLSE of row first + i, all loads issued before any product (rows past seqlen_q read
+    the last row and are not written); each lane sums its products in column order, then the warp
+    (butterfly); lane i writes row first + i."""
+    seqlen_q = mO.shape[1]
+    vecs = head_dim // 8
+    per_lane = (vecs + 31) // 32
+    o_vec = cute.zipped_divide(mO[batch, None, head, None], (1, 8))
+    do_vec = cute.zipped_divide(mdO[batch, None, head, None], (1, 8))
+    o_frag = cute.make_rmem_tensor((8, per_lane, rows), mO.element_type)
+    do_frag = cute.make_rmem_tensor((8, per_lane, rows), mdO.element_type)
+    o_frag.fill(0.0)
+    do_frag.fill(0.0)
+    my_row = first + lane
+    lse = Float32(0.0)
+    dlse = Float32(0.0)
+    if lane < rows:
+        if my_row < seqlen_q:
+            lse = mLSE[batch, head, my_row]
+            dlse = mdLSE[batch, head, my_row]
+    for i in cutlass.range_constexpr(rows):
+        row = cutlass.min(first + i, seqlen_q - 1)
+        for k in cutlass.range_constexpr(per_lane):
+            if lane + 32 * k < vecs:
+                cute.autovec_copy(o_vec[None, (row, lane + 32 * k)], o_frag[None, k, i])
+                cute.autovec_copy(do_vec[None, (row, lane + 32 * k)], do_frag[None, k, i])
+    dot = Float32(0.0)
+    for i in cutlass.range_constexpr(rows):
+        acc = Float32(0.0)
+        for k in cutlass.range_constexpr(per_lane):
+            for e in cutlass.range_constexpr(8):
+                acc = acc + Float32(do_frag[e, k, i]) * Float32(o_frag[e, k, i])
+        acc = warp_allreduce_sum(acc)
+        if lane == i:
+            dot = acc
+    if lane < rows:
+        if my_row < seqlen_q:
+            mDpsum[batch, head, my_row] = dot - dlse
+            mLSE2[batch, head, my_row] = Float32.inf if lse == -Float32.inf else lse * LOG2_E
 
 
 @cute.jit
