@@ -136,8 +136,9 @@ def fake_arguments(spec, cutlass, cute):
 
 
 class Kernel:
-    """Preprocess grid (ceil(seqlen_q / ROWS_PER_CTA), heads_q, batch); main grid
-    (ceil(seqlen_k / TILE_N) or splits, heads_q, batch), THREADS threads; postprocess as preprocess."""
+    """Preprocess grid (ceil(seqlen_q / TILE_M) * TILE_M / ROWS_PER_CTA, heads_q, batch); main grid
+    (ceil(seqlen_k / TILE_N) or splits, heads_q, batch), THREADS threads; postprocess grid
+    (ceil(seqlen_q / TILE_M), heads_q, batch), 128 threads."""
 
     @cute.jit
     def __call__(
