@@ -36,6 +36,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -165,22 +166,123 @@ def fingerprint(spec: VariantSpec, target: str) -> str:
 
 
 def _fingerprint(source: str, target: str) -> str:
-    """Hash the generated source, cutefa's kernel building blocks, the DSL version, target and ABI."""
+    """Hash the generated source, the kernel building blocks it imports, the DSL version, target and ABI."""
     h = hashlib.sha256()
-    for part in (_ABI, dsl_version(), target, _building_blocks_digest(), source):
+    for part in (_ABI, dsl_version(), target, _building_blocks_digest(source), source):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
 
 
+_KERNELS_PACKAGE = "cutefa.kernels"
+
+
+def _building_blocks_digest(source: str) -> str:
+    """Digest (paths and contents) of the ``cutefa/kernels`` files a kernel module depends on: the
+    ones its imports of ``cutefa.kernels`` name, the package ``__init__`` files on their way, and so
+    on through their own imports. An edit to a building block this kernel does not import leaves its
+    fingerprint (and its packed and cached builds) valid. Where an import of ``cutefa.kernels``
+    cannot be resolved to a file, every file under it counts."""
+    files = _kernel_closure(source)
+    return _files_digest(
+        tuple(sorted(files)) if files is not None else tuple(sorted(KERNELS_DIR.rglob("*.py")))
+    )
+
+
 @functools.cache
-def _building_blocks_digest() -> str:
-    """Digest of ``cutefa/kernels/**/*.py`` (paths and contents), computed once per process."""
+def _files_digest(files: tuple[Path, ...]) -> str:
+    """sha256 over the paths (relative to cutefa/kernels) and contents of ``files``, once per process."""
     h = hashlib.sha256()
-    for path in sorted(KERNELS_DIR.rglob("*.py")):
+    for path in files:
         h.update(path.relative_to(KERNELS_DIR).as_posix().encode() + b"\0")
         h.update(path.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def _kernel_closure(source: str) -> set[Path] | None:
+    """The ``cutefa/kernels`` files that ``source`` (a generated kernel module) imports, directly or
+    through them; None when one of the imports names no file."""
+    todo = _kernel_imports(source, None)
+    if todo is None:
+        return None
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        more = _file_kernel_imports(path)
+        if more is None:
+            return None
+        todo |= more - seen
+    return seen
+
+
+@functools.cache
+def _file_kernel_imports(path: Path) -> frozenset[Path] | None:
+    """:func:`_kernel_imports` of a building-block file (read once per process)."""
+    parts = path.relative_to(KERNELS_DIR).with_suffix("").parts
+    package = ".".join((_KERNELS_PACKAGE, *parts[:-1]))
+    found = _kernel_imports(path.read_text(), package)
+    return None if found is None else frozenset(found)
+
+
+# Import statements, as the generated modules and the building blocks write them: ``from X import
+# a, b`` (names possibly parenthesized over lines, ``as`` aliases, comments) and ``import X[, Y]``.
+_FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)", re.MULTILINE)
+_PLAIN_IMPORT = re.compile(r"^[ \t]*import[ \t]+([^\n]*)", re.MULTILINE)
+
+
+def _import_names(text: str) -> list[str]:
+    """The imported names of an import list (``a, b as c`` or ``(a,\n b)``), comments dropped."""
+    text = re.sub(r"#[^\n]*", "", text).strip("() \t\n")
+    return [part.split()[0] for part in text.replace("\n", " ").split(",") if part.strip()]
+
+
+def _kernel_imports(source: str, package: str | None) -> set[Path] | None:
+    """The ``cutefa/kernels`` files the import statements of ``source`` name (not followed): each
+    imported module of the package, the modules among the names a ``from`` import takes, and the
+    package ``__init__`` files on the way. ``package``: the dotted package of ``source``, for its
+    relative imports. None when a module of the package resolves to no file."""
+    found: set[Path] = set()
+    imports = [(m.group(1), _import_names(m.group(2))) for m in _FROM_IMPORT.finditer(source)]
+    imports += [(name, []) for m in _PLAIN_IMPORT.finditer(source) for name in _import_names(m.group(1))]
+    for module, names in imports:
+        level = len(module) - len(module.lstrip("."))
+        if level:
+            if package is None:
+                return None
+            base = package.split(".")[: len(package.split(".")) - (level - 1)]
+            module = ".".join([*base, module[level:]] if module[level:] else base)
+        if not (module == _KERNELS_PACKAGE or module.startswith(_KERNELS_PACKAGE + ".")):
+            continue
+        files = _module_files(module)
+        if files is None:
+            return None
+        found |= files
+        for name in names:  # ``from cutefa.kernels.sm90 import parts``: parts is a module
+            found |= _module_files(f"{module}.{name}") or set()
+    return found
+
+
+def _module_files(module: str) -> set[Path] | None:
+    """The files importing ``module`` (in cutefa.kernels) runs: the package ``__init__`` files from
+    cutefa/kernels down, and the module's own file; None when it has none."""
+    parts = module.split(".")[2:]
+    files = {p for p in [KERNELS_DIR / "__init__.py"] if p.is_file()}
+    here = KERNELS_DIR
+    for part in parts[:-1]:
+        here = here / part
+        if (here / "__init__.py").is_file():
+            files.add(here / "__init__.py")
+    if not parts:
+        return files
+    leaf = here / parts[-1]
+    if leaf.with_suffix(".py").is_file():
+        return files | {leaf.with_suffix(".py")}
+    if leaf.is_dir():
+        return files | ({leaf / "__init__.py"} if (leaf / "__init__.py").is_file() else set())
+    return None
 
 
 def _entry(spec: VariantSpec, target: str) -> _Entry:

@@ -118,14 +118,85 @@ def test_fingerprint_tracks_source_target_dsl_and_building_blocks(sources, cache
     other_dsl = cc.fingerprint(FP16, "sm_80")
     assert other_dsl != edited
 
-    monkeypatch.setattr(cc, "_building_blocks_digest", lambda: "other building blocks")
+    monkeypatch.setattr(cc, "_building_blocks_digest", lambda source: "other building blocks")
     assert cc.fingerprint(FP16, "sm_80") not in (base, edited, other_dsl)
 
 
-def test_building_blocks_digest_covers_kernel_sources():
-    files = sorted(cc.KERNELS_DIR.rglob("*.py"))
-    assert files, "cutefa/kernels has building blocks to hash"
-    assert len(cc._building_blocks_digest()) == 64
+def _generated(name: str) -> str:
+    return (
+        Path(cc.__file__).resolve().parent.parent / "generated" / name.split("_")[1] / f"{name}.py"
+    ).read_text()
+
+
+def _rel(files) -> set[str]:
+    return {p.relative_to(cc.KERNELS_DIR).as_posix() for p in files}
+
+
+def test_building_blocks_are_the_kernels_imports():
+    """A kernel's building blocks: the cutefa/kernels files its imports reach, through theirs."""
+    bwd = _rel(cc._kernel_closure(_generated("cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk")))
+    # direct (sm90 parts and bwd_parts, sm80's row helpers, softmax), the package's __init__, and
+    # through them (bwd_parts -> common/reduce, softmax -> common/exp2)
+    assert bwd == {
+        "sm90/__init__.py", "sm90/parts.py", "sm90/bwd_parts.py", "sm80/bwd_parts.py",
+        "common/softmax.py", "common/exp2.py", "common/reduce.py",
+    }  # fmt: skip
+    fwd80 = _rel(cc._kernel_closure(_generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8")))
+    assert "sm80/parts.py" in fwd80 and "common/mask.py" in fwd80
+    assert not fwd80 & {"sm90/parts.py", "sm90/bwd_parts.py", "sm80/bwd_parts.py", "sm100/parts.py"}
+    assert len(cc._building_blocks_digest(_generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8"))) == 64
+
+
+def test_building_blocks_every_generated_module_resolves():
+    """Every committed kernel module's kernel imports resolve to files (no whole-tree fallback)."""
+    modules = sorted((Path(cc.__file__).resolve().parent.parent / "generated").glob("*/*.py"))
+    assert modules
+    for path in modules:
+        files = cc._kernel_closure(path.read_text())
+        assert files, path.name
+
+
+def test_building_block_edits_reach_only_their_importers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Editing a building block changes the fingerprints of the kernels that import it (directly or
+    not) and leaves the others' alone; an import that names no file falls back to every file."""
+    import shutil
+
+    kernels = tmp_path / "kernels"
+    shutil.copytree(cc.KERNELS_DIR, kernels, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(cc, "KERNELS_DIR", kernels)
+    for fn in (cc._files_digest, cc._file_kernel_imports):
+        fn.cache_clear()
+    monkeypatch.setattr(cc, "dsl_version", lambda: "4.8.1")
+    fwd80 = _generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8")
+    bwd90 = _generated("cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk")
+
+    def prints():
+        for fn in (cc._files_digest, cc._file_kernel_imports):
+            fn.cache_clear()
+        return cc._fingerprint(fwd80, "sm_90a"), cc._fingerprint(bwd90, "sm_90a")
+
+    base80, base90 = prints()
+    (kernels / "sm90" / "bwd_parts.py").write_text(
+        (kernels / "sm90" / "bwd_parts.py").read_text() + "# edit\n"
+    )
+    after80, after90 = prints()
+    assert after80 == base80 and after90 != base90
+    (kernels / "common" / "reduce.py").write_text((kernels / "common" / "reduce.py").read_text() + "# edit\n")
+    again80, again90 = prints()
+    assert again80 == base80 and again90 != after90  # reduce.py reaches bwd90 through sm90/bwd_parts
+    (kernels / "common" / "exp2.py").write_text((kernels / "common" / "exp2.py").read_text() + "# edit\n")
+    last80, last90 = prints()
+    assert last80 != base80 and last90 != again90  # exp2.py reaches both through softmax.py
+
+    missing = fwd80.replace(
+        "from cutefa.kernels.sm80 import parts",
+        "from cutefa.kernels.sm80 import parts\nfrom cutefa.kernels.nowhere import x",
+    )
+    assert missing != fwd80
+    assert cc._kernel_closure(missing) is None
+    assert _rel(cc.KERNELS_DIR.rglob("*.py")) and cc._building_blocks_digest(missing) == cc._files_digest(
+        tuple(sorted(cc.KERNELS_DIR.rglob("*.py")))
+    )
 
 
 def test_entry_layout(sources, cache):
