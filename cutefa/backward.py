@@ -82,12 +82,12 @@ def dq_splits(
 def dq_accum_workspace(
     spec: VariantSpec, splits: int, batch: int, seqlen_q: int, heads_q: int, device: torch.device
 ) -> torch.Tensor:
-    """The float32 dQ workspace of backward variant ``spec``. Default layout (splits, batch,
-    seqlen_q, heads_q, head_dim), zeroed by the variant's preprocess kernel (left uninitialized
-    here). sm90 dq_bulk: the tiled layout of :func:`cutefa.space.sm90_bwd_dq_accum_shape`, zeroed
-    here (one memset; its kernels do not zero it)."""
+    """The float32 dQ workspace of backward variant ``spec``, left uninitialized: the variant's
+    preprocess kernel zeroes it. Default layout (splits, batch, seqlen_q, heads_q, head_dim); sm90
+    dq_bulk: the tiled layout of :func:`cutefa.space.sm90_bwd_dq_accum_shape` (whole chunks zeroed,
+    the padding rows of the last query block too)."""
     shape = sm90_bwd_dq_accum_shape(spec, splits, batch, seqlen_q, heads_q)  # the default layout without dq_bulk
-    return (torch.zeros if spec.dq_bulk else torch.empty)(shape, dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:

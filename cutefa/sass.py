@@ -107,6 +107,21 @@ def disassemble(cubin: Path) -> str:
     return _cuobjdump(cubin, "-sass")
 
 
+def kernel_sections(sass_text: str) -> dict[str, str]:
+    """The SASS text of each kernel (``Function : <name>`` header to the next one) by its name."""
+    parts = re.split(r"^\s*Function : (\S+)\s*$", sass_text, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def kernel_text(sass_text: str, role: str) -> str:
+    """The SASS of the one kernel of a variant's cubin traced from its method ``role`` (``kernel``,
+    ``preprocess``, ``postprocess``: the DSL names it ``kernel_cutlass_<role>_<variant>...``)."""
+    found = [text for name, text in kernel_sections(sass_text).items() if name.startswith(f"kernel_cutlass_{role}_")]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one {role!r} kernel, found {len(found)}")
+    return found[0]
+
+
 def setmaxnreg_regions(sass_text: str) -> list[tuple[int, int]]:
     """(register budget, highest register index used) per stretch of code that starts at a
     ``USETMAXREG`` and runs to the next one (or the end), in code order."""
@@ -134,12 +149,18 @@ def analyze(cubin: Path) -> SassReport:
     if not usage:
         raise RuntimeError(f"no kernel resource usage found in {cubin}")
     reg, stack, shared, local = (int(x) for x in max(usage, key=lambda u: int(u[0])))
-    opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", _cuobjdump(cubin, "-sass"), re.MULTILINE)
-    counts = {op: sum(1 for o in opcodes if o == op or o.startswith(op + ".")) for op in _COUNTED}
-    forms: dict[str, int] = {}
-    for o in opcodes:
-        forms[o] = forms.get(o, 0) + 1
+    forms = opcode_forms(_cuobjdump(cubin, "-sass"))
+    counts = {op: sum(n for o, n in forms.items() if o == op or o.startswith(op + ".")) for op in _COUNTED}
     return SassReport(reg, stack, local, shared, counts, forms)
+
+
+def opcode_forms(sass_text: str) -> dict[str, int]:
+    """Each printed instruction form (opcode with its modifiers, e.g. ``STG.E.128``) of
+    ``sass_text`` and how often it occurs."""
+    forms: dict[str, int] = {}
+    for o in re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass_text, re.MULTILINE):
+        forms[o] = forms.get(o, 0) + 1
+    return forms
 
 
 def dump_cubins(specs: list[VariantSpec], target: str, out_dir: Path) -> dict[str, Path]:

@@ -89,6 +89,10 @@ def test_sass_sm90a_bwd(cubins, spec):
     # WGMMAs stay asynchronous: ptxas serializing them would put a wait after every HGMMA.
     waits = re.findall(r"WARPGROUP\.DEPBAR", text)
     assert len(waits) <= 8, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
+    # The preprocess reads O and dO by 16-byte vectors: one per row (4 per warp), tensor and lane,
+    # all before the products; 32-bit loads only for the LSE and dLSE of a lane's row.
+    pre = sass.opcode_forms(sass.kernel_text(text, "preprocess"))
+    assert {f: n for f, n in pre.items() if f.startswith("LDG")} == {"LDG.E.128": 2 * 4, "LDG.E": 2}, pre
 
 
 def test_alternatives_are_bf16_schedules_beside_the_defaults():

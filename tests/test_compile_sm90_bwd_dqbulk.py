@@ -8,7 +8,9 @@ split's _dqbulk variants (hd192/hd256) sit beside its defaults; the predicate co
 buffers (the head split's fill the opt-in limit exactly at hd192; at hd256 they would not fit and dQ
 is staged in the Q/dO stage); variants compile for sm_90a with the bulk reduce-add
 16-byte shared-memory stores and no per-thread fp32 reduction (no REDG) or local-memory spill; and
-the fragment order that the main kernel writes and the postprocess reads back (bwd_parts.
+the pre/postprocess move 16-byte vectors (the preprocess zeroes the workspace, the postprocess
+writes dQ rows from a shared-memory tile); and the fragment order that the main kernel writes and
+the postprocess reads back (bwd_parts.
 bulk_dq_coords, traced with the DSL) maps a query block's chunk one-to-one onto its tile_m x
 head_dim elements.
 
@@ -114,8 +116,8 @@ def test_workspace_shapes():
 
 
 def test_host_allocates_the_variant_layout():
-    """backward.py's workspace: tiled and zeroed for dq_bulk (its kernels do not zero it), the
-    (splits, batch, seqlen_q, heads_q, head_dim) layout for every other variant."""
+    """backward.py's workspace: tiled for dq_bulk, the (splits, batch, seqlen_q, heads_q, head_dim)
+    layout for every other variant (uninitialized either way: the preprocess kernels zero it)."""
     import torch
 
     from cutefa.backward import dq_accum_workspace
@@ -123,7 +125,6 @@ def test_host_allocates_the_variant_layout():
     spec = next(s for s in BULK if s.head_dim == 64)
     ws = dq_accum_workspace(spec, 2, 3, 130, 4, torch.device("cpu"))
     assert ws.shape == (2, 3, 4, 2, 128 * 64) and ws.dtype == torch.float32 and ws.is_contiguous()
-    assert not ws.any()
     assert dq_accum_workspace(_twin(spec), 2, 3, 130, 4, torch.device("cpu")).shape == (2, 3, 130, 4, 64)
     sm80 = VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8)
     assert dq_accum_workspace(sm80, 1, 1, 17, 2, torch.device("cpu")).shape == (1, 1, 17, 2, 128)
@@ -134,12 +135,14 @@ def cubins(tmp_path_factory):
     return sass.dump_cubins(CHECKED, "sm_90a", tmp_path_factory.mktemp("bwd_dqbulk_sm_90a"))
 
 
-def _check_ds_stmatrix(report, spec):
+def _check_ds_stmatrix(report, spec, text):
     """dS^T goes to shared memory by stmatrix (one instruction per four 8x8 matrices of a warp: 64 keys
     x tile_m queries per warpgroup is tile_m / 16 of them), and the only 32-bit shared stores left
-    are the two of the LSE2/D staging (before the loop and in it, one predicated store each)."""
+    in the main kernel are the two of the LSE2/D staging (before the loop and in it, one predicated
+    store each; the postprocess has its own, counted in test_sass_pre_postprocess)."""
     assert report.forms_of("STSM") == {"STSM.16.M88.4": spec.tile_m // 16}, report.forms_of("STSM")
-    assert report.forms.get("STS", 0) == 2, report.forms_of("STS")
+    main = sass.opcode_forms(sass.kernel_text(text, "kernel"))
+    assert main.get("STS", 0) == 2, {f: n for f, n in main.items() if f.startswith("STS")}
 
 
 @pytest.mark.compile
@@ -165,12 +168,42 @@ def test_sass_bulk_reduce(cubins, spec):
     stores = len(re.findall(r"\bSTS\.128\b", text))
     assert stores >= sum(cols // 8 for _, _, cols in space.sm90_bwd_dq_pieces(spec)), stores
     if not space.sm90_bwd_head_split(spec):
-        _check_ds_stmatrix(report, spec)
+        _check_ds_stmatrix(report, spec, text)
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
     for budget, used in sass.setmaxnreg_regions(text):
         assert used < budget, f"{spec.name}: R{used} under setmaxnreg {budget}"
     waits = re.findall(r"WARPGROUP\.DEPBAR", text)
     assert len(waits) <= 8, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
+
+
+def _memory_forms(text: str, role: str) -> dict[str, int]:
+    forms = sass.opcode_forms(sass.kernel_text(text, role))
+    return {f: n for f, n in forms.items() if f.split(".")[0] in ("LDG", "STG", "LDS", "STS", "LDL", "STL")}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
+def test_sass_pre_postprocess(cubins, spec):
+    """The side kernels move whole 16-byte vectors. Preprocess: reads the 4 rows of O and dO of its
+    warp with one LDG.E.128 per row, tensor and lane (no narrower load but the LSE's and dLSE's
+    32-bit ones), and zeroes its 16 x head_dim words of a dq_accum chunk, per split, with
+    head_dim / 32 STG.E.128 per thread (the loop over splits is not unrolled). Postprocess: reads each piece's fragment with LDG.E.128 (cols / 8 per piece and
+    thread), stages the converted tile in shared memory (32-bit stores of bf16 pairs, then LDS.128)
+    and writes dQ with STG.E.128 only (tile_m * head_dim / 8 / 128 per thread, each guarded by its
+    row): no 16- or 32-bit global store, no local memory."""
+    text = sass.disassemble(cubins[spec.name])
+    pre = _memory_forms(text, "preprocess")
+    assert pre.get("STG.E.128", 0) == spec.head_dim // 32, pre
+    assert {f: n for f, n in pre.items() if f.startswith("LDG")} == {"LDG.E.128": 2 * 4, "LDG.E": 2}, pre
+    post = _memory_forms(text, "postprocess")
+    pieces = space.sm90_bwd_dq_pieces(spec)
+    assert post.get("LDG.E.128", 0) >= sum(cols // 8 for _, _, cols in pieces), post
+    assert not {f for f in post if f.startswith("LDG") and f != "LDG.E.128"}, post
+    assert {f: n for f, n in post.items() if f.startswith("STG")} == {"STG.E.128": spec.tile_m * spec.head_dim // 1024}, post
+    assert post.get("LDS.128", 0) == spec.tile_m * spec.head_dim // 1024, post
+    assert post.get("STS", 0) == spec.tile_m * spec.head_dim // 2 // 128, post  # one per bf16 pair
+    for forms in (pre, post):
+        assert not {f for f in forms if f.startswith(("LDL", "STL"))}, forms
 
 
 _COORDS = """

@@ -14,12 +14,12 @@ Calling convention: the sm80 backward's (``Kernel.__call__``; :func:`fake_argume
     dk, dv        (batch, seqlen_k, heads_q, head_dim)   input dtype, written, one slice per QUERY
                                                          head (the caller sums a KV head's group)
     dq_accum      (splits, batch, heads_q, ceil(seqlen_q / 64), 64 * head_dim)  float32 workspace,
-                  zeroed by the caller: one chunk per query block in WGMMA fragment order (below)
+                  zeroed by the preprocess: one chunk per query block in WGMMA fragment order (below)
     lse_log2, dpsum  (batch, heads_q, seqlen_q)          float32 workspaces
     softmax_scale float; deterministic int (0 or 1); the stream is the caller's current one
 
-Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units; dq_accum
-zeroed by the caller), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
+Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units, dq_accum
+zeroed: whole chunks, 16-byte stores), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
 
 Main kernel: a CTA owns 128 keys of one (batch, query head). Warpgroup 0 is the producer: one
 warp issues the TMA loads of K and V (once per key block, one-stage pipeline) and of Q and dO (per
@@ -55,8 +55,11 @@ with one cp.reduce.async.bulk ... .add.f32 and commits it. dq_accum is tiled to 
 order), rows padded to whole blocks (padded rows are never read back), so the copy is flat and
 needs no row guard. Before the next block's barrier of the consumers, that thread waits until its
 previous bulk copy has read the buffer (deterministic=1: until it is complete, so the next add into
-the same chunk lands after it). The postprocess reads each chunk coalesced and maps every value to
-its (row, column) through the same tiled-MMA partition (bwd_parts.bulk_dq_coords).
+the same chunk lands after it). The postprocess reads each chunk coalesced, maps every value to
+its (row, column) through the same tiled-MMA partition (bwd_parts.bulk_dq_coords) and stages the
+converted tile in shared memory (rows padded by 16 bytes), then writes dQ rows with 16-byte
+coalesced stores. The preprocess zeroes dq_accum: its grid covers whole query blocks, and CTA x
+zeroes part x % (tile_m / 16) of chunk x / (tile_m / 16), every split, padding rows included.
 
 deterministic=1: CTA x of the grid (x < splits) walks the key blocks x, x + splits, ... and owns
 dq_accum split x alone; every dq_accum element is added by one thread in a fixed order, and the
@@ -94,7 +97,8 @@ DQ_ROW_BLOCKS = TILE_M // parts.WG_ROWS
 DQ_OFFSETS = bwd_parts.bulk_piece_offsets(DQ_PIECES)
 DQ_BULK_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
-# Pre/postprocess: one warp per query row, ROW_WARPS warps per CTA, ROWS_PER_WARP rows each.
+# Preprocess (and the postprocess without dq_bulk): one warp per query row, ROW_WARPS warps per
+# CTA, ROWS_PER_WARP rows each (the preprocess reads rows in 16-byte vectors, all rows' loads first).
 ROW_WARPS = 4
 ROWS_PER_WARP = 4
 ROWS_PER_CTA = ROW_WARPS * ROWS_PER_WARP
@@ -131,8 +135,9 @@ def fake_arguments(spec, cutlass, cute):
 
 
 class Kernel:
-    """Preprocess grid (ceil(seqlen_q / ROWS_PER_CTA), heads_q, batch); main grid
-    (ceil(seqlen_k / TILE_N) or splits, heads_q, batch), THREADS threads; postprocess as preprocess."""
+    """Preprocess grid (ceil(seqlen_q / TILE_M) * TILE_M / ROWS_PER_CTA, heads_q, batch); main grid
+    (ceil(seqlen_k / TILE_N) or splits, heads_q, batch), THREADS threads; postprocess grid
+    (ceil(seqlen_q / TILE_M), heads_q, batch), 128 threads."""
 
     @cute.jit
     def __call__(
@@ -155,8 +160,12 @@ class Kernel:
         stream: cuda.CUstream,
     ):
         row_grid = (cute.ceil_div(mQ.shape[1], ROWS_PER_CTA), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
+        # preprocess: whole query blocks of rows, so that its CTAs zero every chunk of dq_accum whole
+        pre_grid = (
+            cute.ceil_div(mQ.shape[1], TILE_M) * (TILE_M // ROWS_PER_CTA), cute.size(mQ.shape[2]), cute.size(mQ.shape[0])
+        )
         self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum).launch(
-            grid=row_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
+            grid=pre_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
         )
 
         sK_layout, sKt_layout, sQ_layout, sQt_layout, sdS_layout = bwd_parts.smem_layouts(
@@ -195,12 +204,16 @@ class Kernel:
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
         )  # fmt: skip
 
+        @cute.struct
+        class PostStorage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))], 128]
+
         self.postprocess(
             mdQaccum, mdQ, softmax_scale,
-            bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[0][2]), bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[1][2]),
+            bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[0][2]), bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[1][2]), PostStorage,
         ).launch(
             grid=(cute.ceil_div(mQ.shape[1], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[0])),
-            block=[parts.WG_THREADS, 1, 1], stream=stream,
+            block=[parts.WG_THREADS, 1, 1], smem=PostStorage.size_in_bytes(), stream=stream,
         )  # fmt: skip
 
     @cute.kernel
@@ -218,25 +231,30 @@ class Kernel:
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
         first = bx * ROWS_PER_CTA + (tidx // 32) * ROWS_PER_WARP
-        for i in cutlass.range_constexpr(ROWS_PER_WARP):
-            if first + i < mO.shape[1]:
-                row_parts.preprocess_row(
-                    mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum, batch, head, first + i, lane, HEAD_DIM, False
-                )
+        bwd_parts.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
+        # dq_accum: this CTA's ROWS_PER_CTA x HEAD_DIM words of a chunk, every split (before the main kernel)
+        bwd_parts.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
 
     @cute.kernel
     def postprocess(
-        self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, dq_mma0: cute.TiledMma, dq_mma1: cute.TiledMma
+        self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, dq_mma0: cute.TiledMma,
+        dq_mma1: cute.TiledMma, PostStorage: cutlass.Constexpr,
     ):
-        """One query block's chunk per CTA, 128 threads: each consumer's piece in its fragment order."""
+        """One query block's chunk per CTA, 128 threads: each consumer's piece read in its fragment
+        order (coalesced), summed, scaled and converted into a shared-memory tile, then written to dQ
+        by rows, 16 bytes per thread and copy (coalesced)."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        storage = cutlass.utils.SmemAllocator().allocate(PostStorage)
+        sdQ = storage.sdQ.get_tensor(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))
         bwd_parts.bulk_postprocess_piece(
-            dq_mma0, mdQaccum, mdQ, scale, batch, head, m_block, tidx, TILE_M, *DQ_PIECES[0], DQ_OFFSETS[0], DTYPE
+            dq_mma0, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[0], DQ_OFFSETS[0], DTYPE
         )
         bwd_parts.bulk_postprocess_piece(
-            dq_mma1, mdQaccum, mdQ, scale, batch, head, m_block, tidx, TILE_M, *DQ_PIECES[1], DQ_OFFSETS[1], DTYPE
+            dq_mma1, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[1], DQ_OFFSETS[1], DTYPE
         )
+        cute.arch.barrier()
+        bwd_parts.store_dq_tile(sdQ, mdQ, batch, head, m_block, tidx, TILE_M, HEAD_DIM, parts.WG_THREADS)
 
     @cute.kernel
     def kernel(

@@ -14,11 +14,12 @@ Calling convention: the sm80 backward's (``Kernel.__call__``; :func:`fake_argume
     dk, dv        (batch, seqlen_k, heads_q, head_dim)   input dtype, written, one slice per QUERY
                                                          head (the caller sums a KV head's group)
     dq_accum      (splits, batch, heads_q, ceil(seqlen_q / 64), 64 * head_dim)  float32 workspace,
-                  zeroed by the caller: one chunk per query block in WGMMA fragment order (below)
+                  zeroed by the preprocess: one chunk per query block in WGMMA fragment order (below)
     lse_log2, dpsum  (batch, heads_q, seqlen_q)          float32 workspaces
     softmax_scale float; deterministic int (0 or 1); the stream is the caller's current one
 
-Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
+Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units, dq_accum
+zeroed: whole chunks, 16-byte stores), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
 
 Main kernel: a CTA owns 64 keys of one (batch, query head). Warpgroup 0 is the producer: one
 warp issues the TMA loads of K and V (once per key block, one-stage pipeline) and of Q and dO (per
@@ -55,8 +56,11 @@ the bytes of its fp32 piece), and the producer refills the stage only after both
 it. dQ and dV form one commit group, dK the next: the piece's first half goes to dO's columns once
 dV is done (dK still running), the second half to Q's columns once dK is done, each out by one bulk
 reduce-add; that thread waits until both have read their source (deterministic=1: until they are
-complete) and the warpgroup meets at its barrier before releasing the stage. The postprocess reads each chunk coalesced and maps every value to its
-(row, column) through the same tiled-MMA partition (bwd_parts.bulk_dq_coords).
+complete) and the warpgroup meets at its barrier before releasing the stage. The postprocess reads each chunk coalesced, maps every value to its
+(row, column) through the same tiled-MMA partition (bwd_parts.bulk_dq_coords) and stages the
+converted tile in shared memory (rows padded by 16 bytes), then writes dQ rows with 16-byte
+coalesced stores. The preprocess zeroes dq_accum: its grid covers whole query blocks, and CTA x
+zeroes part x % (tile_m / 16) of chunk x / (tile_m / 16), every split, padding rows included.
 
 deterministic=1: CTA x of the grid (x < splits) walks the key blocks x, x + splits, ... and owns
 dq_accum split x alone; every dq_accum element is added by one thread in a fixed order, and the
@@ -94,7 +98,8 @@ DQ_PIECES = ((0, 0, 128), (0, 128, 128))
 DQ_OFFSETS = bwd_parts.bulk_piece_offsets(DQ_PIECES)
 DQ_BULK_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
-# Pre/postprocess: one warp per query row, ROW_WARPS warps per CTA, ROWS_PER_WARP rows each.
+# Preprocess (and the postprocess without dq_bulk): one warp per query row, ROW_WARPS warps per
+# CTA, ROWS_PER_WARP rows each (the preprocess reads rows in 16-byte vectors, all rows' loads first).
 ROW_WARPS = 4
 ROWS_PER_WARP = 4
 ROWS_PER_CTA = ROW_WARPS * ROWS_PER_WARP
@@ -131,8 +136,9 @@ def fake_arguments(spec, cutlass, cute):
 
 
 class Kernel:
-    """Preprocess grid (ceil(seqlen_q / ROWS_PER_CTA), heads_q, batch); main grid
-    (ceil(seqlen_k / TILE_N) or splits, heads_q, batch), THREADS threads; postprocess as preprocess."""
+    """Preprocess grid (ceil(seqlen_q / TILE_M) * TILE_M / ROWS_PER_CTA, heads_q, batch); main grid
+    (ceil(seqlen_k / TILE_N) or splits, heads_q, batch), THREADS threads; postprocess grid
+    (ceil(seqlen_q / TILE_M), heads_q, batch), 128 threads."""
 
     @cute.jit
     def __call__(
@@ -155,8 +161,12 @@ class Kernel:
         stream: cuda.CUstream,
     ):
         row_grid = (cute.ceil_div(mQ.shape[1], ROWS_PER_CTA), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
+        # preprocess: whole query blocks of rows, so that its CTAs zero every chunk of dq_accum whole
+        pre_grid = (
+            cute.ceil_div(mQ.shape[1], TILE_M) * (TILE_M // ROWS_PER_CTA), cute.size(mQ.shape[2]), cute.size(mQ.shape[0])
+        )
         self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum).launch(
-            grid=row_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
+            grid=pre_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
         )
 
         sK_layout, sKt_layout, sQ_layout, sQt_layout, sdS_layout, sdSt_layout = bwd_parts.split_smem_layouts(
@@ -196,9 +206,13 @@ class Kernel:
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
         )  # fmt: skip
 
-        self.postprocess(mdQaccum, mdQ, softmax_scale, bwd_parts.dq_tiled_mma(DTYPE, HALF_D)).launch(
+        @cute.struct
+        class PostStorage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))], 128]
+
+        self.postprocess(mdQaccum, mdQ, softmax_scale, bwd_parts.dq_tiled_mma(DTYPE, HALF_D), PostStorage).launch(
             grid=(cute.ceil_div(mQ.shape[1], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[0])),
-            block=[parts.WG_THREADS, 1, 1], stream=stream,
+            block=[parts.WG_THREADS, 1, 1], smem=PostStorage.size_in_bytes(), stream=stream,
         )  # fmt: skip
 
     @cute.kernel
@@ -216,23 +230,29 @@ class Kernel:
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
         first = bx * ROWS_PER_CTA + (tidx // 32) * ROWS_PER_WARP
-        for i in cutlass.range_constexpr(ROWS_PER_WARP):
-            if first + i < mO.shape[1]:
-                row_parts.preprocess_row(
-                    mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum, batch, head, first + i, lane, HEAD_DIM, False
-                )
+        bwd_parts.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
+        # dq_accum: this CTA's ROWS_PER_CTA x HEAD_DIM words of a chunk, every split (before the main kernel)
+        bwd_parts.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
 
     @cute.kernel
-    def postprocess(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, dq_mma: cute.TiledMma):
-        """One query block's chunk per CTA, 128 threads: each consumer's piece in its fragment order."""
+    def postprocess(
+        self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, dq_mma: cute.TiledMma, PostStorage: cutlass.Constexpr
+    ):
+        """One query block's chunk per CTA, 128 threads: each consumer's piece read in its fragment
+        order (coalesced), summed, scaled and converted into a shared-memory tile, then written to dQ
+        by rows, 16 bytes per thread and copy (coalesced)."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        storage = cutlass.utils.SmemAllocator().allocate(PostStorage)
+        sdQ = storage.sdQ.get_tensor(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))
         bwd_parts.bulk_postprocess_piece(
-            dq_mma, mdQaccum, mdQ, scale, batch, head, m_block, tidx, TILE_M, *DQ_PIECES[0], DQ_OFFSETS[0], DTYPE
+            dq_mma, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[0], DQ_OFFSETS[0], DTYPE
         )
         bwd_parts.bulk_postprocess_piece(
-            dq_mma, mdQaccum, mdQ, scale, batch, head, m_block, tidx, TILE_M, *DQ_PIECES[1], DQ_OFFSETS[1], DTYPE
+            dq_mma, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[1], DQ_OFFSETS[1], DTYPE
         )
+        cute.arch.barrier()
+        bwd_parts.store_dq_tile(sdQ, mdQ, batch, head, m_block, tidx, TILE_M, HEAD_DIM, parts.WG_THREADS)
 
     @cute.kernel
     def kernel(

@@ -75,7 +75,8 @@ CONSUMER_REGS = 240
 # dQ (TILE_M x HEAD_DIM) of a query block: (64-row block, first column, columns) per consumer.
 DQ_PIECES = ((0, 0, 128), (0, 128, 128))
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
-# Pre/postprocess: one warp per query row, ROW_WARPS warps per CTA, ROWS_PER_WARP rows each.
+# Preprocess (and the postprocess without dq_bulk): one warp per query row, ROW_WARPS warps per
+# CTA, ROWS_PER_WARP rows each (the preprocess reads rows in 16-byte vectors, all rows' loads first).
 ROW_WARPS = 4
 ROWS_PER_WARP = 4
 ROWS_PER_CTA = ROW_WARPS * ROWS_PER_WARP
@@ -195,11 +196,10 @@ class Kernel:
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
         first = bx * ROWS_PER_CTA + (tidx // 32) * ROWS_PER_WARP
+        bwd_parts.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
         for i in cutlass.range_constexpr(ROWS_PER_WARP):
             if first + i < mO.shape[1]:
-                row_parts.preprocess_row(
-                    mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum, batch, head, first + i, lane, HEAD_DIM
-                )
+                row_parts.zero_accum_row(mdQaccum, batch, head, first + i, lane, HEAD_DIM)
 
     @cute.kernel
     def postprocess(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32):

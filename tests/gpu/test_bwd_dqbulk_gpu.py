@@ -4,9 +4,9 @@ Each committed _dqbulk variant (the hd64/hd128 default tiles and the hd192/hd256
 default tile with the flag, plain and with the overlap schedule; hd256 stages dQ in the Q/dO stage)
 is forced: called
 directly with the calling convention of cutefa/backward.py (tests/gpu/test_bwd_sm90.py's
-``run_kernel``: dq, dk, dv poisoned with NaN first, the tiled dq_accum workspace allocated zeroed as
-backward.py does), and through ``backward.gradients(..., spec=...)`` (the host path that allocates
-the workspace by the variant's layout). Gradients are judged against float32 autograd of the exact
+``run_kernel``: dq, dk, dv and the tiled dq_accum workspace poisoned with NaN first, so the
+preprocess must zero every chunk whole), and through ``backward.gradients(..., spec=...)`` (the
+host path that allocates the workspace by the variant's layout). Gradients are judged against float32 autograd of the exact
 attention with test_bwd_sm80.py's tolerance (at most 3x the error of PyTorch's attention on the same
 low-precision inputs); NaN or an unwritten element never passes. Shapes: seqlen_q 1, 17, 1000 and
 4097 (ragged last query blocks: the workspace's padded rows must never reach dq), seqlen_q !=

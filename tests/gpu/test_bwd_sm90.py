@@ -92,10 +92,9 @@ def run_kernel(kernel, spec, q, k, v, out, lse, dout, *, deterministic=False):
     dk_heads = torch.full((batch, seqlen_k, heads_q, head_dim), nan, dtype=q.dtype, device=q.device)
     dv_heads = torch.full_like(dk_heads, nan)
     f32 = {"dtype": torch.float32, "device": q.device}
-    # the workspace of the variant's layout, as backward.py allocates it; NaN where its kernels zero it
-    dq_accum = dq_accum_workspace(spec, splits, batch, seqlen_q, heads_q, q.device)
-    if not spec.dq_bulk:
-        dq_accum.fill_(nan)
+    # the workspace of the variant's layout, as backward.py allocates it, all NaN: the preprocess
+    # kernel must zero every word the main kernel adds into (dq_bulk: whole chunks, padding rows too)
+    dq_accum = dq_accum_workspace(spec, splits, batch, seqlen_q, heads_q, q.device).fill_(nan)
     lse_log2 = torch.full((batch, heads_q, seqlen_q), nan, **f32)
     dpsum = torch.full((batch, heads_q, seqlen_q), nan, **f32)
     dlse = torch.zeros((batch, heads_q, seqlen_q), **f32)

@@ -96,9 +96,18 @@ def preprocess_row(
         mDpsum[batch, head, row] = acc - mdLSE[batch, head, row]
         mLSE2[batch, head, row] = Float32.inf if lse == -Float32.inf else lse * LOG2_E
     if cutlass.const_expr(zero_accum):
-        for s in cutlass.range(cute.size(mdQaccum, mode=[0]), unroll=1):
-            for j in cutlass.range_constexpr(head_dim // 32):
-                mdQaccum[s, batch, row, head, lane + 32 * j] = Float32(0.0)
+        zero_accum_row(mdQaccum, batch, head, row, lane, head_dim)
+
+
+@cute.jit
+def zero_accum_row(
+    mdQaccum: cute.Tensor, batch: Int32, head: Int32, row: Int32, lane: Int32, head_dim: cutlass.Constexpr
+):
+    """One query row, one warp: the row of every split of the (splits, batch, seqlen_q, heads,
+    head_dim) dQ accumulator zeroed."""
+    for s in cutlass.range(cute.size(mdQaccum, mode=[0]), unroll=1):
+        for j in cutlass.range_constexpr(head_dim // 32):
+            mdQaccum[s, batch, row, head, lane + 32 * j] = Float32(0.0)
 
 
 @cute.jit
