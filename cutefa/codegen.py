@@ -21,6 +21,7 @@ from cutefa.space import (
     sm90_bwd_dq_bulk_aliases,
     sm90_bwd_dq_pieces,
     sm90_bwd_head_split,
+    sm90_bwd_swapped,
     smem_bytes,
     why_invalid,
     why_no_kernel,
@@ -41,6 +42,8 @@ def template_name(spec: VariantSpec) -> str:
         return "fwd_sm90_fp8.py.j2"  # FP8: V transposed on chip, P as an e4m3 register operand
     if sm90_bwd_head_split(spec):
         return "bwd_sm90_hsplit.py.j2"  # head dims 192/256: consumers share 64 keys, split the head dim
+    if sm90_bwd_swapped(spec):
+        return "bwd_sm90_swapkv.py.j2"  # head dim 192: 48 keys per consumer, dK^T/dV^T on WGMMA's M axis
     return f"{spec.direction}_{spec.arch}.py.j2"
 
 
@@ -55,6 +58,7 @@ def derived(spec: VariantSpec) -> dict[str, object]:
     if (spec.arch, spec.direction) == ("sm90", "bwd"):
         values["dq_pieces"] = sm90_bwd_dq_pieces(spec)
         values["dq_alias"] = sm90_bwd_dq_bulk_aliases(spec)
+        values["keys_wg"] = spec.tile_n // 2
     return values
 
 

@@ -853,6 +853,7 @@ IMPLEMENTED[("sm90", "bwd")] = ("fp16", "bf16")
 SM90_BWD_TILE_N = 128
 SM90_BWD_WARPS = 12
 SM90_BWD_HEAD_DIMS = (64, 96, 128)
+SM90_BWD_SWAP_REG_OVERHEAD = 40  # as SM90_BWD_REG_OVERHEAD; calibrated on the swapped backward's SASS
 SM90_BWD_REG_OVERHEAD = 40  # descriptors, pipeline state, coordinates, LSE/D reads, addresses
 # Head dims 192 and 256 (templates/bwd_sm90_hsplit.py.j2): fp32 dK + dV of 64 keys would take d
 # registers per thread, so the two consumer warpgroups share the CTA's 64 keys instead and split the
@@ -861,6 +862,12 @@ SM90_BWD_REG_OVERHEAD = 40  # descriptors, pipeline state, coordinates, LSE/D re
 # all 64 queries of them as the K of its dV and dK WGMMAs. tile_n = 64, tile_m = 64.
 SM90_BWD_SPLIT_TILE_N = 64
 SM90_BWD_SPLIT_HEAD_DIMS = (192, 256)
+# Head dim 192 with dK/dV on WGMMA's M axis (templates/bwd_sm90_swapkv.py.j2, FlashAttention-3's
+# hd192 partition): a CTA owns 96 keys, each consumer warpgroup 48 of them for S, dP, dK and dV
+# (computed as dK^T, dV^T: head_dim x 48, so no M = 64 key slab is needed); dQ split by head-dim
+# columns (96 each) over all 96 keys. tile_n = 96, tile_m = 64, P and dS through shared memory.
+SM90_BWD_SWAP_TILE_N = 96
+SM90_BWD_SWAP_HEAD_DIMS = (192,)
 DEFAULT_BWD_TILES["sm90"] = {
     64: Tile(128, 128, 2, 12),
     96: Tile(64, 128, 2, 12),
@@ -872,6 +879,7 @@ _TILE_GRID["sm90"] = (
     *_TILE_GRID["sm90"],
     *(Tile(m, 128, s, 12) for m in (64, 128) for s in (2, 3) if (m, s) != (128, 2)),
     *(Tile(64, 64, s, 12) for s in (2, 3)),
+    Tile(64, 96, 2, 12),
 )
 # Backward schedules: the default, and overlap (a query block's dQ WGMMA stays in flight and its
 # reductions into dq_accum are issued behind the next block's S^T/dP^T WGMMAs); each with dQ added
@@ -912,10 +920,13 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
         # dq_bulk on the head split: the 48 KiB of hd192's dQ staging fill the 2-stage struct up to
         # the opt-in limit exactly; hd256's 64 KiB do not fit beside its (already full) 2-stage
         # ring, so there each consumer stages dQ in its own columns of the Q/dO stage.
+        # The swapped-dK/dV partition (64x96, FlashAttention-3's hd192 tile; per-thread dQ
+        # reductions: its 48 KiB of dQ staging do not fit beside the 2-stage Q/dO ring).
         192: (
             (Tile(64, 64, 2, 12), {"overlap": True}),
             (Tile(64, 64, 2, 12), {"dq_bulk": True}),
             (Tile(64, 64, 2, 12), {"overlap": True, "dq_bulk": True}),
+            (Tile(64, 96, 2, 12), {}),
         ),
         256: (
             (Tile(64, 64, 2, 12), {"overlap": True}),
@@ -931,7 +942,7 @@ def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | 
     where none fits. tile_m=128: one 64-row block each, all columns. tile_m=64: a column split at a
     swizzle-atom boundary of K (64 columns when head_dim is a multiple of 64, else 32): halves for
     head_dim 128, 64 + 32 for head_dim 96; the second piece must tile the columns from its start."""
-    if sm90_bwd_head_split(spec):  # each consumer its half of the head dim, all 64 rows
+    if sm90_bwd_head_split(spec) or sm90_bwd_swapped(spec):  # each consumer half the head dim, all 64 rows
         half = spec.head_dim // 2
         return ((0, 0, half), (0, half, half))
     if spec.tile_m == 128:
@@ -950,6 +961,62 @@ def sm90_bwd_head_split(spec: VariantSpec) -> bool:
     return (spec.arch, spec.direction, spec.tile_n) == ("sm90", "bwd", SM90_BWD_SPLIT_TILE_N)
 
 
+def sm90_bwd_swapped(spec: VariantSpec) -> bool:
+    """Whether ``spec`` is the swapped-dK/dV sm90 backward (templates/bwd_sm90_swapkv.py.j2): 96
+    keys per CTA, 48 per consumer warpgroup, dK^T and dV^T with the head dim on WGMMA's M axis."""
+    return (spec.arch, spec.direction, spec.tile_n) == ("sm90", "bwd", SM90_BWD_SWAP_TILE_N)
+
+
+def sm90_bwd_swap_smem_bytes(spec: VariantSpec) -> int:
+    """The swapped backward's struct: K and V (tile_n x d), the Q and dO ring (stages x tile_m x d
+    each), one P buffer and two dS buffers (tile_m x tile_n), 1 KiB-aligned each, the LSE2/D rows
+    and mbarriers, rounded up to 1 KiB, plus the kernel's 1 KiB of static shared memory."""
+    elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
+    elements += 3 * spec.tile_m * spec.tile_n
+    rows = 2 * 2 * spec.tile_m * 4
+    barriers = (2 + 2 * spec.stages) * 8
+    struct = elements * spec.elem_bytes + rows + barriers
+    return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
+
+
+def sm90_bwd_swap_registers(spec: VariantSpec) -> int:
+    """The swapped backward's consumer thread at the peak: fp32 dK^T and dV^T (d x tile_n/2 each)
+    for the whole query loop, beside the larger of S + dP (tile_m x tile_n/2 each, fp32) and the
+    fp32 dQ piece (64 queries x d/2 columns, after P and dS have gone to shared memory)."""
+    keys = spec.tile_n // 2
+    acc_dkv = 2 * spec.head_dim * keys // 128
+    acc_sdp = 2 * spec.tile_m * keys // 128
+    acc_dq = 64 * (spec.head_dim // 2) // 128
+    return acc_dkv + max(acc_sdp, acc_dq) + SM90_BWD_SWAP_REG_OVERHEAD
+
+
+def _sm90_bwd_swap(spec: VariantSpec) -> str | None:
+    """The swapped-dK/dV partition (tile_n = 96, head dim 192): 64 query rows per step, 2 stages."""
+    if spec.tile_m != 64:
+        return f"tile_m={spec.tile_m}: the swapped-dK/dV sm90 backward takes 64 query rows per step (WGMMA M of S and dP)"
+    if spec.stages < 2:
+        return f"stages={spec.stages}: the Q/dO TMA ring needs at least 2 stages to overlap loads with MMAs"
+    if spec.pingpong:
+        return "pingpong: the sm90 backward has no ping-pong schedule (its consumers meet at a barrier per query block)"
+    if spec.overlap:
+        return "overlap: the swapped-dK/dV sm90 backward has no overlap schedule (dV and dK read P and dS from shared memory)"
+    if spec.dq_bulk:
+        return (
+            "dq_bulk: the swapped-dK/dV sm90 backward adds dQ with per-thread reductions (the "
+            f"{4 * spec.tile_m * spec.head_dim // 1024} KiB of dQ staging do not fit beside its Q/dO ring)"
+        )
+    estimate = sm90_bwd_swap_registers(spec)
+    if estimate > SM90_CONSUMER_REGS:
+        return f"would spill registers (estimated {estimate} > {SM90_CONSUMER_REGS} per consumer thread after setmaxnreg)"
+    needed = sm90_bwd_swap_smem_bytes(spec)
+    if needed > SM90_SMEM_LIMIT:
+        return (
+            f"needs {needed / 1024:.1f} KiB of shared memory, over the {SM90_SMEM_LIMIT // 1024} KiB "
+            "per-block opt-in limit of the H100/H200"
+        )
+    return None
+
+
 def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
     """K and V (tile_n x d), the Q and dO ring (stages x tile_m x d each), two dS buffers
     (tile_m x tile_n), 1 KiB-aligned each, plus the LSE2/D rows (two buffers) and mbarriers.
@@ -963,6 +1030,8 @@ def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
     instead (:func:`sm90_bwd_dq_bulk_aliases`, no extra bytes)."""
     if sm90_bwd_head_split(spec):
         return _sm90_bwd_split_smem_bytes(spec, sm90_bwd_dq_bulk_bytes(spec))
+    if sm90_bwd_swapped(spec):
+        return sm90_bwd_swap_smem_bytes(spec)
     elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
     elements += 2 * spec.tile_m * spec.tile_n
     staged_dq = sm90_bwd_dq_bulk_bytes(spec)
@@ -1024,6 +1093,8 @@ def sm90_bwd_registers(spec: VariantSpec) -> int:
     the 240 registers of setmaxnreg with no spill."""
     if sm90_bwd_head_split(spec):
         return sm90_bwd_split_registers(spec)
+    if sm90_bwd_swapped(spec):
+        return sm90_bwd_swap_registers(spec)
     acc_dkv = 2 * 64 * spec.head_dim // 128
     acc_sdp = 2 * 64 * spec.tile_m // 128
     return acc_dkv + acc_sdp + SM90_BWD_REG_OVERHEAD
@@ -1063,12 +1134,15 @@ def _sm90_bwd_split(spec: VariantSpec) -> str | None:
 
 
 def _sm90_bwd(spec: VariantSpec) -> str | None:
+    if spec.warps == SM90_BWD_WARPS and sm90_bwd_swapped(spec) and spec.head_dim in SM90_BWD_SWAP_HEAD_DIMS:
+        return _sm90_bwd_swap(spec)
     if spec.warps != SM90_BWD_WARPS or spec.tile_n not in (SM90_BWD_TILE_N, SM90_BWD_SPLIT_TILE_N):
         return (
             f"the sm90 backward runs warps={SM90_BWD_WARPS} and tile_n={SM90_BWD_TILE_N} (a producer "
             "warpgroup and two consumer warpgroups of 64 keys each) or tile_n="
             f"{SM90_BWD_SPLIT_TILE_N} (head dims {SM90_BWD_SPLIT_HEAD_DIMS}: the two consumers share "
-            "64 keys and split the head dim)"
+            f"64 keys and split the head dim) or tile_n={SM90_BWD_SWAP_TILE_N} (head dims "
+            f"{SM90_BWD_SWAP_HEAD_DIMS}: 48 keys per consumer, dK^T/dV^T on WGMMA's M axis)"
         )
     if sm90_bwd_head_split(spec):
         reason = _sm90_bwd_split(spec)

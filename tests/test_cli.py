@@ -28,6 +28,7 @@ def dirs(tmp_path):
     (templates / "bwd_sm100.py.j2").write_text(TEMPLATE)
     (templates / "bwd_sm90.py.j2").write_text(TEMPLATE)
     (templates / "bwd_sm90_hsplit.py.j2").write_text(TEMPLATE)
+    (templates / "bwd_sm90_swapkv.py.j2").write_text(TEMPLATE)
     return ["--out-dir", str(tmp_path / "generated"), "--templates-dir", str(templates)]
 
 
