@@ -25,9 +25,12 @@ import pytest
 
 from cutefa import sass, space
 
-# The head-dim split (head dims 192/256, tile_n=64) has its own template and checks:
-# tests/test_compile_sm90_bwd_hsplit.py.
-COMMITTED = [s for s in space.default_variants("sm90", "bwd") if not space.sm90_bwd_head_split(s)]
+# The head-dim split (head dims 192/256, tile_n=64) and the swapped-dK/dV partition (head dim 192,
+# tile_n=96) have their own templates and checks: tests/test_compile_sm90_bwd_hsplit.py and
+# tests/test_compile_sm90_bwd_swapkv.py.
+COMMITTED = [
+    s for s in space.default_variants("sm90", "bwd") if not (space.sm90_bwd_head_split(s) or space.sm90_bwd_swapped(s))
+]
 
 
 def _is_default(s) -> bool:

@@ -28,9 +28,11 @@ WGMMA's M axis a consumer can own 48 keys instead (dK^T, dV^T: 192 x 48, 144 reg
 owns keys [48 c, 48 c + 48) for S, dP, dK and dV, and head-dim columns [96 c, 96 c + 96) of dQ:
 
     S    = Q K_c^T, dP = dO V_c^T   WGMMA, K-major operands in shared memory (64 queries x 48 keys)
-    P    = exp2(S * scale * log2 e - LSE2), dS = P (dP - D)   in registers, per query row;
-                                  P and dS (16-bit, keys contiguous) -> shared memory; barrier
-    dV_c^T += dO^T P_c, dK_c^T += Q^T dS_c   WGMMA, M = head_dim, both operands in shared memory
+    P    = exp2(S * scale * log2 e - LSE2)   in registers, per query row; 16-bit, keys contiguous,
+                                  -> shared memory; barrier of the warpgroup
+    dV_c^T += dO^T P_c            WGMMA, M = head_dim, both operands in shared memory; runs while
+    dS   = P (dP - D)             is formed in registers and -> shared memory; barrier of the warpgroup
+    dK_c^T += Q^T dS_c            WGMMA, as dV; runs through the barrier of both consumers
     dQ_c = dS K_c                 WGMMA over all 96 keys (both consumers' dS), added into dq_accum
                                   with 8-byte fp32 vector reductions (RED.ADD.F32x2)
 
@@ -55,7 +57,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
-from cutefa.kernels.sm90 import bwd_parts, parts
+from cutefa.kernels.sm90 import bwd_parts, bwd_swap, parts
 
 SPEC_NAME = "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal"
 DTYPE = cutlass.BFloat16
@@ -72,6 +74,7 @@ CAUSAL = True
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
+WG_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
 # Preprocess and postprocess: one warp per query row, ROW_WARPS warps per CTA, ROWS_PER_WARP rows each.
 ROW_WARPS = 4
 ROWS_PER_WARP = 4
@@ -136,7 +139,7 @@ class Kernel:
             grid=row_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
         )
 
-        sK_layout, sKt_layout, sQ_layout, sQt_layout, sP_layout, sPt_layout = bwd_parts.swap_smem_layouts(
+        sK_layout, sKt_layout, sQ_layout, sQt_layout, sP_layout, sPt_layout = bwd_swap.swap_smem_layouts(
             DTYPE, TILE_M, TILE_N, HEAD_DIM, STAGES
         )
         k_tma, gK_tma = parts.tma_load_atom(parts.bshd_as_sdhb(mK), sK_layout, (TILE_N, HEAD_DIM))
@@ -165,8 +168,8 @@ class Kernel:
             mdK, mdV, mdQaccum, mLSE2, mDpsum, softmax_scale, softmax_scale * LOG2_E, deterministic,
             mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
             sK_layout, sKt_layout, sQ_layout, sQt_layout, sP_layout, sPt_layout,
-            parts.qk_tiled_mma(DTYPE, KEYS_WG), bwd_parts.swap_dkv_tiled_mma(DTYPE, KEYS_WG),
-            bwd_parts.swap_dq_tiled_mma(DTYPE, DQ_COLS), Storage,
+            parts.qk_tiled_mma(DTYPE, KEYS_WG), bwd_swap.swap_dkv_tiled_mma(DTYPE, KEYS_WG),
+            bwd_swap.swap_dq_tiled_mma(DTYPE, DQ_COLS), Storage,
         ).launch(
             grid=(grid_x, cute.size(mQ.shape[2]), cute.size(mQ.shape[0])), block=[THREADS, 1, 1],
             smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
@@ -349,8 +352,8 @@ class Kernel:
             acc_dq_shape = dq_thr.partition_shape_C((parts.WG_ROWS, DQ_COLS))
 
             # Global destinations of dK^T/dV^T (head_dim x keys views) by block of KEYS_WG keys.
-            gdKt = bwd_parts.transposed_rows(mdK[batch, None, head, None])
-            gdVt = bwd_parts.transposed_rows(mdV[batch, None, head, None])
+            gdKt = bwd_swap.transposed_rows(mdK[batch, None, head, None])
+            gdVt = bwd_swap.transposed_rows(mdV[batch, None, head, None])
             tdKg = dkv_thr.partition_C(cute.local_tile(gdKt, (HEAD_DIM, KEYS_WG), (0, None)))
             tdVg = dkv_thr.partition_C(cute.local_tile(gdVt, (HEAD_DIM, KEYS_WG), (0, None)))
             tKVc = dkv_thr.partition_C(cute.make_identity_tensor((HEAD_DIM, KEYS_WG)))
@@ -404,30 +407,36 @@ class Kernel:
                     key_limit = seqlen_k - key0
                     diag = m0 + 1 + seqlen_k - seqlen_q - key0  # key - query allowed, tile-local
                     if key0 + KEYS_WG > seqlen_k or key0 + KEYS_WG > m0 + 1 + seqlen_k - seqlen_q:
-                        bwd_parts.recompute_p(s_mn, cS_mn, sLSE[None, buf], scale_log2, key_limit, diag, True, CAUSAL)
+                        bwd_swap.recompute_p(s_mn, cS_mn, sLSE[None, buf], scale_log2, key_limit, diag, True, CAUSAL)
                     else:
-                        bwd_parts.recompute_p(s_mn, cS_mn, sLSE[None, buf], scale_log2, key_limit, diag, False, CAUSAL)
-                    # P -> shared memory (this warpgroup's keys; its dV of the last block is done).
+                        bwd_swap.recompute_p(s_mn, cS_mn, sLSE[None, buf], scale_log2, key_limit, diag, False, CAUSAL)
+                    # P -> shared memory (this warpgroup's keys; its dV of the last block is done),
+                    # then dV^T += dO^T P_c at once: only this warpgroup reads its keys of P.
                     rP = cute.make_rmem_tensor_like(acc_S, DTYPE)
                     rP.store(acc_S.load().to(DTYPE))
                     cute.copy(r2s, r2s_thr.retile(rP), tPsP)
-                    warpgroup.wait_group(0)
-                    bwd_parts.compute_ds(s_mn, dp_mn, cS_mn, sD[None, buf])
-                    # dS -> shared memory (buffer buf) for this warpgroup's dK and both warpgroups' dQ.
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=WG_BARRIER + c, number_of_threads=parts.WG_THREADS)
+                    warpgroup.fence()
+                    parts.gemm_acc(dkv_mma, acc_dV, tdVrdOt[None, None, None, handle.index], tdVrP)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)  # dP done; dV may still run
+                    bwd_swap.compute_ds(s_mn, dp_mn, cS_mn, sD[None, buf])
+                    # dS -> shared memory (buffer buf), then dK^T += Q^T dS_c (this warpgroup's keys).
                     rdS = cute.make_rmem_tensor_like(acc_dP, DTYPE)
                     rdS.store(acc_dP.load().to(DTYPE))
                     cute.copy(r2s, r2s_thr.retile(rdS), tdSsdS[None, None, None, buf])
-                    bwd_parts.store_row_slot(row_s, row_active, row_val, 1 - buf, TILE_M)
-                    # Generic-proxy P/dS writes -> visible to WGMMA; both warpgroups' dS written.
                     cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-
-                    # dV^T += dO^T P_c, dK^T += Q^T dS_c (M = head_dim), then this consumer's dQ
-                    # columns = dS K_c over all TILE_N keys, into dq_accum.
+                    cute.arch.barrier(barrier_id=WG_BARRIER + c, number_of_threads=parts.WG_THREADS)
                     warpgroup.fence()
-                    parts.gemm_acc(dkv_mma, acc_dV, tdVrdOt[None, None, None, handle.index], tdVrP)
                     parts.gemm_acc(dkv_mma, acc_dK, tdKrQt[None, None, None, handle.index], tdKrdS[None, None, None, buf])
                     warpgroup.commit_group()
+                    bwd_parts.store_row_slot(row_s, row_active, row_val, 1 - buf, TILE_M)
+                    # Both warpgroups' dS written (each fenced its own writes to the async proxy).
+                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+
+                    # This consumer's dQ columns = dS K_c over all TILE_N keys, into dq_accum; the
+                    # Q/dO stage goes back once dV and dK are done.
                     bwd_parts.dq_step(dq_mma, tQrdS, tQrKt, tdQg, tdQc, acc_dq_shape, buf, handle, m_block, seqlen_q)
                 kv_handle.release()
 
@@ -437,5 +446,5 @@ class Kernel:
                 rdV = cute.make_rmem_tensor_like(acc_dV, DTYPE)
                 rdV.store(acc_dV.load().to(DTYPE))
                 key_block = n_block * CONSUMERS + c
-                bwd_parts.store_cols(rdK, tKVc, tdKg[None, None, None, key_block], seqlen_k - key0)
-                bwd_parts.store_cols(rdV, tKVc, tdVg[None, None, None, key_block], seqlen_k - key0)
+                bwd_swap.store_cols(rdK, tKVc, tdKg[None, None, None, key_block], seqlen_k - key0)
+                bwd_swap.store_cols(rdV, tKVc, tdVg[None, None, None, key_block], seqlen_k - key0)

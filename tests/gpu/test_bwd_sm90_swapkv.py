@@ -1,0 +1,143 @@
+"""The sm90 backward at head dim 192 with dK/dV on WGMMA's M axis (templates/bwd_sm90_swapkv.py.j2:
+96 keys per CTA, 48 per consumer warpgroup, dQ split by head-dim columns) on a Hopper GPU.
+
+The committed variants (BWD_ALTERNATIVES: bf16, causal and not) and their fp16 twins (compiled on
+first use) are called directly with the calling convention of cutefa/backward.py through
+tests/gpu/test_bwd_sm90.py's ``run_kernel`` (dq, dk, dv and every workspace poisoned with NaN, so an
+element the kernel does not write fails; grouped heads summed as backward.py does) and judged
+against float32 autograd of the exact attention with the tolerance of tests/gpu/test_bwd_sm80.py
+(at most 3x the error of PyTorch's own attention on the same low-precision inputs). Shapes:
+seqlens 1, 17, 1000, 4097, seqlen_q != seqlen_k both ways, GQA and MQA, and the partition's own
+edges: a key past consumer 0's 48 (49), one short of and one past a 96-key block (95, 97), a query
+past a 64-row block (65), causal diagonals that cross the consumers' key halves. deterministic=1
+must be bitwise reproducible, also where each CTA walks several key blocks; the gradients must be
+close to the head-dim split's (the dispatch default at head dim 192).
+
+Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_sm90_swapkv.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cutefa import space
+
+
+def _load(name: str):
+    key = f"cutefa_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+bwd80 = _load("test_bwd_sm80")
+bwd90 = _load("test_bwd_sm90")
+split = _load("test_bwd_sm90_hsplit")
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU: torch.cuda.is_available() is False"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return f"needs a Hopper GPU (sm_90a), this GPU is {torch.cuda.get_device_capability()}"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+
+COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_swapped(s)]
+SWAPPED = COMMITTED + [s.replace(dtype="fp16") for s in COMMITTED]
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+SHAPES = (
+    (1, 1, 1, 2, 2),
+    (2, 17, 17, 2, 2),
+    (1, 1000, 1000, 2, 1),
+    (1, 4097, 4097, 1, 1),
+    (1, 17, 1000, 4, 2),
+    (1, 1000, 17, 3, 3),
+    (1, 65, 49, 2, 2),  # one query past a 64-row block, one key past consumer 0's 48
+    (2, 95, 97, 4, 1),  # MQA; one key past a 96-key block; causal: diagonals cross both halves
+    (1, 64, 95, 6, 2),  # GQA; one key short of a block
+    (2, 333, 257, 6, 2),
+    (1, 128, 4097, 8, 1),
+)
+
+
+@pytest.fixture(scope="module")
+def target():
+    from cutefa.dispatch import current_target
+
+    return current_target()
+
+
+def test_swapped_variants():
+    assert sorted((s.dtype, s.causal) for s in SWAPPED) == sorted(
+        (t, c) for t in ("bf16", "fp16") for c in (False, True)
+    )
+    for spec in SWAPPED:
+        assert (spec.head_dim, spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (192, 64, 96, 2, 12)
+        assert space.why_invalid(spec) is None, spec.name
+
+
+@pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
+def test_swapped_grads(gen, target, spec):
+    from cutefa.compile import get_kernel
+
+    kernel = get_kernel(spec, target)
+    for shape in SHAPES:
+        split._check(spec, kernel, *shape, gen)
+
+
+@pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
+def test_swapped_deterministic(gen, target, spec):
+    """deterministic=1: two runs bitwise equal and as accurate as the atomic mode; with 32 (batch,
+    head) pairs each CTA walks several of the 11 key blocks (one dq_accum split per CTA)."""
+    from cutefa.backward import dq_splits
+    from cutefa.compile import get_kernel
+
+    kernel = get_kernel(spec, target)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    assert dq_splits(True, 2, 16, 1000, spec.tile_n, sm_count) < math.ceil(1000 / spec.tile_n)
+    split._check(spec, kernel, 2, 1000, 1000, 16, 4, gen, deterministic=True)
+    dtype = bwd80.DTYPES[spec.dtype]
+    q = torch.randn(1, 2048, 4, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    k = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+    out, lse = bwd90.forward_ref(q, k, v, spec.causal)
+    first = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
+    second = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
+    plain = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout)
+    for name, a, b, c in zip(("dq", "dk", "dv"), first, second, plain):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{spec.name} {name} differs between two deterministic runs"
+        assert bwd80.rel(a, c) < 1e-2, name
+
+
+@pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
+def test_swapped_matches_head_split(gen, target, spec):
+    """The same gradients as the head-dim split (another partition: close, not bitwise)."""
+    from cutefa.compile import get_kernel
+
+    twin = bwd90._default_twin(spec)
+    assert space.sm90_bwd_head_split(twin), twin.name
+    dtype = bwd80.DTYPES[spec.dtype]
+    q = torch.randn(2, 1000, 4, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    k = torch.randn(2, 777, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(2, 777, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+    out, lse = bwd90.forward_ref(q, k, v, spec.causal)
+    mine = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
+    ref = bwd90.run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
+        assert torch.isfinite(a).all(), f"{spec.name} {name}"
+        assert bwd80.rel(a, b) < 1e-2, f"{spec.name} {name} vs {twin.name}"

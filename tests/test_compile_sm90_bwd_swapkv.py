@@ -1,0 +1,165 @@
+"""sm90 backward at head dim 192 with dK/dV on WGMMA's M axis (templates/bwd_sm90_swapkv.py.j2) on
+this CPU: 96 keys per CTA, 48 per consumer warpgroup. The committed variants (BWD_ALTERNATIVES, bf16)
+and one fp16 twin compile for sm_90a and their SASS shows the design: WGMMA (HGMMA) 64x48 for S, dP
+(K = head_dim) and for dV^T, dK^T (M = head_dim in 64-row atoms, K = the 64 queries, both operands
+transposed in shared memory), 64x96 for dQ (K = the 96 keys), TMA loads, setmaxnreg with the
+consumers within their 240 registers, 8-byte fp32 vector reductions into dq_accum, WGMMAs left
+asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
+roles address the same bytes, with each consumer's part on a swizzle-atom edge.
+
+One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
+Correctness on hardware: tests/gpu/test_bwd_sm90.py and tests/gpu/test_bwd_sm90_swapkv.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cutefa import codegen, space
+from cutefa import sass
+
+COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_swapped(s)]
+# the committed bf16 causal variant and the fp16 non-causal twin (fp16 and bf16 differ only in the
+# operand type)
+CHECKED = [s for s in COMMITTED if s.causal] + [s.replace(dtype="fp16") for s in COMMITTED if not s.causal]
+
+
+def test_swapped_variants_committed_not_dispatched():
+    """bf16, causal and not, 64 x 96, 2 stages, 12 warps, no dq_bulk; rendered by their own template;
+    dispatch keeps the head-dim split until a tuned table says otherwise."""
+    import torch
+
+    from cutefa import backward
+
+    assert sorted(s.name for s in COMMITTED) == [
+        "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12",
+        "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal",
+    ]
+    for spec in COMMITTED + CHECKED:
+        assert space.why_invalid(spec) is None, spec.name
+        assert codegen.template_name(spec) == "bwd_sm90_swapkv.py.j2"
+        assert not space.sm90_bwd_head_split(spec)
+    for causal in (False, True):
+        assert not space.sm90_bwd_swapped(backward.choose_bwd("sm_90a", torch.bfloat16, 192, causal))
+
+
+def test_swapped_validity():
+    """Only head dim 192, 64 query rows per step, a ring that fits beside K, V, P and dS, the default
+    schedule (no overlap, dq_bulk or ping-pong): each refusal names its reason."""
+    base = space.VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12)
+    assert space.why_invalid(base) is None
+    # K, V 72 KiB, the Q/dO ring 96 KiB, one P and two dS buffers 36 KiB, rows, mbarriers, 1 KiB static
+    assert space.sm90_bwd_smem_bytes(base) == 211968 <= space.SM90_SMEM_LIMIT
+    assert space.sm90_bwd_registers(base) <= space.SM90_CONSUMER_REGS
+    assert "shared memory" in space.why_invalid(base.replace(stages=3))
+    assert "64 query rows" in space.why_invalid(base.replace(tile_m=128))
+    assert "dq_bulk" in space.why_invalid(base.replace(dq_bulk=True))
+    assert "overlap" in space.why_invalid(base.replace(overlap=True))
+    assert "tile_n=96" in space.why_invalid(base.replace(head_dim=256))
+    assert "tile_n=96" in space.why_invalid(base.replace(head_dim=128))
+    assert space.sm90_bwd_dq_pieces(base) == ((0, 0, 96), (0, 96, 96))
+
+
+@pytest.fixture(scope="module")
+def cubins(tmp_path_factory):
+    return sass.dump_cubins(CHECKED, "sm_90a", tmp_path_factory.mktemp("bwd_swapkv_sm_90a"))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
+def test_sass_sm90a_bwd_swapkv(cubins, spec):
+    report = sass.analyze(cubins[spec.name])
+    for op in ("HGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "MUFU.EX2", "STSM"):
+        assert report.counts.get(op, 0) > 0, f"{spec.name}: no {op}: {report.summary()}"
+    assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
+    d, keys = spec.head_dim, spec.tile_n // 2
+    text = sass.disassemble(cubins[spec.name])
+    shapes: dict[str, int] = {}
+    for shape in re.findall(r"\bHGMMA\.(\d+x\d+)x16\b", text):
+        shapes[shape] = shapes.get(shape, 0) + 1
+    # one code path per query block: S and dP (d/16 k-steps each), dV^T and dK^T (d/64 M-atoms x
+    # tile_m/16 k-steps each), dQ (tile_n/16 k-steps, N = d/2)
+    assert shapes == {
+        f"64x{keys}": 2 * d // 16 + 2 * (d // 64) * (spec.tile_m // 16),
+        f"64x{d // 2}": spec.tile_n // 16,
+    }, f"{spec.name}: {shapes}"
+    # dV^T, dK^T read both operands transposed (MN-major) from shared memory; dQ its B only
+    assert len(re.findall(r"\bHGMMA\.64x\d+x16\S*\s+R\d+,\s*gdesc\[\w+\]\.tnspA\.tnspB", text)) == 2 * (d // 64) * (
+        spec.tile_m // 16
+    )
+    assert not re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", text)  # no register A operand
+    regions = sass.setmaxnreg_regions(text)
+    assert [budget for budget, _ in regions] == [24, 240], regions
+    assert all(used < budget for budget, used in regions), regions
+    # dQ: 64 rows x d/2 columns per consumer, 8-byte reductions, unguarded and guarded paths
+    reductions = re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text)
+    assert len(reductions) == 2 * (64 * (d // 2) // 128 // 2), f"{spec.name}: {len(reductions)} REDs"
+    # K, V, Q, dO: one TMA box per 32-column panel of the 64-byte swizzle
+    assert report.counts["UTMALDG"] == 4 * d // 32, report.summary()
+    # WGMMAs stay asynchronous: S/dP, dV, dQ (twice) waits per query block
+    waits = re.findall(r"WARPGROUP\.DEPBAR", text)
+    assert len(waits) <= 4, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
+    # P and dS stored with stmatrix: 64 x 48 each per warpgroup, 16 x 16 per warp instruction
+    assert report.counts["STSM"] == 2 * keys // 16, report.summary()
+
+
+_LAYOUT_CHECK = """
+import json
+import cutlass, cutlass.cute as cute
+from cutefa.kernels.sm90 import bwd_swap
+
+result = {}
+
+@cute.jit
+def offsets():
+    tm, tn, d, st = 64, 96, 192, 2
+    sk, skt, sq, sqt, sp, spt = bwd_swap.swap_smem_layouts(cutlass.BFloat16, tm, tn, d, st)
+    result["k"] = [sk((r, c, 0)) for r in range(tn) for c in range(d)]
+    result["kt"] = [skt((c, r, 0)) for r in range(tn) for c in range(d)]
+    result["q"] = [sq((r, c, s)) for s in range(st) for r in range(tm) for c in range(d)]
+    result["qt"] = [sqt((c, r, s)) for s in range(st) for r in range(tm) for c in range(d)]
+    result["p"] = [sp((r, c, s)) for s in range(2) for r in range(tm) for c in range(tn)]
+    result["pt"] = [spt((c, r, s)) for s in range(2) for r in range(tm) for c in range(tn)]
+    result["swizzle"] = [str(sk.inner), str(sp.inner)]
+
+offsets()
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.compile  # traces layouts with the DSL in a child process
+def test_swap_two_role_layouts_share_bytes(tmp_path):
+    """K's K-major (B of S) and MN-major (B of dQ) layouts, Q/dO's K-major (A of S, dP) and MN-major
+    (A of dK^T, dV^T) ones, and P/dS's K-major (A of dQ) and MN-major (B of dK^T, dV^T) ones map every
+    element to the same offset; consumer 1's dQ columns of K^T and its keys of P/dS start on atom
+    panels, and a P/dS buffer is one contiguous half (the P buffer is allocated alone)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)}
+    script = tmp_path / "layouts.py"  # a file: the DSL reads the traced function's source
+    script.write_text(_LAYOUT_CHECK)
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, check=False, cwd=root
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    d, tn, tm = 192, 96, 64
+    assert got["k"] == got["kt"] and got["q"] == got["qt"] and got["p"] == got["pt"]
+    assert sorted(got["k"]) == list(range(tn * d))
+    assert sorted(got["q"]) == list(range(2 * tm * d))
+    assert sorted(got["p"]) == list(range(2 * tm * tn))
+    assert max(got["p"][: tm * tn]) == tm * tn - 1  # buffer 0 is the first half
+    # 64-byte swizzle (32 head-dim columns) on K, Q, dO; 32-byte (16 keys) on P and dS
+    assert got["swizzle"] == ["S<2,4,3>", "S<1,4,3>"]
+    col = [got["kt"][r * d + d // 2] for r in range(tn)]
+    col0 = [got["kt"][r * d] for r in range(tn)]
+    assert {a - b for a, b in zip(col, col0)} == {(d // 2) * tn}
+    key = [got["p"][r * tn + tn // 2] for r in range(tm)]
+    key0 = [got["p"][r * tn] for r in range(tm)]
+    assert {a - b for a, b in zip(key, key0)} == {(tn // 2) * tm}
