@@ -1,10 +1,11 @@
 """sm90 backward at head dim 192 with dK/dV on WGMMA's M axis (templates/bwd_sm90_swapkv.py.j2) on
-this CPU: 96 keys per CTA, 48 per consumer warpgroup. The committed variants (BWD_ALTERNATIVES, bf16)
-and one fp16 twin compile for sm_90a and their SASS shows the design: WGMMA (HGMMA) 64x48 for S, dP
-(K = head_dim) and for dV^T, dK^T (M = head_dim in 64-row atoms, K = the 64 queries, both operands
-transposed in shared memory), 64x96 for dQ (K = the 96 keys), TMA loads, setmaxnreg with the
-consumers within their 240 registers, 8-byte fp32 vector reductions into dq_accum, WGMMAs left
-asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
+this CPU: 96 keys per CTA, 48 per consumer warpgroup. The committed variants (BWD_ALTERNATIVES, bf16,
+per-thread dQ reductions and dq_bulk) and one fp16 twin compile for sm_90a and their SASS shows the
+design: WGMMA (HGMMA) 64x48 for S, dP (K = head_dim) and for dV^T, dK^T (M = head_dim in 64-row
+atoms, K = the 64 queries, both operands transposed in shared memory), 64x96 for dQ (K = the 96
+keys), TMA loads, setmaxnreg with the consumers within their 240 registers, dQ into dq_accum by
+8-byte fp32 vector reductions or (dq_bulk) 16-byte shared stores into the Q/dO stage and one bulk
+reduce-add, WGMMAs left asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
 roles address the same bytes, with each consumer's part on a swizzle-atom edge.
 
 One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
@@ -26,9 +27,11 @@ from cutefa import codegen, space
 from cutefa import sass
 
 COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_swapped(s)]
-# the committed bf16 causal variant and the fp16 non-causal twin (fp16 and bf16 differ only in the
-# operand type)
-CHECKED = [s for s in COMMITTED if s.causal] + [s.replace(dtype="fp16") for s in COMMITTED if not s.causal]
+# the committed bf16 causal variant, the fp16 non-causal twin (fp16 and bf16 differ only in the
+# operand type) and the bf16 non-causal dq_bulk variant
+CHECKED = [s for s in COMMITTED if s.causal and not s.dq_bulk]
+CHECKED += [s.replace(dtype="fp16") for s in COMMITTED if not s.causal and not s.dq_bulk]
+CHECKED += [s for s in COMMITTED if not s.causal and s.dq_bulk]
 
 
 def test_swapped_variants_committed_not_dispatched():
@@ -41,6 +44,8 @@ def test_swapped_variants_committed_not_dispatched():
     assert sorted(s.name for s in COMMITTED) == [
         "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12",
         "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal",
+        "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqbulk",
+        "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_dqbulk",
     ]
     for spec in COMMITTED + CHECKED:
         assert space.why_invalid(spec) is None, spec.name
@@ -51,8 +56,9 @@ def test_swapped_variants_committed_not_dispatched():
 
 
 def test_swapped_validity():
-    """Only head dim 192, 64 query rows per step, a ring that fits beside K, V, P and dS, the default
-    schedule (no overlap, dq_bulk or ping-pong): each refusal names its reason."""
+    """Only head dim 192, 64 query rows per step, a ring that fits beside K, V, P and dS, no overlap
+    schedule; dq_bulk stages dQ in the Q/dO stage (no extra shared memory): each refusal names its
+    reason."""
     base = space.VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12)
     assert space.why_invalid(base) is None
     # K, V 72 KiB, the Q/dO ring 96 KiB, one P and two dS buffers 36 KiB, rows, mbarriers, 1 KiB static
@@ -60,7 +66,8 @@ def test_swapped_validity():
     assert space.sm90_bwd_registers(base) <= space.SM90_CONSUMER_REGS
     assert "shared memory" in space.why_invalid(base.replace(stages=3))
     assert "64 query rows" in space.why_invalid(base.replace(tile_m=128))
-    assert "dq_bulk" in space.why_invalid(base.replace(dq_bulk=True))
+    assert space.why_invalid(base.replace(dq_bulk=True)) is None
+    assert space.sm90_bwd_smem_bytes(base.replace(dq_bulk=True)) == space.sm90_bwd_smem_bytes(base)
     assert "overlap" in space.why_invalid(base.replace(overlap=True))
     assert "tile_n=96" in space.why_invalid(base.replace(head_dim=256))
     assert "tile_n=96" in space.why_invalid(base.replace(head_dim=128))
@@ -98,9 +105,15 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
     regions = sass.setmaxnreg_regions(text)
     assert [budget for budget, _ in regions] == [24, 240], regions
     assert all(used < budget for budget, used in regions), regions
-    # dQ: 64 rows x d/2 columns per consumer, 8-byte reductions, unguarded and guarded paths
     reductions = re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text)
-    assert len(reductions) == 2 * (64 * (d // 2) // 128 // 2), f"{spec.name}: {len(reductions)} REDs"
+    bulk = re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\b", text)
+    if spec.dq_bulk:
+        # the 64 x d/2 fp32 piece: 16-byte shared stores in fragment order, one bulk reduce-add
+        assert not reductions and len(bulk) == 1, f"{spec.name}: {len(reductions)} REDs, {len(bulk)} bulk"
+        assert len(re.findall(r"\bSTS\.128\b", text)) == 64 * (d // 2) // 128 // 4, report.summary()
+    else:
+        # 8-byte reductions, one per two columns of 64 rows x d/2 per thread, unguarded and guarded paths
+        assert len(reductions) == 2 * (64 * (d // 2) // 128 // 2) and not bulk, f"{spec.name}: {len(reductions)} REDs"
     # K, V, Q, dO: one TMA box per 32-column panel of the 64-byte swizzle
     assert report.counts["UTMALDG"] == 4 * d // 32, report.summary()
     # WGMMAs stay asynchronous: S/dP, dV, dQ (twice) waits per query block

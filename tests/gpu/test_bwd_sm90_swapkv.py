@@ -1,8 +1,8 @@
 """The sm90 backward at head dim 192 with dK/dV on WGMMA's M axis (templates/bwd_sm90_swapkv.py.j2:
 96 keys per CTA, 48 per consumer warpgroup, dQ split by head-dim columns) on a Hopper GPU.
 
-The committed variants (BWD_ALTERNATIVES: bf16, causal and not) and their fp16 twins (compiled on
-first use) are called directly with the calling convention of cutefa/backward.py through
+The committed variants (BWD_ALTERNATIVES: bf16, causal and not, per-thread dQ reductions and dq_bulk
+staged in the Q/dO stage) and their fp16 twins (compiled on first use) are called directly with the calling convention of cutefa/backward.py through
 tests/gpu/test_bwd_sm90.py's ``run_kernel`` (dq, dk, dv and every workspace poisoned with NaN, so an
 element the kernel does not write fails; grouped heads summed as backward.py does) and judged
 against float32 autograd of the exact attention with the tolerance of tests/gpu/test_bwd_sm80.py
@@ -11,13 +11,15 @@ seqlens 1, 17, 1000, 4097, seqlen_q != seqlen_k both ways, GQA and MQA, and the 
 edges: a key past consumer 0's 48 (49), one short of and one past a 96-key block (95, 97), a query
 past a 64-row block (65), causal diagonals that cross the consumers' key halves. deterministic=1
 must be bitwise reproducible, also where each CTA walks several key blocks; the gradients must be
-close to the head-dim split's (the dispatch default at head dim 192).
+close to the head-dim split's (the dispatch default at head dim 192); through backward.gradients
+with the variant forced the host allocates the (dq_bulk: tiled) workspace.
 
 Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_sm90_swapkv.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import sys
@@ -80,8 +82,8 @@ def target():
 
 
 def test_swapped_variants():
-    assert sorted((s.dtype, s.causal) for s in SWAPPED) == sorted(
-        (t, c) for t in ("bf16", "fp16") for c in (False, True)
+    assert sorted((s.dtype, s.causal, s.dq_bulk) for s in SWAPPED) == sorted(
+        (t, c, b) for t in ("bf16", "fp16") for c in (False, True) for b in (False, True)
     )
     for spec in SWAPPED:
         assert (spec.head_dim, spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (192, 64, 96, 2, 12)
@@ -141,3 +143,28 @@ def test_swapped_matches_head_split(gen, target, spec):
     for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
         assert torch.isfinite(a).all(), f"{spec.name} {name}"
         assert bwd80.rel(a, b) < 1e-2, f"{spec.name} {name} vs {twin.name}"
+
+
+@pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
+def test_swapped_through_backward(gen, spec):
+    """backward.gradients with the variant forced (the host allocates the workspace), both modes."""
+    from cutefa import backward
+
+    dtype = bwd80.DTYPES[spec.dtype]
+    for batch, sq, sk, hq, hkv in ((1, 17, 1000, 4, 2), (2, 1000, 777, 4, 4)):
+        q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+        k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+        v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
+        dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+        out, lse = bwd90.forward_ref(q, k, v, spec.causal)
+        scale = 1.0 / math.sqrt(spec.head_dim)
+        fn = functools.partial(bwd80.attention, causal=spec.causal, scale=scale)
+        exact = bwd80.grads(fn, q.float(), k.float(), v.float(), dout.float())
+        base = bwd80.grads(fn, q, k, v, dout)
+        for deterministic in (False, True):
+            got = backward.gradients(dout, q, k, v, out, lse, None, spec.causal, scale, deterministic, spec=spec)
+            where = f"{spec.name} b{batch} sq{sq} sk{sk} deterministic={deterministic}"
+            for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
+                assert torch.isfinite(g).all(), f"{where} {name}"
+                err, err_base = bwd80.rel(g, e), bwd80.rel(b, e)
+                assert err <= 3 * err_base + 1e-3, f"{where} {name}: rel err {err:.3g} vs SDPA {err_base:.3g}"

@@ -23,6 +23,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
+from cutefa.kernels.common.reduce import bulk_reduce_add_f32, st_shared_f32x4
+from cutefa.kernels.sm90.bwd_parts import BULK_VEC, bulk_wait
 from cutefa.kernels.sm90.parts import WG_ROWS
 
 
@@ -127,3 +129,52 @@ def store_cols(src: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, col_lim
     for i in cutlass.range_constexpr(cute.size(src)):
         if coords[i][1] < col_limit:
             gdst[i] = src[i]
+
+
+@cute.jit
+def dq_bulk_step_in_stage(
+    mma: cute.TiledMma,
+    t_a: cute.Tensor,
+    t_b: cute.Tensor,
+    acc_shape: cutlass.Constexpr,
+    buf: Int32,
+    handle,
+    s_base: Int32,
+    g_addr,
+    wtid: Int32,
+    wg_barrier: Int32,
+    consumer_barrier: cutlass.Constexpr,
+    consumer_threads: cutlass.Constexpr,
+    deterministic: Int32,
+):
+    """dQ of the dq_bulk path staged in the current Q/dO stage (no buffer of its own fits): acc =
+    dS K (dS buffer ``buf``) behind the warpgroup's dV^T/dK^T WGMMAs; once those are done, a barrier
+    of both consumers (each warpgroup's dV^T and dK^T read all of that stage's Q and dO); once dQ is
+    done, acc goes in fragment order (value 4j + e of thread t at word 4 (128 j + t) + e) to
+    ``s_base`` (this warpgroup's 16-bit tile of the stage: consumer 0 dO's, consumer 1 Q's, each
+    exactly the bytes of its fp32 64 x d/2 piece), a barrier of the warpgroup (``wg_barrier``), and
+    one thread adds the piece into global memory at ``g_addr`` with a bulk reduce-add and waits
+    until it has read its source (deterministic: until it is complete); then the stage is released."""
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+    acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(1)  # this warpgroup's dV^T, dK^T done
+    cute.arch.barrier(barrier_id=consumer_barrier, number_of_threads=consumer_threads)
+    warpgroup.wait_group(0)
+    n = cute.size(acc)
+    s_thread = s_base + wtid * (BULK_VEC * 4)
+    for j in cutlass.range_constexpr(n // BULK_VEC):
+        st_shared_f32x4(
+            s_thread + j * (WG_ROWS * 2 * BULK_VEC * 4),
+            acc[BULK_VEC * j], acc[BULK_VEC * j + 1], acc[BULK_VEC * j + 2], acc[BULK_VEC * j + 3],
+        )  # fmt: skip
+    cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> visible to the bulk copy
+    cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=WG_ROWS * 2)
+    if wtid == 0:
+        bulk_reduce_add_f32(g_addr, s_base, n * WG_ROWS * 2 * 4)
+        cute.arch.cp_async_bulk_commit_group()
+        bulk_wait(deterministic)
+    handle.release()  # warp 0 arrives only after its bulk copy has read the stage
