@@ -495,3 +495,7 @@ class Kernel:
                 key_block = n_block * CONSUMERS + c
                 bwd_swap.store_cols(rdK, tKVc, tdKg[None, None, None, key_block], seqlen_k - key0)
                 bwd_swap.store_cols(rdV, tKVc, tdVg[None, None, None, key_block], seqlen_k - key0)
+
+            # The last bulk copies complete before the CTA (and its shared memory) goes away.
+            if wtid == 0:
+                cute.arch.cp_async_bulk_wait_group(0)
