@@ -207,22 +207,6 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
         ),
     },
 }
-# The causal sm90 forwards committed a second time with the older mask form (branch_mask, name token
-# _bmask: a branch per masked score instead of one select per score). Measured on the H200, the
-# select form makes causal two-consumer tiles faster at short seqlens (cheaper diagonal blocks) but
-# slower at long ones (ptxas schedules the unmasked loop differently); with both forms committed the
-# tuned table picks per seqlen bucket. Per head dim, the (tile, schedule) of the causal variants the
-# tables use; each gives fp16 and bf16 where the base variant is committed (:func:`branch_mask_specs`).
-BRANCH_MASK_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]] = {
-    "sm90": {
-        64: ((Tile(128, 128, 2, 12), {"overlap": True, "pingpong": True}),),
-        128: ((Tile(128, 128, 2, 12), {"overlap": True, "pingpong": True}),),
-        256: (
-            (Tile(128, 64, 2, 12), {"overlap": True, "pingpong": True}),
-            (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True}),
-        ),
-    },
-}
 # Tuning alternatives committed in some dtypes only: (arch, head_dim, tile) -> dtypes.
 TUNING_ALTERNATIVE_DTYPES: dict[tuple[str, int, Tile], tuple[str, ...]] = {
     ("sm90", 256, Tile(128, 80, 2, 12)): ("bf16",),
@@ -272,31 +256,14 @@ def _block_quant_options(arch: str, direction: str, dtype: str) -> tuple[bool, .
     return (False,)
 
 
-def _branch_mask_options(arch: str, direction: str, dtype: str, tile: Tile, causal: bool) -> tuple[bool, ...]:
-    if (arch, direction) == ("sm90", "fwd") and dtype in ("fp16", "bf16") and causal and tile.tile_m == 128:
-        return (False, True)
-    return (False,)
-
-
 def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
     """Every spec of the raw tile product for ``arch``, valid or not, plus the committed e4m3
-    alternatives (:data:`FP8_ALTERNATIVES`: deeper rings than the grid's). The mask form
-    (branch_mask) is enumerated where it has a meaning: sm90 fp16/bf16 causal forwards of two
-    consumer warpgroups."""
+    alternatives (:data:`FP8_ALTERNATIVES`: deeper rings than the grid's)."""
     _require("arch", arch, ARCHS)
     _require("direction", direction, DIRECTIONS)
     grid = [
         VariantSpec(
-            arch,
-            direction,
-            dtype,
-            head_dim,
-            *tile,
-            causal=causal,
-            exp_emu=exp_emu,
-            block_quant=block_quant,
-            branch_mask=branch_mask,
-            **flags,
+            arch, direction, dtype, head_dim, *tile, causal=causal, exp_emu=exp_emu, block_quant=block_quant, **flags
         )
         for dtype in _candidate_dtypes(arch, direction)
         for head_dim in HEAD_DIMS
@@ -305,7 +272,6 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
         for exp_emu in ((0, 25) if arch in ("sm90", "sm100") and direction == "fwd" else (0,))
         for flags in _FLAG_SETS.get((arch, direction), ({},))
         for block_quant in _block_quant_options(arch, direction, dtype)
-        for branch_mask in _branch_mask_options(arch, direction, dtype, tile, causal)
     ]
     if direction == "fwd" and "e4m3" in _candidate_dtypes(arch, direction):
         known = set(grid)
@@ -398,31 +364,6 @@ def _sm90_flags_rule(spec: VariantSpec) -> str | None:
 def _persistent_rule(spec: VariantSpec) -> str | None:
     if spec.persistent and (spec.arch, spec.direction) != ("sm90", "fwd"):
         return f"persistent is an sm90 forward scheduler flag, not a {spec.arch} {spec.direction} one"
-    return None
-
-
-def _branch_mask_rule(spec: VariantSpec) -> str | None:
-    if not spec.branch_mask:
-        return None
-    if (spec.arch, spec.direction) != ("sm90", "fwd"):
-        return (
-            f"branch_mask (the branch-per-score causal mask) is an sm90 forward flag, "
-            f"not a {spec.arch} {spec.direction} one"
-        )
-    if spec.dtype not in ("fp16", "bf16"):
-        return f"branch_mask: the sm90 {spec.dtype} forward always masks with a branch per score"
-    if not spec.causal:
-        return (
-            "branch_mask with causal=False: non-causal two-consumer tiles already mask their one partial key "
-            "block with a branch per score; the flag selects that form for causal tiles"
-        )
-    if spec.tile_m == 192:
-        return (
-            "branch_mask with tile_m=192: three consumer warpgroups (160 registers each) need the per-score "
-            "select mask to stay spill-free"
-        )
-    if spec.tile_m != 128:
-        return f"branch_mask needs two consumer warpgroups (tile_m=128), not tile_m={spec.tile_m}"
     return None
 
 
@@ -623,7 +564,6 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _fp8_rule,
     _sm90_flags_rule,
     _persistent_rule,
-    _branch_mask_rule,
     _cta_pair_rule,
     _block_quant_rule,
     _dq_bulk_rule,
@@ -1276,8 +1216,7 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     BWD_ALTERNATIVE_DTYPES. A direction contributes only once its kernel exists (IMPLEMENTED).
     e4m3 (fp8) gets the default tile and schedule (:data:`DEFAULT_ONLY_DTYPES`) plus its own
     explicit list, :data:`FP8_ALTERNATIVES`, and the block-quantization forwards
-    (:func:`fp8_block_specs`). The causal forwards :data:`BRANCH_MASK_ALTERNATIVES` names come
-    twice: with the default mask form and with branch_mask.
+    (:func:`fp8_block_specs`).
     """
     _require("arch", arch, ARCHS)
     # (direction, head_dim, tile, extras, is the default)
@@ -1307,7 +1246,7 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     fp8_blocks = (
         fp8_block_specs(arch) if "fwd" in directions and "e4m3" in IMPLEMENTED.get((arch, "fwd"), ()) else []
     )
-    committed = (
+    return sorted(
         set(fp8_alternatives)
         | set(fp8_blocks)
         | {
@@ -1328,18 +1267,3 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
             for causal in (False, True)
         }
     )
-    return sorted(committed | {s.replace(branch_mask=True) for s in committed if _branch_mask_base(s)})
-
-
-def _branch_mask_base(spec: VariantSpec) -> bool:
-    """Whether ``spec`` is one of the causal forwards :data:`BRANCH_MASK_ALTERNATIVES` names (fp16/bf16)."""
-    return spec.dtype in ("fp16", "bf16") and any(
-        spec == VariantSpec(spec.arch, "fwd", spec.dtype, spec.head_dim, *tile, causal=True, **extras)
-        for tile, extras in BRANCH_MASK_ALTERNATIVES.get(spec.arch, {}).get(spec.head_dim, ())
-    )
-
-
-def branch_mask_specs(arch: str = "sm90") -> list[VariantSpec]:
-    """The committed branch_mask forwards of ``arch``: the twin of each committed causal variant that
-    :data:`BRANCH_MASK_ALTERNATIVES` names, in the dtypes that variant is committed in."""
-    return [s for s in default_variants(arch, "fwd") if s.branch_mask]

@@ -41,7 +41,6 @@ _FLAG_TOKENS = (
     ("overlap", "ov"),
     ("pingpong", "pp"),
     ("persistent", "persist"),
-    ("branch_mask", "bmask"),
     ("cta_pair", "pair"),
     ("block_quant", "blockq"),
     ("dq_bulk", "dqbulk"),
@@ -73,13 +72,6 @@ class VariantSpec:
     # sm90: a persistent grid (one CTA per SM) walking the tiles longest-first (causal: the last
     # query blocks carry the most work). Name token _persist.
     persistent: bool = False
-    # sm90 forward, causal, two consumer warpgroups (tile_m 128): masked key blocks test each score
-    # with a branch (the older mask form) instead of one select per score from thread 0's
-    # compile-time columns, and the overlap prologue keeps its older softmax step: the kernel is the
-    # one from before the select mask. The select form makes the diagonal blocks cheaper, but ptxas
-    # then orders the unmasked loop differently (slower at long seqlens on the H200); both forms are
-    # variants so the tuned table can pick per seqlen. Name token _bmask.
-    branch_mask: bool = False
     # sm100: a pair of CTAs in a cluster shares each UMMA (tcgen05 cta_group::2): each CTA loads
     # half of the K/V tile. Name token _pair.
     cta_pair: bool = False

@@ -116,7 +116,6 @@ def test_manifest(out):
         "overlap": False,
         "pingpong": False,
         "persistent": False,
-        "branch_mask": False,
         "cta_pair": False,
         "block_quant": False,
         "dq_bulk": False,

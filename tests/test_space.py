@@ -257,9 +257,7 @@ def test_tuning_alternatives_restricted_to_some_dtypes():
     tile = space.Tile(128, 80, 2, 12)
     assert space.TUNING_ALTERNATIVE_DTYPES[("sm90", 256, tile)] == ("bf16",)
     fwd = space.default_variants("sm90", "fwd")
-    found = [
-        s for s in fwd if s.head_dim == 256 and (s.tile_m, s.tile_n, s.stages, s.warps) == tile and not s.branch_mask
-    ]
+    found = [s for s in fwd if s.head_dim == 256 and (s.tile_m, s.tile_n, s.stages, s.warps) == tile]
     assert sorted((s.dtype, s.causal) for s in found) == [("bf16", False), ("bf16", True)]
     assert all(s.overlap and s.pingpong and space.why_invalid(s) is None for s in found)
     hd64 = [s for s in fwd if s.head_dim == 64 and s.tile_n == 192]
@@ -484,58 +482,3 @@ def test_fp8_block_quant_variants():
         (VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, block_quant=True), "not a sm90 bwd"),
     ):
         assert words in space.why_invalid(bad), bad.name
-
-
-def test_branch_mask_variants():
-    """branch_mask (the older branch-per-score mask, _bmask): committed as the twin of the causal sm90
-    forwards BRANCH_MASK_ALTERNATIVES names, in the dtypes their base is committed in; refused
-    wherever the flag has no meaning, each time with its reason."""
-    committed = [s for s in space.default_variants("sm90") if s.branch_mask]
-    assert committed == space.branch_mask_specs("sm90")
-    assert 6 <= len(committed) <= 10  # a short list for one GPU run
-    fwd = set(space.default_variants("sm90", "fwd"))
-    for spec in committed:
-        assert space.why_invalid(spec) is None, spec.name
-        assert spec.causal and spec.tile_m == 128 and spec.dtype in ("fp16", "bf16"), spec.name
-        assert spec.replace(branch_mask=False) in fwd, spec.name  # the select-mask base is committed
-        tile = space.Tile(spec.tile_m, spec.tile_n, spec.stages, spec.warps)
-        flags = {"overlap": spec.overlap, "pingpong": spec.pingpong}
-        assert (tile, flags) in space.BRANCH_MASK_ALTERNATIVES["sm90"][spec.head_dim], spec.name
-    assert {s.head_dim for s in committed} == {64, 128, 256}
-    assert {(s.dtype, s.head_dim, s.tile_n) for s in committed} == {
-        (d, hd, n) for d in ("fp16", "bf16") for hd, n in ((64, 128), (128, 128), (256, 64))
-    } | {("bf16", 256, 80)}  # hd256 128x80 is committed in bf16 only
-    assert not space.branch_mask_specs("sm80") and not space.branch_mask_specs("sm100")
-    # candidates: both mask forms where the flag means something, nowhere else
-    sm90 = space.candidates("sm90")
-    meaningful = [s for s in sm90 if s.causal and s.tile_m == 128 and s.dtype != "e4m3"]
-    assert {s.branch_mask for s in meaningful} == {False, True}
-    assert not any(s.branch_mask for s in sm90 if not s.causal or s.tile_m != 128 or s.dtype == "e4m3")
-    assert not any(s.branch_mask for arch in ("sm80", "sm100") for s in space.candidates(arch))
-    assert not any(s.branch_mask for s in space.candidates("sm90", "bwd"))
-    assert set(committed) <= set(space.valid_variants("sm90"))
-    base = committed[0]
-    for bad, words in (
-        (base.replace(causal=False), "branch_mask with causal=False: non-causal two-consumer tiles already"),
-        (
-            base.replace(head_dim=64, tile_m=192, tile_n=128, warps=16, pingpong=False),
-            "branch_mask with tile_m=192: three consumer warpgroups (160 registers each) need the per-score",
-        ),
-        (base.replace(tile_m=64, warps=8, pingpong=False), "branch_mask needs two consumer warpgroups"),
-        (base.replace(dtype="e4m3"), "branch_mask: the sm90 e4m3 forward always masks with a branch"),
-        (
-            base.replace(direction="bwd", overlap=False, pingpong=False),
-            "branch_mask (the branch-per-score causal mask) is an sm90 forward flag, not a sm90 bwd one",
-        ),
-        (VariantSpec("sm80", "fwd", "bf16", 128, 128, 64, 1, 4, causal=True, branch_mask=True), "not a sm80 fwd"),
-        (
-            VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16, causal=True, exp_emu=25).replace(
-                branch_mask=True
-            ),
-            "not a sm100 fwd one",
-        ),
-    ):
-        assert words in space.why_invalid(bad), bad.name
-    # the three-consumer tile's select-mask twin is valid: the rule is what refuses it
-    three = VariantSpec("sm90", "fwd", "bf16", 64, 192, 128, 2, 16, causal=True, overlap=True)
-    assert space.why_invalid(three) is None

@@ -69,23 +69,6 @@ def test_block_quant_name_token():
         spec.replace(block_quant=1)
 
 
-def test_branch_mask_name_token():
-    spec = VariantSpec("sm90", "fwd", "bf16", 128, 128, 128, 2, 12, causal=True, overlap=True, pingpong=True)
-    branch = spec.replace(branch_mask=True)
-    assert branch.name == "cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_causal_ov_pp_bmask"
-    assert parse_name(branch.name) == branch and parse_name(spec.name) == spec
-    # after the scheduler flags (persistent included), before the exp2 emulation share
-    both = branch.replace(persistent=True, exp_emu=25)
-    assert both.name == "cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_causal_ov_pp_persist_bmask_emu25"
-    assert parse_name(both.name) == both
-    with pytest.raises(ValueError, match="in the order"):
-        parse_name("cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_causal_bmask_ov_pp")
-    with pytest.raises(ValueError, match="once each"):
-        parse_name("cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_causal_ov_pp_bmask_bmask")
-    with pytest.raises(TypeError, match="branch_mask=1 must be a bool"):
-        spec.replace(branch_mask=1)
-
-
 @pytest.mark.parametrize(
     ("name", "words"),
     [
