@@ -205,6 +205,17 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
             (Tile(192, 128, 2, 16), {"overlap": True}),
             (Tile(192, 128, 2, 16), {"overlap": True, "pingpong": True}),
         ),
+        # hd256 128x80 (bf16 only, as the tile: TUNING_ALTERNATIVE_DTYPES) closer to FlashAttention-4's
+        # sm90 forward: overlap without ping-pong (its scheduler barrier is off above head dim 128),
+        # P converted two scores per instruction (pair_cvt), O rescaled under S = Q K^T
+        # (early_rescale; without pair_cvt its causal form makes ptxas serialize every WGMMA, C7520).
+        256: (
+            (Tile(128, 80, 2, 12), {"overlap": True}),
+            (Tile(128, 80, 2, 12), {"overlap": True, "pair_cvt": True}),
+            (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "pair_cvt": True}),
+            (Tile(128, 80, 2, 12), {"overlap": True, "early_rescale": True, "pair_cvt": True}),
+            (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "early_rescale": True, "pair_cvt": True}),
+        ),
     },
 }
 # Tuning alternatives committed in some dtypes only: (arch, head_dim, tile) -> dtypes.
@@ -228,6 +239,11 @@ _SM90_SCHEDULES: tuple[dict[str, bool], ...] = tuple(
     for ov in (False, True)
     for pp in (False, True)
     for persist in (False, True)
+) + tuple(  # the overlap schedule with O rescaled under S = Q K^T and/or P converted in pairs
+    {"overlap": True, "pingpong": pp, "persistent": persist, "early_rescale": early, "pair_cvt": pair}
+    for pp in (False, True)
+    for persist in (False, True)
+    for early, pair in ((True, False), (False, True), (True, True))
 )
 
 
@@ -364,6 +380,39 @@ def _sm90_flags_rule(spec: VariantSpec) -> str | None:
 def _persistent_rule(spec: VariantSpec) -> str | None:
     if spec.persistent and (spec.arch, spec.direction) != ("sm90", "fwd"):
         return f"persistent is an sm90 forward scheduler flag, not a {spec.arch} {spec.direction} one"
+    return None
+
+
+def _early_rescale_rule(spec: VariantSpec) -> str | None:
+    if not spec.early_rescale:
+        return None
+    if (spec.arch, spec.direction) != ("sm90", "fwd"):
+        return (
+            f"early_rescale (O rescaled under S = Q K^T) is an sm90 forward flag, "
+            f"not a {spec.arch} {spec.direction} one"
+        )
+    if spec.dtype not in ("fp16", "bf16"):
+        return f"early_rescale: the sm90 {spec.dtype} forward has no early rescale"
+    if not spec.overlap:
+        return (
+            "early_rescale needs overlap: without it O is rescaled inside the softmax step, before its "
+            "P V is issued, already"
+        )
+    if spec.tile_m != 128:
+        return (
+            f"early_rescale needs two consumer warpgroups (tile_m=128), not tile_m={spec.tile_m}: "
+            "not compiled within the three-consumer 160-register budget"
+        )
+    return None
+
+
+def _pair_cvt_rule(spec: VariantSpec) -> str | None:
+    if not spec.pair_cvt:
+        return None
+    if (spec.arch, spec.direction) != ("sm90", "fwd"):
+        return f"pair_cvt (P converted two scores per instruction) is an sm90 forward flag, not a {spec.arch} {spec.direction} one"
+    if spec.dtype not in ("fp16", "bf16"):
+        return f"pair_cvt: the sm90 {spec.dtype} forward converts P with its own byte permutes"
     return None
 
 
@@ -564,6 +613,8 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _fp8_rule,
     _sm90_flags_rule,
     _persistent_rule,
+    _early_rescale_rule,
+    _pair_cvt_rule,
     _cta_pair_rule,
     _block_quant_rule,
     _dq_bulk_rule,
