@@ -191,8 +191,9 @@ TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
     },
     # Longer key steps amortize each step's fixed costs (row reductions, barriers, pipeline
     # waits): hd64 192 keys (estimate 224 registers) compiles with no spill (sm_90a, DSL 4.8.1);
-    # hd256 80 keys (236; FlashAttention-3's hd256 tile) too in bf16, but it spills one register
-    # in fp16 causal, so it is committed in bf16 only (TUNING_ALTERNATIVE_DTYPES).
+    # hd256 80 keys (236; FlashAttention-3's hd256 tile) too in bf16; it spilled one register in
+    # fp16 causal with the (reverted) conditional O rescale, so it is committed in bf16 only
+    # (TUNING_ALTERNATIVE_DTYPES; fp16 causal ov_pp now compiles with no spill, at R219).
     "sm90": {64: (Tile(128, 192, 2, 12),), 256: (Tile(128, 80, 2, 12),)},
 }
 # Tiles committed with their own schedules (not the default's), per head dim: (tile, flags); each
