@@ -191,8 +191,9 @@ TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
     },
     # Longer key steps amortize each step's fixed costs (row reductions, barriers, pipeline
     # waits): hd64 192 keys (estimate 224 registers) compiles with no spill (sm_90a, DSL 4.8.1);
-    # hd256 80 keys (236; FlashAttention-3's hd256 tile) too in bf16, but it spills one register
-    # in fp16 causal, so it is committed in bf16 only (TUNING_ALTERNATIVE_DTYPES).
+    # hd256 80 keys (236; FlashAttention-3's hd256 tile) too in bf16; it spilled one register in
+    # fp16 causal with the (reverted) conditional O rescale, so it is committed in bf16 only
+    # (TUNING_ALTERNATIVE_DTYPES; fp16 causal ov_pp now compiles with no spill, at R219).
     "sm90": {64: (Tile(128, 192, 2, 12),), 256: (Tile(128, 80, 2, 12),)},
 }
 # Tiles committed with their own schedules (not the default's), per head dim: (tile, flags); each
@@ -204,6 +205,17 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
         64: (
             (Tile(192, 128, 2, 16), {"overlap": True}),
             (Tile(192, 128, 2, 16), {"overlap": True, "pingpong": True}),
+        ),
+        # hd256 128x80 (bf16 only, as the tile: TUNING_ALTERNATIVE_DTYPES) closer to FlashAttention-4's
+        # sm90 forward: overlap without ping-pong (its scheduler barrier is off above head dim 128),
+        # P converted two scores per instruction (pair_cvt), O rescaled under S = Q K^T
+        # (early_rescale; without pair_cvt its causal form makes ptxas serialize every WGMMA, C7520).
+        256: (
+            (Tile(128, 80, 2, 12), {"overlap": True}),
+            (Tile(128, 80, 2, 12), {"overlap": True, "pair_cvt": True}),
+            (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "pair_cvt": True}),
+            (Tile(128, 80, 2, 12), {"overlap": True, "early_rescale": True, "pair_cvt": True}),
+            (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "early_rescale": True, "pair_cvt": True}),
         ),
     },
 }
@@ -228,6 +240,11 @@ _SM90_SCHEDULES: tuple[dict[str, bool], ...] = tuple(
     for ov in (False, True)
     for pp in (False, True)
     for persist in (False, True)
+) + tuple(  # the overlap schedule with O rescaled under S = Q K^T and/or P converted in pairs
+    {"overlap": True, "pingpong": pp, "persistent": persist, "early_rescale": early, "pair_cvt": pair}
+    for pp in (False, True)
+    for persist in (False, True)
+    for early, pair in ((True, False), (False, True), (True, True))
 )
 
 
@@ -364,6 +381,39 @@ def _sm90_flags_rule(spec: VariantSpec) -> str | None:
 def _persistent_rule(spec: VariantSpec) -> str | None:
     if spec.persistent and (spec.arch, spec.direction) != ("sm90", "fwd"):
         return f"persistent is an sm90 forward scheduler flag, not a {spec.arch} {spec.direction} one"
+    return None
+
+
+def _early_rescale_rule(spec: VariantSpec) -> str | None:
+    if not spec.early_rescale:
+        return None
+    if (spec.arch, spec.direction) != ("sm90", "fwd"):
+        return (
+            f"early_rescale (O rescaled under S = Q K^T) is an sm90 forward flag, "
+            f"not a {spec.arch} {spec.direction} one"
+        )
+    if spec.dtype not in ("fp16", "bf16"):
+        return f"early_rescale: the sm90 {spec.dtype} forward has no early rescale"
+    if not spec.overlap:
+        return (
+            "early_rescale needs overlap: without it O is rescaled inside the softmax step, before its "
+            "P V is issued, already"
+        )
+    if spec.tile_m != 128:
+        return (
+            f"early_rescale needs two consumer warpgroups (tile_m=128), not tile_m={spec.tile_m}: "
+            "not compiled within the three-consumer 160-register budget"
+        )
+    return None
+
+
+def _pair_cvt_rule(spec: VariantSpec) -> str | None:
+    if not spec.pair_cvt:
+        return None
+    if (spec.arch, spec.direction) != ("sm90", "fwd"):
+        return f"pair_cvt (P converted two scores per instruction) is an sm90 forward flag, not a {spec.arch} {spec.direction} one"
+    if spec.dtype not in ("fp16", "bf16"):
+        return f"pair_cvt: the sm90 {spec.dtype} forward converts P with its own byte permutes"
     return None
 
 
@@ -564,6 +614,8 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _fp8_rule,
     _sm90_flags_rule,
     _persistent_rule,
+    _early_rescale_rule,
+    _pair_cvt_rule,
     _cta_pair_rule,
     _block_quant_rule,
     _dq_bulk_rule,

@@ -41,6 +41,8 @@ _FLAG_TOKENS = (
     ("overlap", "ov"),
     ("pingpong", "pp"),
     ("persistent", "persist"),
+    ("early_rescale", "erescale"),
+    ("pair_cvt", "pcvt"),
     ("cta_pair", "pair"),
     ("block_quant", "blockq"),
     ("dq_bulk", "dqbulk"),
@@ -72,6 +74,15 @@ class VariantSpec:
     # sm90: a persistent grid (one CTA per SM) walking the tiles longest-first (causal: the last
     # query blocks carry the most work). Name token _persist.
     persistent: bool = False
+    # sm90 forward with the overlap schedule: each key block's O rescale (by the factor of the
+    # previous block's softmax) is issued right after S = Q K^T, while that WGMMA runs and before
+    # O += P V, instead of after the softmax once the previous P V has finished (FlashAttention-3/4's
+    # RescaleOBeforeGemm, which they use at head dims above 128). Name token _erescale.
+    early_rescale: bool = False
+    # sm90 16-bit forward: P is converted from fp32 two scores per instruction (cvt.rn.bf16x2.f32 /
+    # f16x2) instead of through ``tensor.to(dtype)``, which the DSL lowers to one F2FP per score plus
+    # a PRMT per pair for accumulator shapes other than 64x128 (e.g. tile_n 80 or 64). Name token _pcvt.
+    pair_cvt: bool = False
     # sm100: a pair of CTAs in a cluster shares each UMMA (tcgen05 cta_group::2): each CTA loads
     # half of the K/V tile. Name token _pair.
     cta_pair: bool = False

@@ -116,6 +116,8 @@ def test_manifest(out):
         "overlap": False,
         "pingpong": False,
         "persistent": False,
+        "early_rescale": False,
+        "pair_cvt": False,
         "cta_pair": False,
         "block_quant": False,
         "dq_bulk": False,

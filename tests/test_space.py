@@ -258,8 +258,11 @@ def test_tuning_alternatives_restricted_to_some_dtypes():
     assert space.TUNING_ALTERNATIVE_DTYPES[("sm90", 256, tile)] == ("bf16",)
     fwd = space.default_variants("sm90", "fwd")
     found = [s for s in fwd if s.head_dim == 256 and (s.tile_m, s.tile_n, s.stages, s.warps) == tile]
-    assert sorted((s.dtype, s.causal) for s in found) == [("bf16", False), ("bf16", True)]
-    assert all(s.overlap and s.pingpong and space.why_invalid(s) is None for s in found)
+    assert {s.dtype for s in found} == {"bf16"}
+    assert all(space.why_invalid(s) is None for s in found)
+    plain = [s for s in found if s.pingpong and not (s.early_rescale or s.pair_cvt)]
+    assert sorted((s.dtype, s.causal) for s in plain) == [("bf16", False), ("bf16", True)]
+    assert all(s.overlap for s in plain)
     hd64 = [s for s in fwd if s.head_dim == 64 and s.tile_n == 192]
     assert {s.dtype for s in hd64} == {"bf16", "fp16"}
 
@@ -480,5 +483,51 @@ def test_fp8_block_quant_variants():
             "not a sm100 fwd e4m3",
         ),
         (VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, block_quant=True), "not a sm90 bwd"),
+    ):
+        assert words in space.why_invalid(bad), bad.name
+
+
+def test_fa4_hd256_schedule_variants():
+    """The hd256 128x80 variants of FlashAttention-4's sm90 forward configuration (overlap without
+    ping-pong, P converted in pairs, O rescaled under S = Q K^T): committed in bf16, both masks;
+    early_rescale and pair_cvt refused wherever they have no meaning, each with its reason."""
+    fwd = space.default_variants("sm90", "fwd")
+    tile = space.Tile(128, 80, 2, 12)
+    new = [s for s in fwd if s.early_rescale or s.pair_cvt or (s.head_dim == 256 and s.tile_n == 80 and not s.pingpong)]
+    assert {s.name for s in new} == {
+        f"cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12{c}{flags}"
+        for c in ("", "_causal")
+        for flags in ("_ov", "_ov_pcvt", "_ov_pp_pcvt", "_ov_erescale_pcvt", "_ov_pp_erescale_pcvt")
+    }
+    for spec in new:
+        assert space.why_invalid(spec) is None, spec.name
+        flags = {k: v for k, v in (("overlap", spec.overlap), ("pingpong", spec.pingpong),
+                                   ("early_rescale", spec.early_rescale), ("pair_cvt", spec.pair_cvt)) if v}
+        assert (tile, flags) in space.TILE_SCHEDULE_ALTERNATIVES["sm90"][256], spec.name
+    # early_rescale comes with pair_cvt in the committed set (its causal form without pair_cvt has
+    # ptxas serialize the WGMMAs); the flag alone is still valid
+    assert all(s.pair_cvt for s in new if s.early_rescale)
+    base = next(s for s in new if s.early_rescale and s.causal and not s.pingpong)
+    assert space.why_invalid(base.replace(pair_cvt=False)) is None
+    # candidates: early_rescale only with overlap, on sm90 forwards
+    sm90 = space.candidates("sm90")
+    assert {s.early_rescale for s in sm90} == {False, True}
+    assert all(s.overlap for s in sm90 if s.early_rescale)
+    assert not any(s.early_rescale or s.pair_cvt for arch in ("sm80", "sm100") for s in space.candidates(arch))
+    assert not any(s.early_rescale or s.pair_cvt for s in space.candidates("sm90", "bwd"))
+    for bad, words in (
+        (base.replace(overlap=False), "early_rescale needs overlap"),
+        (base.replace(head_dim=64, tile_m=192, tile_n=128, warps=16), "early_rescale needs two consumer warpgroups"),
+        (base.replace(dtype="e4m3", tile_n=64, pair_cvt=False), "early_rescale: the sm90 e4m3 forward"),
+        (base.replace(early_rescale=False, dtype="e4m3", tile_n=64), "pair_cvt: the sm90 e4m3 forward"),
+        (
+            VariantSpec("sm80", "fwd", "bf16", 128, 128, 64, 1, 4, early_rescale=True),
+            "early_rescale (O rescaled under S = Q K^T) is an sm90 forward flag, not a sm80 fwd one",
+        ),
+        (VariantSpec("sm80", "fwd", "bf16", 128, 128, 64, 1, 4, pair_cvt=True), "not a sm80 fwd one"),
+        (
+            VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, pair_cvt=True),
+            "pair_cvt (P converted two scores per instruction) is an sm90 forward flag, not a sm90 bwd one",
+        ),
     ):
         assert words in space.why_invalid(bad), bad.name

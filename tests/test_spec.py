@@ -69,6 +69,23 @@ def test_block_quant_name_token():
         spec.replace(block_quant=1)
 
 
+def test_early_rescale_and_pair_cvt_name_tokens():
+    spec = VariantSpec("sm90", "fwd", "bf16", 256, 128, 80, 2, 12, causal=True, overlap=True)
+    both = spec.replace(early_rescale=True, pair_cvt=True)
+    assert both.name == "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_erescale_pcvt"
+    assert parse_name(both.name) == both and parse_name(spec.name) == spec
+    # after the scheduler flags (persistent included), before the exp2 emulation share
+    full = both.replace(pingpong=True, persistent=True, exp_emu=25)
+    assert full.name == "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_pp_persist_erescale_pcvt_emu25"
+    assert parse_name(full.name) == full
+    with pytest.raises(ValueError, match="in the order"):
+        parse_name("cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_pcvt_erescale")
+    with pytest.raises(TypeError, match="early_rescale=1 must be a bool"):
+        spec.replace(early_rescale=1)
+    with pytest.raises(TypeError, match="pair_cvt=1 must be a bool"):
+        spec.replace(pair_cvt=1)
+
+
 @pytest.mark.parametrize(
     ("name", "words"),
     [
