@@ -800,7 +800,9 @@ SM90_BWD_REG_OVERHEAD = 40  # descriptors, pipeline state, coordinates, LSE/D re
 # WGMMA's M x N; dq_bulk only). Its register model: S^T + dP^T (64 x 80 fp32) beside dK + dV.
 SM90_BWD_DQ_SWAP_TILE_M = 80
 SM90_BWD_DQ_SWAP_HEAD_DIMS = (128,)
-SM90_BWD_DQ_SWAP_REG_OVERHEAD = 28  # calibrated on SASS (sm_90a, DSL 4.8.1): see sm90_bwd_registers
+# Calibrated on SASS (sm_90a, DSL 4.8.1): estimate 128 + 80 + 28 = 236; the consumers use 236
+# (non-causal, R235) and 234 (causal) of their 240 registers, no spill, six WGMMA waits.
+SM90_BWD_DQ_SWAP_REG_OVERHEAD = 28
 # Head dims 192 and 256 (templates/bwd_sm90_hsplit.py.j2): fp32 dK + dV of 64 keys would take d
 # registers per thread, so the two consumer warpgroups share the CTA's 64 keys instead and split the
 # head dim of dK, dV and dQ between them (d/2 columns each); S^T and dP^T (64 keys x 64 queries) are
