@@ -847,6 +847,14 @@ SM90_BWD_WARPS = 12
 SM90_BWD_HEAD_DIMS = (64, 96, 128)
 SM90_BWD_SWAP_REG_OVERHEAD = 40  # as SM90_BWD_REG_OVERHEAD (sm90_bwd_swap_registers: SASS 226 vs 232)
 SM90_BWD_REG_OVERHEAD = 40  # descriptors, pipeline state, coordinates, LSE/D reads, addresses
+# FlashAttention-4's non-causal hd128 tile: 80 query rows per step (tile_m not a multiple of 64, so
+# dQ is computed transposed, dQ^T = K^T dS^T: each consumer 64 head-dim columns x tile_m queries on
+# WGMMA's M x N; dq_bulk only). Its register model: S^T + dP^T (64 x 80 fp32) beside dK + dV.
+SM90_BWD_DQ_SWAP_TILE_M = 80
+SM90_BWD_DQ_SWAP_HEAD_DIMS = (128,)
+# Calibrated on SASS (sm_90a, DSL 4.8.1): estimate 128 + 80 + 28 = 236; the consumers use 236
+# (non-causal, R235) and 234 (causal) of their 240 registers, no spill, six WGMMA waits.
+SM90_BWD_DQ_SWAP_REG_OVERHEAD = 28
 # Head dims 192 and 256 (templates/bwd_sm90_hsplit.py.j2): fp32 dK + dV of 64 keys would take d
 # registers per thread, so the two consumer warpgroups share the CTA's 64 keys instead and split the
 # head dim of dK, dV and dQ between them (d/2 columns each); S^T and dP^T (64 keys x 64 queries) are
@@ -872,6 +880,7 @@ _TILE_GRID["sm90"] = (
     *(Tile(m, 128, s, 12) for m in (64, 128) for s in (2, 3) if (m, s) != (128, 2)),
     *(Tile(64, 64, s, 12) for s in (2, 3)),
     Tile(64, 96, 2, 12),
+    Tile(SM90_BWD_DQ_SWAP_TILE_M, 128, 2, 12),  # hd128 with dQ transposed (sm90_bwd_dq_swapped)
 )
 # Backward schedules: the default, and overlap (a query block's dQ WGMMA stays in flight and its
 # reductions into dq_accum are issued behind the next block's S^T/dP^T WGMMAs); each with dQ added
@@ -905,6 +914,9 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             (Tile(64, 128, 2, 12), {"overlap": True}),
             (Tile(64, 128, 3, 12), {"overlap": True}),
             (Tile(64, 128, 2, 12), {"overlap": True, "dq_bulk": True}),
+            # FlashAttention-4's non-causal hd128 tile: 80 query rows per step, dQ transposed
+            # (sm90_bwd_dq_swapped); docs/perf-notes.md "hd128 backward beside FA4's configuration".
+            (Tile(80, 128, 2, 12), {"dq_bulk": True}),
         ),
         # The head-dim split's overlap: each consumer issues dV and dK over its own 32 queries with
         # P^T, dS^T as register operands before the per-block barrier, the other consumer's 32
@@ -943,12 +955,27 @@ def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | 
         return ((0, 0, half), (0, half, half))
     if spec.tile_m == 128:
         return ((0, 0, spec.head_dim), (1, 0, spec.head_dim))
+    if sm90_bwd_dq_swapped(spec):  # dQ^T: each consumer 64 head-dim columns of all tile_m rows
+        return ((0, 0, 64), (0, 64, 64))
     atom = 64 if spec.head_dim % 64 == 0 else 32
     first = -(-spec.head_dim // 2 // atom) * atom
     second = spec.head_dim - first
     if spec.tile_m != 64 or second <= 0 or first % second:
         return None
     return ((0, 0, first), (0, first, second))
+
+
+def sm90_bwd_dq_swapped(spec: VariantSpec) -> bool:
+    """Whether ``spec`` is the sm90 backward (templates/bwd_sm90.py.j2, tile_n = 128) with a query
+    block that is not a multiple of WGMMA's 64-row M (tile_m = 80, FlashAttention-4's non-causal
+    hd128 tile): dQ is computed transposed, dQ^T = K^T dS^T, consumer c owning head-dim columns
+    [64 c, 64 c + 64) of all tile_m rows (WGMMA M = 64 columns, N = tile_m queries, K = the 128 keys;
+    A = K^T and B = dS^T both MN-major in shared memory, the same bytes as the other tiles' dQ
+    operands). Its dQ piece is the transposed fragment, so it goes out by dq_bulk only."""
+    return (
+        (spec.arch, spec.direction, spec.tile_n) == ("sm90", "bwd", SM90_BWD_TILE_N)
+        and spec.tile_m == SM90_BWD_DQ_SWAP_TILE_M
+    )
 
 
 def sm90_bwd_head_split(spec: VariantSpec) -> bool:
@@ -1027,10 +1054,28 @@ def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
         return _sm90_bwd_split_smem_bytes(spec, sm90_bwd_dq_bulk_bytes(spec))
     if sm90_bwd_swapped(spec):
         return sm90_bwd_swap_smem_bytes(spec)
+    if sm90_bwd_dq_swapped(spec):
+        return sm90_bwd_dq_swap_smem_bytes(spec)
     elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
     elements += 2 * spec.tile_m * spec.tile_n
     staged_dq = sm90_bwd_dq_bulk_bytes(spec)
     return elements * spec.elem_bytes + staged_dq + 4 * 2 * spec.tile_m * 4 + 6 * SMEM_RESERVE
+
+
+def sm90_bwd_dq_swap_smem_bytes(spec: VariantSpec) -> int:
+    """The tile_m = 80 struct (:func:`sm90_bwd_dq_swapped`) counted exactly as the template lays it
+    out: mbarriers and the LSE2/D rows (two buffers each) first, then K, V, the Q and dO ring, two dS
+    buffers and the fp32 dQ staging (tile_m x d), each 1 KiB-aligned, rounded up to 1 KiB, plus the
+    kernel's 1 KiB of static shared memory. hd128 s2: a 2,048-byte head + 229,376 bytes of buffers =
+    231,424, + 1 KiB = 232,448, exactly the opt-in limit (FlashAttention-4's budget for this tile:
+    the same buffers)."""
+    head = (2 + 2 * spec.stages) * 8
+    head = -(-head // 16) * 16 + 2 * spec.tile_m * 4  # sLSE, 16-byte aligned
+    head = -(-head // 16) * 16 + 2 * spec.tile_m * 4  # sD
+    buffers = (2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim) * spec.elem_bytes
+    buffers += 2 * spec.tile_m * spec.tile_n * spec.elem_bytes + sm90_bwd_dq_bulk_bytes(spec)
+    struct = -(-head // SMEM_RESERVE) * SMEM_RESERVE + buffers
+    return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
 
 
 def _sm90_bwd_split_smem_bytes(spec: VariantSpec, staging: int) -> int:
@@ -1092,6 +1137,8 @@ def sm90_bwd_registers(spec: VariantSpec) -> int:
         return sm90_bwd_swap_registers(spec)
     acc_dkv = 2 * 64 * spec.head_dim // 128
     acc_sdp = 2 * 64 * spec.tile_m // 128
+    if sm90_bwd_dq_swapped(spec):
+        return acc_dkv + acc_sdp + SM90_BWD_DQ_SWAP_REG_OVERHEAD
     return acc_dkv + acc_sdp + SM90_BWD_REG_OVERHEAD
 
 
@@ -1144,8 +1191,16 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
         if reason is not None:
             return reason
         return _sm90_bwd_budgets(spec)
+    if sm90_bwd_dq_swapped(spec):
+        reason = _sm90_bwd_dq_swap(spec)
+        if reason is not None:
+            return reason
+        return _sm90_bwd_budgets(spec)
     if spec.tile_m not in (64, 128):
-        return f"tile_m={spec.tile_m} must be 64 or 128 (the two consumers split dQ into 64-row blocks)"
+        return (
+            f"tile_m={spec.tile_m} must be 64 or 128 (the two consumers split dQ into 64-row blocks), "
+            f"or {SM90_BWD_DQ_SWAP_TILE_M} with head_dim in {SM90_BWD_DQ_SWAP_HEAD_DIMS} and dq_bulk (dQ transposed)"
+        )
     if spec.head_dim not in SM90_BWD_HEAD_DIMS:
         return (
             f"head_dim={spec.head_dim}: the sm90 backward with tile_n={SM90_BWD_TILE_N} handles "
@@ -1170,6 +1225,27 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
                 f"in width ({pieces[0][2]} and {pieces[1][2]} columns) and overlap carries one accumulator shape"
             )
     return _sm90_bwd_budgets(spec)
+
+
+def _sm90_bwd_dq_swap(spec: VariantSpec) -> str | None:
+    """tile_m = 80 (:func:`sm90_bwd_dq_swapped`): head dim 128, dq_bulk, 2 stages, no overlap."""
+    if spec.head_dim not in SM90_BWD_DQ_SWAP_HEAD_DIMS:
+        return (
+            f"tile_m={spec.tile_m} with head_dim={spec.head_dim}: the transposed-dQ sm90 backward handles "
+            f"head_dim in {SM90_BWD_DQ_SWAP_HEAD_DIMS} (each consumer 64 of the head dim's columns)"
+        )
+    if not spec.dq_bulk:
+        return (
+            f"tile_m={spec.tile_m} without dq_bulk: the transposed dQ piece (head-dim columns x queries) "
+            "goes out by the bulk reduce-add only (the per-thread reductions take 64-row pieces)"
+        )
+    if spec.stages != 2:
+        return f"stages={spec.stages}: tile_m={spec.tile_m} fits the shared memory with a 2-stage Q/dO ring only"
+    if spec.pingpong:
+        return "pingpong: the sm90 backward has no ping-pong schedule (its consumers meet at a barrier per query block)"
+    if spec.overlap:
+        return f"overlap: tile_m={spec.tile_m} has the default schedule only (its registers are full)"
+    return None
 
 
 def _sm90_bwd_budgets(spec: VariantSpec) -> str | None:

@@ -28,8 +28,11 @@ from cutefa import sass, space
 # The head-dim split (head dims 192/256, tile_n=64) and the swapped-dK/dV partition (head dim 192,
 # tile_n=96) have their own templates and checks: tests/test_compile_sm90_bwd_hsplit.py and
 # tests/test_compile_sm90_bwd_swapkv.py.
+# The tile_m=80 tile (dQ transposed): tests/test_compile_sm90_bwd_dqswap.py.
 COMMITTED = [
-    s for s in space.default_variants("sm90", "bwd") if not (space.sm90_bwd_head_split(s) or space.sm90_bwd_swapped(s))
+    s
+    for s in space.default_variants("sm90", "bwd")
+    if not (space.sm90_bwd_head_split(s) or space.sm90_bwd_swapped(s) or space.sm90_bwd_dq_swapped(s))
 ]
 
 
@@ -154,7 +157,7 @@ print(json.dumps(result))
 
 
 @pytest.mark.compile  # traces layouts with the DSL in a child process (~10 s each)
-@pytest.mark.parametrize(("tile_m", "head_dim"), [(128, 64), (64, 96), (64, 128)])
+@pytest.mark.parametrize(("tile_m", "head_dim"), [(128, 64), (64, 96), (64, 128), (80, 128)])
 def test_two_role_layouts_share_bytes(tmp_path, tile_m, head_dim):
     """K's K-major (A of S^T) and MN-major (B of dQ) layouts map every element to the same offset,
     as do Q/dO's K-major (B of S^T, dP^T) and MN-major (B of dK, dV) ones; dS's two buffers are

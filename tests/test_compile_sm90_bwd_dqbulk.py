@@ -32,7 +32,12 @@ from cutefa import sass, space
 from cutefa.spec import VariantSpec
 
 # (the swapped-dK/dV partition at head dim 192 has its own checks: test_compile_sm90_bwd_swapkv.py)
-BULK = [s for s in space.default_variants("sm90", "bwd") if s.dq_bulk and not space.sm90_bwd_swapped(s)]
+# (the tile_m=80 tile, dQ transposed: test_compile_sm90_bwd_dqswap.py)
+BULK = [
+    s
+    for s in space.default_variants("sm90", "bwd")
+    if s.dq_bulk and not (space.sm90_bwd_swapped(s) or space.sm90_bwd_dq_swapped(s))
+]
 # hd128 64x128 (a column split of dQ) non-causal, hd64 128x128 (a row split) causal; and the overlap
 # schedule's bulk path (its dQ staging runs while dK's WGMMA does) at hd128; the head-dim split at
 # hd192, plain non-causal and causal with the overlap schedule; hd256 (staged in the Q/dO stage)

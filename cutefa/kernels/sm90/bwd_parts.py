@@ -555,6 +555,98 @@ def bulk_postprocess_piece(
             sdQ[row_block * WG_ROWS + row, col0 + col] = dtype(acc[e, j] * scale)
 
 
+# --- Transposed dQ (tile_m = 80, FlashAttention-4's non-causal hd128 tile; space.sm90_bwd_dq_swapped) ---
+# tile_m is not a multiple of WGMMA's 64-row M, so each consumer computes dQ^T = K^T dS^T for 64
+# head-dim columns of all tile_m queries (M = 64 columns, N = tile_m, K = the CTA's keys). A = K^T
+# is sKt (the bytes of K, MN-major), B = dS^T is sdS (queries contiguous: MN-major for N = queries);
+# :func:`dq_tiled_mma` (tile_m) is the MMA. The piece is staged and bulk-added as the others
+# (:func:`stage_and_reduce`), in its own (transposed) fragment order.
+
+
+def dq_transposed_operands(mma, wtid, sKt: cute.Tensor, sdS: cute.Tensor, col0: int, cols: int):
+    """WGMMA operands of one transposed dQ piece (head-dim columns [col0, col0 + cols) x all of
+    sdS's tile_m queries): (A fragment of K^T, B fragments by dS buffer, accumulator shape), for
+    :func:`dq_transposed_bulk_step`."""
+    tile_n = cute.size(sKt, mode=[1])
+    tile_m = cute.size(sdS, mode=[0])
+    thr = mma.get_slice(wtid)
+    t_a = thr.make_fragment_A(thr.partition_A(cute.local_tile(sKt, (cols, tile_n), (col0 // cols, 0))))
+    t_b = thr.make_fragment_B(thr.partition_B(sdS))
+    return t_a, t_b, thr.partition_shape_C((cols, tile_m))
+
+
+@cute.jit
+def dq_transposed_bulk_step(
+    mma: cute.TiledMma,
+    t_a: cute.Tensor,
+    t_b: cute.Tensor,
+    acc_shape: cutlass.Constexpr,
+    buf: Int32,
+    handle,
+    s_base: Int32,
+    g_addr,
+    wtid: Int32,
+    barrier_id: cutlass.Constexpr,
+):
+    """:func:`dq_bulk_step` with the transposed piece: acc = K^T dS^T (dS buffer ``buf``) behind
+    the dV/dK WGMMAs, the Q/dO stage released once those are done, then acc staged and bulk-added."""
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+    acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        cute.gemm(mma, acc, t_a[None, None, k], t_b[None, None, k, buf], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(1)
+    handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
+    warpgroup.wait_group(0)
+    stage_and_reduce(acc, s_base, g_addr, wtid, barrier_id)
+
+
+def bulk_dq_transposed_coords(mma, thread, cols: int, tile_m: int) -> cute.Tensor:
+    """Tile-local (head-dim column, query row) of each accumulator value of ``thread`` in a
+    transposed ``cols`` x ``tile_m`` dQ piece, in the fragment order :func:`stage_and_reduce` writes."""
+    return mma.get_slice(thread).partition_C(cute.make_identity_tensor((cols, tile_m)))
+
+
+@cute.jit
+def bulk_postprocess_transposed_piece(
+    mma: cute.TiledMma,
+    mdQaccum: cute.Tensor,
+    sdQ: cute.Tensor,
+    scale: Float32,
+    batch: Int32,
+    head: Int32,
+    m_block: Int32,
+    thread: Int32,
+    col0: cutlass.Constexpr,
+    cols: cutlass.Constexpr,
+    tile_m: cutlass.Constexpr,
+    offset: cutlass.Constexpr,
+    dtype: cutlass.Constexpr,
+):
+    """:func:`bulk_postprocess_piece` for a transposed piece (:func:`bulk_dq_transposed_coords`):
+    the same coalesced 16-byte reads and split sums in order, each value to ``sdQ[query, col0 + column]``."""
+    coords = bulk_dq_transposed_coords(mma, thread, cols, tile_m)
+    vecs = cols * tile_m // (WG_ROWS * 2) // BULK_VEC
+    acc = cute.make_rmem_tensor((BULK_VEC, vecs), Float32)
+    part = cute.make_rmem_tensor((BULK_VEC,), Float32)
+    splits = cute.size(mdQaccum, mode=[0])
+    for s in cutlass.range(splits, unroll=1):
+        vectors = cute.logical_divide(mdQaccum[s, batch, head, m_block, None], cute.make_layout(BULK_VEC))
+        for j in cutlass.range_constexpr(vecs):
+            src = vectors[None, offset // BULK_VEC + j * WG_ROWS * 2 + thread]
+            if s == 0:
+                cute.autovec_copy(src, acc[None, j])
+            else:
+                cute.autovec_copy(src, part)
+                for e in cutlass.range_constexpr(BULK_VEC):
+                    acc[e, j] = acc[e, j] + part[e]
+    for j in cutlass.range_constexpr(vecs):
+        for e in cutlass.range_constexpr(BULK_VEC):
+            col, row = coords[BULK_VEC * j + e]
+            sdQ[row, col0 + col] = dtype(acc[e, j] * scale)
+
+
 POST_ROW_PAD = 8  # 16-bit elements after each row of the postprocess's dQ tile: 16 bytes, so that
 # the fragment-order stores of a warp (8 rows x 4 column pairs) fall in 32 different banks
 
