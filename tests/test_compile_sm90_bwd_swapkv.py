@@ -5,7 +5,7 @@ design: WGMMA (HGMMA) 64x48 for S, dP (K = head_dim) and for dV^T, dK^T (M = hea
 atoms, K = the 64 queries, both operands transposed in shared memory), 64x96 for dQ (K = the 96
 keys), TMA loads, setmaxnreg with the consumers within their 240 registers, dQ into dq_accum by
 8-byte fp32 vector reductions or (dq_bulk) 16-byte shared stores into the Q/dO stage and one bulk
-reduce-add, WGMMAs left asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
+reduce-add whose read of the stage is waited for one query block later, under S and dP, WGMMAs left asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
 roles address the same bytes, with each consumer's part on a swizzle-atom edge.
 
 One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
@@ -111,6 +111,14 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
         # the 64 x d/2 fp32 piece: 16-byte shared stores in fragment order, one bulk reduce-add
         assert not reductions and len(bulk) == 1, f"{spec.name}: {len(reductions)} REDs, {len(bulk)} bulk"
         assert len(re.findall(r"\bSTS\.128\b", text)) == 64 * (d // 2) // 128 // 4, report.summary()
+        # the stage of the previous query block goes back once its bulk copy has read it, waited for
+        # after the next block's S and dP WGMMAs are issued and before S is waited on (not ahead of
+        # them), and once more after the query loop
+        loop = text[text.index("HGMMA.") :]
+        first_wait = loop.index("WARPGROUP.DEPBAR")
+        assert re.search(r"DEPBAR\.LE SB0, 0x0", loop[:first_wait]), f"{spec.name}: no bulk wait under S/dP"
+        assert re.search(r"SYNCS\.ARRIVE\.TRANS64\S*\s+RZ, \[R\d+\+URZ\+0x\w+\]", loop[:first_wait]), spec.name
+        assert len(re.findall(r"\bDEPBAR\.LE SB0, 0x0", loop)) >= 4, f"{spec.name}: read and full waits, in and after the loop"
     else:
         # 8-byte reductions, one per two columns of 64 rows x d/2 per thread, unguarded and guarded paths
         assert len(reductions) == 2 * (64 * (d // 2) // 128 // 2) and not bulk, f"{spec.name}: {len(reductions)} REDs"

@@ -51,9 +51,10 @@ dV^T and dK^T read all of Q and dO, so once its own are done each consumer meets
 barrier; once dQ is done it writes the piece in the WGMMA fragment's order (value 4j + e of thread t
 at word 4 (128 j + t) + e: 16-byte stores, contiguous), fences the writes to the async proxy and
 meets its 128 threads at a named barrier; one thread adds the whole piece into dq_accum with one
-cp.reduce.async.bulk ... .add.f32, commits it and waits until it has read the stage
-(deterministic=1: until it is complete), and only then does its warp release the stage to the
-producer. dq_accum is tiled to match: one chunk of 64 x head_dim fp32 per query block (consumer
+cp.reduce.async.bulk ... .add.f32 and commits it. The stage goes back to the producer one query
+block later: once the next block's S and dP WGMMAs are issued, that thread waits until the copy
+has read the stage (deterministic=1: until it is complete), and only then does its warp release
+it (the key block's last stage: after the loop), so the wait runs beside S and dP, not before them. dq_accum is tiled to match: one chunk of 64 x head_dim fp32 per query block (consumer
 0's piece, then consumer 1's), rows padded to whole blocks (never read back). The postprocess reads
 each chunk coalesced, maps every value to its (row, column) through the same tiled-MMA partition
 (bwd_parts.bulk_dq_coords), stages the converted tile in shared memory and writes dQ rows with
@@ -313,10 +314,11 @@ class Kernel:
             barrier_storage=storage.kv_bar.data_ptr(), num_stages=1, producer_group=producer,
             consumer_group=consumer, tx_count=2 * TILE_N * HEAD_DIM * DTYPE.width // 8, defer_sync=True,
         ).make_participants()  # fmt: skip
-        qdo_producer, qdo_consumer = pipeline.PipelineTmaAsync.create(
+        qdo_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.qdo_bar.data_ptr(), num_stages=STAGES, producer_group=producer,
             consumer_group=consumer, tx_count=2 * TILE_M * HEAD_DIM * DTYPE.width // 8, defer_sync=True,
-        ).make_participants()  # fmt: skip
+        )  # fmt: skip
+        qdo_producer, qdo_consumer = qdo_pipe.make_participants()
         pipeline.pipeline_init_arrive(is_relaxed=True)
         pipeline.pipeline_init_wait()
 
@@ -381,6 +383,8 @@ class Kernel:
             # its dQ piece in (consumer 0: dO's, consumer 1: Q's; 32-bit shared addresses of stage 0).
             gdQchunks = mdQaccum[bx * deterministic, batch, head, None, None]
             s_stage0 = sdO.iterator.toint() + c * (sQ.iterator.toint() - sdO.iterator.toint())
+            # The stage of the previous query block: its bulk dQ copy may still be reading it.
+            prev_stage = Int32(0)
 
             acc_S = cute.make_rmem_tensor(sdp_thr.partition_shape_C((TILE_M, KEYS_WG)), Float32)
             acc_dP = cute.make_rmem_tensor(sdp_thr.partition_shape_C((TILE_M, KEYS_WG)), Float32)
@@ -445,6 +449,10 @@ class Kernel:
                     warpgroup.commit_group()
                     parts.gemm_ss_zero(sdp_mma, acc_dP, tSrdO[None, None, None, handle.index], tSrV)
                     warpgroup.commit_group()
+                    # The previous block's stage goes back once its bulk dQ copy has read it: waited
+                    # for here, while S and dP run, not ahead of them.
+                    if i > 0:
+                        bwd_swap.release_stage_after_bulk(qdo_pipe, STAGES, prev_stage, wtid, deterministic)
                     warpgroup.wait_group(1)
 
                     # P; keys past seqlen_k or after a query's diagonal get 0.
@@ -481,13 +489,16 @@ class Kernel:
 
                     # This consumer's dQ columns = dS K_c over all TILE_N keys, staged in the Q/dO
                     # stage once both consumers' dV and dK are done, into its piece of the query
-                    # block's chunk by one bulk reduce-add; then the stage goes back.
+                    # block's chunk by one bulk reduce-add; the stage goes back in the next block.
                     g_chunk = gdQchunks.iterator + cute.crd2idx((m_block, 0), gdQchunks.layout)
                     bwd_swap.dq_bulk_step_in_stage(
-                        dq_mma, tQrdS, tQrKt, acc_dq_shape, buf, handle, s_stage0 + handle.index * STAGE_BYTES,
+                        dq_mma, tQrdS, tQrKt, acc_dq_shape, buf, s_stage0 + handle.index * STAGE_BYTES,
                         (g_chunk + c * DQ_OFFSETS[1]).toint(), wtid, WG_BARRIER + c, CONSUMER_BARRIER, CONSUMER_THREADS,
-                        deterministic,
                     )  # fmt: skip
+                    prev_stage = handle.index
+                # The key block's last stage goes back once its bulk dQ copy has read it.
+                if m_count > 0:
+                    bwd_swap.release_stage_after_bulk(qdo_pipe, STAGES, prev_stage, wtid, deterministic)
                 kv_handle.release()
 
                 # dK (times the softmax scale) and dV of this warpgroup's keys -> global.
