@@ -5,7 +5,8 @@ design: WGMMA (HGMMA) 64x48 for S, dP (K = head_dim) and for dV^T, dK^T (M = hea
 atoms, K = the 64 queries, both operands transposed in shared memory), 64x96 for dQ (K = the 96
 keys), TMA loads, setmaxnreg with the consumers within their 240 registers, dQ into dq_accum by
 8-byte fp32 vector reductions or (dq_bulk) 16-byte shared stores into the Q/dO stage and one bulk
-reduce-add whose read of the stage is waited for one query block later, under S and dP, WGMMAs left asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
+reduce-add whose read of the stage is waited for one query block later, under S and dP (dq_bulk:
+dK/dV out through K's and V's shared memory with transposed stmatrix and TMA stores), WGMMAs left asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
 roles address the same bytes, with each consumer's part on a swizzle-atom edge.
 
 One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
@@ -128,7 +129,17 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
     waits = re.findall(r"WARPGROUP\.DEPBAR", text)
     assert len(waits) <= 4, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
     # P and dS stored with stmatrix: 64 x 48 each per warpgroup, 16 x 16 per warp instruction
-    assert report.counts["STSM"] == 2 * keys // 16, report.summary()
+    stsm = 2 * keys // 16
+    if spec.dq_bulk:
+        # dK^T and dV^T (d x 48 per warpgroup) with transposed stmatrix into K's and V's bytes, 16 x 16
+        # per warp instruction; then one TMA store per 32-column panel of each; no 2-byte stores
+        stsm += 2 * (d // 64) * (keys // 16)
+        assert len(re.findall(r"\bSTSM\.16\.MT88\.4\b", text)) == 2 * (d // 64) * (keys // 16), report.summary()
+        assert len(re.findall(r"\bUTMASTG\b", text)) == 2 * d // 32, report.summary()
+        assert not re.findall(r"\bSTG\.E\.U16\b", text), f"{spec.name}: 2-byte global stores left"
+    else:
+        assert not re.findall(r"\bUTMASTG\b", text)
+    assert report.counts["STSM"] == stsm, report.summary()
 
 
 _LAYOUT_CHECK = """
@@ -184,3 +195,44 @@ def test_swap_two_role_layouts_share_bytes(tmp_path):
     key = [got["p"][r * tn + tn // 2] for r in range(tm)]
     key0 = [got["p"][r * tn] for r in range(tm)]
     assert {a - b for a, b in zip(key, key0)} == {(tn // 2) * tm}
+
+
+_DKV_STORE_CHECK = """
+import cutlass, cutlass.cute as cute
+from cutefa.kernels.sm90 import bwd_swap
+
+pairs = []
+
+@cute.jit
+def check():
+    mma = bwd_swap.swap_dkv_tiled_mma(cutlass.BFloat16, 48)
+    r2s = cute.make_tiled_copy_C(bwd_swap.dkv_store_atom(cutlass.BFloat16), mma)
+    ident = cute.make_identity_tensor((192, 48))
+    for t in cutlass.range_constexpr(128):
+        held = r2s.get_slice(t).retile(mma.get_slice(t).partition_C(ident))
+        wanted = r2s.get_slice(t).partition_S(ident)
+        for i in cutlass.range_constexpr(cute.size(wanted)):
+            pairs.append((held[i][0], held[i][1], wanted[i][0], wanted[i][1]))
+
+check()
+bad = sum(1 for p in pairs if p[:2] != p[2:])
+print(len(pairs), bad, len({p[2:] for p in pairs}))
+"""
+
+
+@pytest.mark.compile  # traces layouts with the DSL in a child process
+def test_swap_dkv_store_fragment_order(tmp_path):
+    """dq_bulk's dK/dV epilogue: the transposed stmatrix copy built on the dK^T/dV^T tiled MMA takes
+    every (head-dim row, key) of a warpgroup's 192 x 48 accumulator exactly once, each register
+    holding the coordinate the copy expects there."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)}
+    script = tmp_path / "dkv_store.py"
+    script.write_text(_DKV_STORE_CHECK)
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, check=False, cwd=root
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    total, bad, distinct = map(int, proc.stdout.strip().splitlines()[-1].split())
+    assert (total, bad, distinct) == (192 * 48, 0, 192 * 48)
+

@@ -117,6 +117,13 @@ def compute_ds(p_mn: cute.Tensor, dp_mn: cute.Tensor, c_mn: cute.Tensor, sD: cut
             dp_mn[r, j] = p_mn[r, j] * (dp_mn[r, j] - d)
 
 
+def dkv_store_atom(dtype):
+    """Register -> shared memory copy of 16-bit dK^T/dV^T fragments (head_dim x keys, M = head_dim)
+    into K's/V's bytes, keys x head_dim with the head dim contiguous: ``stmatrix`` with transpose
+    (four 8x8 matrices per instruction; each stored 16-byte row is 8 head-dim columns of one key)."""
+    return cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), dtype)
+
+
 def transposed_rows(t: cute.Tensor) -> cute.Tensor:
     """A (cols, rows) view of a 2-mode (rows, cols) tensor (any memory, dynamic strides)."""
     return cute.make_tensor(
