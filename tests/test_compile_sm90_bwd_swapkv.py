@@ -29,10 +29,10 @@ from cutefa import sass
 
 COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_swapped(s)]
 # the committed bf16 causal variant, the fp16 non-causal twin (fp16 and bf16 differ only in the
-# operand type) and the bf16 non-causal dq_bulk variant
+# operand type) and the bf16 dq_bulk variants
 CHECKED = [s for s in COMMITTED if s.causal and not s.dq_bulk]
 CHECKED += [s.replace(dtype="fp16") for s in COMMITTED if not s.causal and not s.dq_bulk]
-CHECKED += [s for s in COMMITTED if not s.causal and s.dq_bulk]
+CHECKED += [s for s in COMMITTED if s.dq_bulk]  # non-causal and causal (its own launch order)
 
 
 def test_swapped_variants_committed_not_dispatched():
@@ -236,3 +236,62 @@ def test_swap_dkv_store_fragment_order(tmp_path):
     total, bad, distinct = map(int, proc.stdout.strip().splitlines()[-1].split())
     assert (total, bad, distinct) == (192 * 48, 0, 192 * 48)
 
+
+
+_HEAVY_FIRST_CHECK = """
+import cutlass, cutlass.cute as cute
+from cutlass import Int32
+from cutefa.kernels.sm90 import bwd_swap
+
+cases = []
+
+
+def _int(v):
+    # a folded constant: repr is Int32(k); anything else (not folded) fails here
+    return int(repr(v).removeprefix("Int32(").removesuffix(")"))
+
+
+@cute.jit
+def check(n_blocks: cutlass.Constexpr, heads: cutlass.Constexpr, batches: cutlass.Constexpr, wave: cutlass.Constexpr):
+    got = []
+    for b in cutlass.range_constexpr(batches):
+        for h in cutlass.range_constexpr(heads):
+            for x in cutlass.range_constexpr(n_blocks):
+                n, hh, bb = bwd_swap.heavy_first(Int32(x), Int32(h), Int32(b), Int32(n_blocks), Int32(heads), Int32(batches), wave)
+                got.append((_int(n), _int(hh), _int(bb)))
+    cases.append(((n_blocks, heads, batches, wave), got))
+
+for shape in ((5, 3, 2, 11), (22, 4, 2, 132), (21, 5, 2, 132), (3, 6, 2, 132), (43, 1, 1, 132), (200, 3, 1, 132)):
+    check(*shape)
+print(repr(cases))
+"""
+
+
+@pytest.mark.compile  # traces the DSL function in a child process (constants fold)
+def test_swap_causal_heavy_first_order(tmp_path):
+    """The causal dq_bulk launch order maps the grid's (bx, head, batch), in launch order (bx
+    fastest), onto every (key block, head, batch) exactly once; within each chunk of
+    max(wave // n_blocks, 1) (batch, head) pairs the key blocks never go down (longest CTAs first)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)}
+    script = tmp_path / "heavy_first.py"
+    script.write_text(_HEAVY_FIRST_CHECK)
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, check=False, cwd=root
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    cases = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert len(cases) == 6
+    for (n_blocks, heads, batches, wave), got in cases:
+        # every (key block, head, batch) exactly once
+        assert sorted(got) == [(n, h, b) for n in range(n_blocks) for h in range(heads) for b in range(batches)], (
+            n_blocks, heads, batches,
+        )  # fmt: skip
+        g = max(wave // n_blocks, 1)
+        chunk = g * n_blocks
+        for start in range(0, len(got), chunk):
+            blocks = [n for n, _, _ in got[start : start + chunk]]
+            assert blocks == sorted(blocks), (n_blocks, heads, batches, start)
+            assert blocks[0] == 0 and blocks[-1] == n_blocks - 1

@@ -57,11 +57,17 @@ meets its 128 threads at a named barrier; one thread adds the whole piece into d
 cp.reduce.async.bulk ... .add.f32 and commits it. The stage goes back to the producer one query
 block later: once the next block's S and dP WGMMAs are issued, that thread waits until the copy
 has read the stage (deterministic=1: until it is complete), and only then does its warp release
-it (the key block's last stage: after the loop), so the wait runs beside S and dP, not before them. dq_accum is tiled to match: one chunk of 64 x head_dim fp32 per query block (consumer
-0's piece, then consumer 1's), rows padded to whole blocks (never read back). The postprocess reads
+it (the key block's last stage: after the loop), so the wait runs beside S and dP, not before them.
+dq_accum is tiled to match: one chunk of 64 x head_dim fp32 per query block (consumer 0's
+piece, then consumer 1's), rows padded to whole blocks (never read back). The postprocess reads
 each chunk coalesced, maps every value to its (row, column) through the same tiled-MMA partition
 (bwd_parts.bulk_dq_coords), stages the converted tile in shared memory and writes dQ rows with
 16-byte coalesced stores. The preprocess zeroes dq_accum: its grid covers whole query blocks.
+
+Launch order (deterministic=0): CTA (x, y, z) of the grid takes the key block, head and batch of
+bwd_swap.heavy_first: chunks of about one wave of (batch, head) pairs, within a chunk every pair's
+key block 0 first (the one that walks the most query blocks), then block 1, ...; the grid ends on
+short CTAs.
 
 deterministic=1: CTA x of the grid (x < splits) walks the key blocks x, x + splits, ... and owns
 dq_accum split x alone; every dq_accum element is added by one thread in a fixed order, and the
@@ -98,6 +104,7 @@ CONSUMER_REGS = 240
 DQ_PIECES = ((0, 0, 96), (0, 96, 96))
 DQ_OFFSETS = bwd_parts.bulk_piece_offsets(DQ_PIECES)
 STAGE_BYTES = TILE_M * HEAD_DIM * DTYPE.width // 8  # one Q or dO tile: one consumer's fp32 dQ piece
+WAVE_CTAS = 132  # CTAs per wave on an H100/H200 SXM (one per SM): the causal launch order's chunk (a hint only)
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
 WG_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
 # Preprocess and postprocess: one warp per query row, ROW_WARPS warps per CTA, ROWS_PER_WARP rows each.
@@ -299,7 +306,11 @@ class Kernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
-        grid_x, _, _ = cute.arch.grid_dim()
+        grid_x, n_heads, n_batch = cute.arch.grid_dim()
+        if deterministic == 0:
+            # one key block per CTA: the longest CTAs (first key blocks) of a wave of (batch, head)
+            # pairs launch first, the grid ends on short ones
+            bx, head, batch = bwd_swap.heavy_first(bx, head, batch, grid_x, n_heads, n_batch, WAVE_CTAS)
         head_kv = head // group
         wg = cute.arch.make_warp_uniform(tidx // parts.WG_THREADS)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())

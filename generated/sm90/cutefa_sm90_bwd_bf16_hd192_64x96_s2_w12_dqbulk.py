@@ -56,8 +56,9 @@ meets its 128 threads at a named barrier; one thread adds the whole piece into d
 cp.reduce.async.bulk ... .add.f32 and commits it. The stage goes back to the producer one query
 block later: once the next block's S and dP WGMMAs are issued, that thread waits until the copy
 has read the stage (deterministic=1: until it is complete), and only then does its warp release
-it (the key block's last stage: after the loop), so the wait runs beside S and dP, not before them. dq_accum is tiled to match: one chunk of 64 x head_dim fp32 per query block (consumer
-0's piece, then consumer 1's), rows padded to whole blocks (never read back). The postprocess reads
+it (the key block's last stage: after the loop), so the wait runs beside S and dP, not before them.
+dq_accum is tiled to match: one chunk of 64 x head_dim fp32 per query block (consumer 0's
+piece, then consumer 1's), rows padded to whole blocks (never read back). The postprocess reads
 each chunk coalesced, maps every value to its (row, column) through the same tiled-MMA partition
 (bwd_parts.bulk_dq_coords), stages the converted tile in shared memory and writes dQ rows with
 16-byte coalesced stores. The preprocess zeroes dq_accum: its grid covers whole query blocks.
