@@ -6,7 +6,8 @@ atoms, K = the 64 queries, both operands transposed in shared memory), 64x96 for
 keys), TMA loads, setmaxnreg with the consumers within their 240 registers, dQ into dq_accum by
 8-byte fp32 vector reductions or (dq_bulk) 16-byte shared stores into the Q/dO stage and one bulk
 reduce-add whose read of the stage is waited for one query block later, under S and dP (dq_bulk:
-dK/dV out through K's and V's shared memory with transposed stmatrix and TMA stores), WGMMAs left asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
+dK/dV out through K's and V's shared memory with transposed stmatrix and TMA stores), WGMMAs left
+asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
 roles address the same bytes, with each consumer's part on a swizzle-atom edge.
 
 One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
@@ -118,8 +119,10 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
         loop = text[text.index("HGMMA.") :]
         first_wait = loop.index("WARPGROUP.DEPBAR")
         assert re.search(r"DEPBAR\.LE SB0, 0x0", loop[:first_wait]), f"{spec.name}: no bulk wait under S/dP"
-        assert re.search(r"SYNCS\.ARRIVE\.TRANS64\S*\s+RZ, \[R\d+\+URZ\+0x\w+\]", loop[:first_wait]), spec.name
-        assert len(re.findall(r"\bDEPBAR\.LE SB0, 0x0", loop)) >= 4, f"{spec.name}: read and full waits, in and after the loop"
+        release = r"SYNCS\.ARRIVE\.TRANS64\S*\s+RZ, \[R\d+\+URZ\+0x\w+\]"
+        assert re.search(release, loop[:first_wait]), f"{spec.name}: no stage release under S/dP"
+        waits = len(re.findall(r"\bDEPBAR\.LE SB0, 0x0", loop))
+        assert waits >= 4, f"{spec.name}: {waits} bulk waits (read and full, in and after the loop)"
     else:
         # 8-byte reductions, one per two columns of 64 rows x d/2 per thread, unguarded and guarded paths
         assert len(reductions) == 2 * (64 * (d // 2) // 128 // 2) and not bulk, f"{spec.name}: {len(reductions)} REDs"
@@ -134,7 +137,8 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
         # dK^T and dV^T (d x 48 per warpgroup) with transposed stmatrix into K's and V's bytes, 16 x 16
         # per warp instruction; then one TMA store per 32-column panel of each; no 2-byte stores
         stsm += 2 * (d // 64) * (keys // 16)
-        assert len(re.findall(r"\bSTSM\.16\.MT88\.4\b", text)) == 2 * (d // 64) * (keys // 16), report.summary()
+        transposed = len(re.findall(r"\bSTSM\.16\.MT88\.4\b", text))
+        assert transposed == 2 * (d // 64) * (keys // 16), report.summary()
         assert len(re.findall(r"\bUTMASTG\b", text)) == 2 * d // 32, report.summary()
         assert not re.findall(r"\bSTG\.E\.U16\b", text), f"{spec.name}: 2-byte global stores left"
     else:
@@ -252,16 +256,19 @@ def _int(v):
 
 
 @cute.jit
-def check(n_blocks: cutlass.Constexpr, heads: cutlass.Constexpr, batches: cutlass.Constexpr, wave: cutlass.Constexpr):
+def check(n_blocks: cutlass.Constexpr, heads: cutlass.Constexpr, batches: cutlass.Constexpr,
+          wave: cutlass.Constexpr):
     got = []
     for b in cutlass.range_constexpr(batches):
         for h in cutlass.range_constexpr(heads):
             for x in cutlass.range_constexpr(n_blocks):
-                n, hh, bb = bwd_swap.heavy_first(Int32(x), Int32(h), Int32(b), Int32(n_blocks), Int32(heads), Int32(batches), wave)
+                grid = (Int32(n_blocks), Int32(heads), Int32(batches))
+                n, hh, bb = bwd_swap.heavy_first(Int32(x), Int32(h), Int32(b), *grid, wave)
                 got.append((_int(n), _int(hh), _int(bb)))
     cases.append(((n_blocks, heads, batches, wave), got))
 
-for shape in ((5, 3, 2, 11), (22, 4, 2, 132), (21, 5, 2, 132), (3, 6, 2, 132), (43, 1, 1, 132), (200, 3, 1, 132)):
+for shape in ((5, 3, 2, 11), (22, 4, 2, 132), (21, 5, 2, 132), (3, 6, 2, 132), (43, 1, 1, 132),
+              (200, 3, 1, 132)):
     check(*shape)
 print(repr(cases))
 """
@@ -286,9 +293,8 @@ def test_swap_causal_heavy_first_order(tmp_path):
     assert len(cases) == 6
     for (n_blocks, heads, batches, wave), got in cases:
         # every (key block, head, batch) exactly once
-        assert sorted(got) == [(n, h, b) for n in range(n_blocks) for h in range(heads) for b in range(batches)], (
-            n_blocks, heads, batches,
-        )  # fmt: skip
+        every = [(n, h, b) for n in range(n_blocks) for h in range(heads) for b in range(batches)]
+        assert sorted(got) == every, (n_blocks, heads, batches)
         g = max(wave // n_blocks, 1)
         chunk = g * n_blocks
         for start in range(0, len(got), chunk):

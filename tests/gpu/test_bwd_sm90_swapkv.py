@@ -74,7 +74,7 @@ SHAPES = (
     (2, 333, 257, 6, 2),
     (1, 128, 4097, 8, 1),
     (1, 4097, 200, 4, 2),  # 65 query blocks per key block, 3 key blocks: the dq_bulk ring's deferred release
-    (2, 2048, 2000, 5, 1),  # 21 key blocks, 10 (batch, head) pairs: causal dq_bulk's launch order in chunks of 6 and 4
+    (2, 2048, 2000, 5, 1),  # 21 key blocks, 10 (batch, head) pairs: causal dq_bulk's order, chunks of 6, 4
 )
 
 

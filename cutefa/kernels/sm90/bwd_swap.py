@@ -186,7 +186,9 @@ def dq_bulk_step_in_stage(
 
 
 @cute.jit
-def release_stage_after_bulk(pipe, stages: cutlass.Constexpr, index: Int32, wtid: Int32, deterministic: Int32):
+def release_stage_after_bulk(
+    pipe, stages: cutlass.Constexpr, index: Int32, wtid: Int32, deterministic: Int32
+):
     """Give Q/dO stage ``index`` back to the producer (``pipe``: the ring's PipelineTmaAsync) once
     this warpgroup's bulk reduce-add from it (:func:`dq_bulk_step_in_stage`) has read it
     (deterministic: is complete, so that the next add into the same chunk lands after it). Thread
@@ -199,7 +201,15 @@ def release_stage_after_bulk(pipe, stages: cutlass.Constexpr, index: Int32, wtid
 
 
 @cute.jit
-def heavy_first(bx: Int32, head: Int32, batch: Int32, n_blocks: Int32, heads: Int32, batches: Int32, wave: cutlass.Constexpr):
+def heavy_first(
+    bx: Int32,
+    head: Int32,
+    batch: Int32,
+    n_blocks: Int32,
+    heads: Int32,
+    batches: Int32,
+    wave: cutlass.Constexpr,
+):
     """Causal launch order (one key block per CTA): (n_block, head, batch) of the CTA with grid
     coordinates (bx, head, batch), grid (n_blocks, heads, batches), so that the CTAs, in launch
     order, go through chunks of g = max(wave // n_blocks, 1) (batch, head) pairs (about one wave of
