@@ -5,7 +5,9 @@ design: WGMMA (HGMMA) 64x48 for S, dP (K = head_dim) and for dV^T, dK^T (M = hea
 atoms, K = the 64 queries, both operands transposed in shared memory), 64x96 for dQ (K = the 96
 keys), TMA loads, setmaxnreg with the consumers within their 240 registers, dQ into dq_accum by
 8-byte fp32 vector reductions or (dq_bulk) 16-byte shared stores into the Q/dO stage and one bulk
-reduce-add, WGMMAs left asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
+reduce-add whose read of the stage is waited for one query block later, under S and dP (dq_bulk:
+dK/dV out through K's and V's shared memory with transposed stmatrix and TMA stores), WGMMAs left
+asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
 roles address the same bytes, with each consumer's part on a swizzle-atom edge.
 
 One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
@@ -28,10 +30,10 @@ from cutefa import sass
 
 COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_swapped(s)]
 # the committed bf16 causal variant, the fp16 non-causal twin (fp16 and bf16 differ only in the
-# operand type) and the bf16 non-causal dq_bulk variant
+# operand type) and the bf16 dq_bulk variants
 CHECKED = [s for s in COMMITTED if s.causal and not s.dq_bulk]
 CHECKED += [s.replace(dtype="fp16") for s in COMMITTED if not s.causal and not s.dq_bulk]
-CHECKED += [s for s in COMMITTED if not s.causal and s.dq_bulk]
+CHECKED += [s for s in COMMITTED if s.dq_bulk]  # non-causal and causal (its own launch order)
 
 
 def test_swapped_variants_committed_not_dispatched():
@@ -111,6 +113,16 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
         # the 64 x d/2 fp32 piece: 16-byte shared stores in fragment order, one bulk reduce-add
         assert not reductions and len(bulk) == 1, f"{spec.name}: {len(reductions)} REDs, {len(bulk)} bulk"
         assert len(re.findall(r"\bSTS\.128\b", text)) == 64 * (d // 2) // 128 // 4, report.summary()
+        # the stage of the previous query block goes back once its bulk copy has read it, waited for
+        # after the next block's S and dP WGMMAs are issued and before S is waited on (not ahead of
+        # them), and once more after the query loop
+        loop = text[text.index("HGMMA.") :]
+        first_wait = loop.index("WARPGROUP.DEPBAR")
+        assert re.search(r"DEPBAR\.LE SB0, 0x0", loop[:first_wait]), f"{spec.name}: no bulk wait under S/dP"
+        release = r"SYNCS\.ARRIVE\.TRANS64\S*\s+RZ, \[R\d+\+URZ\+0x\w+\]"
+        assert re.search(release, loop[:first_wait]), f"{spec.name}: no stage release under S/dP"
+        waits = len(re.findall(r"\bDEPBAR\.LE SB0, 0x0", loop))
+        assert waits >= 4, f"{spec.name}: {waits} bulk waits (read and full, in and after the loop)"
     else:
         # 8-byte reductions, one per two columns of 64 rows x d/2 per thread, unguarded and guarded paths
         assert len(reductions) == 2 * (64 * (d // 2) // 128 // 2) and not bulk, f"{spec.name}: {len(reductions)} REDs"
@@ -120,7 +132,18 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
     waits = re.findall(r"WARPGROUP\.DEPBAR", text)
     assert len(waits) <= 4, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
     # P and dS stored with stmatrix: 64 x 48 each per warpgroup, 16 x 16 per warp instruction
-    assert report.counts["STSM"] == 2 * keys // 16, report.summary()
+    stsm = 2 * keys // 16
+    if spec.dq_bulk:
+        # dK^T and dV^T (d x 48 per warpgroup) with transposed stmatrix into K's and V's bytes, 16 x 16
+        # per warp instruction; then one TMA store per 32-column panel of each; no 2-byte stores
+        stsm += 2 * (d // 64) * (keys // 16)
+        transposed = len(re.findall(r"\bSTSM\.16\.MT88\.4\b", text))
+        assert transposed == 2 * (d // 64) * (keys // 16), report.summary()
+        assert len(re.findall(r"\bUTMASTG\b", text)) == 2 * d // 32, report.summary()
+        assert not re.findall(r"\bSTG\.E\.U16\b", text), f"{spec.name}: 2-byte global stores left"
+    else:
+        assert not re.findall(r"\bUTMASTG\b", text)
+    assert report.counts["STSM"] == stsm, report.summary()
 
 
 _LAYOUT_CHECK = """
@@ -176,3 +199,105 @@ def test_swap_two_role_layouts_share_bytes(tmp_path):
     key = [got["p"][r * tn + tn // 2] for r in range(tm)]
     key0 = [got["p"][r * tn] for r in range(tm)]
     assert {a - b for a, b in zip(key, key0)} == {(tn // 2) * tm}
+
+
+_DKV_STORE_CHECK = """
+import cutlass, cutlass.cute as cute
+from cutefa.kernels.sm90 import bwd_swap
+
+pairs = []
+
+@cute.jit
+def check():
+    mma = bwd_swap.swap_dkv_tiled_mma(cutlass.BFloat16, 48)
+    r2s = cute.make_tiled_copy_C(bwd_swap.dkv_store_atom(cutlass.BFloat16), mma)
+    ident = cute.make_identity_tensor((192, 48))
+    for t in cutlass.range_constexpr(128):
+        held = r2s.get_slice(t).retile(mma.get_slice(t).partition_C(ident))
+        wanted = r2s.get_slice(t).partition_S(ident)
+        for i in cutlass.range_constexpr(cute.size(wanted)):
+            pairs.append((held[i][0], held[i][1], wanted[i][0], wanted[i][1]))
+
+check()
+bad = sum(1 for p in pairs if p[:2] != p[2:])
+print(len(pairs), bad, len({p[2:] for p in pairs}))
+"""
+
+
+@pytest.mark.compile  # traces layouts with the DSL in a child process
+def test_swap_dkv_store_fragment_order(tmp_path):
+    """dq_bulk's dK/dV epilogue: the transposed stmatrix copy built on the dK^T/dV^T tiled MMA takes
+    every (head-dim row, key) of a warpgroup's 192 x 48 accumulator exactly once, each register
+    holding the coordinate the copy expects there."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)}
+    script = tmp_path / "dkv_store.py"
+    script.write_text(_DKV_STORE_CHECK)
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, check=False, cwd=root
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    total, bad, distinct = map(int, proc.stdout.strip().splitlines()[-1].split())
+    assert (total, bad, distinct) == (192 * 48, 0, 192 * 48)
+
+
+
+_HEAVY_FIRST_CHECK = """
+import cutlass, cutlass.cute as cute
+from cutlass import Int32
+from cutefa.kernels.sm90 import bwd_swap
+
+cases = []
+
+
+def _int(v):
+    # a folded constant: repr is Int32(k); anything else (not folded) fails here
+    return int(repr(v).removeprefix("Int32(").removesuffix(")"))
+
+
+@cute.jit
+def check(n_blocks: cutlass.Constexpr, heads: cutlass.Constexpr, batches: cutlass.Constexpr,
+          wave: cutlass.Constexpr):
+    got = []
+    for b in cutlass.range_constexpr(batches):
+        for h in cutlass.range_constexpr(heads):
+            for x in cutlass.range_constexpr(n_blocks):
+                grid = (Int32(n_blocks), Int32(heads), Int32(batches))
+                n, hh, bb = bwd_swap.heavy_first(Int32(x), Int32(h), Int32(b), *grid, wave)
+                got.append((_int(n), _int(hh), _int(bb)))
+    cases.append(((n_blocks, heads, batches, wave), got))
+
+for shape in ((5, 3, 2, 11), (22, 4, 2, 132), (21, 5, 2, 132), (3, 6, 2, 132), (43, 1, 1, 132),
+              (200, 3, 1, 132)):
+    check(*shape)
+print(repr(cases))
+"""
+
+
+@pytest.mark.compile  # traces the DSL function in a child process (constants fold)
+def test_swap_causal_heavy_first_order(tmp_path):
+    """The causal dq_bulk launch order maps the grid's (bx, head, batch), in launch order (bx
+    fastest), onto every (key block, head, batch) exactly once; within each chunk of
+    max(wave // n_blocks, 1) (batch, head) pairs the key blocks never go down (longest CTAs first)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)}
+    script = tmp_path / "heavy_first.py"
+    script.write_text(_HEAVY_FIRST_CHECK)
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, check=False, cwd=root
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    cases = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert len(cases) == 6
+    for (n_blocks, heads, batches, wave), got in cases:
+        # every (key block, head, batch) exactly once
+        every = [(n, h, b) for n in range(n_blocks) for h in range(heads) for b in range(batches)]
+        assert sorted(got) == every, (n_blocks, heads, batches)
+        g = max(wave // n_blocks, 1)
+        chunk = g * n_blocks
+        for start in range(0, len(got), chunk):
+            blocks = [n for n, _, _ in got[start : start + chunk]]
+            assert blocks == sorted(blocks), (n_blocks, heads, batches, start)
+            assert blocks[0] == 0 and blocks[-1] == n_blocks - 1

@@ -42,7 +42,10 @@ two shared-memory buffers (read by both consumers' dQ), P one (read only by its 
 done before the next block's P is written), so one named barrier per query block orders the
 consumers. TMA zero-fills rows past the end of Q, dO, K and V; probabilities of keys past seqlen_k
 or after a query's diagonal are set to 0, query rows past seqlen_q get LSE2 = +inf (P = 0).
-dK (times the softmax scale) and dV go from registers to global memory at the end of a key block.
+dK (times the softmax scale) and dV leave at the end of a key block through K's and V's shared memory
+(free once both consumers' last S, dP and dQ are done): transposed stmatrix of each consumer's keys,
+then one TMA store of the whole tile each (rows past seqlen_k clipped); K/V's buffers go back to the
+producer once the stores have read them.
 
 dq_bulk (FlashAttention-3's dQ path): no staging buffer of its own fits (48 KiB beside the Q/dO
 ring), so each consumer stages its fp32 dQ_c (64 queries x 96 columns: 24 KiB) in the current
@@ -51,13 +54,20 @@ dV^T and dK^T read all of Q and dO, so once its own are done each consumer meets
 barrier; once dQ is done it writes the piece in the WGMMA fragment's order (value 4j + e of thread t
 at word 4 (128 j + t) + e: 16-byte stores, contiguous), fences the writes to the async proxy and
 meets its 128 threads at a named barrier; one thread adds the whole piece into dq_accum with one
-cp.reduce.async.bulk ... .add.f32, commits it and waits until it has read the stage
-(deterministic=1: until it is complete), and only then does its warp release the stage to the
-producer. dq_accum is tiled to match: one chunk of 64 x head_dim fp32 per query block (consumer
-0's piece, then consumer 1's), rows padded to whole blocks (never read back). The postprocess reads
+cp.reduce.async.bulk ... .add.f32 and commits it. The stage goes back to the producer one query
+block later: once the next block's S and dP WGMMAs are issued, that thread waits until the copy
+has read the stage (deterministic=1: until it is complete), and only then does its warp release
+it (the key block's last stage: after the loop), so the wait runs beside S and dP, not before them.
+dq_accum is tiled to match: one chunk of 64 x head_dim fp32 per query block (consumer 0's
+piece, then consumer 1's), rows padded to whole blocks (never read back). The postprocess reads
 each chunk coalesced, maps every value to its (row, column) through the same tiled-MMA partition
 (bwd_parts.bulk_dq_coords), stages the converted tile in shared memory and writes dQ rows with
 16-byte coalesced stores. The preprocess zeroes dq_accum: its grid covers whole query blocks.
+
+Launch order (deterministic=0): CTA (x, y, z) of the grid takes the key block, head and batch of
+bwd_swap.heavy_first: chunks of about one wave of (batch, head) pairs, within a chunk every pair's
+key block 0 first (the one that walks the most query blocks), then block 1, ...; the grid ends on
+short CTAs.
 
 deterministic=1: CTA x of the grid (x < splits) walks the key blocks x, x + splits, ... and owns
 dq_accum split x alone; every dq_accum element is added by one thread in a fixed order, and the
@@ -94,6 +104,7 @@ CONSUMER_REGS = 240
 DQ_PIECES = ((0, 0, 96), (0, 96, 96))
 DQ_OFFSETS = bwd_parts.bulk_piece_offsets(DQ_PIECES)
 STAGE_BYTES = TILE_M * HEAD_DIM * DTYPE.width // 8  # one Q or dO tile: one consumer's fp32 dQ piece
+WAVE_CTAS = 132  # CTAs per wave on an H100/H200 SXM (one per SM): the causal launch order's chunk (a hint only)
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
 WG_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
 # Preprocess and postprocess: one warp per query row, ROW_WARPS warps per CTA, ROWS_PER_WARP rows each.
@@ -173,6 +184,9 @@ class Kernel:
         v_tma, gV_tma = parts.tma_load_atom(parts.bshd_as_sdhb(mV), sK_layout, (TILE_N, HEAD_DIM))
         q_tma, gQ_tma = parts.tma_load_atom(parts.bshd_as_sdhb(mQ), sQ_layout, (TILE_M, HEAD_DIM))
         do_tma, gdO_tma = parts.tma_load_atom(parts.bshd_as_sdhb(mdO), sQ_layout, (TILE_M, HEAD_DIM))
+        # dK and dV leave through K's and V's shared memory, one TMA store each (rows past seqlen_k clipped)
+        dk_tma, gdK_tma = parts.tma_store_atom(parts.bshd_as_sdhb(mdK), sK_layout, (TILE_N, HEAD_DIM))
+        dv_tma, gdV_tma = parts.tma_store_atom(parts.bshd_as_sdhb(mdV), sK_layout, (TILE_N, HEAD_DIM))
 
         @cute.struct
         class Storage:
@@ -192,6 +206,7 @@ class Kernel:
         grid_x = n_blocks + deterministic * (splits - n_blocks)
         self.kernel(
             k_tma, gK_tma, v_tma, gV_tma, q_tma, gQ_tma, do_tma, gdO_tma,
+            dk_tma, gdK_tma, dv_tma, gdV_tma,
             mdK, mdV, mdQaccum, mLSE2, mDpsum, softmax_scale, softmax_scale * LOG2_E, deterministic,
             mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
             sK_layout, sKt_layout, sQ_layout, sQt_layout, sP_layout, sPt_layout,
@@ -263,6 +278,10 @@ class Kernel:
         gQ_tma: cute.Tensor,
         do_tma: cute.CopyAtom,
         gdO_tma: cute.Tensor,
+        dk_tma: cute.CopyAtom,
+        gdK_tma: cute.Tensor,
+        dv_tma: cute.CopyAtom,
+        gdV_tma: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdQaccum: cute.Tensor,
@@ -287,7 +306,11 @@ class Kernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
-        grid_x, _, _ = cute.arch.grid_dim()
+        grid_x, n_heads, n_batch = cute.arch.grid_dim()
+        if deterministic == 0:
+            # one key block per CTA: the longest CTAs (first key blocks) of a wave of (batch, head)
+            # pairs launch first, the grid ends on short ones
+            bx, head, batch = bwd_swap.heavy_first(bx, head, batch, grid_x, n_heads, n_batch, WAVE_CTAS)
         head_kv = head // group
         wg = cute.arch.make_warp_uniform(tidx // parts.WG_THREADS)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -313,10 +336,11 @@ class Kernel:
             barrier_storage=storage.kv_bar.data_ptr(), num_stages=1, producer_group=producer,
             consumer_group=consumer, tx_count=2 * TILE_N * HEAD_DIM * DTYPE.width // 8, defer_sync=True,
         ).make_participants()  # fmt: skip
-        qdo_producer, qdo_consumer = pipeline.PipelineTmaAsync.create(
+        qdo_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.qdo_bar.data_ptr(), num_stages=STAGES, producer_group=producer,
             consumer_group=consumer, tx_count=2 * TILE_M * HEAD_DIM * DTYPE.width // 8, defer_sync=True,
-        ).make_participants()  # fmt: skip
+        )  # fmt: skip
+        qdo_producer, qdo_consumer = qdo_pipe.make_participants()
         pipeline.pipeline_init_arrive(is_relaxed=True)
         pipeline.pipeline_init_wait()
 
@@ -381,6 +405,8 @@ class Kernel:
             # its dQ piece in (consumer 0: dO's, consumer 1: Q's; 32-bit shared addresses of stage 0).
             gdQchunks = mdQaccum[bx * deterministic, batch, head, None, None]
             s_stage0 = sdO.iterator.toint() + c * (sQ.iterator.toint() - sdO.iterator.toint())
+            # The stage of the previous query block: its bulk dQ copy may still be reading it.
+            prev_stage = Int32(0)
 
             acc_S = cute.make_rmem_tensor(sdp_thr.partition_shape_C((TILE_M, KEYS_WG)), Float32)
             acc_dP = cute.make_rmem_tensor(sdp_thr.partition_shape_C((TILE_M, KEYS_WG)), Float32)
@@ -395,12 +421,20 @@ class Kernel:
             acc_dV = cute.make_rmem_tensor(dkv_thr.partition_shape_C((HEAD_DIM, KEYS_WG)), Float32)
             acc_dq_shape = dq_thr.partition_shape_C((parts.WG_ROWS, DQ_COLS))
 
-            # Global destinations of dK^T/dV^T (head_dim x keys views) by block of KEYS_WG keys.
-            gdKt = bwd_swap.transposed_rows(mdK[batch, None, head, None])
-            gdVt = bwd_swap.transposed_rows(mdV[batch, None, head, None])
-            tdKg = dkv_thr.partition_C(cute.local_tile(gdKt, (HEAD_DIM, KEYS_WG), (0, None)))
-            tdVg = dkv_thr.partition_C(cute.local_tile(gdVt, (HEAD_DIM, KEYS_WG), (0, None)))
-            tKVc = dkv_thr.partition_C(cute.make_identity_tensor((HEAD_DIM, KEYS_WG)))
+            # dK^T/dV^T -> shared memory at the end of a key block: stmatrix with transpose into this
+            # warpgroup's keys of K's and V's bytes (head-dim contiguous, K's swizzled layout), then
+            # one TMA store of the TILE_N x HEAD_DIM tile each.
+            kv_r2s = cute.make_tiled_copy_C(bwd_swap.dkv_store_atom(DTYPE), dkv_mma)
+            kv_r2s_thr = kv_r2s.get_slice(wtid)
+            sVt = bwd_parts.same_bytes(sV, sKt_layout)
+            tdKsK = kv_r2s_thr.partition_D(cute.local_tile(sKt[None, None, 0], (HEAD_DIM, KEYS_WG), (0, c)))
+            tdVsV = kv_r2s_thr.partition_D(cute.local_tile(sVt[None, None, 0], (HEAD_DIM, KEYS_WG), (0, c)))
+            tdKsdK, tdKgdK = parts.tma_tiles(
+                dk_tma, sK, cute.local_tile(gdK_tma[None, None, head, batch], (TILE_N, HEAD_DIM), (None, 0))
+            )
+            tdVsdV, tdVgdV = parts.tma_tiles(
+                dv_tma, sV, cute.local_tile(gdV_tma[None, None, head, batch], (TILE_N, HEAD_DIM), (None, 0))
+            )
             # The LSE2/D row this thread stages per query block (threads that stage none: active False).
             row_g, row_s, row_off, row_fill, row_active = bwd_parts.row_slot(
                 mLSE2[batch, head, None], mDpsum[batch, head, None], sLSE, sD, ctid, TILE_M
@@ -445,6 +479,10 @@ class Kernel:
                     warpgroup.commit_group()
                     parts.gemm_ss_zero(sdp_mma, acc_dP, tSrdO[None, None, None, handle.index], tSrV)
                     warpgroup.commit_group()
+                    # The previous block's stage goes back once its bulk dQ copy has read it: waited
+                    # for here, while S and dP run, not ahead of them.
+                    if i > 0:
+                        bwd_swap.release_stage_after_bulk(qdo_pipe, STAGES, prev_stage, wtid, deterministic)
                     warpgroup.wait_group(1)
 
                     # P; keys past seqlen_k or after a query's diagonal get 0.
@@ -481,23 +519,38 @@ class Kernel:
 
                     # This consumer's dQ columns = dS K_c over all TILE_N keys, staged in the Q/dO
                     # stage once both consumers' dV and dK are done, into its piece of the query
-                    # block's chunk by one bulk reduce-add; then the stage goes back.
+                    # block's chunk by one bulk reduce-add; the stage goes back in the next block.
                     g_chunk = gdQchunks.iterator + cute.crd2idx((m_block, 0), gdQchunks.layout)
                     bwd_swap.dq_bulk_step_in_stage(
-                        dq_mma, tQrdS, tQrKt, acc_dq_shape, buf, handle, s_stage0 + handle.index * STAGE_BYTES,
+                        dq_mma, tQrdS, tQrKt, acc_dq_shape, buf, s_stage0 + handle.index * STAGE_BYTES,
                         (g_chunk + c * DQ_OFFSETS[1]).toint(), wtid, WG_BARRIER + c, CONSUMER_BARRIER, CONSUMER_THREADS,
-                        deterministic,
                     )  # fmt: skip
-                kv_handle.release()
+                    prev_stage = handle.index
+                # The key block's last stage goes back once its bulk dQ copy has read it.
+                if m_count > 0:
+                    bwd_swap.release_stage_after_bulk(qdo_pipe, STAGES, prev_stage, wtid, deterministic)
 
-                # dK (times the softmax scale) and dV of this warpgroup's keys -> global.
+                # dK (times the softmax scale) and dV -> global through K's and V's shared memory,
+                # free once both consumers' last S, dP and dQ are done (barrier); the stores are
+                # fenced to the async proxy and met at a barrier, consumer 0's first warp issues the
+                # two TMA stores and waits until they have read shared memory, and only then (a
+                # barrier) does the producer get K/V's buffers back for the next key block.
                 rdK = cute.make_rmem_tensor_like(acc_dK, DTYPE)
                 rdK.store((acc_dK.load() * softmax_scale).to(DTYPE))
                 rdV = cute.make_rmem_tensor_like(acc_dV, DTYPE)
                 rdV.store(acc_dV.load().to(DTYPE))
-                key_block = n_block * CONSUMERS + c
-                bwd_swap.store_cols(rdK, tKVc, tdKg[None, None, None, key_block], seqlen_k - key0)
-                bwd_swap.store_cols(rdV, tKVc, tdVg[None, None, None, key_block], seqlen_k - key0)
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+                cute.copy(kv_r2s, kv_r2s_thr.retile(rdK), tdKsK)
+                cute.copy(kv_r2s, kv_r2s_thr.retile(rdV), tdVsV)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+                if ctid // 32 == 0:
+                    cute.copy(dk_tma, tdKsdK[None, 0], tdKgdK[None, n_block])
+                    cute.copy(dv_tma, tdVsdV[None, 0], tdVgdV[None, n_block])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+                kv_handle.release()
 
             # The last bulk copies complete before the CTA (and its shared memory) goes away.
             if wtid == 0:

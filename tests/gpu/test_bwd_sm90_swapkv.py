@@ -9,7 +9,9 @@ against float32 autograd of the exact attention with the tolerance of tests/gpu/
 (at most 3x the error of PyTorch's own attention on the same low-precision inputs). Shapes:
 seqlens 1, 17, 1000, 4097, seqlen_q != seqlen_k both ways, GQA and MQA, and the partition's own
 edges: a key past consumer 0's 48 (49), one short of and one past a 96-key block (95, 97), a query
-past a 64-row block (65), causal diagonals that cross the consumers' key halves. deterministic=1
+past a 64-row block (65), causal diagonals that cross the consumers' key halves, long query loops
+over few key blocks (dq_bulk gives each Q/dO stage back one query block late), causal dq_bulk's
+launch order over several chunks of (batch, head) pairs, the last one partial. deterministic=1
 must be bitwise reproducible, also where each CTA walks several key blocks; the gradients must be
 close to the head-dim split's (the dispatch default at head dim 192); through backward.gradients
 with the variant forced the host allocates the (dq_bulk: tiled) workspace.
@@ -71,6 +73,8 @@ SHAPES = (
     (1, 64, 95, 6, 2),  # GQA; one key short of a block
     (2, 333, 257, 6, 2),
     (1, 128, 4097, 8, 1),
+    (1, 4097, 200, 4, 2),  # 65 query blocks per key block, 3 key blocks: the dq_bulk ring's deferred release
+    (2, 2048, 2000, 5, 1),  # 21 key blocks, 10 (batch, head) pairs: causal dq_bulk's order, chunks of 6, 4
 )
 
 

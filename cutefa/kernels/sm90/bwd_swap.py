@@ -18,6 +18,7 @@ the main backward's (bwd_parts.py).
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
@@ -116,6 +117,13 @@ def compute_ds(p_mn: cute.Tensor, dp_mn: cute.Tensor, c_mn: cute.Tensor, sD: cut
             dp_mn[r, j] = p_mn[r, j] * (dp_mn[r, j] - d)
 
 
+def dkv_store_atom(dtype):
+    """Register -> shared memory copy of 16-bit dK^T/dV^T fragments (head_dim x keys, M = head_dim)
+    into K's/V's bytes, keys x head_dim with the head dim contiguous: ``stmatrix`` with transpose
+    (four 8x8 matrices per instruction; each stored 16-byte row is 8 head-dim columns of one key)."""
+    return cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), dtype)
+
+
 def transposed_rows(t: cute.Tensor) -> cute.Tensor:
     """A (cols, rows) view of a 2-mode (rows, cols) tensor (any memory, dynamic strides)."""
     return cute.make_tensor(
@@ -138,14 +146,12 @@ def dq_bulk_step_in_stage(
     t_b: cute.Tensor,
     acc_shape: cutlass.Constexpr,
     buf: Int32,
-    handle,
     s_base: Int32,
     g_addr,
     wtid: Int32,
     wg_barrier: Int32,
     consumer_barrier: cutlass.Constexpr,
     consumer_threads: cutlass.Constexpr,
-    deterministic: Int32,
 ):
     """dQ of the dq_bulk path staged in the current Q/dO stage (no buffer of its own fits): acc =
     dS K (dS buffer ``buf``) behind the warpgroup's dV^T/dK^T WGMMAs; once those are done, a barrier
@@ -153,8 +159,9 @@ def dq_bulk_step_in_stage(
     done, acc goes in fragment order (value 4j + e of thread t at word 4 (128 j + t) + e) to
     ``s_base`` (this warpgroup's 16-bit tile of the stage: consumer 0 dO's, consumer 1 Q's, each
     exactly the bytes of its fp32 64 x d/2 piece), a barrier of the warpgroup (``wg_barrier``), and
-    one thread adds the piece into global memory at ``g_addr`` with a bulk reduce-add and waits
-    until it has read its source (deterministic: until it is complete); then the stage is released."""
+    one thread (``wtid`` 0) adds the piece into global memory at ``g_addr`` with a bulk reduce-add
+    and commits it. It does not wait: the stage goes back to the producer later, through
+    :func:`release_stage_after_bulk` (in the next query block, once its S and dP are issued)."""
     acc = cute.make_rmem_tensor(acc_shape, Float32)
     acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
     warpgroup.fence()
@@ -176,5 +183,46 @@ def dq_bulk_step_in_stage(
     if wtid == 0:
         bulk_reduce_add_f32(g_addr, s_base, n * WG_ROWS * 2 * 4)
         cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
+def release_stage_after_bulk(
+    pipe, stages: cutlass.Constexpr, index: Int32, wtid: Int32, deterministic: Int32
+):
+    """Give Q/dO stage ``index`` back to the producer (``pipe``: the ring's PipelineTmaAsync) once
+    this warpgroup's bulk reduce-add from it (:func:`dq_bulk_step_in_stage`) has read it
+    (deterministic: is complete, so that the next add into the same chunk lands after it). Thread
+    ``wtid`` 0 issued the copy and waits; its warp arrives after it, the other warps at once. Called
+    one query block later, after that block's S and dP WGMMAs are issued, so the wait runs beside
+    them instead of ahead of them."""
+    if wtid == 0:
         bulk_wait(deterministic)
-    handle.release()  # warp 0 arrives only after its bulk copy has read the stage
+    pipe.consumer_release(pipeline.PipelineState(stages, Int32(0), index, Int32(0)))
+
+
+@cute.jit
+def heavy_first(
+    bx: Int32,
+    head: Int32,
+    batch: Int32,
+    n_blocks: Int32,
+    heads: Int32,
+    batches: Int32,
+    wave: cutlass.Constexpr,
+):
+    """Causal launch order (one key block per CTA): (n_block, head, batch) of the CTA with grid
+    coordinates (bx, head, batch), grid (n_blocks, heads, batches), so that the CTAs, in launch
+    order, go through chunks of g = max(wave // n_blocks, 1) (batch, head) pairs (about one wave of
+    ``wave`` CTAs) and within a chunk by key block, all pairs' block 0 first: with the bottom-right
+    diagonal key block n sees the fewest query blocks for the largest n, so each chunk starts its
+    longest CTAs first and the grid ends on short ones (the grid's own order, key blocks fastest,
+    leaves a long CTA of each pair for the last wave). A bijection of [0, n_blocks * heads * batches)."""
+    pairs = heads * batches
+    g = cutlass.max(Int32(wave) // n_blocks, Int32(1))
+    linear = bx + n_blocks * (head + heads * batch)
+    chunk = linear // (g * n_blocks)
+    within = linear - chunk * g * n_blocks
+    size = cutlass.min(g, pairs - chunk * g)
+    n_block = within // size
+    pair = chunk * g + within - n_block * size
+    return n_block, pair % heads, pair // heads
