@@ -191,9 +191,8 @@ TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
     },
     # Longer key steps amortize each step's fixed costs (row reductions, barriers, pipeline
     # waits): hd64 192 keys (estimate 224 registers) compiles with no spill (sm_90a, DSL 4.8.1);
-    # hd256 80 keys (236; FlashAttention-3's hd256 tile) too in bf16; it spilled one register in
-    # fp16 causal with the (reverted) conditional O rescale, so it is committed in bf16 only
-    # (TUNING_ALTERNATIVE_DTYPES; fp16 causal ov_pp now compiles with no spill, at R219).
+    # hd256 80 keys (236; FlashAttention-3's hd256 tile) too, fp16 and bf16 (fp16 causal had
+    # spilled one register with the conditional O rescale, since reverted).
     "sm90": {64: (Tile(128, 192, 2, 12),), 256: (Tile(128, 80, 2, 12),)},
 }
 # Tiles committed with their own schedules (not the default's), per head dim: (tile, flags); each
@@ -206,7 +205,7 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
             (Tile(192, 128, 2, 16), {"overlap": True}),
             (Tile(192, 128, 2, 16), {"overlap": True, "pingpong": True}),
         ),
-        # hd256 128x80 (bf16 only, as the tile: TUNING_ALTERNATIVE_DTYPES) closer to FlashAttention-4's
+        # hd256 128x80 closer to FlashAttention-4's
         # sm90 forward: overlap without ping-pong (its scheduler barrier is off above head dim 128),
         # P converted two scores per instruction (pair_cvt), O rescaled under S = Q K^T
         # (early_rescale; without pair_cvt its causal form makes ptxas serialize every WGMMA, C7520).
@@ -220,9 +219,7 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
     },
 }
 # Tuning alternatives committed in some dtypes only: (arch, head_dim, tile) -> dtypes.
-TUNING_ALTERNATIVE_DTYPES: dict[tuple[str, int, Tile], tuple[str, ...]] = {
-    ("sm90", 256, Tile(128, 80, 2, 12)): ("bf16",),
-}
+TUNING_ALTERNATIVE_DTYPES: dict[tuple[str, int, Tile], tuple[str, ...]] = {}
 
 _TILE_GRID: dict[str, tuple[Tile, ...]] = {
     "sm80": tuple(itertools.starmap(Tile, itertools.product((64, 128), (32, 64, 128), (1, 2), (4, 8)))),

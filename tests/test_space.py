@@ -251,19 +251,26 @@ def test_sm80_default_set():
     assert len(defaults) == 2 * 2 * (len(HEAD_DIMS) + sum(len(tiles) for tiles in extra.values()))
 
 
-def test_tuning_alternatives_restricted_to_some_dtypes():
-    """TUNING_ALTERNATIVE_DTYPES: the sm90 hd256 128x80 tile is committed in bf16 only (fp16 causal
-    spills a register), both masks, with the default schedule; every other tuning tile in both."""
+def test_tuning_alternatives_restricted_to_some_dtypes(monkeypatch):
+    """The sm90 hd256 128x80 tile is committed in fp16 and bf16, both masks, with the default
+    schedule among its schedules; TUNING_ALTERNATIVE_DTYPES, when it names a tile, keeps only the
+    dtypes it lists (every other tuning tile stays in both)."""
     tile = space.Tile(128, 80, 2, 12)
-    assert space.TUNING_ALTERNATIVE_DTYPES[("sm90", 256, tile)] == ("bf16",)
     fwd = space.default_variants("sm90", "fwd")
     found = [s for s in fwd if s.head_dim == 256 and (s.tile_m, s.tile_n, s.stages, s.warps) == tile]
-    assert {s.dtype for s in found} == {"bf16"}
+    assert {s.dtype for s in found} == {"bf16", "fp16"}
     assert all(space.why_invalid(s) is None for s in found)
     plain = [s for s in found if s.pingpong and not (s.early_rescale or s.pair_cvt)]
-    assert sorted((s.dtype, s.causal) for s in plain) == [("bf16", False), ("bf16", True)]
+    assert sorted((s.dtype, s.causal) for s in plain) == [(d, c) for d in ("bf16", "fp16") for c in (False, True)]
     assert all(s.overlap for s in plain)
-    hd64 = [s for s in fwd if s.head_dim == 64 and s.tile_n == 192]
+    monkeypatch.setitem(space.TUNING_ALTERNATIVE_DTYPES, ("sm90", 256, tile), ("bf16",))
+    restricted = [
+        s for s in space.default_variants("sm90", "fwd")
+        if s.head_dim == 256 and (s.tile_m, s.tile_n, s.stages, s.warps) == tile
+    ]
+    assert {s.dtype for s in restricted} == {"bf16"}
+    assert len(restricted) == len(found) // 2
+    hd64 = [s for s in space.default_variants("sm90", "fwd") if s.head_dim == 64 and s.tile_n == 192]
     assert {s.dtype for s in hd64} == {"bf16", "fp16"}
 
 
@@ -489,13 +496,14 @@ def test_fp8_block_quant_variants():
 
 def test_fa4_hd256_schedule_variants():
     """The hd256 128x80 variants of FlashAttention-4's sm90 forward configuration (overlap without
-    ping-pong, P converted in pairs, O rescaled under S = Q K^T): committed in bf16, both masks;
+    ping-pong, P converted in pairs, O rescaled under S = Q K^T): committed in fp16 and bf16, both masks;
     early_rescale and pair_cvt refused wherever they have no meaning, each with its reason."""
     fwd = space.default_variants("sm90", "fwd")
     tile = space.Tile(128, 80, 2, 12)
     new = [s for s in fwd if s.early_rescale or s.pair_cvt or (s.head_dim == 256 and s.tile_n == 80 and not s.pingpong)]
     assert {s.name for s in new} == {
-        f"cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12{c}{flags}"
+        f"cutefa_sm90_fwd_{dt}_hd256_128x80_s2_w12{c}{flags}"
+        for dt in ("bf16", "fp16")
         for c in ("", "_causal")
         for flags in ("_ov", "_ov_pcvt", "_ov_pp_pcvt", "_ov_erescale_pcvt", "_ov_pp_erescale_pcvt")
     }
