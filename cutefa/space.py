@@ -437,6 +437,15 @@ def _dq_bulk_rule(spec: VariantSpec) -> str | None:
     return None
 
 
+def _dq_quad_rule(spec: VariantSpec) -> str | None:
+    if spec.dq_quad and (spec.arch, spec.direction) != ("sm80", "bwd"):
+        return (
+            f"dq_quad (16-byte dQ reductions into a column-permuted accumulator) is an sm80 backward "
+            f"flag, not a {spec.arch} {spec.direction} one"
+        )
+    return None
+
+
 def _head_dim_rule(spec: VariantSpec) -> str | None:
     if spec.head_dim not in HEAD_DIMS:
         return f"head_dim={spec.head_dim} is not one of {HEAD_DIMS}"
@@ -616,6 +625,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _cta_pair_rule,
     _block_quant_rule,
     _dq_bulk_rule,
+    _dq_quad_rule,
     _head_dim_rule,
     why_no_kernel,
 )
@@ -883,6 +893,9 @@ _TILE_GRID["sm90"] = (
 # reductions into dq_accum are issued behind the next block's S^T/dP^T WGMMAs); each with dQ added
 # by per-thread reductions or by one bulk reduce-add per consumer and query block (dq_bulk).
 _FLAG_SETS[("sm90", "bwd")] = ({}, {"overlap": True}, {"dq_bulk": True}, {"overlap": True, "dq_bulk": True})
+# sm80 backward: dQ reductions in the accumulator's natural layout, or 16-byte ones into a
+# column-permuted one (dq_quad).
+_FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True})
 
 # Flags of the sm90 backward default where the default tile is not the head-dim split (head dims
 # 64, 96, 128): dq_bulk, FlashAttention-3's dQ path (measured +9-19% over per-thread reductions at
@@ -937,6 +950,16 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             (Tile(64, 64, 2, 12), {"dq_bulk": True}),
             (Tile(64, 64, 2, 12), {"overlap": True, "dq_bulk": True}),
         ),
+    },
+    # dq_quad: 16-byte dQ reductions into a column-permuted accumulator (FlashAttention-2 adds dQ
+    # with one warp-wide reduction per contiguous 128-byte line of its permuted workspace); on the
+    # best tile of each head dim; docs/perf-notes.md "sm80 backward beside FlashAttention-2's
+    # configuration".
+    "sm80": {
+        64: ((Tile(128, 128, 2, 8), {"dq_quad": True}),),
+        128: ((Tile(64, 128, 1, 8), {"dq_quad": True}),),
+        192: ((Tile(64, 64, 1, 8), {"dq_quad": True}),),
+        256: ((Tile(64, 64, 1, 8), {"dq_quad": True}),),
     },
 }
 

@@ -46,6 +46,7 @@ _FLAG_TOKENS = (
     ("cta_pair", "pair"),
     ("block_quant", "blockq"),
     ("dq_bulk", "dqbulk"),
+    ("dq_quad", "dqquad"),
 )
 
 
@@ -96,6 +97,14 @@ class VariantSpec:
     # workspace (one contiguous chunk per query block, in fragment order) that its own postprocess
     # reads back; instead of per-thread 8-byte reductions. Name token _dqbulk.
     dq_bulk: bool = False
+    # sm80 backward: the fp32 dQ accumulator's columns permuted (within each span of 16 x the dQ
+    # warp grid's columns) so that a thread's four values of one row in a span (two adjacent
+    # columns of each of its two n8 MMA atoms there) are adjacent: one 16-byte
+    # red.global.add.v4.f32 adds them (sm_90 and newer; a warp's reduction covers 64 contiguous
+    # bytes of each of 8 rows), and the postprocess reads the columns back through the same
+    # permutation. Compiled for sm_80/86/89 the variant keeps the natural layout and element-wise
+    # reductions. Name token _dqquad.
+    dq_quad: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import re
 
+import cutlass
+import cutlass.cute as cute
 import pytest
 
 from cutefa import sass, space
+from cutefa.kernels.sm80 import bwd_parts
 
 pytestmark = pytest.mark.compile
 
@@ -27,7 +30,9 @@ A100_SUBSET = [
     if s.dtype == "fp16"
     and s.causal
     and (s.head_dim, s.tile_m, s.stages) in ((128, 64, 1), (256, 64, 1), (128, 64, 2), (192, 64, 2), (64, 128, 2))
-]
+    and not s.dq_quad
+] + [s for s in DEFAULTS if s.dq_quad and s.causal and s.head_dim in (64, 128)]
+# (bf16 only: dq_quad is committed in bf16; compiled for sm_80 it keeps element-wise reductions.)
 
 
 def test_alternatives_are_committed():
@@ -49,11 +54,12 @@ def cubins_sm80(tmp_path_factory):
     return sass.dump_cubins(A100_SUBSET, "sm_80", tmp_path_factory.mktemp("bwd_sm_80"))
 
 
-def _reductions(cubin) -> tuple[int, int]:
-    """(element-wise, 8-byte vector) fp32 reductions in the SASS."""
+def _reductions(cubin) -> tuple[int, int, int]:
+    """(element-wise, 8-byte vector, 16-byte vector) fp32 reductions in the SASS."""
     text = sass._cuobjdump(cubin, "-sass")
-    vector = len(re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text))
-    return len(re.findall(r"\bREDG?\.E\.ADD\.F32\b(?!x)", text)), vector
+    pairs = len(re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text))
+    quads = len(re.findall(r"\bREDG?\.E\.ADD\.F32x4\b", text))
+    return len(re.findall(r"\bREDG?\.E\.ADD\.F32\b(?!x)", text)), pairs, quads
 
 
 def _grid(rows: int, cols: int, spec) -> tuple[int, int]:
@@ -88,10 +94,16 @@ def _check(cubin, spec, vector_red: bool) -> None:
     assert report.counts["HMMA"] == 5 * per_warp, f"{spec.name}: {report.summary()}"
     # The warp grids the template chose: ldmatrix traffic as the model says (hd128 64x128: 144).
     assert report.counts["LDSM"] == _ldmatrix_per_warp(spec), f"{spec.name}: {report.summary()}"
-    # One fp32 reduction per dQ element a thread holds, or one per pair of adjacent columns; the
-    # vector ones twice in the code: unpredicated for full query blocks, guarded for the last one.
+    # One fp32 reduction per dQ element a thread holds, or one per pair of adjacent columns, or
+    # (dq_quad) one per quad of permuted columns; the vector ones twice in the code: unpredicated
+    # for full query blocks, guarded for the last one.
     per_thread = spec.tile_m * spec.head_dim // spec.threads
-    expected = (0, 2 * (per_thread // 2)) if vector_red else (per_thread, 0)
+    if not vector_red:
+        expected = (per_thread, 0, 0)
+    elif spec.dq_quad:
+        expected = (0, 0, 2 * (per_thread // 4))
+    else:
+        expected = (0, 2 * (per_thread // 2), 0)
     assert _reductions(cubin) == expected, spec.name
 
 
@@ -103,3 +115,52 @@ def test_sass_sm90a(cubins_sm90a, spec):
 @pytest.mark.parametrize("spec", A100_SUBSET, ids=lambda s: s.name)
 def test_sass_sm80(cubins_sm80, spec):
     _check(cubins_sm80[spec.name], spec, vector_red=False)
+
+
+def test_dq_quad_committed():
+    quads = {s.name for s in DEFAULTS if s.dq_quad}
+    assert {
+        "cutefa_sm80_bwd_bf16_hd64_128x128_s2_w8_dqquad",
+        "cutefa_sm80_bwd_bf16_hd128_64x128_s1_w8_dqquad",
+        "cutefa_sm80_bwd_bf16_hd128_64x128_s1_w8_causal_dqquad",
+        "cutefa_sm80_bwd_bf16_hd256_64x64_s1_w8_dqquad",
+    } <= quads
+    assert all(space.why_invalid(s) is None for s in DEFAULTS if s.dq_quad)
+
+
+@cute.jit
+def _trace_quads(
+    tile_m: cutlass.Constexpr, head_dim: cutlass.Constexpr, wm: cutlass.Constexpr, wn: cutlass.Constexpr, out: cutlass.Constexpr
+):
+    """Trace time only: for every thread of a (wm, wn) dQ tiled MMA, where red_add_quads sends each
+    accumulator element, checked against quad_column; the (row, permuted column) set into ``out``."""
+    mma = bwd_parts.tiled_mma(cutlass.BFloat16, wm, wn)
+    ident = cute.make_identity_tensor((tile_m, head_dim))
+    groups = bwd_parts.quad_groups(mma.get_slice(0).partition_C(ident), wn)
+    span = 16 * wn
+    for t in cutlass.range_constexpr(32 * wm * wn):
+        c = mma.get_slice(t).partition_C(ident)
+        shift = int(c[groups[0][0]][1]) % span  # as red_add_quads: the first quad's column mod span
+        for g in groups:
+            r0, c0 = (int(x) for x in c[g[0]])
+            for k, i in enumerate(g):
+                r, col = (int(x) for x in c[i])
+                assert r == r0, f"thread {t}: quad {g} spans rows {r0} and {r}"
+                assert c0 + shift + k == bwd_parts.quad_column(col, wn), f"thread {t}: ({r}, {col})"
+                out.append((r, c0 + shift + k))
+
+
+@pytest.mark.parametrize(
+    "tile_m, head_dim, warps_m, warps_n",
+    [(64, 128, 2, 4), (128, 64, 4, 2), (64, 64, 4, 2), (64, 192, 2, 4), (64, 256, 4, 2), (64, 96, 4, 2)],
+)
+def test_dq_quad_permutation(tile_m, head_dim, warps_m, warps_n):
+    """For every thread of the dQ GEMM's tiled MMA, the 16-byte reductions of red_add_quads put each
+    accumulator element (row, col) at (row, quad_column(col)), where the postprocess reads it, and
+    the threads together cover every (row, permuted column) of the tile once: the column
+    permutation is a bijection that matches the fragment, traced from the MMA's own layouts."""
+    out: list[tuple[int, int]] = []
+    cute.compile(_trace_quads, tile_m, head_dim, warps_m, warps_n, out)
+    assert len(out) == tile_m * head_dim
+    assert set(out) == {(r, x) for r in range(tile_m) for x in range(head_dim)}
+    assert sorted(bwd_parts.quad_column(x, warps_n) for x in range(head_dim)) == list(range(head_dim))

@@ -224,14 +224,26 @@ def test_sm90_bwd_head_split():
 
 
 def test_sm80_bwd_default_set():
-    defaults = space.default_variants("sm80", "bwd")
+    committed = space.default_variants("sm80", "bwd")
+    defaults = [s for s in committed if not s.dq_quad]
     extra = space.BWD_TUNING_ALTERNATIVES["sm80"]
     assert len(defaults) == 2 * 2 * (len(HEAD_DIMS) + sum(len(tiles) for tiles in extra.values()))
     for spec in defaults:
         tile = (spec.tile_m, spec.tile_n, spec.stages, spec.warps)
         assert tile == space.DEFAULT_BWD_TILES["sm80"][spec.head_dim] or tile in extra[spec.head_dim]
         assert space.smem_bytes(spec) <= space.SM80_SMEM_LIMIT
-    assert space.default_variants("sm80") == sorted(defaults + space.default_variants("sm80", "fwd"))
+    # dq_quad (16-byte dQ reductions into a column-permuted accumulator): the BWD_ALTERNATIVES, bf16,
+    # causal and not, each the twin of a committed tile without the flag
+    quads = [s for s in committed if s.dq_quad]
+    alts = space.BWD_ALTERNATIVES["sm80"]
+    assert len(quads) == 2 * sum(len(a) for a in alts.values())
+    assert {s.dtype for s in quads} == {"bf16"}
+    assert all(s.replace(dq_quad=False) in defaults and space.why_invalid(s) is None for s in quads)
+    assert "dq_quad" in space.why_invalid(
+        space.VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_quad=True)
+    )
+    committed = defaults + quads
+    assert space.default_variants("sm80") == sorted(committed + space.default_variants("sm80", "fwd"))
 
 
 def test_sm80_default_set():

@@ -10,6 +10,8 @@ dtype). The row kernels use one warp per query row, each lane owning the columns
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import warp
 from cutlass.cutlass_dsl import BaseDSL
 
@@ -121,14 +123,101 @@ def postprocess_row(
     lane: Int32,
     head_dim: cutlass.Constexpr,
     dtype: cutlass.Constexpr,
+    quad_warps_n: cutlass.Constexpr = 0,
 ):
-    """One query row, one warp: dQ = scale * (sum of the splits, in split order), in ``dtype``."""
+    """One query row, one warp: dQ = scale * (sum of the splits, in split order), in ``dtype``.
+    ``quad_warps_n`` > 0: the accumulator's columns are permuted as :func:`quad_column` says for a
+    dQ warp grid of that many warps along the columns."""
     for j in cutlass.range_constexpr(head_dim // 32):
         col = lane + 32 * j
+        src = col
+        if cutlass.const_expr(quad_warps_n > 0):
+            src = quad_column(col, quad_warps_n)
         acc = Float32(0.0)
         for s in cutlass.range(cute.size(mdQaccum, mode=[0]), unroll=1):
-            acc = acc + mdQaccum[s, batch, row, head, col]
+            acc = acc + mdQaccum[s, batch, row, head, src]
         mdQ[batch, row, head, col] = dtype(acc * scale)
+
+
+def quad_column(col, warps_n: int):
+    """Where column ``col`` of dQ lives in the column-permuted (``dq_quad``) accumulator of a dQ
+    GEMM whose warp grid has ``warps_n`` warps along the columns. :func:`tiled_mma` gives warp w
+    the n8 atoms w and w + warps_n of each 16 * warps_n columns (span), and lane quad q of a warp
+    columns 2q, 2q + 1 of each atom: the column span * blk + 8 * (warps_n * h + w) + 2q + e moves to
+    span * blk + 16w + 4q + 2h + e, so that a thread's four values of one row in one span (two per
+    atom) are adjacent and 16-byte aligned, and a warp's sixteen per row fill 64 contiguous bytes."""
+    span = 16 * warps_n
+    within = col % span
+    atom = within // 8
+    return (col - within) + 16 * (atom % warps_n) + 4 * ((within % 8) // 2) + 2 * (atom // warps_n) + col % 2
+
+
+def quad_groups(coords0: cute.Tensor, warps_n: int) -> list[tuple[int, int, int, int]]:
+    """Indices (a, b, c, d) of an mma.sync accumulator fragment of :func:`tiled_mma` (``warps_n``
+    warps along the columns) at one row's columns x, x + 1 (first atom), x + 8 * warps_n,
+    x + 8 * warps_n + 1 (second atom), from ``coords0``, thread 0's (static) tile coordinates:
+    every thread's fragment has the same structure, offset by multiples of 8 rows and by its warp's
+    and lane quad's 8w + 2q columns. Raises ValueError if the fragment is not so structured."""
+    span = 16 * warps_n
+    where = {}
+    for i in range(cute.size(coords0)):
+        r, c = coords0[i]
+        where[(int(r), int(c))] = i
+    groups = []
+    for (r, c), i in sorted(where.items(), key=lambda kv: kv[1]):
+        if c % span == 0:
+            try:
+                groups.append((i, where[(r, c + 1)], where[(r, c + span // 2)], where[(r, c + span // 2 + 1)]))
+            except KeyError as e:
+                raise ValueError(f"accumulator fragment without the column quad of ({r}, {c}): {sorted(where)}") from e
+    if 4 * len(groups) != cute.size(coords0):
+        raise ValueError(f"{4 * len(groups)} of {cute.size(coords0)} accumulator elements grouped in column quads")
+    return groups
+
+
+@cute.jit
+def red_add_quads(
+    acc: cute.Tensor,
+    coords: cute.Tensor,
+    groups: cutlass.Constexpr,
+    span: cutlass.Constexpr,
+    gdst: cute.Tensor,
+    row_limit: Int32,
+    tile_rows: cutlass.Constexpr,
+):
+    """gdst += acc for rows below ``row_limit`` into the column-permuted accumulator
+    (:func:`quad_column`), four columns per 16-byte vector reduction (red.global.add.v4.f32,
+    sm_90 and newer): a quarter of the element-wise reductions, and a warp's reduction covers 64
+    contiguous bytes of each of its 8 rows.
+
+    ``acc`` is an mma.sync accumulator fragment of :func:`tiled_mma`, ``coords`` its tile-local
+    (row, col), ``groups`` its column quads (:func:`quad_groups`) and ``span`` 16 * warps_n;
+    ``gdst`` the thread's partition of the fp32 destination in its natural layout (the permuted
+    address of a quad is the natural address of its first element plus 8w + 2q, that element's
+    column modulo ``span``), rows contiguous, 16-byte aligned base, strides multiples of 4.
+    ``tile_rows``: all rows of the tile below ``row_limit`` sends every reduction unpredicated."""
+    quad_type = ir.VectorType.get([4], Float32.mlir_type)
+    # 8w + 2q: the permuted column of a quad is its first natural column plus this.
+    shift = coords[groups[0][0]][1] % span
+    if row_limit >= tile_rows:
+        for g in cutlass.range_constexpr(len(groups)):
+            a, b, c, d = groups[g]
+            quad = vector.from_elements(quad_type, [acc[a].ir_value(), acc[b].ir_value(), acc[c].ir_value(), acc[d].ir_value()])
+            cute.arch.red(
+                gdst.iterator + cute.crd2idx(a, gdst.layout) + shift, quad, op="add", dtype=Float32, sem="relaxed",
+                scope="gpu",
+            )  # fmt: skip
+    else:
+        for g in cutlass.range_constexpr(len(groups)):
+            a, b, c, d = groups[g]
+            if coords[a][0] < row_limit:
+                quad = vector.from_elements(
+                    quad_type, [acc[a].ir_value(), acc[b].ir_value(), acc[c].ir_value(), acc[d].ir_value()]
+                )
+                cute.arch.red(
+                    gdst.iterator + cute.crd2idx(a, gdst.layout) + shift, quad, op="add", dtype=Float32,
+                    sem="relaxed", scope="gpu",
+                )  # fmt: skip
 
 
 @cute.jit
@@ -182,6 +271,13 @@ def vector_red_supported() -> bool:
     """Whether the target being compiled for has red.global.add.v2.f32 (sm_90 and newer; the sm80
     family also compiles for sm_80, sm_86 and sm_89, which have element-wise fp32 reductions only)."""
     return BaseDSL._get_dsl().get_arch_enum().major >= 9
+
+
+def quad_layout() -> bool:
+    """Whether a ``dq_quad`` variant uses the column-permuted accumulator on the target being
+    compiled for (sm_90 and newer: the 16-byte reductions); chosen while tracing, the same for the
+    main kernel and the postprocess of one compile."""
+    return vector_red_supported()
 
 
 def add_rows(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, row_limit: Int32, tile_rows: int = 0):
