@@ -199,13 +199,14 @@ def red_add_quads(
     quad_type = ir.VectorType.get([4], Float32.mlir_type)
     # 8w + 2q: the permuted column of a quad is its first natural column plus this.
     shift = coords[groups[0][0]][1] % span
+    # The shift moves the base once; each quad's address is then the base plus its natural offset.
+    gq = cute.make_tensor(gdst.iterator + shift, gdst.layout)
     if row_limit >= tile_rows:
         for g in cutlass.range_constexpr(len(groups)):
             a, b, c, d = groups[g]
             quad = vector.from_elements(quad_type, [acc[a].ir_value(), acc[b].ir_value(), acc[c].ir_value(), acc[d].ir_value()])
             cute.arch.red(
-                gdst.iterator + cute.crd2idx(a, gdst.layout) + shift, quad, op="add", dtype=Float32, sem="relaxed",
-                scope="gpu",
+                gq.iterator + cute.crd2idx(a, gq.layout), quad, op="add", dtype=Float32, sem="relaxed", scope="gpu",
             )  # fmt: skip
     else:
         for g in cutlass.range_constexpr(len(groups)):
@@ -215,8 +216,8 @@ def red_add_quads(
                     quad_type, [acc[a].ir_value(), acc[b].ir_value(), acc[c].ir_value(), acc[d].ir_value()]
                 )
                 cute.arch.red(
-                    gdst.iterator + cute.crd2idx(a, gdst.layout) + shift, quad, op="add", dtype=Float32,
-                    sem="relaxed", scope="gpu",
+                    gq.iterator + cute.crd2idx(a, gq.layout), quad, op="add", dtype=Float32, sem="relaxed",
+                    scope="gpu",
                 )  # fmt: skip
 
 
