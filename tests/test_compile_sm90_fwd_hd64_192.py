@@ -19,14 +19,17 @@ NAMES = (
     "cutefa_sm90_fwd_bf16_hd64_192x128_s2_w16_causal_ov",
     "cutefa_sm90_fwd_fp16_hd64_192x128_s2_w16_ov",
     "cutefa_sm90_fwd_bf16_hd64_192x128_s2_w16_causal_ov_pp",
+    "cutefa_sm90_fwd_bf16_hd64_192x128_s2_w16_causal_ov_pp_lpt",
 )
 SPECS = [parse_name(n) for n in NAMES]
-# Causal with ping-pong: at ptxas's default register-usage level (sm_90a, DSL 4.8.1) the WGMMA
-# descriptors moved to regular registers (~130 R2UR, about 55 more instructions per key block);
-# its generated module asks ptxas for level 3 (PTXAS_OPTIONS), which keeps the uniform datapath.
+# Causal with ping-pong or the 1-D longest-first grid: at ptxas's default register-usage level
+# (sm_90a, DSL 4.8.1) the WGMMA descriptors moved to regular registers (~130 R2UR, about 55 more
+# instructions per key block); their generated modules ask ptxas for level 3 (PTXAS_OPTIONS),
+# which keeps the uniform datapath.
 PTXAS_OPTIONS = {
-    "cutefa_sm90_fwd_bf16_hd64_192x128_s2_w16_causal_ov_pp": "-regUsageLevel 3",
-    "cutefa_sm90_fwd_fp16_hd64_192x128_s2_w16_causal_ov_pp": "-regUsageLevel 3",
+    f"cutefa_sm90_fwd_{dtype}_hd64_192x128_s2_w16_causal_{flags}": "-regUsageLevel 3"
+    for dtype in ("bf16", "fp16")
+    for flags in ("ov_pp", "ov_lpt", "ov_pp_lpt")
 }
 
 
@@ -72,7 +75,9 @@ def test_sass(cubins, spec):
     if spec.causal:
         assert _count(report, "R2P") > 0, "causal rows: bit masks to predicates"
     r2ur = _count(report, "R2UR")
-    assert r2ur <= 16, f"{spec.name}: {r2ur} R2UR (descriptors left the uniform registers)"
+    # the 1-D grid's tile arithmetic (divisions, once per CTA) adds ~20 outside the key loops
+    limit = 40 if spec.lpt_grid else 16
+    assert r2ur <= limit, f"{spec.name}: {r2ur} R2UR (descriptors left the uniform registers)"
     # one warpgroup arrive and one wait per WGMMA group (S, P V in each loop, prologue S and last
     # P V): ptxas did not serialize the WGMMAs
     assert _count(report, "WARPGROUP.ARRIVE") == 6, report.summary()
