@@ -216,6 +216,9 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
             # the 128x192 tuning tile converts P one score per instruction in bf16 (240 of 280 F2FP
             # element-wise, P V issued in 39 groups): its pair_cvt twin
             (Tile(128, 192, 2, 12), _PCVT_OV_PP),
+            # FlashAttention-4's causal launch order: a longest-first 1-D grid in L2 sections
+            (Tile(192, 128, 2, 16), {"overlap": True, "lpt_grid": True}),
+            (Tile(192, 128, 2, 16), {"overlap": True, "pingpong": True, "lpt_grid": True}),
         ),
         # hd256 128x80 closer to FlashAttention-4's
         # sm90 forward: overlap without ping-pong (its scheduler barrier is off above head dim 128),
@@ -266,6 +269,8 @@ _SM90_SCHEDULES: tuple[dict[str, bool], ...] = tuple(
     for pp in (False, True)
     for persist in (False, True)
     for early, pair in ((True, False), (False, True), (True, True))
+) + tuple(  # the overlap schedule on a 1-D longest-first grid of one CTA per tile
+    {"overlap": True, "pingpong": pp, "lpt_grid": True} for pp in (False, True)
 )
 
 
@@ -435,6 +440,18 @@ def _pair_cvt_rule(spec: VariantSpec) -> str | None:
         return f"pair_cvt (P converted two scores per instruction) is an sm90 forward flag, not a {spec.arch} {spec.direction} one"
     if spec.dtype not in ("fp16", "bf16"):
         return f"pair_cvt: the sm90 {spec.dtype} forward converts P with its own byte permutes"
+    return None
+
+
+def _lpt_grid_rule(spec: VariantSpec) -> str | None:
+    if not spec.lpt_grid:
+        return None
+    if (spec.arch, spec.direction) != ("sm90", "fwd"):
+        return f"lpt_grid (a longest-first 1-D grid) is an sm90 forward flag, not a {spec.arch} {spec.direction} one"
+    if spec.dtype not in ("fp16", "bf16"):
+        return f"lpt_grid: the sm90 {spec.dtype} forward has its own grid"
+    if spec.persistent:
+        return "lpt_grid with persistent: the persistent scheduler walks the tiles longest-first already"
     return None
 
 
@@ -656,6 +673,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _persistent_rule,
     _early_rescale_rule,
     _pair_cvt_rule,
+    _lpt_grid_rule,
     _cta_pair_rule,
     _block_quant_rule,
     _dq_bulk_rule,

@@ -46,6 +46,7 @@ _FLAG_TOKENS = (
     ("cta_pair", "pair"),
     ("block_quant", "blockq"),
     ("dq_bulk", "dqbulk"),
+    ("lpt_grid", "lpt"),
 )
 
 
@@ -96,6 +97,11 @@ class VariantSpec:
     # workspace (one contiguous chunk per query block, in fragment order) that its own postprocess
     # reads back; instead of per-thread 8-byte reductions. Name token _dqbulk.
     dq_bulk: bool = False
+    # sm90 16-bit forward, not persistent: a 1-D grid of one CTA per tile in longest-first order
+    # (FlashAttention-4's causal launch order): the (head, batch) pairs in sections whose K/V fit the
+    # L2 budget, inside a section the last query blocks of all its pairs first (parts.lpt_tile).
+    # Name token _lpt.
+    lpt_grid: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0

@@ -121,6 +121,7 @@ def test_manifest(out):
         "cta_pair": False,
         "block_quant": False,
         "dq_bulk": False,
+        "lpt_grid": False,
         "exp_emu": 0,
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),

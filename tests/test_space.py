@@ -7,7 +7,7 @@ import math
 import pytest
 
 from cutefa import space
-from cutefa.spec import ARCHS, HEAD_DIMS, VariantSpec
+from cutefa.spec import ARCHS, HEAD_DIMS, VariantSpec, parse_name
 
 SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
 
@@ -575,3 +575,26 @@ def test_pair_cvt_twins_and_long_hd128_tiles():
                 space.why_invalid(other) or ""
             ), other.name
 
+def test_lpt_grid_variants():
+    """The 1-D longest-first grid (lpt_grid): committed on the hd64 192x128 overlap tiles (with and
+    without ping-pong, both masks, fp16 and bf16), refused wherever it has no meaning."""
+    fwd = space.default_variants("sm90", "fwd")
+    new = [s for s in fwd if s.lpt_grid]
+    assert {s.name for s in new} == {
+        f"cutefa_sm90_fwd_{dtype}_hd64_192x128_s2_w16{c}{flags}"
+        for dtype in ("bf16", "fp16")
+        for c in ("", "_causal")
+        for flags in ("_ov_lpt", "_ov_pp_lpt")
+    }
+    for spec in new:
+        assert space.why_invalid(spec) is None, spec.name
+        assert spec.name.endswith("_lpt") and parse_name(spec.name) == spec
+    base = new[0]
+    for bad, words in (
+        (base.replace(persistent=True), "lpt_grid with persistent"),
+        (base.replace(dtype="e4m3", tile_n=64, overlap=False, pingpong=False), "lpt_grid: the sm90 e4m3 forward"),
+        (base.replace(direction="bwd", overlap=False, pingpong=False), "not a sm90 bwd one"),
+        (VariantSpec("sm80", "fwd", "bf16", 128, 128, 64, 1, 4, lpt_grid=True), "not a sm80 fwd one"),
+    ):
+        reason = space.why_invalid(bad)
+        assert reason is not None and words in reason, (bad.name, reason)
