@@ -575,6 +575,7 @@ def test_pair_cvt_twins_and_long_hd128_tiles():
                 space.why_invalid(other) or ""
             ), other.name
 
+
 def test_lpt_grid_variants():
     """The 1-D longest-first grid (lpt_grid): committed on the hd64 192x128 overlap tiles (with and
     without ping-pong, both masks, fp16 and bf16), refused wherever it has no meaning."""
