@@ -384,7 +384,11 @@ def _compile(entry: _Entry) -> Any:
     # ``fake_arguments(spec, cutlass, cute)`` in the generated module; forwards share this one.
     make_args = getattr(module, "fake_arguments", _fake_arguments)
     args = make_args(parse_name(entry.name), cutlass, cute)
-    return cute.compile(module.Kernel(), *args, options="--enable-tvm-ffi")
+    # A generated module may name ptxas options of its own (e.g. a register-usage level that keeps
+    # ptxas on the uniform datapath); the constant is part of the hashed source.
+    ptxas = getattr(module, "PTXAS_OPTIONS", "")
+    options = "--enable-tvm-ffi" + (f" --ptxas-options '{ptxas}'" if ptxas else "")
+    return cute.compile(module.Kernel(), *args, options=options)
 
 
 # ---------------------------------------------------------------------------------------------

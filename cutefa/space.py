@@ -48,6 +48,14 @@ SM90_REG_OVERHEAD = 48  # row max/sum, descriptors, pipeline state, addresses
 # mask's row taken from the thread index (templates/fwd_sm90.py.j2). Checked by
 # tests/test_compile_sm90_fwd_hd64_192.py.
 SM90_3WG_NO_SPILL: frozenset[tuple[int, int]] = frozenset({(64, 128)})
+# Two-consumer forwards whose key tile the estimate above rejects but which compile for sm_90a with
+# no spill, six WGMMA arrives and waits and the uniform datapath kept, fp16 and bf16, causal or not:
+# (head_dim, tile_n) of the overlap + ping-pong schedule with P converted two scores per instruction
+# (pair_cvt), exp_emu 0, one CTA per tile. hd128 128x176 (FlashAttention-3's non-causal hd128 tile)
+# peaks at R230-R236 of 240 and 128x192 at R234-R236; without pair_cvt 128x176 spills (182 local
+# loads and stores) and ptxas issues P V one k-step at a time (36 arrives). Checked by
+# tests/test_compile_sm90_fwd_hd128_long.py.
+SM90_PCVT_NO_SPILL: frozenset[tuple[int, int]] = frozenset({(128, 176), (128, 192)})
 # The sm90 fp8 forward: the producer warpgroup keeps 40 registers for the on-chip V transpose, so
 # the two consumer warpgroups get 232 (40 * 128 + 232 * 256 = 168 * 384, what the CTA holds at launch).
 SM90_FP8_CONSUMER_REGS = 232
@@ -199,11 +207,18 @@ TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
 # gives fp16 and bf16, causal and not. hd64 192x128: three consumer warpgroups of 64 rows
 # (FlashAttention-4's sm90 hd64 tile), with the overlap schedule, alone and with the consumers
 # taking turns issuing their MMAs (ping-pong in order 0, 1, 2).
+_PCVT_OV_PP: dict[str, bool] = {"overlap": True, "pingpong": True, "pair_cvt": True}
 TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]] = {
     "sm90": {
         64: (
             (Tile(192, 128, 2, 16), {"overlap": True}),
             (Tile(192, 128, 2, 16), {"overlap": True, "pingpong": True}),
+            # the 128x192 tuning tile converts P one score per instruction in bf16 (240 of 280 F2FP
+            # element-wise, P V issued in 39 groups): its pair_cvt twin
+            (Tile(128, 192, 2, 12), _PCVT_OV_PP),
+            # FlashAttention-4's causal launch order: a longest-first 1-D grid in L2 sections
+            (Tile(192, 128, 2, 16), {"overlap": True, "lpt_grid": True}),
+            (Tile(192, 128, 2, 16), {"overlap": True, "pingpong": True, "lpt_grid": True}),
         ),
         # hd256 128x80 closer to FlashAttention-4's
         # sm90 forward: overlap without ping-pong (its scheduler barrier is off above head dim 128),
@@ -216,6 +231,18 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
             (Tile(128, 80, 2, 12), {"overlap": True, "early_rescale": True, "pair_cvt": True}),
             (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "early_rescale": True, "pair_cvt": True}),
         ),
+        # hd128 with longer key tiles (FlashAttention-3's non-causal hd128 tile is 128x176): half the
+        # per-block fixed costs (barriers, row reductions, the O rescale, pipeline waits) per FLOP.
+        # With the DSL's conversion 128x176 spills; with pair_cvt every tile_n up to 192 fits 240
+        # registers (SM90_PCVT_NO_SPILL). pair_cvt also shortens the 128x128 table tile's loops
+        # (unmasked 494 -> 457 instructions per block, R223 -> R190) though it converts in pairs already.
+        # hd96's default tile converts in pairs already; with pair_cvt its unmasked loop is 434
+        # instructions per block instead of 467 (fewer uniform-datapath ones), R219 -> R184.
+        96: ((Tile(128, 128, 2, 12), _PCVT_OV_PP),),
+        128: tuple((Tile(128, n, 2, 12), _PCVT_OV_PP) for n in (128, 144, 160, 176, 192)),
+        # The default hd192 128x96 tile converts P one score per instruction in bf16 (120 of 180 F2FP
+        # element-wise, P V issued in 21 groups): its pair_cvt twin.
+        192: ((Tile(128, 96, 2, 12), _PCVT_OV_PP),),
     },
 }
 # Tuning alternatives committed in some dtypes only: (arch, head_dim, tile) -> dtypes.
@@ -242,6 +269,8 @@ _SM90_SCHEDULES: tuple[dict[str, bool], ...] = tuple(
     for pp in (False, True)
     for persist in (False, True)
     for early, pair in ((True, False), (False, True), (True, True))
+) + tuple(  # the overlap schedule on a 1-D longest-first grid of one CTA per tile
+    {"overlap": True, "pingpong": pp, "lpt_grid": True} for pp in (False, True)
 )
 
 
@@ -414,6 +443,18 @@ def _pair_cvt_rule(spec: VariantSpec) -> str | None:
     return None
 
 
+def _lpt_grid_rule(spec: VariantSpec) -> str | None:
+    if not spec.lpt_grid:
+        return None
+    if (spec.arch, spec.direction) != ("sm90", "fwd"):
+        return f"lpt_grid (a longest-first 1-D grid) is an sm90 forward flag, not a {spec.arch} {spec.direction} one"
+    if spec.dtype not in ("fp16", "bf16"):
+        return f"lpt_grid: the sm90 {spec.dtype} forward has its own grid"
+    if spec.persistent:
+        return "lpt_grid with persistent: the persistent scheduler walks the tiles longest-first already"
+    return None
+
+
 def _cta_pair_rule(spec: VariantSpec) -> str | None:
     if spec.cta_pair and (spec.arch, spec.direction) != ("sm100", "fwd"):
         return f"cta_pair (2-CTA UMMA) is an sm100 forward flag, not a {spec.arch} {spec.direction} one"
@@ -583,11 +624,30 @@ def sm90_3wg_compiled(spec: VariantSpec) -> bool:
     )
 
 
+def sm90_pcvt_compiled(spec: VariantSpec) -> bool:
+    """Whether ``spec`` is a two-consumer paired-conversion forward of :data:`SM90_PCVT_NO_SPILL`."""
+    return (
+        spec.arch == "sm90"
+        and spec.direction == "fwd"
+        and spec.dtype in ("fp16", "bf16")
+        and spec.tile_m == 128
+        and (spec.head_dim, spec.tile_n) in SM90_PCVT_NO_SPILL
+        and spec.overlap
+        and spec.pingpong
+        and spec.pair_cvt
+        and not spec.early_rescale
+        and not spec.persistent
+        and spec.exp_emu == 0
+    )
+
+
 def _sm90_regs(spec: VariantSpec) -> str | None:
     if spec.dtype == "e4m3" and spec.direction == "fwd" and spec in fp8_alternative_specs(spec.arch):
         return None  # compiled with no spill on sm_90a (tests/test_compile_sm90_fp8.py checks)
     if sm90_3wg_compiled(spec):
         return None  # compiled with no spill on sm_90a (tests/test_compile_sm90_fwd_hd64_192.py checks)
+    if sm90_pcvt_compiled(spec):
+        return None  # compiled with no spill on sm_90a (tests/test_compile_sm90_fwd_hd128_long.py checks)
     estimate = _sm90_registers(spec)
     budget = SM90_FP8_CONSUMER_REGS if spec.dtype == "e4m3" else sm90_consumer_regs(spec)
     if estimate > budget:
@@ -622,6 +682,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _persistent_rule,
     _early_rescale_rule,
     _pair_cvt_rule,
+    _lpt_grid_rule,
     _cta_pair_rule,
     _block_quant_rule,
     _dq_bulk_rule,

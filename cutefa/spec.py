@@ -46,6 +46,7 @@ _FLAG_TOKENS = (
     ("cta_pair", "pair"),
     ("block_quant", "blockq"),
     ("dq_bulk", "dqbulk"),
+    ("lpt_grid", "lpt"),
     ("dq_quad", "dqquad"),
 )
 
@@ -97,6 +98,11 @@ class VariantSpec:
     # workspace (one contiguous chunk per query block, in fragment order) that its own postprocess
     # reads back; instead of per-thread 8-byte reductions. Name token _dqbulk.
     dq_bulk: bool = False
+    # sm90 16-bit forward, not persistent: a 1-D grid of one CTA per tile in longest-first order
+    # (FlashAttention-4's causal launch order): the (head, batch) pairs in sections whose K/V fit the
+    # L2 budget, inside a section the last query blocks of all its pairs first (parts.lpt_tile).
+    # Name token _lpt.
+    lpt_grid: bool = False
     # sm80 backward: the fp32 dQ accumulator's columns permuted (within each span of 16 x the dQ
     # warp grid's columns) so that a thread's four values of one row in a span (two adjacent
     # columns of each of its two n8 MMA atoms there) are adjacent: one 16-byte

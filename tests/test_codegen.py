@@ -121,6 +121,7 @@ def test_manifest(out):
         "cta_pair": False,
         "block_quant": False,
         "dq_bulk": False,
+        "lpt_grid": False,
         "dq_quad": False,
         "exp_emu": 0,
         "template": "fwd_sm80.py.j2",

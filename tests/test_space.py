@@ -7,7 +7,7 @@ import math
 import pytest
 
 from cutefa import space
-from cutefa.spec import ARCHS, HEAD_DIMS, VariantSpec
+from cutefa.spec import ARCHS, HEAD_DIMS, VariantSpec, parse_name
 
 SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
 
@@ -512,7 +512,10 @@ def test_fa4_hd256_schedule_variants():
     early_rescale and pair_cvt refused wherever they have no meaning, each with its reason."""
     fwd = space.default_variants("sm90", "fwd")
     tile = space.Tile(128, 80, 2, 12)
-    new = [s for s in fwd if s.early_rescale or s.pair_cvt or (s.head_dim == 256 and s.tile_n == 80 and not s.pingpong)]
+    new = [
+        s for s in fwd
+        if s.head_dim == 256 and (s.early_rescale or s.pair_cvt or (s.tile_n == 80 and not s.pingpong))
+    ]
     assert {s.name for s in new} == {
         f"cutefa_sm90_fwd_{dt}_hd256_128x80_s2_w12{c}{flags}"
         for dt in ("bf16", "fp16")
@@ -551,3 +554,60 @@ def test_fa4_hd256_schedule_variants():
         ),
     ):
         assert words in space.why_invalid(bad), bad.name
+
+
+def test_pair_cvt_twins_and_long_hd128_tiles():
+    """The paired-conversion overlap + ping-pong forwards outside hd256: hd128 with key tiles 128 to
+    192, the twins of the hd64 128x192, hd96 128x128 and hd192 128x96 tiles; fp16 and bf16, both
+    masks. hd128 128x176 and 128x192 pass the register rule only in that compiled form
+    (SM90_PCVT_NO_SPILL)."""
+    fwd = space.default_variants("sm90", "fwd")
+    new = {s.name for s in fwd if s.pair_cvt and s.head_dim != 256}
+    tiles = [(128, n) for n in (128, 144, 160, 176, 192)] + [(64, 192), (96, 128), (192, 96)]
+    assert new == {
+        f"cutefa_sm90_fwd_{dt}_hd{hd}_128x{n}_s2_w12{c}_ov_pp_pcvt"
+        for dt in ("fp16", "bf16")
+        for hd, n in tiles
+        for c in ("", "_causal")
+    }
+    for hd, n in ((128, 176), (128, 192)):
+        spec = VariantSpec("sm90", "fwd", "bf16", hd, 128, n, 2, 12, overlap=True, pingpong=True, pair_cvt=True)
+        assert space.est_registers(spec) > space.SM90_CONSUMER_REGS
+        assert space.why_invalid(spec) is None
+        assert space.why_invalid(spec.replace(causal=True, dtype="fp16")) is None
+        for other in (
+            spec.replace(pair_cvt=False),
+            spec.replace(pingpong=False),
+            spec.replace(persistent=True),
+            spec.replace(early_rescale=True),
+            spec.replace(exp_emu=25),
+            spec.replace(tile_n=208),
+        ):
+            assert "would spill registers" in (space.why_invalid(other) or "") or "shared memory" in (
+                space.why_invalid(other) or ""
+            ), other.name
+
+
+def test_lpt_grid_variants():
+    """The 1-D longest-first grid (lpt_grid): committed on the hd64 192x128 overlap tiles (with and
+    without ping-pong, both masks, fp16 and bf16), refused wherever it has no meaning."""
+    fwd = space.default_variants("sm90", "fwd")
+    new = [s for s in fwd if s.lpt_grid]
+    assert {s.name for s in new} == {
+        f"cutefa_sm90_fwd_{dtype}_hd64_192x128_s2_w16{c}{flags}"
+        for dtype in ("bf16", "fp16")
+        for c in ("", "_causal")
+        for flags in ("_ov_lpt", "_ov_pp_lpt")
+    }
+    for spec in new:
+        assert space.why_invalid(spec) is None, spec.name
+        assert spec.name.endswith("_lpt") and parse_name(spec.name) == spec
+    base = new[0]
+    for bad, words in (
+        (base.replace(persistent=True), "lpt_grid with persistent"),
+        (base.replace(dtype="e4m3", tile_n=64, overlap=False, pingpong=False), "lpt_grid: the sm90 e4m3 forward"),
+        (base.replace(direction="bwd", overlap=False, pingpong=False), "not a sm90 bwd one"),
+        (VariantSpec("sm80", "fwd", "bf16", 128, 128, 64, 1, 4, lpt_grid=True), "not a sm80 fwd one"),
+    ):
+        reason = space.why_invalid(bad)
+        assert reason is not None and words in reason, (bad.name, reason)

@@ -44,6 +44,11 @@ PERSISTENT = False  # one CTA per SM walking the tiles longest-first
 PP_BARRIER = CONSUMERS + 1  # named barriers CONSUMERS+1 .. 2 CONSUMERS (0: CTA sync, 1..CONSUMERS: epilogues)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 160  # 24 x 128 + CONSUMER_REGS x 128 x CONSUMERS <= 64K
+# ptxas options for this kernel (cutefa.compile passes them). At its default register-usage level
+# (above 3) ptxas gives up the uniform datapath for causal three-consumer tiles with ping-pong or
+# the 1-D longest-first grid at 160 registers: WGMMA descriptors and pipeline state in regular
+# registers (~130 R2UR, ~55 more instructions per key block). Levels 0-3 keep it.
+PTXAS_OPTIONS = "-regUsageLevel 3"
 
 
 class Kernel:
