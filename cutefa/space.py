@@ -54,7 +54,7 @@ SM90_3WG_NO_SPILL: frozenset[tuple[int, int]] = frozenset({(64, 128)})
 # (pair_cvt), exp_emu 0, one CTA per tile. hd128 128x176 (FlashAttention-3's non-causal hd128 tile)
 # peaks at R230-R236 of 240 and 128x192 at R234-R236; without pair_cvt 128x176 spills (182 local
 # loads and stores) and ptxas issues P V one k-step at a time (36 arrives). Checked by
-# tests/test_compile_sm90_fwd_hd128_long.py.
+# tests/test_compile_sm90_fwd_pcvt.py.
 SM90_PCVT_NO_SPILL: frozenset[tuple[int, int]] = frozenset({(128, 176), (128, 192)})
 # The sm90 fp8 forward: the producer warpgroup keeps 40 registers for the on-chip V transpose, so
 # the two consumer warpgroups get 232 (40 * 128 + 232 * 256 = 168 * 384, what the CTA holds at launch).
@@ -647,7 +647,7 @@ def _sm90_regs(spec: VariantSpec) -> str | None:
     if sm90_3wg_compiled(spec):
         return None  # compiled with no spill on sm_90a (tests/test_compile_sm90_fwd_hd64_192.py checks)
     if sm90_pcvt_compiled(spec):
-        return None  # compiled with no spill on sm_90a (tests/test_compile_sm90_fwd_hd128_long.py checks)
+        return None  # compiled with no spill on sm_90a (tests/test_compile_sm90_fwd_pcvt.py checks)
     estimate = _sm90_registers(spec)
     budget = SM90_FP8_CONSUMER_REGS if spec.dtype == "e4m3" else sm90_consumer_regs(spec)
     if estimate > budget:

@@ -20,37 +20,17 @@ Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_dqbulk_gpu.py``.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from gpu_support import hopper_skip_reason as _skip_reason
+from gpu_support import load_sibling as _load
 
 from cutefa import space
 
-
-def _load(name: str):
-    key = f"cutefa_tests_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
 bwd80 = _load("test_bwd_sm80")
 bwd90 = _load("test_bwd_sm90")
-
-
-def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU: torch.cuda.is_available() is False"
-    if torch.cuda.get_device_capability()[0] != 9:
-        return f"needs a Hopper GPU (sm_90a), this GPU is {torch.cuda.get_device_capability()}"
-    return None
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]

@@ -13,27 +13,14 @@ Run on a B200: ``python -m pytest -q tests/gpu/test_fp8_sm100.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from gpu_support import load_sibling as _load
 
 import cutefa
 from cutefa import dispatch, fp8, space
-
-
-def _load(name: str):
-    key = f"cutefa_tests_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
 
 fp8t = _load("test_fp8")
 ref = fp8t.ref

@@ -12,26 +12,13 @@ Run on a B200: ``python -m pytest -q tests/gpu/test_fwd_sm100_pair.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from gpu_support import load_sibling as _load
 
 from cutefa import space
-
-
-def _load(name: str):
-    key = f"cutefa_tests_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
 
 fwd = _load("test_fwd_sm80")
 pytestmark = fwd.pytestmark

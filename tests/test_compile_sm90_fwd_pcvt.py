@@ -1,8 +1,13 @@
-"""The hd128 forwards with longer key tiles (FlashAttention-3's non-causal hd128 tile is 128x176)
-compile for sm_90a within the consumers' 240 registers when P is converted two scores per
-instruction (pair_cvt): no spill, no element-wise F2FP, the WGMMAs issued as whole groups (no
-serialization, remark C7520), and the uniform datapath kept. The register estimate rejects 128x176
-and 128x192; space.SM90_PCVT_NO_SPILL admits them with pair_cvt only (without it 128x176 spills)."""
+"""sm90 forwards that convert P two scores per instruction (pair_cvt) compile for sm_90a within the
+consumers' 240 registers and keep their WGMMAs in flight: no spill, no element-wise F2FP (the form
+``tensor.to(bf16)`` takes for a 64x80 or a 64x144-192 accumulator), one arrive/wait per GEMM group
+(not one per HGMMA: ptxas's serialization, remark C7520), and the uniform datapath kept.
+
+- hd256 128x80, closer to FlashAttention-4's configuration: with the O rescale under S = Q K^T
+  (early_rescale), and with ping-pong.
+- hd128 with longer key tiles (FlashAttention-3's non-causal hd128 tile is 128x176): the register
+  estimate rejects 128x176 and 128x192; space.SM90_PCVT_NO_SPILL admits them with the compiled
+  schedule only (overlap + ping-pong + pair_cvt; without pair_cvt 128x176 spills)."""
 
 from __future__ import annotations
 
@@ -15,16 +20,21 @@ from cutefa.spec import parse_name
 
 pytestmark = pytest.mark.compile
 
-NAMES = (
+LONG_HD128 = (
     "cutefa_sm90_fwd_bf16_hd128_128x176_s2_w12_ov_pp_pcvt",
     "cutefa_sm90_fwd_fp16_hd128_128x192_s2_w12_causal_ov_pp_pcvt",
+)
+NAMES = (
+    "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_erescale_pcvt",
+    "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_ov_pp_pcvt",
+    *LONG_HD128,
 )
 SPECS = [parse_name(n) for n in NAMES]
 
 
 @pytest.fixture(scope="module")
 def cubins(tmp_path_factory):
-    return sass.dump_cubins(SPECS, "sm_90a", tmp_path_factory.mktemp("sm_90a_hd128_long"))
+    return sass.dump_cubins(SPECS, "sm_90a", tmp_path_factory.mktemp("sm_90a_pcvt"))
 
 
 def test_admitted_and_committed():
@@ -32,6 +42,8 @@ def test_admitted_and_committed():
     for spec in SPECS:
         assert space.why_invalid(spec) is None, spec.name
         assert spec in committed, spec.name
+    for name in LONG_HD128:
+        spec = parse_name(name)
         assert space.est_registers(spec) > space.SM90_CONSUMER_REGS, "admitted by the estimate alone"
 
 
@@ -44,7 +56,7 @@ def test_admitted_and_committed():
         "cutefa_sm90_fwd_bf16_hd128_128x192_s2_w12_ov_pp_pcvt_emu25",
     ],
 )
-def test_rejected_without_the_compiled_schedule(name):
+def test_long_hd128_rejected_without_the_compiled_schedule(name):
     assert space.why_invalid(parse_name(name)) is not None, name
 
 
@@ -59,13 +71,16 @@ def test_sass(cubins, spec):
     regions = sass.setmaxnreg_regions(text)
     consumer = [r for r in regions if r[0] == space.SM90_CONSUMER_REGS]
     assert consumer and all(highest < space.SM90_CONSUMER_REGS for _, highest in consumer), regions
-    # S = Q K^T (8 WGMMAs of k16, N = tile_n) and O += P V (tile_n / 16) in the masked and the
+    # S = Q K^T (head_dim / 16 WGMMAs of k16) and O += P V (tile_n / 16) in the masked and the
     # unmasked loop, plus the overlap schedule's prologue S and epilogue P V
     assert report.counts["HGMMA"] == 3 * (spec.head_dim // 16 + spec.tile_n // 16), report.summary()
+    # P (and O in the epilogue) converted in pairs: no F2FP with a zero second operand
     singles = re.findall(r"F2FP\S*\s+R\d+, RZ, R\d+", text)
     assert not singles, f"{spec.name}: {len(singles)} element-wise conversions"
+    # WGMMAs stay asynchronous: one arrive/wait per GEMM group, not one per HGMMA
     arrives = sum(report.forms_of("WARPGROUP.ARRIVE").values())
     waits = sum(report.forms_of("WARPGROUP.DEPBAR").values())
     assert arrives <= 8 and waits <= 8, f"{spec.name}: {arrives} arrives, {waits} waits"
+    # descriptors and pipeline state in uniform registers (hundreds of R2UR when ptxas gives that up)
     r2ur = sum(report.forms_of("R2UR").values())
     assert r2ur <= 40, f"{spec.name}: {r2ur} R2UR"
