@@ -478,6 +478,21 @@ def _dq_bulk_rule(spec: VariantSpec) -> str | None:
     return None
 
 
+def _dq_warp_rule(spec: VariantSpec) -> str | None:
+    if not spec.dq_warp:
+        return None
+    if (spec.arch, spec.direction) != ("sm90", "bwd"):
+        return f"dq_warp (a dQ-writer warp) is an sm90 backward flag, not a {spec.arch} {spec.direction} one"
+    if not spec.dq_bulk:
+        return "dq_warp without dq_bulk: the dQ-writer warp issues the bulk reduce-adds of dq_bulk's staged pieces"
+    if sm90_bwd_head_split(spec) or sm90_bwd_swapped(spec) or sm90_bwd_dq_swapped(spec):
+        return (
+            f"dq_warp with tile_m={spec.tile_m}, tile_n={spec.tile_n}, head_dim={spec.head_dim}: the dQ-writer "
+            "warp is built for the tile_n=128 backward with tile_m 64 or 128 (templates/bwd_sm90.py.j2) only"
+        )
+    return None
+
+
 def _dq_quad_rule(spec: VariantSpec) -> str | None:
     if spec.dq_quad and (spec.arch, spec.direction) != ("sm80", "bwd"):
         return (
@@ -686,6 +701,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _cta_pair_rule,
     _block_quant_rule,
     _dq_bulk_rule,
+    _dq_warp_rule,
     _dq_quad_rule,
     _head_dim_rule,
     why_no_kernel,
@@ -952,8 +968,16 @@ _TILE_GRID["sm90"] = (
 )
 # Backward schedules: the default, and overlap (a query block's dQ WGMMA stays in flight and its
 # reductions into dq_accum are issued behind the next block's S^T/dP^T WGMMAs); each with dQ added
-# by per-thread reductions or by one bulk reduce-add per consumer and query block (dq_bulk).
-_FLAG_SETS[("sm90", "bwd")] = ({}, {"overlap": True}, {"dq_bulk": True}, {"overlap": True, "dq_bulk": True})
+# by per-thread reductions or by one bulk reduce-add per consumer and query block (dq_bulk), the
+# bulk reduce-adds issued by the consumers or by a dQ-writer warp of the producer warpgroup (dq_warp).
+_FLAG_SETS[("sm90", "bwd")] = (
+    {},
+    {"overlap": True},
+    {"dq_bulk": True},
+    {"overlap": True, "dq_bulk": True},
+    {"dq_bulk": True, "dq_warp": True},
+    {"overlap": True, "dq_bulk": True, "dq_warp": True},
+)
 # sm80 backward: dQ reductions in the accumulator's natural layout, or 16-byte ones into a
 # column-permuted one (dq_quad).
 _FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True})
@@ -978,6 +1002,8 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             (Tile(128, 128, 2, 12), {"overlap": True}),
             (Tile(128, 128, 3, 12), {"overlap": True}),
             (Tile(128, 128, 2, 12), {"overlap": True, "dq_bulk": True}),
+            # the dQ-writer warp on the tuned table's tile (docs/perf-notes.md "A dQ-writer warp")
+            (Tile(128, 128, 2, 12), {"dq_bulk": True, "dq_warp": True}),
         ),
         128: (
             (Tile(64, 128, 2, 12), {}),
@@ -988,6 +1014,9 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             # FlashAttention-4's non-causal hd128 tile: 80 query rows per step, dQ transposed
             # (sm90_bwd_dq_swapped); docs/perf-notes.md "hd128 backward beside FA4's configuration".
             (Tile(80, 128, 2, 12), {"dq_bulk": True}),
+            # the dQ-writer warp on the tuned table's tile, with and without the overlap schedule
+            (Tile(64, 128, 2, 12), {"dq_bulk": True, "dq_warp": True}),
+            (Tile(64, 128, 2, 12), {"overlap": True, "dq_bulk": True, "dq_warp": True}),
         ),
         # The head-dim split's overlap: each consumer issues dV and dK over its own 32 queries with
         # P^T, dS^T as register operands before the per-block barrier, the other consumer's 32

@@ -46,6 +46,7 @@ _FLAG_TOKENS = (
     ("cta_pair", "pair"),
     ("block_quant", "blockq"),
     ("dq_bulk", "dqbulk"),
+    ("dq_warp", "dqw"),
     ("lpt_grid", "lpt"),
     ("dq_quad", "dqquad"),
 )
@@ -98,6 +99,11 @@ class VariantSpec:
     # workspace (one contiguous chunk per query block, in fragment order) that its own postprocess
     # reads back; instead of per-thread 8-byte reductions. Name token _dqbulk.
     dq_bulk: bool = False
+    # sm90 backward with dq_bulk (templates/bwd_sm90.py.j2 only): a dQ-writer warp (FlashAttention-3's
+    # dQ path as FA3/FA4 run it): warp 1 of the producer warpgroup issues every bulk reduce-add of dQ
+    # and waits for it, synchronized with each consumer by a "dQ full" and a "dQ empty" named
+    # barrier; the consumers only stage their piece in shared memory and arrive. Name token _dqw.
+    dq_warp: bool = False
     # sm90 16-bit forward, not persistent: a 1-D grid of one CTA per tile in longest-first order
     # (FlashAttention-4's causal launch order): the (head, batch) pairs in sections whose K/V fit the
     # L2 budget, inside a section the last query blocks of all its pairs first (parts.lpt_tile).

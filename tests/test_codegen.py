@@ -121,6 +121,7 @@ def test_manifest(out):
         "cta_pair": False,
         "block_quant": False,
         "dq_bulk": False,
+        "dq_warp": False,
         "lpt_grid": False,
         "dq_quad": False,
         "exp_emu": 0,

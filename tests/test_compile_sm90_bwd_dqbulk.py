@@ -36,7 +36,7 @@ from cutefa.spec import VariantSpec
 BULK = [
     s
     for s in space.default_variants("sm90", "bwd")
-    if s.dq_bulk and not (space.sm90_bwd_swapped(s) or space.sm90_bwd_dq_swapped(s))
+    if s.dq_bulk and not (s.dq_warp or space.sm90_bwd_swapped(s) or space.sm90_bwd_dq_swapped(s))
 ]
 # hd128 64x128 (a column split of dQ) non-causal, hd64 128x128 (a row split) causal; and the overlap
 # schedule's bulk path (its dQ staging runs while dK's WGMMA does) at hd128; the head-dim split at

@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, re
 BULK = [
     s
     for s in space.default_variants("sm90", "bwd")
-    if s.dq_bulk and not (space.sm90_bwd_swapped(s) or space.sm90_bwd_dq_swapped(s))
+    if s.dq_bulk and not (s.dq_warp or space.sm90_bwd_swapped(s) or space.sm90_bwd_dq_swapped(s))
 ]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 SHAPES = (

@@ -7,8 +7,9 @@ heads of dk/dv are summed as backward.py does. Gradients are judged against floa
 the exact attention, with the tolerance of tests/gpu/test_bwd_sm80.py (at most 3x the error of
 PyTorch's own attention on the same low-precision inputs). Shapes: ragged lengths (1, 17, 1000,
 4097), seqlen_q != seqlen_k both ways, GQA and MQA; deterministic=1 must be bitwise reproducible.
-An alternative (another Q/dO ring depth, the overlap schedule, the dq_bulk path) does the same
-arithmetic in the same order as its default twin, so with deterministic=1 their gradients must be bitwise equal. (One
+An alternative (another Q/dO ring depth, the overlap schedule, the dq_bulk path, the dQ-writer
+warp) does the same arithmetic in the same order as its default twin, so with deterministic=1
+their gradients must be bitwise equal. (One
 exception: the head-dim split's overlap (head dims 192/256) adds consumer 1's dK/dV columns over
 the two query halves in the other order; those columns must be close, the rest bitwise equal. And
 the head-dim-192 partition with dK/dV swapped onto WGMMA's M axis, 96 keys per CTA, sums in other
@@ -42,7 +43,7 @@ def _default_twin(spec):
     tile = space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
     return spec.replace(
         tile_m=tile.tile_m, tile_n=tile.tile_n, stages=tile.stages, warps=tile.warps, overlap=False,
-        dq_bulk=bool(space.default_extras("sm90", "bwd", spec.head_dim).get("dq_bulk")),
+        dq_bulk=bool(space.default_extras("sm90", "bwd", spec.head_dim).get("dq_bulk")), dq_warp=False,
     )  # fmt: skip
 
 

@@ -29,7 +29,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutefa.kernels.common.reduce import bulk_reduce_add_f32, red_add_pairs, st_shared_f32x4
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80.bwd_parts import warp_allreduce_sum
-from cutefa.kernels.sm90.parts import WG_ROWS
+from cutefa.kernels.sm90.parts import WG_ROWS, WG_THREADS
 
 
 def smem_layouts(dtype, tile_m: int, tile_n: int, head_dim: int, stages: int):
@@ -508,6 +508,137 @@ def dq_bulk_step_under_dk(
         mma, t_a, t_b, acc_shape, dkv_mma, acc_dK, rdS, t_qt, buf, handle,
         lambda acc: stage_and_reduce(acc, s_base, g_addr, wtid, barrier_id),
     )
+
+
+# --- dq_warp: a dQ-writer warp (FlashAttention-3/4's dQ path) --------------------------------------
+# The consumers stage their piece as in dq_bulk, then arrive on their "dQ full" named barrier; warp
+# 1 of the producer warpgroup (WRITER_THREADS threads) waits on it, issues the bulk reduce-add,
+# waits until the copy has read the buffer (deterministic: until it is complete) and arrives on the
+# consumer's "dQ empty" barrier, which the consumer syncs on before it writes the buffer again. The
+# writer arrives on "dQ empty" once before the loop and each consumer syncs once after it, so every
+# barrier generation is completed.
+
+WRITER_THREADS = 32
+
+
+def writer_barrier_threads() -> int:
+    """Threads of a dQ full / dQ empty named barrier: one consumer warpgroup and the writer warp."""
+    return WG_THREADS + WRITER_THREADS
+
+
+@cute.jit
+def stage_for_writer(
+    acc: cute.Tensor, s_base: Int32, wtid: Int32, empty_id: cutlass.Constexpr, full_id: cutlass.Constexpr
+):
+    """``acc`` (this thread's fragment of a dQ piece) -> shared memory at ``s_base`` in fragment
+    order (as :func:`stage_and_reduce`), once the writer warp's previous bulk copy has read the
+    buffer (``empty_id``); then fenced to the async proxy and handed to the writer (``full_id``)."""
+    n = cute.size(acc)
+    cute.arch.barrier(barrier_id=empty_id, number_of_threads=writer_barrier_threads())
+    s_thread = s_base + wtid * (BULK_VEC * 4)
+    for j in cutlass.range_constexpr(n // BULK_VEC):
+        st_shared_f32x4(
+            s_thread + j * (WG_ROWS * 2 * BULK_VEC * 4),
+            acc[BULK_VEC * j], acc[BULK_VEC * j + 1], acc[BULK_VEC * j + 2], acc[BULK_VEC * j + 3],
+        )  # fmt: skip
+    cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> visible to the bulk copy
+    cute.arch.barrier_arrive(barrier_id=full_id, number_of_threads=writer_barrier_threads())
+
+
+@cute.jit
+def dq_warp_step(
+    mma: cute.TiledMma,
+    t_a: cute.Tensor,
+    t_b: cute.Tensor,
+    acc_shape: cutlass.Constexpr,
+    buf: Int32,
+    handle,
+    s_base: Int32,
+    wtid: Int32,
+    empty_id: cutlass.Constexpr,
+    full_id: cutlass.Constexpr,
+):
+    """:func:`dq_bulk_step` with the dQ-writer warp: acc = dS K (dS buffer ``buf``) behind the dV/dK
+    WGMMAs, the Q/dO stage released once those are done, then acc staged for the writer
+    (:func:`stage_for_writer`)."""
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+    acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(1)
+    handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
+    warpgroup.wait_group(0)
+    stage_for_writer(acc, s_base, wtid, empty_id, full_id)
+
+
+@cute.jit
+def dq_warp_step_under_dk(
+    mma: cute.TiledMma,
+    t_a: cute.Tensor,
+    t_b: cute.Tensor,
+    acc_shape: cutlass.Constexpr,
+    dkv_mma: cute.TiledMma,
+    acc_dK: cute.Tensor,
+    rdS: cute.Tensor,
+    t_qt: cute.Tensor,
+    buf: Int32,
+    handle,
+    s_base: Int32,
+    wtid: Int32,
+    empty_id: cutlass.Constexpr,
+    full_id: cutlass.Constexpr,
+):
+    """:func:`dq_bulk_step_under_dk` with the dQ-writer warp: dQ, then dK as its own group; acc
+    staged for the writer while dK runs; the Q/dO stage released after dK."""
+    _dq_then_dk(
+        mma, t_a, t_b, acc_shape, dkv_mma, acc_dK, rdS, t_qt, buf, handle,
+        lambda acc: stage_for_writer(acc, s_base, wtid, empty_id, full_id),
+    )
+
+
+@cute.jit
+def _writer_wait(pending: cutlass.Constexpr, deterministic: Int32):
+    """The writer's bulk groups until at most ``pending`` are outstanding: read (or, with
+    ``deterministic``, complete: the next add into the same chunk lands after it)."""
+    if deterministic != 0:
+        cute.arch.cp_async_bulk_wait_group(pending)
+    else:
+        cute.arch.cp_async_bulk_wait_group(pending, read=True)
+
+
+@cute.jit
+def dq_writer_block(
+    g_chunk,
+    s_base0: Int32,
+    s_base1: Int32,
+    offsets: cutlass.Constexpr,
+    piece_bytes: cutlass.Constexpr,
+    lane: Int32,
+    deterministic: Int32,
+    full_id: cutlass.Constexpr,
+    empty_id: cutlass.Constexpr,
+):
+    """The writer warp's work for one query block: for consumer 0, then 1, wait until its piece is
+    staged (``full_id + c``) and add it into the block's chunk (``g_chunk``, the fp32 pointer of
+    dq_accum; piece c at word ``offsets[c]``) with one bulk reduce-add (lane 0), each its own group;
+    then each consumer's buffer is handed back (``empty_id + c``) as soon as its copy has read it
+    (deterministic: completed)."""
+    threads = writer_barrier_threads()
+    cute.arch.barrier(barrier_id=full_id, number_of_threads=threads)
+    if lane == 0:
+        bulk_reduce_add_f32((g_chunk + offsets[0]).toint(), s_base0, piece_bytes[0])
+        cute.arch.cp_async_bulk_commit_group()
+    cute.arch.barrier(barrier_id=full_id + 1, number_of_threads=threads)
+    if lane == 0:
+        bulk_reduce_add_f32((g_chunk + offsets[1]).toint(), s_base1, piece_bytes[1])
+        cute.arch.cp_async_bulk_commit_group()
+        _writer_wait(1, deterministic)  # consumer 0's copy
+    cute.arch.barrier_arrive(barrier_id=empty_id, number_of_threads=threads)
+    if lane == 0:
+        _writer_wait(0, deterministic)  # consumer 1's copy
+    cute.arch.barrier_arrive(barrier_id=empty_id + 1, number_of_threads=threads)
 
 
 @cute.jit
