@@ -153,6 +153,42 @@ def test_variant(gen, spec):
             assert torch.all(out[:, :rows] == 0) and torch.all(torch.isneginf(lse[:, :, :rows]))
 
 
+HOISTED = [s for s in FP8_VARIANTS if s.hoist_vt]
+
+
+def test_hoisted_transpose_variants_are_tested():
+    assert {(s.head_dim, s.causal) for s in HOISTED} == {(128, False), (128, True), (256, False), (256, True)}
+    assert all(s.replace(hoist_vt=False) in FP8_VARIANTS for s in HOISTED)
+
+
+@pytest.mark.parametrize("spec", HOISTED, ids=lambda s: s.name)
+def test_hoisted_transpose_matches_its_twin(gen, spec):
+    """A _hvt variant moves the same V bytes into the same Vt words as its twin without the flag,
+    and nothing else differs: the outputs and LSEs are bitwise equal on ragged shapes (partial
+    tiles, sq != sk, GQA; causal or not as the spec says), with several key blocks so every ring
+    stage is used."""
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+
+    hoisted = get_kernel(spec, current_target())
+    twin = get_kernel(spec.replace(hoist_vt=False), current_target())
+    scale = ref.default_scale(spec.head_dim)
+    for batch, sq, sk, hq, hkv in SHAPES:
+        q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
+        fp8s, descales = quantize(q, k, v)
+        results = []
+        for kernel in (hoisted, twin):
+            out = torch.full((batch, sq, hq, spec.head_dim), math.nan, dtype=torch.bfloat16, device="cuda")
+            lse = torch.full((batch, hq, sq), math.nan, device="cuda")
+            kernel(*fp8s, out, lse, *kv_head_descales(descales, batch, hkv), scale)
+            results.append((out, lse))
+        torch.cuda.synchronize()
+        (out, lse), (out_twin, lse_twin) = results
+        what = f"{spec.name} {(batch, sq, sk, hq, hkv)}"
+        assert torch.equal(out.view(torch.int16), out_twin.view(torch.int16)), what
+        assert torch.equal(lse.view(torch.int32), lse_twin.view(torch.int32)), what
+
+
 @pytest.mark.parametrize("head_dim", sorted({s.head_dim for s in FP8_VARIANTS}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
