@@ -248,3 +248,45 @@ def test_hoisted_transpose_sass(cubins, alternative_cubins, spec):
     for op in ("QGMMA", "MUFU.EX2", "F2FP.SATFINITE.E4M3"):
         assert report.counts[op] == twin_report.counts[op], (op, report.summary(), twin_report.summary())
     assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0
+
+
+def test_smem_layouts_match_the_dsl(tmp_path):
+    """fp8.SMEM_LAYOUTS_V_VT (what tests/test_fp8_layout.py evaluates the hoisted transpose's
+    addresses with) are the layouts fp8.smem_layouts builds; and the byte offset of word (row, w)
+    through the 32-bit recast view (what the plain transpose indexes) is 4x the word offset, i.e.
+    the byte layout's offset at (row, 4 w)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
+        "import cutlass, cutlass.cute as cute\n"
+        "from cutefa.kernels.sm90 import fp8\n"
+        "@cute.jit\n"
+        "def probe():\n"
+        "    for (tile_n, head_dim, stages) in fp8.SMEM_LAYOUTS_V_VT:\n"
+        "        _, _, sv, svt = fp8.smem_layouts(tile_n, head_dim, 2, stages)\n"
+        "        print('L', tile_n, head_dim, stages, str(sv) + '|' + str(svt))\n"
+        "        for lay, rows, cols in ((sv, tile_n, head_dim), (svt, head_dim, tile_n)):\n"
+        "            l32 = cute.recast_layout(32, 8, lay.outer)\n"
+        "            bad = [(r, w, s) for s in range(stages) for r in range(rows) for w in range(cols // 4)\n"
+        "                   if 4 * l32((r, w, s)) != lay.outer((r, 4 * w, s))]\n"
+        "            print('R', tile_n, head_dim, stages, len(bad))\n"
+        "probe()\n"
+    )
+    script = tmp_path / "probe_smem.py"  # the DSL compiles functions from their source file
+    script.write_text(code)
+    root = str(Path(fp8.__file__).resolve().parents[3])  # this checkout's cutefa, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    layouts = {}
+    for line in proc.stdout.splitlines():
+        kind, *rest = line.split(" ", 4)
+        if kind == "L":
+            layouts[tuple(int(x) for x in rest[:3])] = tuple(rest[3].split("|"))
+        elif kind == "R":
+            assert rest[3] == "0", line
+    assert layouts == fp8.SMEM_LAYOUTS_V_VT
