@@ -126,8 +126,13 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             (Tile(128, 128, 3, 12), {"overlap": True, "pingpong": True, "exp_emu": 25}),
             (Tile(128, 128, 3, 12), {"overlap": True}),
             (Tile(128, 160, 3, 12), {"pingpong": True}),
+            # The default tile with the V transpose's addresses hoisted (hoist_vt): the producer's
+            # 603-647 instructions per key block and warp drop to ~140-190 (docs/perf-notes.md, "fp8
+            # forward: where the instructions go").
+            (Tile(128, 128, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
         ),
         256: (
+            (Tile(128, 64, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 64, 3, 12), {"overlap": True, "pingpong": True}),
             (Tile(128, 64, 4, 12), {"overlap": True, "pingpong": True}),
         ),
@@ -443,6 +448,17 @@ def _pair_cvt_rule(spec: VariantSpec) -> str | None:
     return None
 
 
+def _hoist_vt_rule(spec: VariantSpec) -> str | None:
+    if not spec.hoist_vt:
+        return None
+    if (spec.arch, spec.direction, spec.dtype) != ("sm90", "fwd", "e4m3"):
+        return (
+            "hoist_vt (the V transpose's addresses hoisted) is an sm90 e4m3 forward flag, not a "
+            f"{spec.arch} {spec.dtype} {spec.direction} one"
+        )
+    return None
+
+
 def _lpt_grid_rule(spec: VariantSpec) -> str | None:
     if not spec.lpt_grid:
         return None
@@ -697,6 +713,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _persistent_rule,
     _early_rescale_rule,
     _pair_cvt_rule,
+    _hoist_vt_rule,
     _lpt_grid_rule,
     _cta_pair_rule,
     _block_quant_rule,

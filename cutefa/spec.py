@@ -49,6 +49,7 @@ _FLAG_TOKENS = (
     ("dq_warp", "dqw"),
     ("lpt_grid", "lpt"),
     ("dq_quad", "dqquad"),
+    ("hoist_vt", "hvt"),
 )
 
 
@@ -117,6 +118,11 @@ class VariantSpec:
     # permutation. Compiled for sm_80/86/89 the variant keeps the natural layout and element-wise
     # reductions. Name token _dqquad.
     dq_quad: bool = False
+    # sm90 e4m3 forward: the producer's V transpose addresses V and Vt as a few per-thread swizzled
+    # byte bases (computed once, before the key loop) plus compile-time offsets, its steps unrolled
+    # (fp8.TransposeV), instead of indexing the swizzled 32-bit views per word; the same bytes land
+    # in the same Vt words. Name token _hvt.
+    hoist_vt: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0

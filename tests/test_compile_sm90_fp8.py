@@ -7,6 +7,8 @@ MMAs, exp2 count and conversions and add one 16-byte load of the key tile's scal
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cutefa import sass, space
@@ -168,3 +170,123 @@ def test_block_sass(cubins, block_cubins, spec):
     regions = sass.setmaxnreg_regions(text)
     assert [budget for budget, _ in regions] == [40, 232], regions
     assert all(used < budget for budget, used in regions), regions
+
+
+# hoist_vt (_hvt): the default tiles with the V transpose's addresses hoisted (fp8.TransposeV).
+HOISTED = [s for s in FP8_ALTERNATIVES if s.hoist_vt]
+
+
+def _instructions(text: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of every SASS instruction of ``text``, in code order."""
+    return [
+        (int(m.group(1), 16), m.group(2))
+        for m in re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*);", text, re.MULTILINE)
+    ]
+
+
+def producer_block_instructions(text: str, steps_per_trip: int, steps: int) -> int:
+    """Instructions one producer warp (not warp 0, which also issues the TMA loads) executes per
+    key block, counted from the SASS: the producer's key loop (the outermost backward branch between
+    the two setmaxnreg marks) taken once, less warp 0's TMA stretch, plus each further trip of an
+    inner transpose loop (a backward branch over shared loads, ``steps / steps_per_trip`` trips);
+    mbarrier retry loops count once."""
+    lines = _instructions(text)
+    marks = [i for i, (_, ins) in enumerate(lines) if "USETMAXREG" in ins]
+    producer = lines[marks[0] : marks[1]]
+    index = {addr: i for i, (addr, _) in enumerate(producer)}
+    loops = []
+    for i, (addr, ins) in enumerate(producer):
+        target = re.search(r"\bBRA\s+(?:`?\(?)0x([0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) < addr and int(target.group(1), 16) in index:
+            loops.append((index[int(target.group(1), 16)], i))
+    start, end = max(loops, key=lambda lp: lp[1] - lp[0])
+    body = producer[start : end + 1]
+    # warp 0's TMA stretch: the first forward branch in the loop skips it for the other warps
+    skip = next(
+        (int(m.group(1), 16) for _, ins in body if (m := re.search(r"@P\d BRA\s+0x([0-9a-f]+)", ins))),
+        None,
+    )
+    count = len(body)
+    if skip is not None and skip in index:
+        first = next(i for i, (_, ins) in enumerate(body) if re.search(r"@P\d BRA", ins))
+        count -= index[skip] - (start + first + 1)
+    for s, e in loops:
+        if start < s and e < end and any(ins.startswith("LDS") for _, ins in producer[s : e + 1]):
+            count += (e - s + 1) * (steps // steps_per_trip - 1)
+    return count
+
+
+def test_hoisted_variants_are_committed():
+    assert {(s.head_dim, s.tile_n, s.stages, s.causal) for s in HOISTED} == {
+        (128, 128, 2, False), (128, 128, 2, True), (256, 64, 2, False), (256, 64, 2, True),
+    }  # fmt: skip
+    twins = {s.replace(hoist_vt=False) for s in HOISTED}
+    assert twins <= set(FP8_DEFAULTS)
+
+
+@pytest.mark.parametrize("spec", [s for s in HOISTED if not s.causal], ids=lambda s: s.name)
+def test_hoisted_transpose_sass(cubins, alternative_cubins, spec):
+    """The _hvt producer: the transpose fully unrolled (each step's 4 LDS, 8 PRMT, 4 STS once in the
+    producer's code), and per key block a producer warp executes under a third of its twin's
+    instructions (hd128: 603 -> 179, hd256: 726 -> 174 on sm_90a); the consumers' code keeps its
+    QGMMA, MUFU.EX2 and e4m3 conversion counts."""
+    twin = spec.replace(hoist_vt=False)
+    assert twin in CHECKED
+    text = sass.disassemble(alternative_cubins[spec.name])
+    twin_text = sass.disassemble(cubins[twin.name])
+    steps = fp8.transpose_steps(spec.tile_n, spec.head_dim)
+    lines = _instructions(text)
+    marks = [i for i, (_, ins) in enumerate(lines) if "USETMAXREG" in ins]
+    producer_ops = [ins.split()[0] if not ins.startswith("@") else ins.split()[1] for _, ins in lines[marks[0] : marks[1]]]
+    assert sum(op == "LDS" for op in producer_ops) == 4 * steps
+    assert sum(op == "STS" for op in producer_ops) == 4 * steps
+    assert sum(op == "PRMT" for op in producer_ops) == 8 * steps
+    hoisted = producer_block_instructions(text, steps, steps)
+    before = producer_block_instructions(twin_text, 2, steps)  # the twin's loop is unrolled twice
+    assert 16 * steps < hoisted < 200 and before > 3 * hoisted, (hoisted, before)
+    report, twin_report = sass.analyze(alternative_cubins[spec.name]), sass.analyze(cubins[twin.name])
+    for op in ("QGMMA", "MUFU.EX2", "F2FP.SATFINITE.E4M3"):
+        assert report.counts[op] == twin_report.counts[op], (op, report.summary(), twin_report.summary())
+    assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0
+
+
+def test_smem_layouts_match_the_dsl(tmp_path):
+    """fp8.SMEM_LAYOUTS_V_VT (what tests/test_fp8_layout.py evaluates the hoisted transpose's
+    addresses with) are the layouts fp8.smem_layouts builds; and the byte offset of word (row, w)
+    through the 32-bit recast view (what the plain transpose indexes) is 4x the word offset, i.e.
+    the byte layout's offset at (row, 4 w)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
+        "import cutlass, cutlass.cute as cute\n"
+        "from cutefa.kernels.sm90 import fp8\n"
+        "@cute.jit\n"
+        "def probe():\n"
+        "    for (tile_n, head_dim, stages) in fp8.SMEM_LAYOUTS_V_VT:\n"
+        "        _, _, sv, svt = fp8.smem_layouts(tile_n, head_dim, 2, stages)\n"
+        "        print('L', tile_n, head_dim, stages, str(sv) + '|' + str(svt))\n"
+        "        for lay, rows, cols in ((sv, tile_n, head_dim), (svt, head_dim, tile_n)):\n"
+        "            l32 = cute.recast_layout(32, 8, lay.outer)\n"
+        "            bad = [(r, w, s) for s in range(stages) for r in range(rows) for w in range(cols // 4)\n"
+        "                   if 4 * l32((r, w, s)) != lay.outer((r, 4 * w, s))]\n"
+        "            print('R', tile_n, head_dim, stages, len(bad))\n"
+        "probe()\n"
+    )
+    script = tmp_path / "probe_smem.py"  # the DSL compiles functions from their source file
+    script.write_text(code)
+    root = str(Path(fp8.__file__).resolve().parents[3])  # this checkout's cutefa, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    layouts = {}
+    for line in proc.stdout.splitlines():
+        kind, *rest = line.split(" ", 4)
+        if kind == "L":
+            layouts[tuple(int(x) for x in rest[:3])] = tuple(rest[3].split("|"))
+        elif kind == "R":
+            assert rest[3] == "0", line
+    assert layouts == fp8.SMEM_LAYOUTS_V_VT

@@ -139,3 +139,136 @@ def test_operand_product_equals_p_v(tile_n, head_dim):
             a_op[idx % ROWS, idx // ROWS + 32 * kb] = p[m, n]
     vt = _transpose(v_bytes).astype(np.float64)
     np.testing.assert_allclose(a_op @ vt.T, p @ v_bytes.astype(np.float64))
+
+
+# --- The hoisted transpose addressing (fp8.TransposeV) against the plain swizzled indexing -------
+
+
+def _composed(text: str):
+    """A byte-offset function (row, col, stage) of a staged swizzled layout string as the DSL prints
+    it, e.g. ``S<3,4,3> o 0 o ((8,16),(128,1),(1,2)):((128,1024),(1,0),(0,16384))``: the outer
+    layout's offset (each mode's coordinate split colexicographically over its sub-shape), then
+    the swizzle."""
+    swz, offset, outer = (part.strip() for part in text.split(" o "))
+    assert offset == "0"
+    bits, base, shift = (int(x) for x in swz[2:-1].split(","))
+    shape_text, stride_text = outer.split(":")
+
+    def parse(part: str) -> list[list[int]]:
+        return [[int(x) for x in m.strip("()").split(",")] for m in part.strip()[1:-1].split("),(")]
+
+    shapes, strides = parse(shape_text), parse(stride_text)
+
+    def offset_of(*coord: int) -> int:
+        total = 0
+        for c, shape, stride in zip(coord, shapes, strides):
+            assert 0 <= c < int(np.prod(shape)), (coord, shapes)
+            for extent, st in zip(shape, stride):
+                total += (c % extent) * st
+                c //= extent
+        return fp8.swizzle_bytes(total, bits, base, shift)
+
+    stages = int(np.prod(shapes[2]))
+    stage_bytes = (
+        max(
+            offset_of(r, c, 0) for r in range(int(np.prod(shapes[0]))) for c in range(int(np.prod(shapes[1])))
+        )
+        + 1
+    )
+    return offset_of, stages, stage_bytes, (bits, base, shift)
+
+
+TILES = sorted(fp8.SMEM_LAYOUTS_V_VT)
+
+
+def _plan(tile_n, head_dim, stages):
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    v_off, _, _, _ = _composed(v_text)
+    vt_off, _, _, _ = _composed(vt_text)
+    return fp8.transpose_plan(
+        lambda c: v_off(c[0], 4 * c[1], 0), lambda c: vt_off(c[0], 4 * c[1], 0), tile_n, head_dim
+    )
+
+
+def test_every_committed_e4m3_tile_has_its_smem_layouts():
+    from cutefa import space
+
+    e4m3 = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3"]
+    tiles = {(s.tile_n, s.head_dim, s.stages) for s in e4m3}
+    assert tiles <= set(fp8.SMEM_LAYOUTS_V_VT)
+    assert any(s.hoist_vt for s in e4m3)
+
+
+@pytest.mark.parametrize(("tile_n", "head_dim", "stages"), TILES)
+def test_hoisted_addresses_equal_the_swizzled_indexing(tile_n, head_dim, stages):
+    """Every load and store of the hoisted transpose, for every thread, step and stage of the ring:
+    the runtime base (the swizzled stage-0 offset of the plan's representative access, plus the
+    stage's start) plus the compile-time offset is the byte address that indexing the swizzled
+    layout at the unit's coordinates (fp8.transpose_unit, as the plain loop did) gives."""
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    v_reps, v_plan, vt_reps, vt_plan = _plan(tile_n, head_dim, stages)
+    for side, text, reps, plan in ((0, v_text, v_reps, v_plan), (1, vt_text, vt_reps, vt_plan)):
+        offset_of, n_stages, stage_bytes, swz = _composed(text)
+        assert n_stages == stages
+        assert stage_bytes % (1 << sum(swz)) == 0  # whole swizzle spans per stage
+        for tid in range(THREADS):
+            bases = []
+            for i_rep, e_rep in reps:
+                coord = fp8.transpose_words(tid, i_rep, head_dim)[side][e_rep]
+                bases.append(offset_of(coord[0], 4 * coord[1], 0))
+            for i in range(fp8.transpose_steps(tile_n, head_dim)):
+                key0, dq, kq = fp8.transpose_unit(tid, i, head_dim)
+                if side == 0:
+                    coords = [(key0 + r, 4 * dq) for r in (0, 1, 8, 9)]
+                else:
+                    coords = [(4 * dq + e, 4 * kq) for e in range(4)]
+                for e, (row, col) in enumerate(coords):
+                    c, delta = plan[i][e]
+                    for stage in range(stages):
+                        assert stage * stage_bytes + bases[c] + delta == offset_of(row, col, stage), (
+                            side, tid, i, e, stage,
+                        )  # fmt: skip
+
+
+@pytest.mark.parametrize(("tile_n", "head_dim", "stages"), TILES)
+def test_hoisted_transpose_moves_the_same_bytes(tile_n, head_dim, stages):
+    """The hoisted transpose run on a byte image of the V and Vt rings (every stage) writes each Vt
+    word of the target stage exactly once, touches no other stage, and gives Vt[d, 32 kb + k] =
+    V[32 kb + key_of_a_column(k), d] read through the layouts."""
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    v_off, _, v_stage_bytes, _ = _composed(v_text)
+    vt_off, _, vt_stage_bytes, _ = _composed(vt_text)
+    v_reps, v_plan, vt_reps, vt_plan = _plan(tile_n, head_dim, stages)
+    rng = np.random.default_rng(2)
+    v_ring = rng.integers(0, 256, size=stages * v_stage_bytes, dtype=np.uint8)
+    perm = np.array([32 * (k // 32) + fp8.key_of_a_column(k % 32) for k in range(tile_n)])
+    for v_stage, vt_stage in ((0, stages - 1), (stages - 1, 0)):
+        vt_ring = np.zeros(stages * vt_stage_bytes, dtype=np.uint8)
+        writes = np.zeros(stages * vt_stage_bytes // 4, dtype=int)
+        v_words, vt_words = v_ring.view(np.uint32), vt_ring.view(np.uint32)
+        for tid in range(THREADS):
+            v_coords = [fp8.transpose_words(tid, i, head_dim)[0][e] for i, e in v_reps]
+            vt_coords = [fp8.transpose_words(tid, i, head_dim)[1][e] for i, e in vt_reps]
+            v_bases = [v_stage * v_stage_bytes + v_off(row, 4 * w, 0) for row, w in v_coords]
+            vt_bases = [vt_stage * vt_stage_bytes + vt_off(row, 4 * w, 0) for row, w in vt_coords]
+            for i in range(fp8.transpose_steps(tile_n, head_dim)):
+                w = [int(v_words[(v_bases[c] + d) // 4]) for c, d in v_plan[i]]
+                t0 = _prmt(w[0], w[1], fp8.PRMT_LO_PAIRS)
+                t1 = _prmt(w[0], w[1], fp8.PRMT_HI_PAIRS)
+                t2 = _prmt(w[2], w[3], fp8.PRMT_LO_PAIRS)
+                t3 = _prmt(w[2], w[3], fp8.PRMT_HI_PAIRS)
+                outs = (
+                    _prmt(t0, t2, fp8.PRMT_LO_HALVES),
+                    _prmt(t0, t2, fp8.PRMT_HI_HALVES),
+                    _prmt(t1, t3, fp8.PRMT_LO_HALVES),
+                    _prmt(t1, t3, fp8.PRMT_HI_HALVES),
+                )
+                for e, (c, d) in enumerate(vt_plan[i]):
+                    assert (vt_bases[c] + d) % 4 == 0
+                    vt_words[(vt_bases[c] + d) // 4] = outs[e]
+                    writes[(vt_bases[c] + d) // 4] += 1
+        stage_words = slice(vt_stage * vt_stage_bytes // 4, (vt_stage + 1) * vt_stage_bytes // 4)
+        assert (writes[stage_words] == 1).all() and writes.sum() == vt_stage_bytes // 4
+        v = np.array([[v_ring[v_off(k, d, v_stage)] for d in range(head_dim)] for k in range(tile_n)])
+        vt = np.array([[vt_ring[vt_off(d, k, vt_stage)] for k in range(tile_n)] for d in range(head_dim)])
+        np.testing.assert_array_equal(vt, v[perm].T)

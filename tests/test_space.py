@@ -415,7 +415,7 @@ def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
     committed = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
     alternatives = space.fp8_alternative_specs("sm90")
     assert set(alternatives) <= set(committed)
-    assert len(alternatives) <= 12  # a short list for one GPU run, not a sweep
+    assert len(alternatives) <= 16  # a short list for one GPU run, not a sweep (hoist_vt twins included)
     fp8 = [s for s in committed if s not in alternatives and not s.block_quant]
     assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
     assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not, on the default tile and schedule
@@ -431,9 +431,11 @@ def test_fp8_alternatives_are_valid_and_differ_from_the_defaults():
         assert space.smem_bytes(spec) <= space.SM90_SMEM_LIMIT, spec.name
         assert spec.tile_n % space.SM90_FP8_MMA_K == 0 and spec.tile_m == 128, spec.name
         default = space.DEFAULT_TILES["sm90"][spec.head_dim]
-        assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong, spec.exp_emu) != (
-            default.tile_n, default.stages, True, True, 0
+        assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong, spec.exp_emu, spec.hoist_vt) != (
+            default.tile_n, default.stages, True, True, 0, False
         ), spec.name
+        if spec.hoist_vt:  # the hoisted transpose rides on the default tile and schedule only
+            assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong) == (default.tile_n, default.stages, True, True)
     # only the explicit list bypasses the register estimate: a like tile outside it still fails it
     wide = space.fp8_alternative_specs("sm90")[0].replace(head_dim=256, tile_n=128, stages=2)
     assert wide not in alternatives

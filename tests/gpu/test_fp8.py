@@ -153,6 +153,85 @@ def test_variant(gen, spec):
             assert torch.all(out[:, :rows] == 0) and torch.all(torch.isneginf(lse[:, :, :rows]))
 
 
+@pytest.mark.parametrize("spec", FP8_VARIANTS, ids=lambda s: s.name)
+def test_v_transpose_places_every_byte(spec):
+    """An exact check of the on-chip V transpose (which byte of V lands in which word of Vt, in
+    every ring stage): q = 0 makes every score 0, so every unmasked key gets P = 2^8 exactly and
+    row r of O is the plain mean of V over its keys (keys <= r when causal). V holds small integers
+    (exact in e4m3) that differ per key and per head dim, so a byte moved to another head dim,
+    another key of the causal diagonal or another stage's tile changes the mean by far more than
+    the bf16 rounding of the output allowed here."""
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+
+    kernel = get_kernel(spec, current_target())
+    batch, heads = 1, 2
+    seqlen = 3 * spec.tile_n + 17  # several blocks (both ring stages used), a partial last one
+    d = spec.head_dim
+    keys = torch.arange(seqlen, device="cuda", dtype=torch.float64)[:, None, None]
+    dims = torch.arange(d, device="cuda", dtype=torch.float64)[None, None, :]
+    hs = torch.arange(heads, device="cuda", dtype=torch.float64)[None, :, None]
+    v_vals = torch.remainder(7 * keys + 3 * dims + 5 * hs, 9) - 4  # integers in [-4, 4]
+    q8 = torch.zeros(batch, seqlen, heads, d, device="cuda").to(torch.float8_e4m3fn)
+    k8 = torch.randn(batch, seqlen, heads, d, device="cuda").to(torch.float8_e4m3fn)
+    v8 = v_vals[None].float().to(torch.float8_e4m3fn)
+    assert torch.equal(v8.double()[0], v_vals)
+    ones = torch.ones(batch, heads, device="cuda")
+    out = torch.full((batch, seqlen, heads, d), math.nan, dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((batch, heads, seqlen), math.nan, device="cuda")
+    kernel(q8, k8, v8, out, lse, ones, ones, ones, ref.default_scale(d))
+    torch.cuda.synchronize()
+    if spec.causal:
+        counts = torch.arange(1, seqlen + 1, device="cuda", dtype=torch.float64)
+        expected = torch.cumsum(v_vals, dim=0) / counts[:, None, None]
+    else:
+        counts = torch.full((seqlen,), float(seqlen), device="cuda", dtype=torch.float64)
+        expected = (v_vals.sum(dim=0, keepdim=True) / seqlen).expand(seqlen, heads, d)
+    err = (out[0].double() - expected).abs()
+    bound = expected.abs() * 2.0**-8 + 1e-3  # bf16 rounding of the output, fp32 sums
+    assert torch.all(err <= bound), (
+        f"{spec.name}: max error {err.max().item():.4g} at {divmod(int(err.argmax()), heads * d)}"
+    )
+    expected_lse = torch.log(counts)[None, None, :].expand(batch, heads, seqlen)
+    assert torch.allclose(lse.double(), expected_lse, atol=1e-3), spec.name
+
+
+HOISTED = [s for s in FP8_VARIANTS if s.hoist_vt]
+
+
+def test_hoisted_transpose_variants_are_tested():
+    assert {(s.head_dim, s.causal) for s in HOISTED} == {(128, False), (128, True), (256, False), (256, True)}
+    assert all(s.replace(hoist_vt=False) in FP8_VARIANTS for s in HOISTED)
+
+
+@pytest.mark.parametrize("spec", HOISTED, ids=lambda s: s.name)
+def test_hoisted_transpose_matches_its_twin(gen, spec):
+    """A _hvt variant moves the same V bytes into the same Vt words as its twin without the flag,
+    and nothing else differs: the outputs and LSEs are bitwise equal on ragged shapes (partial
+    tiles, sq != sk, GQA; causal or not as the spec says), with several key blocks so every ring
+    stage is used."""
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+
+    hoisted = get_kernel(spec, current_target())
+    twin = get_kernel(spec.replace(hoist_vt=False), current_target())
+    scale = ref.default_scale(spec.head_dim)
+    for batch, sq, sk, hq, hkv in SHAPES:
+        q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
+        fp8s, descales = quantize(q, k, v)
+        results = []
+        for kernel in (hoisted, twin):
+            out = torch.full((batch, sq, hq, spec.head_dim), math.nan, dtype=torch.bfloat16, device="cuda")
+            lse = torch.full((batch, hq, sq), math.nan, device="cuda")
+            kernel(*fp8s, out, lse, *kv_head_descales(descales, batch, hkv), scale)
+            results.append((out, lse))
+        torch.cuda.synchronize()
+        (out, lse), (out_twin, lse_twin) = results
+        what = f"{spec.name} {(batch, sq, sk, hq, hkv)}"
+        assert torch.equal(out.view(torch.int16), out_twin.view(torch.int16)), what
+        assert torch.equal(lse.view(torch.int32), lse_twin.view(torch.int32)), what
+
+
 @pytest.mark.parametrize("head_dim", sorted({s.head_dim for s in FP8_VARIANTS}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("granularity", ["tensor", "head"])

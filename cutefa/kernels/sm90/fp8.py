@@ -38,6 +38,22 @@ P_OFFSET_LOG2 = 8.0
 TV_LAYOUT_A_FP8 = "((4,8,4),(4,2,2)):((256,1,16),(64,8,1024))"  # 64 x 32 A operand from registers
 TV_LAYOUT_C_N128 = "((4,8,4),(2,2,16)):((128,1,16),(64,8,512))"  # 64 x 128 fp32 accumulator
 
+# Shared-memory layouts of :func:`smem_layouts` (V as TMA lands it, Vt), byte elements, as the DSL
+# prints them, per (tile_n, head_dim, stages) of the committed e4m3 tiles: the CPU tests evaluate
+# the hoisted transpose's addresses (:class:`TransposeV`, hoist_vt variants) with them on every
+# tile (a compile test checks them against the DSL).
+SMEM_LAYOUTS_V_VT = {
+    (128, 64, 2): ("S<2,4,3> o 0 o ((8,16),(64,1),(1,2)):((64,512),(1,0),(0,8192))", "S<3,4,3> o 0 o ((8,8),(128,1),(1,2)):((128,1024),(1,0),(0,8192))"),
+    (128, 96, 2): ("S<1,4,3> o 0 o ((8,16),(32,3),(1,2)):((32,256),(1,4096),(0,12288))", "S<3,4,3> o 0 o ((8,12),(128,1),(1,2)):((128,1024),(1,0),(0,12288))"),
+    (128, 128, 2): ("S<3,4,3> o 0 o ((8,16),(128,1),(1,2)):((128,1024),(1,0),(0,16384))", "S<3,4,3> o 0 o ((8,16),(128,1),(1,2)):((128,1024),(1,0),(0,16384))"),
+    (96, 192, 2): ("S<2,4,3> o 0 o ((8,12),(64,3),(1,2)):((64,512),(1,6144),(0,18432))", "S<1,4,3> o 0 o ((8,24),(32,3),(1,2)):((32,256),(1,6144),(0,18432))"),
+    (64, 256, 2): ("S<3,4,3> o 0 o ((8,8),(128,2),(1,2)):((128,1024),(1,8192),(0,16384))", "S<2,4,3> o 0 o ((8,32),(64,1),(1,2)):((64,512),(1,0),(0,16384))"),
+    (128, 128, 3): ("S<3,4,3> o 0 o ((8,16),(128,1),(1,3)):((128,1024),(1,0),(0,16384))", "S<3,4,3> o 0 o ((8,16),(128,1),(1,3)):((128,1024),(1,0),(0,16384))"),
+    (160, 128, 3): ("S<3,4,3> o 0 o ((8,20),(128,1),(1,3)):((128,1024),(1,0),(0,20480))", "S<1,4,3> o 0 o ((8,16),(32,5),(1,3)):((32,256),(1,4096),(0,20480))"),
+    (64, 256, 3): ("S<3,4,3> o 0 o ((8,8),(128,2),(1,3)):((128,1024),(1,8192),(0,16384))", "S<2,4,3> o 0 o ((8,32),(64,1),(1,3)):((64,512),(1,0),(0,16384))"),
+    (64, 256, 4): ("S<3,4,3> o 0 o ((8,8),(128,2),(1,4)):((128,1024),(1,8192),(0,16384))", "S<2,4,3> o 0 o ((8,32),(64,1),(1,4)):((64,512),(1,0),(0,16384))"),
+}  # fmt: skip
+
 
 def key_of_a_column(k: int) -> int:
     """The key (within a 32-key block) whose probability sits at column ``k`` of the P operand.
@@ -154,6 +170,162 @@ def transpose_v(
         sVt[dq * 4 + 1, kq] = cutlass.Uint32(cute.arch.prmt(t0, t2, PRMT_HI_HALVES))
         sVt[dq * 4 + 2, kq] = cutlass.Uint32(cute.arch.prmt(t1, t3, PRMT_LO_HALVES))
         sVt[dq * 4 + 3, kq] = cutlass.Uint32(cute.arch.prmt(t1, t3, PRMT_HI_HALVES))
+
+
+def transpose_words(tid, i, head_dim: int):
+    """The 4 V word coordinates (key, dq) that unit ``i`` of thread ``tid`` loads and the 4 Vt
+    word coordinates (head-dim row, kq) it stores, in the order of :class:`TransposeV`'s loads
+    and stores (the unit of :func:`transpose_unit`)."""
+    key0, dq, kq = transpose_unit(tid, i, head_dim)
+    return [(key0 + r, dq) for r in (0, 1, 8, 9)], [(dq * 4 + e, kq) for e in range(4)]
+
+
+def swizzle_bytes(offset, bits: int, base: int, shift: int):
+    """CuTe's Swizzle<bits, base, shift> on a byte offset: bits [base + shift, base + shift + bits)
+    XOR into bits [base, base + bits). Plain integer arithmetic (kernel and CPU tests)."""
+    return offset ^ ((offset >> shift) & (((1 << bits) - 1) << base))
+
+
+def hoisted_plan(offset_of, head_dim: int, steps: int, side: int, threads: int = WG_THREADS):
+    """Split the byte offsets of the transpose's accesses into per-thread bases and constants.
+
+    ``offset_of(coord)`` is the (swizzled) byte offset of a word coordinate of V (``side`` 0) or
+    Vt (``side`` 1) within one stage; the accesses are those of :func:`transpose_words`. Returns
+    ``(reps, plan)``: ``reps`` lists the (step, access) pairs whose offset each thread computes at
+    run time (one register each), and ``plan[i][e] = (c, delta)`` says that for EVERY thread,
+    access e of step i is at ``offset(reps[c]) + delta`` with a compile-time ``delta``. The plan
+    is re-checked over all threads before it is returned (ValueError otherwise), so the loads and
+    stores touch exactly the bytes that indexing the layout at :func:`transpose_unit`'s
+    coordinates touches. An access whose offset differs from every base's by a thread-dependent
+    amount (the swizzle XOR flips a different chunk bit per thread) becomes a base itself: 1-4
+    bases per side for the default tiles, 12 for Vt at hd96 (6 head-dim tiles over 4 warps: a
+    step's tile is no fixed offset from another step's)."""
+
+    cache: dict[tuple[int, int], list[int]] = {}
+
+    def column(i, e):
+        if (i, e) not in cache:
+            cache[(i, e)] = [offset_of(transpose_words(t, i, head_dim)[side][e]) for t in range(threads)]
+        return cache[(i, e)]
+
+    reps: list[tuple[int, int]] = []
+    rep_cols: list[list[int]] = []
+    plan = []
+    for i in range(steps):
+        row = []
+        for e in range(4):
+            col = column(i, e)
+            for c, base in enumerate(rep_cols):
+                delta = col[0] - base[0]
+                if all(x - b == delta for x, b in zip(col, base)):
+                    row.append((c, delta))
+                    break
+            else:
+                reps.append((i, e))
+                rep_cols.append(col)
+                row.append((len(reps) - 1, 0))
+        plan.append(row)
+    for i in range(steps):  # the proof, independent of the search above
+        for e in range(4):
+            c, delta = plan[i][e]
+            if column(i, e) != [b + delta for b in rep_cols[c]]:
+                raise ValueError(f"transpose access ({i}, {e}) is not its base + {delta}")
+    return reps, plan
+
+
+def transpose_plan(v_offset, vt_offset, tile_n: int, head_dim: int):
+    """(V reps, V plan, Vt reps, Vt plan) of :func:`hoisted_plan` for one tile: ``v_offset`` /
+    ``vt_offset`` map a word coordinate (key, dq) / (head-dim row, kq) to its swizzled byte offset
+    in stage 0."""
+    steps = transpose_steps(tile_n, head_dim)
+    return (*hoisted_plan(v_offset, head_dim, steps, 0), *hoisted_plan(vt_offset, head_dim, steps, 1))
+
+
+def composed_offset(layout, coord_bytes):
+    """Byte offset of a byte coordinate (row, col) of stage 0 of a staged swizzled byte layout
+    (``smem_layouts``): the swizzle applied to the outer layout's offset. Python ints at trace
+    time (static layout, int coordinates), DSL integers at run time."""
+    sw = layout.inner
+    return swizzle_bytes(
+        layout.outer((coord_bytes[0], coord_bytes[1], 0)), sw.num_bits, sw.num_base, sw.num_shift
+    )
+
+
+def _swizzle_span(layout) -> int:
+    sw = layout.inner
+    return 1 << (sw.num_bits + sw.num_base + sw.num_shift)
+
+
+class TransposeV:
+    """The V transpose of one tile shape, its address arithmetic hoisted (:func:`hoisted_plan`).
+
+    ``TransposeV(tid, sV_layout, sVt_layout, tile_n, head_dim)`` (once per thread, before the key
+    loop) computes the per-thread swizzled byte offsets of the plan's base accesses;
+    ``__call__(v_base, vt_base, v_stage, vt_stage)`` transposes one stage. Plain Python, traced
+    inline from the kernel: every loop here is unrolled at trace time."""
+
+    def __init__(self, tid, sV_layout, sVt_layout, tile_n: int, head_dim: int):
+        self.steps = transpose_steps(tile_n, head_dim)
+        v_reps, self.v_plan, vt_reps, self.vt_plan = transpose_plan(
+            lambda c: composed_offset(sV_layout, (c[0], c[1] * 4)),
+            lambda c: composed_offset(sVt_layout, (c[0], c[1] * 4)),
+            tile_n,
+            head_dim,
+        )
+        assert all(delta % 4 == 0 for row in (*self.v_plan, *self.vt_plan) for _, delta in row)
+        # Whole swizzle spans per stage (and a span-aligned ring, see __call__): swizzling the
+        # offset within stage 0 and adding the stage's start equals swizzling the absolute address.
+        self.v_stage_bytes = cute.cosize(sV_layout.outer) // cute.size(sV_layout.outer, mode=[2])
+        self.vt_stage_bytes = cute.cosize(sVt_layout.outer) // cute.size(sVt_layout.outer, mode=[2])
+        assert self.v_stage_bytes % _swizzle_span(sV_layout) == 0
+        assert self.vt_stage_bytes % _swizzle_span(sVt_layout) == 0
+        self.v_offsets = []
+        for i_rep, e_rep in v_reps:
+            key, dq = transpose_words(tid, i_rep, head_dim)[0][e_rep]
+            self.v_offsets.append(cutlass.Int32(composed_offset(sV_layout, (key, dq * 4))))
+        self.vt_offsets = []
+        for i_rep, e_rep in vt_reps:
+            row, kq = transpose_words(tid, i_rep, head_dim)[1][e_rep]
+            self.vt_offsets.append(cutlass.Int32(composed_offset(sVt_layout, (row, kq * 4))))
+
+    def __call__(self, v_base, vt_base, v_stage, vt_stage):
+        """Vt[d, 32 kb + k] = V[32 kb + key_of_a_column(k), d] for stage ``v_stage`` of the V ring
+        into stage ``vt_stage`` of the Vt ring, by the 128 threads of a warpgroup. ``v_base`` /
+        ``vt_base``: shared-memory byte addresses of the rings (1024-byte aligned, a multiple of
+        every swizzle span).
+
+        A thread's unit (:func:`transpose_unit`) is 4 keys x 4 head dims: 4 word loads from 4 key
+        rows, a 4x4 byte transpose (8 PRMT), 4 word stores into 4 head-dim rows; every address is
+        a per-thread base plus a compile-time byte offset."""
+        v0 = v_base + v_stage * self.v_stage_bytes
+        vt0 = vt_base + vt_stage * self.vt_stage_bytes
+        v_ptrs = [
+            cute.make_ptr(cutlass.Uint32, v0 + off, cute.AddressSpace.smem, assumed_align=4)
+            for off in self.v_offsets
+        ]
+        vt_ptrs = [
+            cute.make_ptr(cutlass.Uint32, vt0 + off, cute.AddressSpace.smem, assumed_align=4)
+            for off in self.vt_offsets
+        ]
+        word = cute.make_layout(1)
+        for i in range(self.steps):
+            w = [
+                cutlass.Int32(cute.make_tensor(v_ptrs[c] + delta // 4, word)[0])
+                for c, delta in self.v_plan[i]
+            ]
+            t0 = cutlass.Int32(cute.arch.prmt(w[0], w[1], PRMT_LO_PAIRS))
+            t1 = cutlass.Int32(cute.arch.prmt(w[0], w[1], PRMT_HI_PAIRS))
+            t2 = cutlass.Int32(cute.arch.prmt(w[2], w[3], PRMT_LO_PAIRS))
+            t3 = cutlass.Int32(cute.arch.prmt(w[2], w[3], PRMT_HI_PAIRS))
+            outs = (
+                cute.arch.prmt(t0, t2, PRMT_LO_HALVES),
+                cute.arch.prmt(t0, t2, PRMT_HI_HALVES),
+                cute.arch.prmt(t1, t3, PRMT_LO_HALVES),
+                cute.arch.prmt(t1, t3, PRMT_HI_HALVES),
+            )
+            for e in range(4):
+                c, delta = self.vt_plan[i][e]
+                cute.make_tensor(vt_ptrs[c] + delta // 4, word)[0] = cutlass.Uint32(outs[e])
 
 
 @cute.jit
@@ -276,9 +448,13 @@ __all__ = [
     "MMA_K",
     "P_OFFSET_LOG2",
     "P_STRIDES",
+    "SMEM_LAYOUTS_V_VT",
     "TV_LAYOUT_A_FP8",
     "TV_LAYOUT_C_N128",
     "WG_THREADS",
+    "TransposeV",
+    "composed_offset",
+    "hoisted_plan",
     "key_of_a_column",
     "online_softmax_step",
     "online_softmax_step_block",
@@ -288,7 +464,10 @@ __all__ = [
     "rescale_rows",
     "smem_layouts",
     "softmax_finalize",
+    "swizzle_bytes",
+    "transpose_plan",
     "transpose_steps",
     "transpose_unit",
     "transpose_v",
+    "transpose_words",
 ]
