@@ -3,7 +3,7 @@
 For a compile target, every kernel family that runs there is tried, newest first. Within a family
 a tuned table measured on a real GPU (``cutefa/tuned/<arch>_<gpu>.json``, schema in
 ``cutefa/tuned/README.md``) is consulted first, then the heuristic default tiles
-(:data:`cutefa.space.DEFAULT_TILES`). Each candidate must pass :func:`cutefa.space.why_invalid`;
+(:data:`cutefa.space.DEFAULT_TILES`, or a dtype's own, :data:`cutefa.space.DEFAULT_DTYPE_TILES`). Each candidate must pass :func:`cutefa.space.why_invalid`;
 rejected candidates keep their reason so :func:`explain_problem` can say why they lost.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cutefa.space import DEFAULT_TILES, default_extras, why_invalid, why_no_kernel
+from cutefa.space import DEFAULT_TILES, default_extras, default_tile, why_invalid, why_no_kernel
 from cutefa.spec import (
     ARCHS,
     DIRECTIONS,
@@ -277,13 +277,15 @@ def tuned_backward(
 
 
 def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpec | None, str]:
-    tile = DEFAULT_TILES.get(family, {}).get(problem.head_dim)
+    tile = default_tile(family, problem.head_dim, problem.dtype)
     if tile is None:
         return family, None, f"no tuned entry and no default tile for {family} head_dim={problem.head_dim}"
-    extras = default_extras(family, "fwd", problem.head_dim)
+    extras = default_extras(family, "fwd", problem.head_dim, problem.dtype)
     spec = VariantSpec(family, "fwd", problem.dtype, problem.head_dim, *tile, causal=problem.causal, **extras)
+    table = "DEFAULT_TILES" if tile == DEFAULT_TILES.get(family, {}).get(problem.head_dim) else "DEFAULT_DTYPE_TILES"
+    where = f"[{family!r}]" if table == "DEFAULT_TILES" else f"[({family!r}, {problem.dtype!r})]"
     rule = (
-        f"heuristic: DEFAULT_TILES[{family!r}][{problem.head_dim}] = {spec.tile_m}x{spec.tile_n} tile, "
+        f"heuristic: {table}{where}[{problem.head_dim}] = {spec.tile_m}x{spec.tile_n} tile, "
         f"{spec.stages} stage(s), {spec.warps} warps"
     )
     return spec.name, spec, rule

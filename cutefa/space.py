@@ -110,6 +110,27 @@ SCHEDULE_ALTERNATIVES["sm90"][64] += (
 )
 SCHEDULE_ALTERNATIVES["sm90"][128] += ({"overlap": True, "pingpong": True, "exp_emu": 25},)
 
+# Forward flags a dtype's default variants set on top of the family's default extras. sm90 e4m3:
+# the V transpose with its addresses hoisted out of the key loop (hoist_vt; +8-20% on the H200,
+# docs/perf-notes.md, "The hoisted transpose as the fp8 default").
+DEFAULT_DTYPE_FLAGS: dict[tuple[str, str], dict[str, object]] = {
+    ("sm90", "e4m3"): {"hoist_vt": True},
+}
+# Forward default tiles of a dtype where they differ from DEFAULT_TILES. sm90 e4m3 hd256: a third
+# stage of the K, V and Vt rings (177 KiB) once the hoisted transpose is fast enough that the Vt
+# ring's window binds (+4-8% on the H200, docs/perf-notes.md, "The hoisted transpose as the fp8
+# default").
+DEFAULT_DTYPE_TILES: dict[tuple[str, str], dict[int, Tile]] = {
+    ("sm90", "e4m3"): {256: Tile(128, 64, 3, 12)},
+}
+
+
+def default_tile(arch: str, head_dim: int, dtype: str | None = None) -> Tile | None:
+    """The forward default tile of ``arch`` at ``head_dim``: DEFAULT_TILES, or the dtype's own
+    (:data:`DEFAULT_DTYPE_TILES`) when ``dtype`` is given and has one; None without a default."""
+    own = DEFAULT_DTYPE_TILES.get((arch, dtype), {}).get(head_dim) if dtype else None
+    return own if own is not None else DEFAULT_TILES.get(arch, {}).get(head_dim)
+
 # sm90 fp8 (e4m3) forward alternatives, committed next to the e4m3 defaults (which stay the default
 # tile and schedule, DEFAULT_ONLY_DTYPES) so that one GPU run can test and time them side by side
 # (tools/bench_fp8.py --all-variants; predictions in docs/perf-notes.md, "sm90 fp8 forward"). Each
@@ -118,23 +139,24 @@ SCHEDULE_ALTERNATIVES["sm90"][128] += ({"overlap": True, "pingpong": True, "exp_
 # tile_n 160 amortizes each block's fixed costs but spills with the overlap schedule at 232
 # registers (so does tile_n 96 at hd256), so it runs ping-pong only. Every entry compiles for sm_90a
 # with no spill (tests/test_compile_sm90_fp8.py), which stands in for the register estimate
-# (:func:`_sm90_regs`).
+# (:func:`_sm90_regs`). Like the defaults, each carries hoist_vt, except the defaults' twins without
+# it (hd128 128x128 2 stages, hd256 128x64 3 stages; overlap + ping-pong).
 FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], ...]]] = {
     "sm90": {
         128: (
-            (Tile(128, 128, 3, 12), {"overlap": True, "pingpong": True}),
-            (Tile(128, 128, 3, 12), {"overlap": True, "pingpong": True, "exp_emu": 25}),
-            (Tile(128, 128, 3, 12), {"overlap": True}),
-            (Tile(128, 160, 3, 12), {"pingpong": True}),
-            # The default tile with the V transpose's addresses hoisted (hoist_vt): the producer's
-            # 603-647 instructions per key block and warp drop to ~140-190 (docs/perf-notes.md, "fp8
-            # forward: where the instructions go").
-            (Tile(128, 128, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
+            (Tile(128, 128, 3, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
+            (Tile(128, 128, 3, 12), {"overlap": True, "pingpong": True, "exp_emu": 25, "hoist_vt": True}),
+            (Tile(128, 128, 3, 12), {"overlap": True, "hoist_vt": True}),
+            (Tile(128, 160, 3, 12), {"pingpong": True, "hoist_vt": True}),
+            # The default tile and schedule with the V transpose of before hoist_vt (per-word
+            # swizzled addresses): the twin that shows what the hoisted transpose buys
+            # (docs/perf-notes.md, "fp8 forward: where the instructions go").
+            (Tile(128, 128, 2, 12), {"overlap": True, "pingpong": True}),
         ),
         256: (
             (Tile(128, 64, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 64, 3, 12), {"overlap": True, "pingpong": True}),
-            (Tile(128, 64, 4, 12), {"overlap": True, "pingpong": True}),
+            (Tile(128, 64, 4, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
         ),
     },
 }
@@ -153,9 +175,10 @@ def fp8_block_specs(arch: str = "sm90") -> list[VariantSpec]:
         return []
     return sorted(
         VariantSpec(
-            arch, "fwd", "e4m3", hd, *tile, causal=causal, block_quant=True, **default_extras(arch, "fwd", hd)
+            arch, "fwd", "e4m3", hd, *default_tile(arch, hd, "e4m3"), causal=causal, block_quant=True,
+            **default_extras(arch, "fwd", hd, "e4m3"),
         )
-        for hd, tile in DEFAULT_TILES.get(arch, {}).items()
+        for hd in DEFAULT_TILES.get(arch, {})
         for causal in (False, True)
     )
 
@@ -304,18 +327,27 @@ def _block_quant_options(arch: str, direction: str, dtype: str) -> tuple[bool, .
     return (False,)
 
 
+def _grid_tiles(arch: str, direction: str, dtype: str) -> list[Tile]:
+    """The tile grid of ``arch`` plus, for the forward, the dtype's own default tiles
+    (:data:`DEFAULT_DTYPE_TILES`) where the grid lacks them."""
+    own = DEFAULT_DTYPE_TILES.get((arch, dtype), {}).values() if direction == "fwd" else ()
+    return list(_TILE_GRID[arch]) + [t for t in dict.fromkeys(own) if t not in _TILE_GRID[arch]]
+
+
 def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
-    """Every spec of the raw tile product for ``arch``, valid or not, plus the committed e4m3
-    alternatives (:data:`FP8_ALTERNATIVES`: deeper rings than the grid's)."""
+    """Every spec of the raw tile product for ``arch``, valid or not (a dtype's forward flags,
+    :data:`DEFAULT_DTYPE_FLAGS`, on each), plus the committed e4m3 alternatives
+    (:data:`FP8_ALTERNATIVES`: deeper rings than the grid's, and the twins without those flags)."""
     _require("arch", arch, ARCHS)
     _require("direction", direction, DIRECTIONS)
     grid = [
         VariantSpec(
-            arch, direction, dtype, head_dim, *tile, causal=causal, exp_emu=exp_emu, block_quant=block_quant, **flags
+            arch, direction, dtype, head_dim, *tile, causal=causal, exp_emu=exp_emu, block_quant=block_quant,
+            **_with_dtype_flags(arch, direction, dtype, flags, True),
         )
         for dtype in _candidate_dtypes(arch, direction)
         for head_dim in HEAD_DIMS
-        for tile in _TILE_GRID[arch]
+        for tile in _grid_tiles(arch, direction, dtype)
         for causal in (False, True)
         for exp_emu in ((0, 25) if arch in ("sm90", "sm100") and direction == "fwd" else (0,))
         for flags in _FLAG_SETS.get((arch, direction), ({},))
@@ -1444,9 +1476,10 @@ def valid_variants(arch: str, direction: str = "fwd") -> list[VariantSpec]:
     return [spec for spec in candidates(arch, direction) if why_invalid(spec) is None]
 
 
-def default_extras(arch: str, direction: str, head_dim: int) -> dict[str, object]:
+def default_extras(arch: str, direction: str, head_dim: int, dtype: str | None = None) -> dict[str, object]:
     """Spec fields beyond the tile that a family's default variant sets: schedule flags (sm90)
-    and the exp2 emulation share (sm100) of the forward; the sm90 backward's dq_bulk where its
+    and the exp2 emulation share (sm100) of the forward, plus a dtype's own forward flags
+    (:data:`DEFAULT_DTYPE_FLAGS`, when ``dtype`` is given); the sm90 backward's dq_bulk where its
     default tile is not the head-dim split. Dispatch's heuristics use the same."""
     if direction != "fwd":
         tile = DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
@@ -1457,7 +1490,14 @@ def default_extras(arch: str, direction: str, head_dim: int) -> dict[str, object
     emu = DEFAULT_EXP_EMU.get(arch, {}).get(head_dim, 0)
     if emu:
         extras["exp_emu"] = emu
-    return extras
+    return {**extras, **DEFAULT_DTYPE_FLAGS.get((arch, dtype), {})} if dtype else extras
+
+
+def _with_dtype_flags(arch: str, direction: str, dtype: str, extras: dict[str, object], is_default: bool) -> dict[str, object]:
+    """A default forward's extras plus its dtype's own flags (:data:`DEFAULT_DTYPE_FLAGS`)."""
+    if not is_default or direction != "fwd":
+        return extras
+    return {**extras, **DEFAULT_DTYPE_FLAGS.get((arch, dtype), {})}
 
 
 def default_variants(arch: str, direction: str | None = None) -> list[VariantSpec]:
@@ -1505,7 +1545,10 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
         set(fp8_alternatives)
         | set(fp8_blocks)
         | {
-            VariantSpec(arch, d, dtype, head_dim, *tile, causal=causal, **extras)
+            VariantSpec(
+                arch, d, dtype, head_dim, *(default_tile(arch, head_dim, dtype) if is_default and d == "fwd" else tile),
+                causal=causal, **_with_dtype_flags(arch, d, dtype, extras, is_default),
+            )
             for d, head_dim, tile, extras, is_default in entries
             if d in directions
             for dtype in IMPLEMENTED.get((arch, d), ())

@@ -28,7 +28,7 @@ def test_all_variants_cover_every_committed_e4m3_variant():
     for hdim, specs in columns.items():
         default = specs[0]
         assert default not in space.fp8_alternative_specs()
-        assert (default.tile_n, default.stages) == tuple(space.DEFAULT_TILES["sm90"][hdim])[1:3]
+        assert (default.tile_n, default.stages) == tuple(space.default_tile("sm90", hdim, "e4m3"))[1:3]
         assert all(not s.causal and s.head_dim == hdim for s in specs)
         assert len(set(specs)) == len(specs)
 

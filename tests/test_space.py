@@ -419,8 +419,16 @@ def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
     fp8 = [s for s in committed if s not in alternatives and not s.block_quant]
     assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
     assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not, on the default tile and schedule
-    assert all((s.tile_m, s.tile_n) == tuple(space.DEFAULT_TILES["sm90"][s.head_dim])[:2] for s in fp8)
+    assert all((s.tile_m, s.tile_n, s.stages, s.warps) == tuple(space.default_tile("sm90", s.head_dim, "e4m3")) for s in fp8)
+    assert space.default_tile("sm90", 256, "e4m3") == space.Tile(128, 64, 3, 12)  # the e4m3 hd256 default: 3 stages
+    assert space.default_tile("sm90", 256, "bf16") == space.default_tile("sm90", 256) == space.DEFAULT_TILES["sm90"][256]
     assert all(s.overlap and s.pingpong and s.tile_n % 32 == 0 for s in fp8)
+    # the e4m3 defaults (and the block-quantization ones) carry their dtype's flag: the hoisted transpose
+    assert space.DEFAULT_DTYPE_FLAGS[("sm90", "e4m3")] == {"hoist_vt": True}
+    assert all(s.hoist_vt for s in committed if s not in alternatives)
+    assert space.default_extras("sm90", "fwd", 128, "e4m3") == {**space.default_extras("sm90", "fwd", 128), "hoist_vt": True}
+    assert space.default_extras("sm90", "fwd", 128, "bf16") == space.default_extras("sm90", "fwd", 128)
+    assert not any(s.hoist_vt for s in space.default_variants("sm90") if s.dtype != "e4m3")
 
 
 def test_fp8_alternatives_are_valid_and_differ_from_the_defaults():
@@ -430,12 +438,14 @@ def test_fp8_alternatives_are_valid_and_differ_from_the_defaults():
         assert space.why_invalid(spec) is None, spec.name
         assert space.smem_bytes(spec) <= space.SM90_SMEM_LIMIT, spec.name
         assert spec.tile_n % space.SM90_FP8_MMA_K == 0 and spec.tile_m == 128, spec.name
-        default = space.DEFAULT_TILES["sm90"][spec.head_dim]
+        default = space.default_tile("sm90", spec.head_dim, "e4m3")
         assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong, spec.exp_emu, spec.hoist_vt) != (
-            default.tile_n, default.stages, True, True, 0, False
+            default.tile_n, default.stages, True, True, 0, True
         ), spec.name
-        if spec.hoist_vt:  # the hoisted transpose rides on the default tile and schedule only
+        if not spec.hoist_vt:  # the twins without the hoisted transpose: the default tile and schedule
             assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong) == (default.tile_n, default.stages, True, True)
+    twins = [s for s in alternatives if not s.hoist_vt]
+    assert {(s.head_dim, s.causal) for s in twins} == {(128, False), (128, True), (256, False), (256, True)}
     # only the explicit list bypasses the register estimate: a like tile outside it still fails it
     wide = space.fp8_alternative_specs("sm90")[0].replace(head_dim=256, tile_n=128, stages=2)
     assert wide not in alternatives
@@ -496,7 +506,7 @@ def test_fp8_block_quant_variants():
     fp8 = committed[0]
     for bad, words in (
         (
-            fp8.replace(dtype="bf16"),
+            fp8.replace(dtype="bf16", hoist_vt=False),
             "block_quant (FP8 block quantization) is an sm90 e4m3 forward flag, not a sm90 fwd bf16",
         ),
         (
