@@ -116,12 +116,19 @@ SCHEDULE_ALTERNATIVES["sm90"][128] += ({"overlap": True, "pingpong": True, "exp_
 DEFAULT_DTYPE_FLAGS: dict[tuple[str, str], dict[str, object]] = {
     ("sm90", "e4m3"): {"hoist_vt": True},
 }
-# Forward default tiles of a dtype where they differ from DEFAULT_TILES. sm90 e4m3 hd256: a third
-# stage of the K, V and Vt rings (177 KiB) once the hoisted transpose is fast enough that the Vt
-# ring's window binds (+4-8% on the H200, docs/perf-notes.md, "The hoisted transpose as the fp8
-# default").
+# Forward default tiles of a dtype where they differ from DEFAULT_TILES. sm90 e4m3 hd128 and
+# hd256: a third stage of the K, V and Vt rings (161 / 177 KiB) once the hoisted transpose is fast
+# enough that the Vt ring's window binds (hd256 +3-8% on the H200, docs/perf-notes.md, "The
+# hoisted transpose as the fp8 default").
 DEFAULT_DTYPE_TILES: dict[tuple[str, str], dict[int, Tile]] = {
-    ("sm90", "e4m3"): {256: Tile(128, 64, 3, 12)},
+    ("sm90", "e4m3"): {128: Tile(128, 128, 3, 12), 256: Tile(128, 64, 3, 12)},
+}
+# Schedule flags of a dtype's default forward at a head dim, over DEFAULT_FLAGS. sm90 e4m3 hd128:
+# the overlap schedule without ping-pong on the 3-stage tile (+1-9% over overlap + ping-pong in two
+# runs on the H200: with QGMMA at twice the 16-bit rate the forced alternation costs more than it
+# hides).
+DEFAULT_DTYPE_SCHEDULES: dict[tuple[str, str], dict[int, dict[str, bool]]] = {
+    ("sm90", "e4m3"): {128: {"overlap": True, "pingpong": False}},
 }
 
 
@@ -131,8 +138,9 @@ def default_tile(arch: str, head_dim: int, dtype: str | None = None) -> Tile | N
     own = DEFAULT_DTYPE_TILES.get((arch, dtype), {}).get(head_dim) if dtype else None
     return own if own is not None else DEFAULT_TILES.get(arch, {}).get(head_dim)
 
-# sm90 fp8 (e4m3) forward alternatives, committed next to the e4m3 defaults (which stay the default
-# tile and schedule, DEFAULT_ONLY_DTYPES) so that one GPU run can test and time them side by side
+# sm90 fp8 (e4m3) forward alternatives, committed next to the e4m3 defaults (the default tile and
+# schedule, DEFAULT_ONLY_DTYPES, with the dtype's own overrides above) so that one GPU run can test
+# and time them side by side
 # (tools/bench_fp8.py --all-variants; predictions in docs/perf-notes.md, "sm90 fp8 forward"). Each
 # entry is (tile, schedule/exp_emu fields) and gives a causal and a non-causal variant. Deeper rings
 # (3-4 stages) give the V transpose and the K/V loads more than half a key block of slack; hd128's
@@ -140,18 +148,18 @@ def default_tile(arch: str, head_dim: int, dtype: str | None = None) -> Tile | N
 # registers (so does tile_n 96 at hd256), so it runs ping-pong only. Every entry compiles for sm_90a
 # with no spill (tests/test_compile_sm90_fp8.py), which stands in for the register estimate
 # (:func:`_sm90_regs`). Like the defaults, each carries hoist_vt, except the defaults' twins without
-# it (hd128 128x128 2 stages, hd256 128x64 3 stages; overlap + ping-pong).
+# it (hd128 128x128 3 stages, overlap; hd256 128x64 3 stages, overlap + ping-pong).
 FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], ...]]] = {
     "sm90": {
         128: (
+            (Tile(128, 128, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 128, 3, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 128, 3, 12), {"overlap": True, "pingpong": True, "exp_emu": 25, "hoist_vt": True}),
-            (Tile(128, 128, 3, 12), {"overlap": True, "hoist_vt": True}),
             (Tile(128, 160, 3, 12), {"pingpong": True, "hoist_vt": True}),
             # The default tile and schedule with the V transpose of before hoist_vt (per-word
             # swizzled addresses): the twin that shows what the hoisted transpose buys
             # (docs/perf-notes.md, "fp8 forward: where the instructions go").
-            (Tile(128, 128, 2, 12), {"overlap": True, "pingpong": True}),
+            (Tile(128, 128, 3, 12), {"overlap": True}),
         ),
         256: (
             (Tile(128, 64, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
@@ -343,7 +351,7 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
     grid = [
         VariantSpec(
             arch, direction, dtype, head_dim, *tile, causal=causal, exp_emu=exp_emu, block_quant=block_quant,
-            **_with_dtype_flags(arch, direction, dtype, flags, True),
+            **_with_dtype_flags(arch, direction, dtype, flags),
         )
         for dtype in _candidate_dtypes(arch, direction)
         for head_dim in HEAD_DIMS
@@ -1478,8 +1486,8 @@ def valid_variants(arch: str, direction: str = "fwd") -> list[VariantSpec]:
 
 def default_extras(arch: str, direction: str, head_dim: int, dtype: str | None = None) -> dict[str, object]:
     """Spec fields beyond the tile that a family's default variant sets: schedule flags (sm90)
-    and the exp2 emulation share (sm100) of the forward, plus a dtype's own forward flags
-    (:data:`DEFAULT_DTYPE_FLAGS`, when ``dtype`` is given); the sm90 backward's dq_bulk where its
+    and the exp2 emulation share (sm100) of the forward, plus, when ``dtype`` is given, its own
+    forward flags and schedule (:data:`DEFAULT_DTYPE_FLAGS`, :data:`DEFAULT_DTYPE_SCHEDULES`); the sm90 backward's dq_bulk where its
     default tile is not the head-dim split. Dispatch's heuristics use the same."""
     if direction != "fwd":
         tile = DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
@@ -1490,14 +1498,17 @@ def default_extras(arch: str, direction: str, head_dim: int, dtype: str | None =
     emu = DEFAULT_EXP_EMU.get(arch, {}).get(head_dim, 0)
     if emu:
         extras["exp_emu"] = emu
-    return {**extras, **DEFAULT_DTYPE_FLAGS.get((arch, dtype), {})} if dtype else extras
-
-
-def _with_dtype_flags(arch: str, direction: str, dtype: str, extras: dict[str, object], is_default: bool) -> dict[str, object]:
-    """A default forward's extras plus its dtype's own flags (:data:`DEFAULT_DTYPE_FLAGS`)."""
-    if not is_default or direction != "fwd":
+    if not dtype:
         return extras
-    return {**extras, **DEFAULT_DTYPE_FLAGS.get((arch, dtype), {})}
+    schedule = DEFAULT_DTYPE_SCHEDULES.get((arch, dtype), {}).get(head_dim, {})
+    return {**extras, **schedule, **DEFAULT_DTYPE_FLAGS.get((arch, dtype), {})}
+
+
+def _with_dtype_flags(arch: str, direction: str, dtype: str, flags: dict[str, object]) -> dict[str, object]:
+    """Grid flags plus a dtype's own forward flags (:data:`DEFAULT_DTYPE_FLAGS`)."""
+    if direction != "fwd":
+        return flags
+    return {**flags, **DEFAULT_DTYPE_FLAGS.get((arch, dtype), {})}
 
 
 def default_variants(arch: str, direction: str | None = None) -> list[VariantSpec]:
@@ -1547,7 +1558,7 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
         | {
             VariantSpec(
                 arch, d, dtype, head_dim, *(default_tile(arch, head_dim, dtype) if is_default and d == "fwd" else tile),
-                causal=causal, **_with_dtype_flags(arch, d, dtype, extras, is_default),
+                causal=causal, **(default_extras(arch, d, head_dim, dtype) if is_default and d == "fwd" else extras),
             )
             for d, head_dim, tile, extras, is_default in entries
             if d in directions

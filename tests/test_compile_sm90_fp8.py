@@ -32,7 +32,8 @@ CHECKED = [
 def test_every_head_dim_has_an_fp8_default():
     assert {s.head_dim for s in FP8_DEFAULTS} == {64, 96, 128, 192, 256}
     assert {s.causal for s in FP8_DEFAULTS} == {False, True}
-    assert all(s.overlap and s.pingpong for s in FP8_DEFAULTS)
+    assert all(s.overlap for s in FP8_DEFAULTS)
+    assert all(s.pingpong == (s.head_dim != 128) for s in FP8_DEFAULTS)  # hd128: overlap alone
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,8 @@ def test_sass(cubins, spec):
     # The transpose: 4 word loads, 8 PRMT and 4 word stores per unit (the loop body once).
     assert report.counts["PRMT"] >= 8, summary
     assert report.counts["LDS"] >= 4 and report.counts["STS"] >= 4, summary
-    assert report.counts["BAR.SYNC"] > 2, summary  # ping-pong hand-over between the consumers
+    if spec.pingpong:
+        assert report.counts["BAR.SYNC"] > 2, summary  # ping-pong hand-over between the consumers
     # Code after each setmaxnreg stays within its budget: the producer warpgroup (transpose
     # included) within 40 registers, the consumers within 232 (code order: producer branch first).
     regions = sass.setmaxnreg_regions(sass.disassemble(cubins[spec.name]))
@@ -221,7 +223,7 @@ def producer_block_instructions(text: str, steps_per_trip: int, steps: int) -> i
 def test_hoisted_variants_are_committed():
     assert all(s.hoist_vt for s in FP8_DEFAULTS)
     assert {(s.head_dim, s.tile_n, s.stages, s.causal) for s in HOISTED} == {
-        (128, 128, 2, False), (128, 128, 2, True), (256, 64, 3, False), (256, 64, 3, True),
+        (128, 128, 3, False), (128, 128, 3, True), (256, 64, 3, False), (256, 64, 3, True),
     }  # fmt: skip
     assert set(TWINS) <= set(FP8_ALTERNATIVES)
 

@@ -422,11 +422,14 @@ def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
     assert all((s.tile_m, s.tile_n, s.stages, s.warps) == tuple(space.default_tile("sm90", s.head_dim, "e4m3")) for s in fp8)
     assert space.default_tile("sm90", 256, "e4m3") == space.Tile(128, 64, 3, 12)  # the e4m3 hd256 default: 3 stages
     assert space.default_tile("sm90", 256, "bf16") == space.default_tile("sm90", 256) == space.DEFAULT_TILES["sm90"][256]
-    assert all(s.overlap and s.pingpong and s.tile_n % 32 == 0 for s in fp8)
+    assert all(s.overlap and s.tile_n % 32 == 0 for s in fp8)
+    # ping-pong everywhere but hd128, whose default runs the overlap schedule alone (DEFAULT_DTYPE_SCHEDULES)
+    assert {s.head_dim for s in fp8 if not s.pingpong} == {128}
+    assert space.default_extras("sm90", "fwd", 128, "e4m3") == {"overlap": True, "pingpong": False, "hoist_vt": True}
     # the e4m3 defaults (and the block-quantization ones) carry their dtype's flag: the hoisted transpose
     assert space.DEFAULT_DTYPE_FLAGS[("sm90", "e4m3")] == {"hoist_vt": True}
     assert all(s.hoist_vt for s in committed if s not in alternatives)
-    assert space.default_extras("sm90", "fwd", 128, "e4m3") == {**space.default_extras("sm90", "fwd", 128), "hoist_vt": True}
+    assert space.default_extras("sm90", "fwd", 256, "e4m3") == {**space.default_extras("sm90", "fwd", 256), "hoist_vt": True}
     assert space.default_extras("sm90", "fwd", 128, "bf16") == space.default_extras("sm90", "fwd", 128)
     assert not any(s.hoist_vt for s in space.default_variants("sm90") if s.dtype != "e4m3")
 
@@ -439,11 +442,14 @@ def test_fp8_alternatives_are_valid_and_differ_from_the_defaults():
         assert space.smem_bytes(spec) <= space.SM90_SMEM_LIMIT, spec.name
         assert spec.tile_n % space.SM90_FP8_MMA_K == 0 and spec.tile_m == 128, spec.name
         default = space.default_tile("sm90", spec.head_dim, "e4m3")
+        schedule = space.default_extras("sm90", "fwd", spec.head_dim, "e4m3")
         assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong, spec.exp_emu, spec.hoist_vt) != (
-            default.tile_n, default.stages, True, True, 0, True
+            default.tile_n, default.stages, schedule["overlap"], schedule["pingpong"], 0, True
         ), spec.name
         if not spec.hoist_vt:  # the twins without the hoisted transpose: the default tile and schedule
-            assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong) == (default.tile_n, default.stages, True, True)
+            assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong) == (
+                default.tile_n, default.stages, schedule["overlap"], schedule["pingpong"]
+            )
     twins = [s for s in alternatives if not s.hoist_vt]
     assert {(s.head_dim, s.causal) for s in twins} == {(128, False), (128, True), (256, False), (256, True)}
     # only the explicit list bypasses the register estimate: a like tile outside it still fails it
