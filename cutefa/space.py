@@ -549,6 +549,19 @@ def _dq_warp_rule(spec: VariantSpec) -> str | None:
     return None
 
 
+def _row_prefetch_rule(spec: VariantSpec) -> str | None:
+    if not spec.row_prefetch:
+        return None
+    if (spec.arch, spec.direction) != ("sm90", "bwd"):
+        return f"row_prefetch (LSE2/D read ahead of the WGMMA waits) is an sm90 backward flag, not a {spec.arch} {spec.direction} one"
+    if sm90_bwd_head_split(spec) or sm90_bwd_swapped(spec) or sm90_bwd_dq_swapped(spec):
+        return (
+            f"row_prefetch with tile_m={spec.tile_m}, tile_n={spec.tile_n}, head_dim={spec.head_dim}: built for the "
+            "tile_n=128 backward with tile_m 64 or 128 (templates/bwd_sm90.py.j2) only"
+        )
+    return None
+
+
 def _dq_quad_rule(spec: VariantSpec) -> str | None:
     if spec.dq_quad and (spec.arch, spec.direction) != ("sm80", "bwd"):
         return (
@@ -759,6 +772,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _block_quant_rule,
     _dq_bulk_rule,
     _dq_warp_rule,
+    _row_prefetch_rule,
     _dq_quad_rule,
     _head_dim_rule,
     why_no_kernel,
@@ -1026,7 +1040,8 @@ _TILE_GRID["sm90"] = (
 # Backward schedules: the default, and overlap (a query block's dQ WGMMA stays in flight and its
 # reductions into dq_accum are issued behind the next block's S^T/dP^T WGMMAs); each with dQ added
 # by per-thread reductions or by one bulk reduce-add per consumer and query block (dq_bulk), the
-# bulk reduce-adds issued by the consumers or by a dQ-writer warp of the producer warpgroup (dq_warp).
+# bulk reduce-adds issued by the consumers or by a dQ-writer warp of the producer warpgroup (dq_warp),
+# with LSE2/D read ahead of the WGMMA waits (row_prefetch).
 _FLAG_SETS[("sm90", "bwd")] = (
     {},
     {"overlap": True},
@@ -1034,6 +1049,8 @@ _FLAG_SETS[("sm90", "bwd")] = (
     {"overlap": True, "dq_bulk": True},
     {"dq_bulk": True, "dq_warp": True},
     {"overlap": True, "dq_bulk": True, "dq_warp": True},
+    {"dq_bulk": True, "dq_warp": True, "row_prefetch": True},
+    {"overlap": True, "dq_bulk": True, "dq_warp": True, "row_prefetch": True},
 )
 # sm80 backward: dQ reductions in the accumulator's natural layout, or 16-byte ones into a
 # column-permuted one (dq_quad).
@@ -1061,6 +1078,9 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             (Tile(128, 128, 2, 12), {"overlap": True, "dq_bulk": True}),
             # the dQ-writer warp on the tuned table's tile (docs/perf-notes.md "A dQ-writer warp")
             (Tile(128, 128, 2, 12), {"dq_bulk": True, "dq_warp": True}),
+            # and with LSE2/D read ahead of the WGMMA waits (docs/perf-notes.md "LSE2 and D read
+            # ahead of the waits")
+            (Tile(128, 128, 2, 12), {"dq_bulk": True, "dq_warp": True, "row_prefetch": True}),
         ),
         128: (
             (Tile(64, 128, 2, 12), {}),
@@ -1074,6 +1094,8 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             # the dQ-writer warp on the tuned table's tile, with and without the overlap schedule
             (Tile(64, 128, 2, 12), {"dq_bulk": True, "dq_warp": True}),
             (Tile(64, 128, 2, 12), {"overlap": True, "dq_bulk": True, "dq_warp": True}),
+            (Tile(64, 128, 2, 12), {"dq_bulk": True, "dq_warp": True, "row_prefetch": True}),
+            (Tile(64, 128, 2, 12), {"overlap": True, "dq_bulk": True, "dq_warp": True, "row_prefetch": True}),
         ),
         # The head-dim split's overlap: each consumer issues dV and dK over its own 32 queries with
         # P^T, dS^T as register operands before the per-block barrier, the other consumer's 32

@@ -47,6 +47,7 @@ _FLAG_TOKENS = (
     ("block_quant", "blockq"),
     ("dq_bulk", "dqbulk"),
     ("dq_warp", "dqw"),
+    ("row_prefetch", "rpf"),
     ("lpt_grid", "lpt"),
     ("dq_quad", "dqquad"),
     ("hoist_vt", "hvt"),
@@ -105,6 +106,11 @@ class VariantSpec:
     # and waits for it, synchronized with each consumer by a "dQ full" and a "dQ empty" named
     # barrier; the consumers only stage their piece in shared memory and arrive. Name token _dqw.
     dq_warp: bool = False
+    # sm90 backward (templates/bwd_sm90.py.j2 only): each query block's LSE2 and D values of a
+    # thread's query columns are read from shared memory into registers before the WGMMA waits they
+    # follow (S^T/dP^T, then dP^T), so those loads' latency hides behind the MMAs instead of
+    # following the wait (FlashAttention-3 loads them before its waits). Name token _rpf.
+    row_prefetch: bool = False
     # sm90 16-bit forward, not persistent: a 1-D grid of one CTA per tile in longest-first order
     # (FlashAttention-4's causal launch order): the (head, batch) pairs in sections whose K/V fit the
     # L2 budget, inside a section the last query blocks of all its pairs first (parts.lpt_tile).

@@ -122,6 +122,7 @@ def test_manifest(out):
         "block_quant": False,
         "dq_bulk": False,
         "dq_warp": False,
+        "row_prefetch": False,
         "lpt_grid": False,
         "dq_quad": False,
         "hoist_vt": False,

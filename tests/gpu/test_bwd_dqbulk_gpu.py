@@ -49,7 +49,9 @@ BULK = [
 ]
 # The dQ-writer warp's variants (dq_warp, _dqbulk_dqw: bf16 hd64/hd128 on the tuned table's tiles):
 # the same adds as their dq_bulk twin, issued by producer warp 1.
-DQW = [s for s in space.default_variants("sm90", "bwd") if s.dq_warp]
+DQW = [s for s in space.default_variants("sm90", "bwd") if s.dq_warp and not s.row_prefetch]
+# LSE2/D read ahead of the WGMMA waits (row_prefetch, _rpf): on the _dqw tiles, beside their twins.
+RPF = [s for s in space.default_variants("sm90", "bwd") if s.row_prefetch]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 SHAPES = (
     (1, 1, 1, 2, 2),
@@ -198,3 +200,27 @@ def test_dqw_repeated_calls(gen, target, spec):
         for name, a, b in zip(("dq", "dk", "dv"), got, first):
             assert torch.isfinite(a).all(), f"{spec.name} call {i} {name}"
             assert bwd80.rel(a, b) < 1e-2, f"{spec.name} call {i} {name}"
+
+
+def test_rpf_variants_committed():
+    assert sorted((s.head_dim, s.overlap, s.causal) for s in RPF) == sorted(
+        [(64, False, c) for c in (False, True)] + [(128, ov, c) for ov in (False, True) for c in (False, True)]
+    )
+    assert all(s.replace(row_prefetch=False) in DQW for s in RPF)
+
+
+@pytest.mark.parametrize("spec", RPF, ids=lambda s: s.name)
+def test_rpf_matches_twin(gen, target, spec):
+    """Reading LSE2 and D into registers earlier changes when they are read, not what is computed:
+    deterministic gradients bitwise equal to the twin's on ragged shapes (partial query and key
+    blocks, GQA, seqlen_q != seqlen_k both ways)."""
+    from cutefa.compile import get_kernel
+
+    twin = spec.replace(row_prefetch=False)
+    for shape in ((1, 1000, 4097, 16, 4), (1, 4097, 200, 2, 1), (2, 17, 333, 3, 3), (1, 1, 700, 2, 1)):
+        q, k, v, dout, out, lse = _inputs(gen, spec, *shape)
+        got = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
+        ref = bwd90.run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
+        for name, a, c in zip(("dq", "dk", "dv"), got, ref):
+            assert torch.isfinite(a).all(), f"{spec.name} {shape} {name}"
+            assert torch.equal(a, c), f"{spec.name} {shape} {name} differs from {twin.name}"

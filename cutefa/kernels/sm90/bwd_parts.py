@@ -178,6 +178,15 @@ MASK_NONE = 1 << 30
 
 
 @cute.jit
+def load_columns(s_rows: cute.Tensor, c_mn: cute.Tensor, dst: cute.Tensor):
+    """dst[j] = s_rows[query of column j] for each of this thread's query columns (``c_mn``: the
+    tile-local (key, query) of each accumulator element): a query block's LSE2 or D values, read
+    from shared memory into registers ahead of the WGMMA wait they would otherwise follow."""
+    for j in cutlass.range_constexpr(cute.size(c_mn, mode=[1])):
+        dst[j] = s_rows[c_mn[0, j][1]]
+
+
+@cute.jit
 def recompute_pt(
     st_mn: cute.Tensor,
     c_mn: cute.Tensor,
@@ -187,6 +196,7 @@ def recompute_pt(
     diag: Int32,
     masked: cutlass.Constexpr,
     causal: cutlass.Constexpr,
+    by_column: cutlass.Constexpr = False,
 ):
     """S^T -> P^T in place (rows are keys, columns queries): P = exp2(S * scale_log2 - LSE2[query]).
 
@@ -199,7 +209,8 @@ def recompute_pt(
     for keys below ``key_limit``, else one no query offset reaches. Each element then costs one
     compare against its constant column offset and one select (key < min(key_limit, query + diag)
     <=> key < key_limit and key - diag - q0 < query - q0: the same elements as an element-wise
-    limit)."""
+    limit). ``by_column``: ``sLSE`` holds the values per column (:func:`load_columns`), not per
+    tile-local query."""
     rows = cute.size(st_mn, mode=[0])
     q0 = c_mn[0, 0][1]
     row_ok = []
@@ -213,7 +224,7 @@ def recompute_pt(
                 row_ok.append(key < key_limit)
     for j in cutlass.range_constexpr(cute.size(st_mn, mode=[1])):
         query = c_mn[0, j][1]
-        lse2 = sLSE[query]
+        lse2 = sLSE[j] if cutlass.const_expr(by_column) else sLSE[query]
         for r in cutlass.range_constexpr(rows):
             p = cute.math.exp2(st_mn[r, j] * scale_log2 - lse2, fastmath=True)
             if cutlass.const_expr(masked):
@@ -225,10 +236,13 @@ def recompute_pt(
 
 
 @cute.jit
-def compute_dst(pt_mn: cute.Tensor, dpt_mn: cute.Tensor, c_mn: cute.Tensor, sD: cute.Tensor):
-    """dP^T -> dS^T in place: dS = P (dP - D[query]) (the softmax scale is applied later)."""
+def compute_dst(
+    pt_mn: cute.Tensor, dpt_mn: cute.Tensor, c_mn: cute.Tensor, sD: cute.Tensor, by_column: cutlass.Constexpr = False
+):
+    """dP^T -> dS^T in place: dS = P (dP - D[query]) (the softmax scale is applied later).
+    ``by_column``: ``sD`` holds the values per column (:func:`load_columns`)."""
     for j in cutlass.range_constexpr(cute.size(dpt_mn, mode=[1])):
-        d = sD[c_mn[0, j][1]]
+        d = sD[j] if cutlass.const_expr(by_column) else sD[c_mn[0, j][1]]
         for r in cutlass.range_constexpr(cute.size(dpt_mn, mode=[0])):
             dpt_mn[r, j] = pt_mn[r, j] * (dpt_mn[r, j] - d)
 
