@@ -541,10 +541,15 @@ def _dq_warp_rule(spec: VariantSpec) -> str | None:
         return f"dq_warp (a dQ-writer warp) is an sm90 backward flag, not a {spec.arch} {spec.direction} one"
     if not spec.dq_bulk:
         return "dq_warp without dq_bulk: the dQ-writer warp issues the bulk reduce-adds of dq_bulk's staged pieces"
+    return _sm90_bwd_main_only(spec, "dq_warp (the dQ-writer warp)")
+
+
+def _sm90_bwd_main_only(spec: VariantSpec, what: str) -> str | None:
+    """Why ``what`` (a flag of templates/bwd_sm90.py.j2) cannot be built for ``spec``, or None."""
     if sm90_bwd_head_split(spec) or sm90_bwd_swapped(spec) or sm90_bwd_dq_swapped(spec):
         return (
-            f"dq_warp with tile_m={spec.tile_m}, tile_n={spec.tile_n}, head_dim={spec.head_dim}: the dQ-writer "
-            "warp is built for the tile_n=128 backward with tile_m 64 or 128 (templates/bwd_sm90.py.j2) only"
+            f"{what} with tile_m={spec.tile_m}, tile_n={spec.tile_n}, head_dim={spec.head_dim}: built for the "
+            "tile_n=128 backward with tile_m 64 or 128 (templates/bwd_sm90.py.j2) only"
         )
     return None
 
@@ -554,12 +559,7 @@ def _row_prefetch_rule(spec: VariantSpec) -> str | None:
         return None
     if (spec.arch, spec.direction) != ("sm90", "bwd"):
         return f"row_prefetch (LSE2/D read ahead of the WGMMA waits) is an sm90 backward flag, not a {spec.arch} {spec.direction} one"
-    if sm90_bwd_head_split(spec) or sm90_bwd_swapped(spec) or sm90_bwd_dq_swapped(spec):
-        return (
-            f"row_prefetch with tile_m={spec.tile_m}, tile_n={spec.tile_n}, head_dim={spec.head_dim}: built for the "
-            "tile_n=128 backward with tile_m 64 or 128 (templates/bwd_sm90.py.j2) only"
-        )
-    return None
+    return _sm90_bwd_main_only(spec, "row_prefetch")
 
 
 def _dq_quad_rule(spec: VariantSpec) -> str | None:

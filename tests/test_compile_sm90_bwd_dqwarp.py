@@ -11,8 +11,15 @@ their waits and the consumers' registers are the twin's, every UBLKRED is in the
 warpgroup's code (under its 24-register setmaxnreg) and none in the consumers', and the named
 barriers are the ones the design says.
 
+Also the read-ahead of LSE2 and D on the same tiles (row_prefetch, name token _rpf): each query
+block's LSE2 (for P^T = exp2(S^T scale - LSE2)) and D (for dS^T = P^T (dP^T - D)) sit in shared
+memory; without the flag a thread reads its query columns' values right after the WGMMA wait that
+precedes their use, with it into registers before the wait. Checked: name, rule, the committed
+variants beside their _dqw twins, and the SASS (the twin's WGMMAs, waits and budgets, and 64-bit
+shared loads between the S^T/dP^T WGMMAs and the query loop's first wait).
+
 Correctness on hardware: tests/gpu/test_bwd_sm90.py (every committed variant) and
-tests/gpu/test_bwd_dqbulk_gpu.py (the dq_warp section).
+tests/gpu/test_bwd_dqbulk_gpu.py (the dq_warp and row_prefetch sections).
 """
 
 from __future__ import annotations
@@ -74,10 +81,32 @@ def test_variants_committed():
         assert _twin(spec) in committed
 
 
+RPF = [s for s in space.default_variants("sm90", "bwd") if s.row_prefetch]
+RPF_CHECKED = [s for s in RPF if (s.head_dim, s.causal, s.overlap) in ((128, True, True), (64, False, False))]
+
+
 @pytest.fixture(scope="module")
 def cubins(tmp_path_factory):
-    specs = CHECKED + [_twin(s) for s in CHECKED]
+    specs = CHECKED + [_twin(s) for s in CHECKED] + RPF_CHECKED
     return sass.dump_cubins(specs, "sm_90a", tmp_path_factory.mktemp("bwd_dqwarp_sm_90a"))
+
+
+def _against_twin(cubins, spec: VariantSpec, twin: VariantSpec) -> tuple[str, str]:
+    """What a flag on these tiles keeps of its twin's SASS: no spill, the same WGMMAs and WGMMA
+    waits (nothing serialized), the producer under 24 and the consumers under 240 registers.
+    Returns the main kernel's text of both."""
+    report, twin_report = sass.analyze(cubins[spec.name]), sass.analyze(cubins[twin.name])
+    text = sass.kernel_text(sass.disassemble(cubins[spec.name]), "kernel")
+    twin_text = sass.kernel_text(sass.disassemble(cubins[twin.name]), "kernel")
+    assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
+    assert report.counts["HGMMA"] == twin_report.counts["HGMMA"], (report.summary(), twin_report.summary())
+    waits = len(re.findall(r"WARPGROUP\.DEPBAR", text))
+    assert waits == len(re.findall(r"WARPGROUP\.DEPBAR", twin_text)) and waits <= 8, waits
+    regions = sass.setmaxnreg_regions(text)
+    assert [budget for budget, _ in regions] == [24, 240], regions
+    for budget, used in regions:
+        assert used < budget, f"{spec.name}: R{used} under setmaxnreg {budget}"
+    return text, twin_text
 
 
 def _roles(text: str) -> tuple[str, str]:
@@ -101,20 +130,9 @@ def _bars(text: str, kind: str) -> list[tuple[int, int]]:
 @pytest.mark.compile
 @pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
 def test_sass_writer_warp(cubins, spec):
-    report = sass.analyze(cubins[spec.name])
-    twin = sass.analyze(cubins[_twin(spec).name])
-    text = sass.kernel_text(sass.disassemble(cubins[spec.name]), "kernel")
-    twin_text = sass.kernel_text(sass.disassemble(cubins[_twin(spec).name]), "kernel")
-    assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
-    # the WGMMAs and their waits are the twin's (nothing serialized)
-    assert report.counts["HGMMA"] == twin.counts["HGMMA"], (report.summary(), twin.summary())
-    waits = len(re.findall(r"WARPGROUP\.DEPBAR", text))
-    assert waits == len(re.findall(r"WARPGROUP\.DEPBAR", twin_text)) and waits <= 8, waits
-    # the roles: the producer under 24 registers, the consumers under 240 with the twin's peak
+    text, twin_text = _against_twin(cubins, spec, _twin(spec))
+    # the consumers' register peak is the twin's
     regions = sass.setmaxnreg_regions(text)
-    assert [budget for budget, _ in regions] == [24, 240], regions
-    for budget, used in regions:
-        assert used < budget, f"{spec.name}: R{used} under setmaxnreg {budget}"
     assert regions[1] == sass.setmaxnreg_regions(twin_text)[1], (regions, sass.setmaxnreg_regions(twin_text))
     producer, consumers = _roles(text)
     # every bulk reduce-add is the writer warp's: one per consumer's piece, fp32 add
@@ -138,3 +156,61 @@ def test_sass_writer_warp(cubins, spec):
     # the consumers carry no bulk-group wait: the writer's (read, and completion when deterministic)
     assert not re.search(r"\bDEPBAR\.LE\s+SB0", consumers)
     assert re.search(r"\bDEPBAR\.LE\s+SB0,\s*0x1", producer) and re.search(r"\bDEPBAR\.LE\s+SB0,\s*0x0", producer)
+
+
+# --- row_prefetch (_rpf) on the same tiles -----------------------------------------------------
+
+
+def _rpf_twin(spec: VariantSpec) -> VariantSpec:
+    return spec.replace(row_prefetch=False)
+
+
+def test_rpf_flag_name_and_rule():
+    spec = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_bulk=True, dq_warp=True, row_prefetch=True)
+    assert spec.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk_dqw_rpf"
+    assert parse_name(spec.name) == spec
+    assert space.why_invalid(spec) is None
+    assert space.why_invalid(spec.replace(dq_warp=False, dq_bulk=False)) is None  # independent of the dQ path
+    assert codegen.template_name(spec) == "bwd_sm90.py.j2"
+    assert "sm90 backward" in space.why_invalid(VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8, row_prefetch=True))
+    assert "sm90 backward" in space.why_invalid(VariantSpec("sm90", "fwd", "bf16", 128, 128, 128, 2, 12, row_prefetch=True))
+    for other in (
+        VariantSpec("sm90", "bwd", "bf16", 192, 64, 64, 2, 12, row_prefetch=True),
+        VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12, row_prefetch=True),
+        VariantSpec("sm90", "bwd", "bf16", 128, 80, 128, 2, 12, dq_bulk=True, row_prefetch=True),
+    ):
+        assert "row_prefetch" in space.why_invalid(other), other.name
+        assert space.why_invalid(other.replace(row_prefetch=False)) is None, other.name
+
+
+def test_rpf_variants_committed():
+    assert {s.dtype for s in RPF} == {"bf16"}
+    assert sorted((s.head_dim, s.tile_m, s.overlap, s.causal) for s in RPF) == sorted(
+        [(64, 128, False, c) for c in (False, True)] + [(128, 64, ov, c) for ov in (False, True) for c in (False, True)]
+    )
+    committed = set(space.default_variants("sm90", "bwd"))
+    for spec in RPF:
+        assert spec.dq_warp and _rpf_twin(spec) in committed
+        assert space.sm90_bwd_smem_bytes(spec) == space.sm90_bwd_smem_bytes(_rpf_twin(spec))
+
+
+def _first_wait_window(text: str) -> list[str]:
+    """The consumer instructions between the last HGMMA before the query loop's first
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` and that wait."""
+    lines = [line for line in text.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    wait = next(i for i, line in enumerate(lines) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line)
+    last_mma = max(i for i in range(wait) if "HGMMA" in lines[i])
+    return lines[last_mma + 1 : wait]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", RPF_CHECKED, ids=lambda s: s.name)
+def test_sass_rpf_loads_before_the_wait(cubins, spec):
+    text, twin_text = _against_twin(cubins, spec, _rpf_twin(spec))
+    # a thread's query columns come in pairs: one 64-bit load per pair of LSE2 values, issued
+    # while S^T and dP^T run; the twin issues none there
+    columns = spec.tile_m // 8  # S^T is m64nN with N = tile_m queries: N / 8 column pairs a thread
+    window = _first_wait_window(text)
+    loads = [line for line in window if re.search(r"\bLDS\.64\b", line)]
+    assert len(loads) == columns, (len(loads), window)
+    assert not [line for line in _first_wait_window(twin_text) if re.search(r"\bLDS", line)]
