@@ -266,6 +266,11 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
             (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "pair_cvt": True}),
             (Tile(128, 80, 2, 12), {"overlap": True, "early_rescale": True, "pair_cvt": True}),
             (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "early_rescale": True, "pair_cvt": True}),
+            # the table's causal schedules on FlashAttention-4's longest-first 1-D grid (lpt_grid)
+            # (with the DSL's conversion, 128x80 causal overlap on that grid spills 31 registers and
+            # serializes its WGMMAs: pair_cvt there)
+            (Tile(128, 80, 2, 12), {"overlap": True, "pair_cvt": True, "lpt_grid": True}),
+            (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "early_rescale": True, "pair_cvt": True, "lpt_grid": True}),
         ),
         # hd128 with longer key tiles (FlashAttention-3's non-causal hd128 tile is 128x176): half the
         # per-block fixed costs (barriers, row reductions, the O rescale, pipeline waits) per FLOP.
@@ -306,7 +311,9 @@ _SM90_SCHEDULES: tuple[dict[str, bool], ...] = tuple(
     for persist in (False, True)
     for early, pair in ((True, False), (False, True), (True, True))
 ) + tuple(  # the overlap schedule on a 1-D longest-first grid of one CTA per tile
-    {"overlap": True, "pingpong": pp, "lpt_grid": True} for pp in (False, True)
+    {"overlap": True, "pingpong": pp, "lpt_grid": True, **extra}
+    for pp in (False, True)
+    for extra in ({}, {"pair_cvt": True}, {"early_rescale": True, "pair_cvt": True})
 )
 
 

@@ -4,7 +4,7 @@ consumers' 240 registers and keep their WGMMAs in flight: no spill, no element-w
 (not one per HGMMA: ptxas's serialization, remark C7520), and the uniform datapath kept.
 
 - hd256 128x80, closer to FlashAttention-4's configuration: with the O rescale under S = Q K^T
-  (early_rescale), and with ping-pong.
+  (early_rescale), and with ping-pong; and on the longest-first 1-D grid (lpt_grid).
 - hd128 with longer key tiles (FlashAttention-3's non-causal hd128 tile is 128x176): the register
   estimate rejects 128x176 and 128x192; space.SM90_PCVT_NO_SPILL admits them with the compiled
   schedule only (overlap + ping-pong + pair_cvt; without pair_cvt 128x176 spills)."""
@@ -27,6 +27,9 @@ LONG_HD128 = (
 NAMES = (
     "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_erescale_pcvt",
     "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_ov_pp_pcvt",
+    # on the longest-first 1-D grid (lpt_grid; the overlap schedule there spills without pair_cvt)
+    "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_pcvt_lpt",
+    "cutefa_sm90_fwd_fp16_hd256_128x80_s2_w12_causal_ov_pp_erescale_pcvt_lpt",
     *LONG_HD128,
 )
 SPECS = [parse_name(n) for n in NAMES]
@@ -82,5 +85,6 @@ def test_sass(cubins, spec):
     waits = sum(report.forms_of("WARPGROUP.DEPBAR").values())
     assert arrives <= 8 and waits <= 8, f"{spec.name}: {arrives} arrives, {waits} waits"
     # descriptors and pipeline state in uniform registers (hundreds of R2UR when ptxas gives that up)
+    # (the longest-first grid's tile decode adds ~30, once per CTA before the first WGMMA)
     r2ur = sum(report.forms_of("R2UR").values())
-    assert r2ur <= 40, f"{spec.name}: {r2ur} R2UR"
+    assert r2ur <= (64 if spec.lpt_grid else 40), f"{spec.name}: {r2ur} R2UR"

@@ -532,8 +532,9 @@ def test_fa4_hd256_schedule_variants():
     tile = space.Tile(128, 80, 2, 12)
     new = [
         s for s in fwd
-        if s.head_dim == 256 and (s.early_rescale or s.pair_cvt or (s.tile_n == 80 and not s.pingpong))
-    ]
+        if s.head_dim == 256 and not s.lpt_grid
+        and (s.early_rescale or s.pair_cvt or (s.tile_n == 80 and not s.pingpong))
+    ]  # fmt: skip
     assert {s.name for s in new} == {
         f"cutefa_sm90_fwd_{dt}_hd256_128x80_s2_w12{c}{flags}"
         for dt in ("bf16", "fp16")
@@ -548,6 +549,10 @@ def test_fa4_hd256_schedule_variants():
     # early_rescale comes with pair_cvt in the committed set (its causal form without pair_cvt has
     # ptxas serialize the WGMMAs); the flag alone is still valid
     assert all(s.pair_cvt for s in new if s.early_rescale)
+    # the table's causal schedules also on the longest-first 1-D grid (lpt_grid), both masks and dtypes
+    lpt = [s for s in fwd if s.head_dim == 256 and s.lpt_grid]
+    assert {s.name.split("_s2_w12")[1].removeprefix("_causal") for s in lpt} == {"_ov_pcvt_lpt", "_ov_pp_erescale_pcvt_lpt"}
+    assert len(lpt) == 8 and all(s.replace(lpt_grid=False) in new for s in lpt)
     base = next(s for s in new if s.early_rescale and s.causal and not s.pingpong)
     assert space.why_invalid(base.replace(pair_cvt=False)) is None
     # candidates: early_rescale only with overlap, on sm90 forwards
@@ -608,15 +613,19 @@ def test_pair_cvt_twins_and_long_hd128_tiles():
 
 def test_lpt_grid_variants():
     """The 1-D longest-first grid (lpt_grid): committed on the hd64 192x128 overlap tiles (with and
-    without ping-pong, both masks, fp16 and bf16), refused wherever it has no meaning."""
+    without ping-pong) and on hd256's 128x80 tuned schedules, both masks, fp16 and bf16; refused
+    wherever it has no meaning."""
     fwd = space.default_variants("sm90", "fwd")
     new = [s for s in fwd if s.lpt_grid]
     assert {s.name for s in new} == {
-        f"cutefa_sm90_fwd_{dtype}_hd64_192x128_s2_w16{c}{flags}"
+        f"cutefa_sm90_fwd_{dtype}_{tile}{c}{flags}"
         for dtype in ("bf16", "fp16")
         for c in ("", "_causal")
-        for flags in ("_ov_lpt", "_ov_pp_lpt")
-    }
+        for tile, flags in (
+            ("hd64_192x128_s2_w16", "_ov_lpt"), ("hd64_192x128_s2_w16", "_ov_pp_lpt"),
+            ("hd256_128x80_s2_w12", "_ov_pcvt_lpt"), ("hd256_128x80_s2_w12", "_ov_pp_erescale_pcvt_lpt"),
+        )
+    }  # fmt: skip
     for spec in new:
         assert space.why_invalid(spec) is None, spec.name
         assert spec.name.endswith("_lpt") and parse_name(spec.name) == spec
