@@ -228,7 +228,7 @@ def test_blockwise_algorithm_is_exact(causal, sq, sk, hq, hkv, d):
     )
     choice = ops._block_choice(sm90_choice(q, k, causal))
     spec = choice.spec
-    assert spec.block_quant and spec.name.endswith("_blockq")
+    assert spec.block_quant and spec.hoist_vt and spec.name.endswith("_blockq_hvt")
     assert (spec.tile_m, spec.tile_n) == cutefa.fp8_block_sizes(q, k, causal=causal, target="sm_90a")
     (_, _, _), ((q8, qd), (k8, kd), (v8, vd)) = block_inputs(
         2, sq, sk, hq, hkv, d, tiles=(spec.tile_m, spec.tile_n)
@@ -260,7 +260,7 @@ def test_kernel_arguments():
     largest; v_descale is that largest; per-head and per-tensor descales broadcast over the blocks."""
     (_, _, _), ((q8, qd), (k8, kd), (_, vd)) = block_inputs()
     choice, (q_arg, kv, v_max) = ops._fp8_kernel_args(q8, k8, (qd, kd, vd), sm90_choice(q8, k8, False))
-    assert choice.spec.name == "cutefa_sm90_fwd_e4m3_hd64_128x128_s2_w12_ov_pp_blockq"
+    assert choice.spec.name == "cutefa_sm90_fwd_e4m3_hd64_128x128_s2_w12_ov_pp_blockq_hvt"
     assert kv.shape == (2, 2, 7, 4) and kv.is_contiguous() and kv.dtype == torch.float32
     assert torch.equal(q_arg, qd) and torch.equal(kv[..., 0], kd) and torch.all(kv[..., 3] == 0)
     torch.testing.assert_close(v_max, vd.amax(-1))
@@ -290,7 +290,7 @@ def test_block_size_mismatch_names_both():
         ops._fp8_kernel_args(q8, k8, (qd, kd, vd), sm90_choice(q8, k8, False))
     text = str(info.value)
     assert "tile_n=128" in text and "got (2, 2, 13)" in text and "blocks of about 60 rows" in text
-    assert "cutefa_sm90_fwd_e4m3_hd64_128x128_s2_w12_ov_pp_blockq" in text and "block=128" in text
+    assert "cutefa_sm90_fwd_e4m3_hd64_128x128_s2_w12_ov_pp_blockq_hvt" in text and "block=128" in text
     with pytest.raises(
         ValueError, match=r"q_descale must have shape .* = \(2, 2, 3\).*tile_m=128.*got \(2, 2, 5\)"
     ):
@@ -371,7 +371,7 @@ def test_api_runs_the_block_variant(on_cpu, causal):
         q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True
     )
     name, args = on_cpu[-1]
-    assert name == f"cutefa_sm90_fwd_e4m3_hd64_128x128_s2_w12{'_causal' if causal else ''}_ov_pp_blockq"
+    assert name == f"cutefa_sm90_fwd_e4m3_hd64_128x128_s2_w12{'_causal' if causal else ''}_ov_pp_blockq_hvt"
     assert [a.shape for a in args] == [(2, 2, 3), (2, 2, 7, 4), (2, 2)]
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 4, 300)
     deq = [fp8.dequantize_fp8(x, s, b) for x, s, b in ((q8, qd, 128), (k8, kd, 128), (v8, vd, 128))]
@@ -385,7 +385,7 @@ def test_api_per_head_descales_keep_the_per_head_variant(on_cpu):
     cutefa.flash_attn_func(q8, k8, v8, q_descale=torch.ones(2, 2), k_descale=torch.ones(()), v_descale=None)
     name, args = on_cpu[-1]
     assert (
-        name == "cutefa_sm90_fwd_e4m3_hd64_128x128_s2_w12_ov_pp" and [a.shape for a in args] == [(2, 2)] * 3
+        name == "cutefa_sm90_fwd_e4m3_hd64_128x128_s2_w12_ov_pp_hvt" and [a.shape for a in args] == [(2, 2)] * 3
     )
 
 
