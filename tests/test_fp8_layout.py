@@ -356,8 +356,8 @@ def _wide_plan(tile_n, head_dim, stages):
 @functools.cache
 def _wide_addresses(tile_n, head_dim, stages, tid, side, stage):
     """Per step, the 8 byte addresses (relative to the ring's start) of thread ``tid``'s loads
-    (side 0) or stores (side 1) as fp8.WideTransposeV computes them: (ring start + stage start +
-    the base's swizzled stage-0 offset) ^ mask + offset."""
+    (side 0) or stores (side 1) as fp8.WideTransposeV computes them: ring start + stage start +
+    (the base's swizzled stage-0 offset ^ mask) + offset."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     offset_of, _, stage_bytes, _ = _composed((v_text, vt_text)[side])
     plans = _wide_plan(tile_n, head_dim, stages)
@@ -365,8 +365,9 @@ def _wide_addresses(tile_n, head_dim, stages, tid, side, stage):
     bases = []
     for i_rep, e_rep in reps:
         row, w = fp8.wide_transpose_words(tid, i_rep, tile_n, head_dim)[side][e_rep]
-        bases.append(STAGE_START + stage * stage_bytes + offset_of(row, 8 * w, 0))
-    return tuple(tuple(((bases[c] ^ x) + d) - STAGE_START for c, x, d in row) for row in plan)
+        bases.append(offset_of(row, 8 * w, 0))
+    start = STAGE_START + stage * stage_bytes
+    return tuple(tuple(start + (bases[c] ^ x) + d - STAGE_START for c, x, d in row) for row in plan)
 
 
 @pytest.mark.parametrize(("tile_n", "head_dim", "stages"), WIDE_TILES)

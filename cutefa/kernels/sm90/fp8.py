@@ -396,10 +396,11 @@ def xor_hoisted_plan(column, steps: int, accesses: int, span: int):
 
     A swizzle XORs row bits into the slot bits of a row; the 64-bit accesses' lanes cover every
     slot (no bank conflict), so a row move changes each lane's offset by a lane-dependent amount,
-    but by the same XOR: one LOP3 per (base, mask) and key block instead of one base register per
-    access. Only an access related to no base by an XOR and an offset becomes a base. When the
-    ring's stage start ``s`` is a multiple of ``span``, (s + o) ^ x = s + (o ^ x) for x < span.
-    Re-checked over all threads before it is returned (ValueError otherwise)."""
+    but by the same XOR: an access related to a base by an XOR and an offset costs one LOP3 per
+    (base, mask) per CTA (ptxas may recompute it per key block under the producer's 40 registers),
+    and only an access related to no base that way becomes a base. When the ring's stage start
+    ``s`` is a multiple of ``span``, (s + o) ^ x = s + (o ^ x) for x < span. Re-checked over all
+    threads before it is returned (ValueError otherwise)."""
     cols: dict[tuple[int, int], list[int]] = {}
 
     def col(i, e):
@@ -499,16 +500,19 @@ class WideTransposeV:
         for i_rep, e_rep in vt_reps:
             row, kp = wide_transpose_words(tid, i_rep, tile_n, head_dim)[1][e_rep]
             self.vt_offsets.append(cutlass.Int32(composed_offset(sVt_layout, (row, kp * WIDE_UNIT_BYTES))))
+        # The XOR-derived offsets, per CTA like the bases: the stage start is a multiple of the
+        # swizzle span and x < span, so (start + off) ^ x = start + (off ^ x).
+        self.v_xor_offsets = {
+            (c, x): self.v_offsets[c] ^ x for row in self.v_plan for c, x, _ in row if x
+        }
+        self.vt_xor_offsets = {
+            (c, x): self.vt_offsets[c] ^ x for row in self.vt_plan for c, x, _ in row if x
+        }
 
     @staticmethod
     def _ptr(bases, derived, c, x, d):
-        """Pointer (64-bit elements) to (bases[c] ^ x) + d; each (c, x) computed once per call."""
-        if x == 0:
-            addr = bases[c]
-        else:
-            if (c, x) not in derived:
-                derived[(c, x)] = bases[c] ^ x
-            addr = derived[(c, x)]
+        """Pointer (64-bit elements) to stage start + (offset[c] ^ x) + d."""
+        addr = bases[c] if x == 0 else derived[(c, x)]
         return cute.make_ptr(cutlass.Uint64, addr, cute.AddressSpace.smem, assumed_align=8) + d // 8
 
     def __call__(self, v_base, vt_base, v_stage, vt_stage):
@@ -518,7 +522,8 @@ class WideTransposeV:
         vt0 = vt_base + vt_stage * self.vt_stage_bytes
         v_bases = [v0 + off for off in self.v_offsets]
         vt_bases = [vt0 + off for off in self.vt_offsets]
-        v_derived, vt_derived = {}, {}
+        v_derived = {k: v0 + off for k, off in self.v_xor_offsets.items()}
+        vt_derived = {k: vt0 + off for k, off in self.vt_xor_offsets.items()}
         one = cute.make_layout(1)
         for i in range(self.steps):
             lo, hi = [], []
