@@ -60,6 +60,7 @@ SM90_PCVT_NO_SPILL: frozenset[tuple[int, int]] = frozenset({(128, 176), (128, 19
 # the two consumer warpgroups get 232 (40 * 128 + 232 * 256 = 168 * 384, what the CTA holds at launch).
 SM90_FP8_CONSUMER_REGS = 232
 SM90_FP8_MMA_K = 32  # k of an fp8 WGMMA: P V steps over keys 32 at a time
+SM90_FP8_TRANSPOSE_THREADS = 128  # the producer warpgroup that transposes V (fp8.WG_THREADS)
 
 
 class Tile(NamedTuple):
@@ -148,7 +149,8 @@ def default_tile(arch: str, head_dim: int, dtype: str | None = None) -> Tile | N
 # registers (so does tile_n 96 at hd256), so it runs ping-pong only. Every entry compiles for sm_90a
 # with no spill (tests/test_compile_sm90_fp8.py), which stands in for the register estimate
 # (:func:`_sm90_regs`). Like the defaults, each carries hoist_vt, except the defaults' twins without
-# it (hd128 128x128 3 stages, overlap; hd256 128x64 3 stages, overlap + ping-pong).
+# it (hd128 128x128 3 stages, overlap; hd256 128x64 3 stages, overlap + ping-pong), and the same two
+# default tiles and schedules carry wide_vt too (the 64-bit transpose) beside them.
 FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], ...]]] = {
     "sm90": {
         128: (
@@ -160,11 +162,16 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             # swizzled addresses): the twin that shows what the hoisted transpose buys
             # (docs/perf-notes.md, "fp8 forward: where the instructions go").
             (Tile(128, 128, 3, 12), {"overlap": True}),
+            # The default tile and schedule with the wide transpose (64-bit LDS/STS, 8x8-byte units:
+            # half the producer's shared-memory instructions; docs/perf-notes.md, "fp8 wide
+            # transpose").
+            (Tile(128, 128, 3, 12), {"overlap": True, "hoist_vt": True, "wide_vt": True}),
         ),
         256: (
             (Tile(128, 64, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 64, 3, 12), {"overlap": True, "pingpong": True}),
             (Tile(128, 64, 4, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
+            (Tile(128, 64, 3, 12), {"overlap": True, "pingpong": True, "hoist_vt": True, "wide_vt": True}),
         ),
     },
 }
@@ -506,6 +513,30 @@ def _hoist_vt_rule(spec: VariantSpec) -> str | None:
     return None
 
 
+def _wide_vt_rule(spec: VariantSpec) -> str | None:
+    if not spec.wide_vt:
+        return None
+    if (spec.arch, spec.direction, spec.dtype) != ("sm90", "fwd", "e4m3"):
+        return (
+            "wide_vt (the V transpose with 64-bit shared-memory accesses) is an sm90 e4m3 forward flag, "
+            f"not a {spec.arch} {spec.dtype} {spec.direction} one"
+        )
+    if not spec.hoist_vt:
+        return "wide_vt requires hoist_vt (the wide transpose's addresses are hoisted like the _hvt transpose's)"
+    if spec.tile_n % SM90_FP8_MMA_K:
+        return (
+            f"wide_vt: tile_n={spec.tile_n} is not a multiple of {SM90_FP8_MMA_K} (the 32-key blocks in "
+            "which V is transposed and permuted; a wide unit spans 8 keys of one block)"
+        )
+    units = (spec.head_dim // 8) * (spec.tile_n // 8)
+    if units % SM90_FP8_TRANSPOSE_THREADS:
+        return (
+            f"wide_vt: (head_dim / 8) x (tile_n / 8) = {units} 8x8-byte units (head_dim={spec.head_dim}, "
+            f"tile_n={spec.tile_n}) is not a multiple of the producer warpgroup's {SM90_FP8_TRANSPOSE_THREADS} threads"
+        )
+    return None
+
+
 def _lpt_grid_rule(spec: VariantSpec) -> str | None:
     if not spec.lpt_grid:
         return None
@@ -774,6 +805,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _early_rescale_rule,
     _pair_cvt_rule,
     _hoist_vt_rule,
+    _wide_vt_rule,
     _lpt_grid_rule,
     _cta_pair_rule,
     _block_quant_rule,

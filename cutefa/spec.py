@@ -51,6 +51,7 @@ _FLAG_TOKENS = (
     ("lpt_grid", "lpt"),
     ("dq_quad", "dqquad"),
     ("hoist_vt", "hvt"),
+    ("wide_vt", "wvt"),
 )
 
 
@@ -129,6 +130,11 @@ class VariantSpec:
     # (fp8.TransposeV), instead of indexing the swizzled 32-bit views per word; the same bytes land
     # in the same Vt words. Name token _hvt.
     hoist_vt: bool = False
+    # sm90 e4m3 forward with hoist_vt: the V transpose with 64-bit shared-memory accesses
+    # (fp8.WideTransposeV): a thread's unit is 8 keys x 8 head dims (8 LDS.64, 32 PRMT, 8 STS.64),
+    # half the shared-memory instructions of the 4 x 4 unit; the same bytes land in the same Vt
+    # words. Name token _wvt.
+    wide_vt: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0

@@ -294,3 +294,56 @@ def test_smem_layouts_match_the_dsl(tmp_path):
         elif kind == "R":
             assert rest[3] == "0", line
     assert layouts == fp8.SMEM_LAYOUTS_V_VT
+
+
+# wide_vt (_wvt): the V transpose with 64-bit shared-memory accesses (fp8.WideTransposeV), committed
+# on the hd128 and hd256 default tiles and schedules beside their _hvt twins (the defaults).
+WIDE = [s for s in FP8_ALTERNATIVES if s.wide_vt]
+
+
+def _producer_ops(text: str) -> dict[str, int]:
+    """Instruction forms (opcode with modifiers) of the producer region (between the setmaxnreg marks)."""
+    lines = _instructions(text)
+    marks = [i for i, (_, ins) in enumerate(lines) if "USETMAXREG" in ins]
+    ops: dict[str, int] = {}
+    for _, ins in lines[marks[0] : marks[1]]:
+        op = ins.split()[1] if ins.startswith("@") else ins.split()[0]
+        ops[op] = ops.get(op, 0) + 1
+    return ops
+
+
+def test_wide_variants_are_committed():
+    assert {(s.head_dim, s.tile_n, s.stages, s.causal) for s in WIDE} == {
+        (128, 128, 3, False), (128, 128, 3, True), (256, 64, 3, False), (256, 64, 3, True),
+    }  # fmt: skip
+    assert all(s.hoist_vt and s.replace(wide_vt=False) in FP8_DEFAULTS for s in WIDE)
+
+
+@pytest.mark.parametrize("spec", [s for s in WIDE if not s.causal], ids=lambda s: s.name)
+def test_wide_transpose_sass(cubins, alternative_cubins, spec):
+    """The _wvt producer: 8 LDS.64, 32 PRMT and 8 STS.64 per unit, fully unrolled, no 32-bit shared
+    access left, half the producer's shared-memory instructions of its _hvt twin; per key block a
+    producer warp executes no more instructions than the twin's (sm_90a, DSL 4.8.1: hd128 179 ->
+    176, the XOR-derived addresses take most of the LDS/STS savings; hd256 174 -> 152). The consumers keep
+    their QGMMA, MUFU.EX2 and e4m3 conversion counts; no spill; both setmaxnreg budgets respected."""
+    twin = spec.replace(wide_vt=False)
+    assert twin in CHECKED
+    text = sass.disassemble(alternative_cubins[spec.name])
+    twin_text = sass.disassemble(cubins[twin.name])
+    steps = fp8.wide_steps(spec.tile_n, spec.head_dim)
+    ops, twin_ops = _producer_ops(text), _producer_ops(twin_text)
+    assert ops.get("LDS.64") == 8 * steps and ops.get("STS.64") == 8 * steps, ops
+    assert not any(op.split(".")[0] in ("LDS", "STS") and op not in ("LDS.64", "STS.64") for op in ops), ops
+    assert ops.get("PRMT") == 32 * steps == twin_ops.get("PRMT"), (ops, twin_ops)
+    assert 2 * ops["LDS.64"] == twin_ops["LDS"] and 2 * ops["STS.64"] == twin_ops["STS"], (ops, twin_ops)
+    wide = producer_block_instructions(text, steps, steps)
+    hoisted = producer_block_instructions(twin_text, 1, 1)
+    print(f"{spec.name}: producer warp per key block {hoisted} (_hvt) -> {wide} (_wvt)")
+    assert 48 * steps < wide <= hoisted + 4, (wide, hoisted)
+    report, twin_report = sass.analyze(alternative_cubins[spec.name]), sass.analyze(cubins[twin.name])
+    for op in ("QGMMA", "MUFU.EX2", "F2FP.SATFINITE.E4M3"):
+        assert report.counts[op] == twin_report.counts[op], (op, report.summary(), twin_report.summary())
+    assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0
+    regions = sass.setmaxnreg_regions(text)
+    assert [budget for budget, _ in regions] == [40, 232], regions
+    assert all(used < budget for budget, used in regions), regions

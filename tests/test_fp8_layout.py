@@ -10,6 +10,8 @@ transpose's own index function ``fp8.transpose_unit``, and the product is compar
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -144,6 +146,7 @@ def test_operand_product_equals_p_v(tile_n, head_dim):
 # --- The hoisted transpose addressing (fp8.TransposeV) against the plain swizzled indexing -------
 
 
+@functools.cache
 def _composed(text: str):
     """A byte-offset function (row, col, stage) of a staged swizzled layout string as the DSL prints
     it, e.g. ``S<3,4,3> o 0 o ((8,16),(128,1),(1,2)):((128,1024),(1,0),(0,16384))``: the outer
@@ -230,6 +233,44 @@ def test_hoisted_addresses_equal_the_swizzled_indexing(tile_n, head_dim, stages)
                         )  # fmt: skip
 
 
+def _hoisted_vt_ring(tile_n, head_dim, stages, v_ring, v_stage, vt_stage):
+    """The hoisted 32-bit transpose (fp8.TransposeV) run on a byte image of the V ring: the Vt
+    ring image it writes and how often it writes each Vt word."""
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    v_off, _, v_stage_bytes, _ = _composed(v_text)
+    vt_off, _, vt_stage_bytes, _ = _composed(vt_text)
+    v_reps, v_plan, vt_reps, vt_plan = _plan(tile_n, head_dim, stages)
+    vt_ring = np.zeros(stages * vt_stage_bytes, dtype=np.uint8)
+    writes = np.zeros(stages * vt_stage_bytes // 4, dtype=int)
+    v_words, vt_words = v_ring.view(np.uint32), vt_ring.view(np.uint32)
+    for tid in range(THREADS):
+        v_coords = [fp8.transpose_words(tid, i, head_dim)[0][e] for i, e in v_reps]
+        vt_coords = [fp8.transpose_words(tid, i, head_dim)[1][e] for i, e in vt_reps]
+        v_bases = [v_stage * v_stage_bytes + v_off(row, 4 * w, 0) for row, w in v_coords]
+        vt_bases = [vt_stage * vt_stage_bytes + vt_off(row, 4 * w, 0) for row, w in vt_coords]
+        for i in range(fp8.transpose_steps(tile_n, head_dim)):
+            w = [int(v_words[(v_bases[c] + d) // 4]) for c, d in v_plan[i]]
+            for e, (c, d) in enumerate(vt_plan[i]):
+                assert (vt_bases[c] + d) % 4 == 0
+                vt_words[(vt_bases[c] + d) // 4] = _transpose_4x4(*w)[e]
+                writes[(vt_bases[c] + d) // 4] += 1
+    return vt_ring, writes
+
+
+def _transpose_4x4(w0, w1, w2, w3):
+    """fp8.transpose_4x4 (the 8 PRMT of a 4x4 unit) on Python ints."""
+    t0 = _prmt(w0, w1, fp8.PRMT_LO_PAIRS)
+    t1 = _prmt(w0, w1, fp8.PRMT_HI_PAIRS)
+    t2 = _prmt(w2, w3, fp8.PRMT_LO_PAIRS)
+    t3 = _prmt(w2, w3, fp8.PRMT_HI_PAIRS)
+    return (
+        _prmt(t0, t2, fp8.PRMT_LO_HALVES),
+        _prmt(t0, t2, fp8.PRMT_HI_HALVES),
+        _prmt(t1, t3, fp8.PRMT_LO_HALVES),
+        _prmt(t1, t3, fp8.PRMT_HI_HALVES),
+    )
+
+
 @pytest.mark.parametrize(("tile_n", "head_dim", "stages"), TILES)
 def test_hoisted_transpose_moves_the_same_bytes(tile_n, head_dim, stages):
     """The hoisted transpose run on a byte image of the V and Vt rings (every stage) writes each Vt
@@ -238,37 +279,193 @@ def test_hoisted_transpose_moves_the_same_bytes(tile_n, head_dim, stages):
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     v_off, _, v_stage_bytes, _ = _composed(v_text)
     vt_off, _, vt_stage_bytes, _ = _composed(vt_text)
-    v_reps, v_plan, vt_reps, vt_plan = _plan(tile_n, head_dim, stages)
     rng = np.random.default_rng(2)
     v_ring = rng.integers(0, 256, size=stages * v_stage_bytes, dtype=np.uint8)
     perm = np.array([32 * (k // 32) + fp8.key_of_a_column(k % 32) for k in range(tile_n)])
     for v_stage, vt_stage in ((0, stages - 1), (stages - 1, 0)):
-        vt_ring = np.zeros(stages * vt_stage_bytes, dtype=np.uint8)
-        writes = np.zeros(stages * vt_stage_bytes // 4, dtype=int)
-        v_words, vt_words = v_ring.view(np.uint32), vt_ring.view(np.uint32)
-        for tid in range(THREADS):
-            v_coords = [fp8.transpose_words(tid, i, head_dim)[0][e] for i, e in v_reps]
-            vt_coords = [fp8.transpose_words(tid, i, head_dim)[1][e] for i, e in vt_reps]
-            v_bases = [v_stage * v_stage_bytes + v_off(row, 4 * w, 0) for row, w in v_coords]
-            vt_bases = [vt_stage * vt_stage_bytes + vt_off(row, 4 * w, 0) for row, w in vt_coords]
-            for i in range(fp8.transpose_steps(tile_n, head_dim)):
-                w = [int(v_words[(v_bases[c] + d) // 4]) for c, d in v_plan[i]]
-                t0 = _prmt(w[0], w[1], fp8.PRMT_LO_PAIRS)
-                t1 = _prmt(w[0], w[1], fp8.PRMT_HI_PAIRS)
-                t2 = _prmt(w[2], w[3], fp8.PRMT_LO_PAIRS)
-                t3 = _prmt(w[2], w[3], fp8.PRMT_HI_PAIRS)
-                outs = (
-                    _prmt(t0, t2, fp8.PRMT_LO_HALVES),
-                    _prmt(t0, t2, fp8.PRMT_HI_HALVES),
-                    _prmt(t1, t3, fp8.PRMT_LO_HALVES),
-                    _prmt(t1, t3, fp8.PRMT_HI_HALVES),
-                )
-                for e, (c, d) in enumerate(vt_plan[i]):
-                    assert (vt_bases[c] + d) % 4 == 0
-                    vt_words[(vt_bases[c] + d) // 4] = outs[e]
-                    writes[(vt_bases[c] + d) // 4] += 1
+        vt_ring, writes = _hoisted_vt_ring(tile_n, head_dim, stages, v_ring, v_stage, vt_stage)
         stage_words = slice(vt_stage * vt_stage_bytes // 4, (vt_stage + 1) * vt_stage_bytes // 4)
         assert (writes[stage_words] == 1).all() and writes.sum() == vt_stage_bytes // 4
         v = np.array([[v_ring[v_off(k, d, v_stage)] for d in range(head_dim)] for k in range(tile_n)])
         vt = np.array([[vt_ring[vt_off(d, k, vt_stage)] for k in range(tile_n)] for d in range(head_dim)])
         np.testing.assert_array_equal(vt, v[perm].T)
+
+
+# --- The wide transpose (fp8.WideTransposeV, wide_vt variants): 64-bit accesses, 8x8-byte units ---
+
+# The committed e4m3 tiles the wide transpose can run on: (head_dim / 8) x (tile_n / 8) units split
+# evenly over the 128 producer threads (space.why_invalid).
+WIDE_TILES = [t for t in TILES if (t[1] // 8) * (t[0] // 8) % THREADS == 0]
+STAGE_START = 3 * 1024  # a ring's shared-memory start: 1024-byte aligned, not 0
+
+
+def test_wide_tiles_are_the_valid_ones():
+    from cutefa import space
+    from cutefa.spec import VariantSpec
+
+    def valid(tile_n, head_dim, stages):
+        spec = VariantSpec("sm90", "fwd", "e4m3", head_dim, 128, tile_n, stages, 12, pingpong=True, hoist_vt=True)
+        return space.why_invalid(spec) is None and space.why_invalid(spec.replace(wide_vt=True)) is None
+
+    assert WIDE_TILES == [t for t in TILES if valid(*t)]
+    assert {(128, 128, 2), (64, 256, 3), (128, 64, 2)} <= set(WIDE_TILES)  # hd128 / hd256 / hd64 defaults
+    wide = [s for s in space.default_variants("sm90", "fwd") if s.wide_vt]
+    assert wide and all((s.tile_n, s.head_dim, s.stages) in WIDE_TILES for s in wide)
+
+
+@pytest.mark.parametrize(("tile_n", "head_dim", "stages"), TILES)
+def test_swizzle_atom_bytes_match_the_layouts(tile_n, head_dim, stages):
+    """fp8.swizzle_atom_bytes (the row bytes the wide mapping assumes) is the layouts' swizzle span / 8."""
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    assert 1 << sum(_composed(v_text)[3]) == 8 * fp8.swizzle_atom_bytes(head_dim)
+    assert 1 << sum(_composed(vt_text)[3]) == 8 * fp8.swizzle_atom_bytes(tile_n)
+
+
+@pytest.mark.parametrize(("tile_n", "head_dim"), sorted({t[:2] for t in WIDE_TILES}))
+def test_wide_units_partition_the_tile_with_the_key_permutation(tile_n, head_dim):
+    """Every (dp, kp) 8x8-byte unit is taken once over the 128 threads and the steps, and the 8 key
+    rows a unit loads are, in order, the keys of Vt columns 8 kp .. 8 kp + 7 (key_of_a_column): the
+    low word of each store is key word 2 kp of the 4x4 transpose, the high word 2 kp + 1."""
+    seen = set()
+    for tid in range(THREADS):
+        for i in range(fp8.wide_steps(tile_n, head_dim)):
+            key0, dp, kp = fp8.wide_transpose_unit(tid, i, tile_n, head_dim)
+            assert 0 <= dp < head_dim // 8 and 0 <= kp < tile_n // 8
+            seen.add((dp, kp))
+            for k, r in enumerate(fp8.WIDE_ROWS):
+                col = 8 * kp + k
+                assert key0 + r == 32 * (col // 32) + fp8.key_of_a_column(col % 32), (tid, i, k)
+    assert len(seen) == (head_dim // 8) * (tile_n // 8) == THREADS * fp8.wide_steps(tile_n, head_dim)
+
+
+@functools.cache
+def _wide_plan(tile_n, head_dim, stages):
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    v_off, _, _, v_swz = _composed(v_text)
+    vt_off, _, _, vt_swz = _composed(vt_text)
+    return fp8.wide_transpose_plan(
+        lambda c: v_off(c[0], 8 * c[1], 0),
+        lambda c: vt_off(c[0], 8 * c[1], 0),
+        tile_n,
+        head_dim,
+        1 << sum(v_swz),
+        1 << sum(vt_swz),
+    )
+
+
+@functools.cache
+def _wide_addresses(tile_n, head_dim, stages, tid, side, stage):
+    """Per step, the 8 byte addresses (relative to the ring's start) of thread ``tid``'s loads
+    (side 0) or stores (side 1) as fp8.WideTransposeV computes them: ring start + stage start +
+    (the base's swizzled stage-0 offset ^ mask) + offset."""
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    offset_of, _, stage_bytes, _ = _composed((v_text, vt_text)[side])
+    plans = _wide_plan(tile_n, head_dim, stages)
+    reps, plan = plans[2 * side], plans[2 * side + 1]
+    bases = []
+    for i_rep, e_rep in reps:
+        row, w = fp8.wide_transpose_words(tid, i_rep, tile_n, head_dim)[side][e_rep]
+        bases.append(offset_of(row, 8 * w, 0))
+    start = STAGE_START + stage * stage_bytes
+    return tuple(tuple(start + (bases[c] ^ x) + d - STAGE_START for c, x, d in row) for row in plan)
+
+
+@pytest.mark.parametrize(("tile_n", "head_dim", "stages"), WIDE_TILES)
+def test_wide_addresses_equal_the_swizzled_indexing(tile_n, head_dim, stages):
+    """Every 64-bit load and store of the wide transpose, for every thread, step and ring stage, is
+    8-byte aligned and covers exactly the 8 bytes that indexing the swizzled byte layout at the
+    unit's coordinates gives: V row key, head dims 8 dp .. 8 dp + 7 / Vt row 8 dp + e, keys
+    8 kp .. 8 kp + 7 (the swizzle moves 16-byte chunks, so 8 aligned bytes stay contiguous)."""
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    for side, text in ((0, v_text), (1, vt_text)):
+        offset_of, n_stages, _, _ = _composed(text)
+        assert n_stages == stages
+        for tid in range(THREADS):
+            for stage in range(stages):
+                addrs = _wide_addresses(tile_n, head_dim, stages, tid, side, stage)
+                for i, row_addrs in enumerate(addrs):
+                    coords = fp8.wide_transpose_words(tid, i, tile_n, head_dim)[side]
+                    for e, ((row, w), addr) in enumerate(zip(coords, row_addrs)):
+                        assert addr % 8 == 0, (side, tid, i, e, stage)
+                        for j in range(8):
+                            assert offset_of(row, 8 * w + j, stage) == addr + j, (side, tid, i, e, stage, j)
+
+
+@pytest.mark.parametrize(("tile_n", "head_dim", "stages"), WIDE_TILES)
+def test_wide_transpose_writes_the_vt_of_the_hoisted_transpose(tile_n, head_dim, stages):
+    """The wide transpose (8 LDS.64, four 4x4 byte transposes, 8 STS.64 per unit) run on a byte
+    image of the rings writes each 8-byte Vt word of the target stage exactly once, nothing else,
+    and leaves the Vt ring byte for byte as the hoisted 32-bit transpose (fp8.TransposeV) leaves it."""
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    _, _, v_stage_bytes, _ = _composed(v_text)
+    _, _, vt_stage_bytes, _ = _composed(vt_text)
+    rng = np.random.default_rng(3)
+    v_ring = rng.integers(0, 256, size=stages * v_stage_bytes, dtype=np.uint8)
+    for v_stage, vt_stage in {(0, stages - 1), (stages - 1, 0), (stages // 2, stages // 2)}:
+        vt_ring = np.zeros(stages * vt_stage_bytes, dtype=np.uint8)
+        writes = np.zeros(stages * vt_stage_bytes // 8, dtype=int)
+        v_dwords, vt_dwords = v_ring.view(np.uint64), vt_ring.view(np.uint64)
+        for tid in range(THREADS):
+            loads = _wide_addresses(tile_n, head_dim, stages, tid, 0, v_stage)
+            stores = _wide_addresses(tile_n, head_dim, stages, tid, 1, vt_stage)
+            for i in range(fp8.wide_steps(tile_n, head_dim)):
+                words = [int(v_dwords[a // 8]) for a in loads[i]]
+                lo = [w & 0xFFFFFFFF for w in words]  # head dims 0-3 of key row key0 + WIDE_ROWS[j]
+                hi = [w >> 32 for w in words]  # head dims 4-7
+                outs_lo = _transpose_4x4(*lo[:4]) + _transpose_4x4(*hi[:4])  # keys (0, 1, 8, 9), dims 0-7
+                outs_hi = _transpose_4x4(*lo[4:]) + _transpose_4x4(*hi[4:])  # keys (2, 3, 10, 11)
+                for e, a in enumerate(stores[i]):
+                    vt_dwords[a // 8] = outs_lo[e] | (outs_hi[e] << 32)
+                    writes[a // 8] += 1
+        stage_dwords = slice(vt_stage * vt_stage_bytes // 8, (vt_stage + 1) * vt_stage_bytes // 8)
+        assert (writes[stage_dwords] == 1).all() and writes.sum() == vt_stage_bytes // 8
+        hoisted, _ = _hoisted_vt_ring(tile_n, head_dim, stages, v_ring, v_stage, vt_stage)
+        np.testing.assert_array_equal(vt_ring, hoisted)
+
+
+def _wavefronts(addrs: list[int], width: int) -> int:
+    """Shared-memory wavefronts of one warp-wide access of ``width`` bytes per lane (32 banks of 4
+    bytes): a 32-bit access is served for the whole warp, a 64-bit one per half-warp (16 lanes, 128
+    bytes at most per wavefront); a group takes as many wavefronts as the most distinct 4-byte
+    words that fall into one bank."""
+    group = 128 // width
+    total = 0
+    for g in range(0, 32, group):
+        banks: dict[int, set[int]] = {}
+        for a in addrs[g : g + group]:
+            for word in range(a // 4, (a + width) // 4):
+                banks.setdefault(word % 32, set()).add(word)
+        total += max(len(words) for words in banks.values())
+    return total
+
+
+@pytest.mark.parametrize(("tile_n", "head_dim", "stages"), WIDE_TILES)
+def test_wide_bank_conflicts(tile_n, head_dim, stages):
+    """Every warp-wide LDS.64 / STS.64 of the wide transpose takes 2 wavefronts (the minimum for 256
+    bytes) where that side's swizzle atom rows are 128 bytes, and 2 x 128 / row bytes where they
+    are narrower (V at hd64: 64-byte rows; Vt at tile_n 64: 64-byte rows): all lanes of one
+    instruction access rows with the same index mod 8 (the unit's 8 head dims / 8-key word are
+    8-aligned), and such rows of a narrow atom share 64 (32) bytes of banks. Per byte moved that is
+    never more than the 32-bit transpose's wavefronts, and half of them on 128-byte sides."""
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    v_off, vt_off = _composed(v_text)[0], _composed(vt_text)[0]
+    for side, extent in ((0, head_dim), (1, tile_n)):
+        expected = 2 * 128 // fp8.swizzle_atom_bytes(extent)
+        wide_total = 0
+        for w in range(4):
+            addrs = [_wide_addresses(tile_n, head_dim, stages, t, side, 0) for t in range(32 * w, 32 * w + 32)]
+            for i in range(fp8.wide_steps(tile_n, head_dim)):
+                for e in range(8):
+                    fronts = _wavefronts([a[i][e] for a in addrs], 8)
+                    assert fronts == expected, (side, w, i, e, fronts)
+                    wide_total += fronts
+        narrow_total = 0  # the 32-bit transpose, the same bytes
+        for w in range(4):
+            for i in range(fp8.transpose_steps(tile_n, head_dim)):
+                words = [fp8.transpose_words(t, i, head_dim)[side] for t in range(32 * w, 32 * w + 32)]
+                offset_of = (v_off, vt_off)[side]
+                for e in range(4):
+                    narrow_total += _wavefronts([offset_of(ws[e][0], 4 * ws[e][1], 0) for ws in words], 4)
+        assert wide_total <= narrow_total, (side, wide_total, narrow_total)
+        if fp8.swizzle_atom_bytes(extent) == 128:
+            assert 2 * wide_total == narrow_total, (side, wide_total, narrow_total)

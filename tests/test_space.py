@@ -415,7 +415,7 @@ def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
     committed = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
     alternatives = space.fp8_alternative_specs("sm90")
     assert set(alternatives) <= set(committed)
-    assert len(alternatives) <= 16  # a short list for one GPU run, not a sweep (hoist_vt twins included)
+    assert len(alternatives) <= 20  # a short list for one GPU run, not a sweep (hoist_vt and wide_vt twins included)
     fp8 = [s for s in committed if s not in alternatives and not s.block_quant]
     assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
     assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not, on the default tile and schedule
@@ -443,8 +443,8 @@ def test_fp8_alternatives_are_valid_and_differ_from_the_defaults():
         assert spec.tile_n % space.SM90_FP8_MMA_K == 0 and spec.tile_m == 128, spec.name
         default = space.default_tile("sm90", spec.head_dim, "e4m3")
         schedule = space.default_extras("sm90", "fwd", spec.head_dim, "e4m3")
-        assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong, spec.exp_emu, spec.hoist_vt) != (
-            default.tile_n, default.stages, schedule["overlap"], schedule["pingpong"], 0, True
+        assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong, spec.exp_emu, spec.hoist_vt, spec.wide_vt) != (
+            default.tile_n, default.stages, schedule["overlap"], schedule["pingpong"], 0, True, False
         ), spec.name
         if not spec.hoist_vt:  # the twins without the hoisted transpose: the default tile and schedule
             assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong) == (
@@ -452,10 +452,38 @@ def test_fp8_alternatives_are_valid_and_differ_from_the_defaults():
             )
     twins = [s for s in alternatives if not s.hoist_vt]
     assert {(s.head_dim, s.causal) for s in twins} == {(128, False), (128, True), (256, False), (256, True)}
+    # the wide-transpose variants: the default tile and schedule plus wide_vt, hd128 and hd256
+    wide_vt = [s for s in alternatives if s.wide_vt]
+    committed = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
+    assert sorted(wide_vt) == sorted(
+        s.replace(wide_vt=True) for s in committed if s not in alternatives and not s.block_quant and s.head_dim in (128, 256)
+    )
     # only the explicit list bypasses the register estimate: a like tile outside it still fails it
     wide = space.fp8_alternative_specs("sm90")[0].replace(head_dim=256, tile_n=128, stages=2)
     assert wide not in alternatives
     assert "would spill registers" in space.why_invalid(wide)
+
+
+def test_wide_vt_rule():
+    """wide_vt (the 64-bit V transpose): sm90 e4m3 forward only, on top of hoist_vt, on tiles whose
+    8x8-byte units split evenly over the producer warpgroup's 128 threads."""
+    hd128 = VariantSpec("sm90", "fwd", "e4m3", 128, 128, 128, 2, 12, overlap=True, pingpong=True, hoist_vt=True)
+    assert space.why_invalid(hd128.replace(wide_vt=True)) is None
+    assert hd128.replace(wide_vt=True).name == "cutefa_sm90_fwd_e4m3_hd128_128x128_s2_w12_ov_pp_hvt_wvt"
+    assert space.why_invalid(hd128.replace(head_dim=256, tile_n=64, stages=3, wide_vt=True)) is None
+    assert space.why_invalid(hd128.replace(head_dim=64, wide_vt=True)) is None
+    for bad, words in (
+        (hd128.replace(wide_vt=True, hoist_vt=False), "wide_vt requires hoist_vt"),
+        (hd128.replace(dtype="bf16", hoist_vt=False, wide_vt=True), "not a sm90 bf16 fwd one"),
+        (VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, wide_vt=True), "sm90 e4m3 forward flag"),
+        (VariantSpec("sm100", "fwd", "e4m3", 128, 256, 128, 3, 16, wide_vt=True), "sm90 e4m3 forward flag"),
+        # 12 x 16 = 192 units (hd96), 16 x 20 = 320 (tile_n 160), 24 x 12 = 288 (hd192 x 96)
+        (hd128.replace(head_dim=96, wide_vt=True), "= 192 8x8-byte units"),
+        (hd128.replace(tile_n=160, stages=3, overlap=False, wide_vt=True), "= 320 8x8-byte units"),
+        (hd128.replace(head_dim=192, tile_n=96, wide_vt=True), "= 288 8x8-byte units"),
+    ):
+        assert words in (space.why_invalid(bad) or ""), bad.name
+    assert not any(s.wide_vt for s in space.default_variants("sm90") if s not in space.fp8_alternative_specs("sm90"))
 
 
 def test_sm100_fp8_defaults():

@@ -205,32 +205,55 @@ def test_hoisted_transpose_variants_are_tested():
     assert all(s.hoist_vt for s in FP8_VARIANTS if s.replace(hoist_vt=False) not in FP8_VARIANTS)
 
 
-@pytest.mark.parametrize("spec", HOISTED, ids=lambda s: s.name)
-def test_hoisted_transpose_matches_its_twin(gen, spec):
-    """A _hvt variant moves the same V bytes into the same Vt words as its twin without the flag,
-    and nothing else differs: the outputs and LSEs are bitwise equal on ragged shapes (partial
+def _assert_bitwise_equal_to_twin(gen, spec, twin):
+    """``spec`` and ``twin`` give bitwise equal outputs and LSEs on the ragged SHAPES (partial
     tiles, sq != sk, GQA; causal or not as the spec says), with several key blocks so every ring
     stage is used."""
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
 
-    hoisted = get_kernel(spec, current_target())
-    twin = get_kernel(spec.replace(hoist_vt=False), current_target())
+    kernels = (get_kernel(spec, current_target()), get_kernel(twin, current_target()))
     scale = ref.default_scale(spec.head_dim)
     for batch, sq, sk, hq, hkv in SHAPES:
         q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
         fp8s, descales = quantize(q, k, v)
         results = []
-        for kernel in (hoisted, twin):
+        for kernel in kernels:
             out = torch.full((batch, sq, hq, spec.head_dim), math.nan, dtype=torch.bfloat16, device="cuda")
             lse = torch.full((batch, hq, sq), math.nan, device="cuda")
             kernel(*fp8s, out, lse, *kv_head_descales(descales, batch, hkv), scale)
             results.append((out, lse))
         torch.cuda.synchronize()
         (out, lse), (out_twin, lse_twin) = results
-        what = f"{spec.name} {(batch, sq, sk, hq, hkv)}"
+        what = f"{spec.name} vs {twin.name} {(batch, sq, sk, hq, hkv)}"
         assert torch.equal(out.view(torch.int16), out_twin.view(torch.int16)), what
         assert torch.equal(lse.view(torch.int32), lse_twin.view(torch.int32)), what
+
+
+@pytest.mark.parametrize("spec", HOISTED, ids=lambda s: s.name)
+def test_hoisted_transpose_matches_its_twin(gen, spec):
+    """A _hvt variant moves the same V bytes into the same Vt words as its twin without the flag,
+    and nothing else differs: outputs and LSEs bitwise equal."""
+    _assert_bitwise_equal_to_twin(gen, spec, spec.replace(hoist_vt=False))
+
+
+# The wide transpose (_wvt, 64-bit LDS/STS): committed on the hd128 and hd256 default tiles and
+# schedules, whose _hvt defaults are the twins.
+WIDE = [s for s in FP8_VARIANTS if s.wide_vt]
+
+
+def test_wide_transpose_variants_are_tested():
+    assert {(s.head_dim, s.causal) for s in WIDE} == {(128, False), (128, True), (256, False), (256, True)}
+    assert all(s.replace(wide_vt=False) in FP8_VARIANTS for s in WIDE)
+
+
+@pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
+def test_wide_transpose_matches_its_twin(gen, spec):
+    """A _wvt variant writes the same Vt bytes as its _hvt twin (8x8-byte units with 64-bit shared
+    loads and stores instead of 4x4 with 32-bit ones) and nothing else differs: outputs and LSEs
+    bitwise equal. (test_variant and test_v_transpose_places_every_byte take the _wvt variants too:
+    they run every committed e4m3 variant.)"""
+    _assert_bitwise_equal_to_twin(gen, spec, spec.replace(wide_vt=False))
 
 
 @pytest.mark.parametrize("head_dim", sorted({s.head_dim for s in FP8_VARIANTS}))
