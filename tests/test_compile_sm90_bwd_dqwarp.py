@@ -41,8 +41,9 @@ CHECKED = [s for s in DQW if (s.head_dim, s.causal, s.overlap) in ((128, True, T
 FULL, EMPTY, BULK = (4, 5), (6, 7), (2, 3)
 
 
-def _twin(spec: VariantSpec) -> VariantSpec:
-    return spec.replace(dq_warp=False)
+def _twin(spec: VariantSpec, flag: str = "dq_warp") -> VariantSpec:
+    """``spec`` without ``flag``: the variant it is measured and checked against."""
+    return spec.replace(**{flag: False})
 
 
 def test_flag_name_rule_and_budget():
@@ -161,10 +162,6 @@ def test_sass_writer_warp(cubins, spec):
 # --- row_prefetch (_rpf) on the same tiles -----------------------------------------------------
 
 
-def _rpf_twin(spec: VariantSpec) -> VariantSpec:
-    return spec.replace(row_prefetch=False)
-
-
 def test_rpf_flag_name_and_rule():
     spec = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_bulk=True, dq_warp=True, row_prefetch=True)
     assert spec.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk_dqw_rpf"
@@ -190,8 +187,8 @@ def test_rpf_variants_committed():
     )
     committed = set(space.default_variants("sm90", "bwd"))
     for spec in RPF:
-        assert spec.dq_warp and _rpf_twin(spec) in committed
-        assert space.sm90_bwd_smem_bytes(spec) == space.sm90_bwd_smem_bytes(_rpf_twin(spec))
+        assert spec.dq_warp and _twin(spec, "row_prefetch") in committed
+        assert space.sm90_bwd_smem_bytes(spec) == space.sm90_bwd_smem_bytes(_twin(spec, "row_prefetch"))
 
 
 def _first_wait_window(text: str) -> list[str]:
@@ -206,7 +203,7 @@ def _first_wait_window(text: str) -> list[str]:
 @pytest.mark.compile
 @pytest.mark.parametrize("spec", RPF_CHECKED, ids=lambda s: s.name)
 def test_sass_rpf_loads_before_the_wait(cubins, spec):
-    text, twin_text = _against_twin(cubins, spec, _rpf_twin(spec))
+    text, twin_text = _against_twin(cubins, spec, _twin(spec, "row_prefetch"))
     # a thread's query columns come in pairs: one 64-bit load per pair of LSE2 values, issued
     # while S^T and dP^T run; the twin issues none there
     columns = spec.tile_m // 8  # S^T is m64nN with N = tile_m queries: N / 8 column pairs a thread

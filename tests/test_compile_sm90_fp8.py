@@ -66,14 +66,25 @@ def test_sass(cubins, spec):
     assert all(used < budget for budget, used in regions), regions
 
 
-def test_register_fragment_layouts_match_the_dsl(tmp_path):
-    """The layout check in tests/test_fp8_layout.py models the fp8 WGMMA's register layouts; they
-    must be the ones the DSL's atom uses."""
+def _run_dsl_probe(script, code: str) -> str:
+    """Run ``code`` (a DSL probe) as the file ``script`` in a fresh interpreter with this checkout's
+    cutefa first on the path (the DSL compiles functions from their source file); its stdout."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    script.write_text(code)
+    root = str(Path(fp8.__file__).resolve().parents[3])  # this checkout's cutefa, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_register_fragment_layouts_match_the_dsl(tmp_path):
+    """The layout check in tests/test_fp8_layout.py models the fp8 WGMMA's register layouts; they
+    must be the ones the DSL's atom uses."""
     code = (
         "import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
         "import cutlass, cutlass.cute as cute\n"
@@ -84,13 +95,7 @@ def test_register_fragment_layouts_match_the_dsl(tmp_path):
         "    print('C', fp8.qk_tiled_mma(128).tv_layout_C)\n"
         "probe()\n"
     )
-    script = tmp_path / "probe_layouts.py"  # the DSL compiles functions from their source file
-    script.write_text(code)
-    root = str(Path(fp8.__file__).resolve().parents[3])  # this checkout's cutefa, not an installed one
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout
+    out = _run_dsl_probe(tmp_path / "probe_layouts.py", code)
     lines = dict(line.split(" ", 1) for line in out.splitlines() if line[:2] in ("A ", "C "))
     assert lines["A"] == fp8.TV_LAYOUT_A_FP8
     assert lines["C"] == fp8.TV_LAYOUT_C_N128
@@ -259,11 +264,6 @@ def test_smem_layouts_match_the_dsl(tmp_path):
     addresses with) are the layouts fp8.smem_layouts builds; and the byte offset of word (row, w)
     through the 32-bit recast view (what the plain transpose indexes) is 4x the word offset, i.e.
     the byte layout's offset at (row, 4 w)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = (
         "import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
         "import cutlass, cutlass.cute as cute\n"
@@ -280,14 +280,9 @@ def test_smem_layouts_match_the_dsl(tmp_path):
         "            print('R', tile_n, head_dim, stages, len(bad))\n"
         "probe()\n"
     )
-    script = tmp_path / "probe_smem.py"  # the DSL compiles functions from their source file
-    script.write_text(code)
-    root = str(Path(fp8.__file__).resolve().parents[3])  # this checkout's cutefa, not an installed one
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = _run_dsl_probe(tmp_path / "probe_smem.py", code)
     layouts = {}
-    for line in proc.stdout.splitlines():
+    for line in out.splitlines():
         kind, *rest = line.split(" ", 4)
         if kind == "L":
             layouts[tuple(int(x) for x in rest[:3])] = tuple(rest[3].split("|"))
