@@ -66,9 +66,17 @@ def test_sass(cubins, spec):
     assert all(used < budget for budget, used in regions), regions
 
 
-def _run_dsl_probe(script, code: str) -> str:
-    """Run ``code`` (a DSL probe) as the file ``script`` in a fresh interpreter with this checkout's
-    cutefa first on the path (the DSL compiles functions from their source file); its stdout."""
+def _run_dsl_probe(script, body: str) -> str:
+    """Run ``body`` (the lines of a ``@cute.jit`` function ``probe`` that prints what it checks,
+    compiled for sm_90a) as the file ``script`` in a fresh interpreter with this checkout's cutefa
+    first on the path (the DSL compiles functions from their source file); its stdout."""
+    code = (
+        "import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
+        "import cutlass, cutlass.cute as cute\n"
+        "from cutefa.kernels.sm90 import fp8\n"
+        "@cute.jit\n"
+        "def probe():\n" + body + "probe()\n"
+    )
     import os
     import subprocess
     import sys
@@ -86,14 +94,8 @@ def test_register_fragment_layouts_match_the_dsl(tmp_path):
     """The layout check in tests/test_fp8_layout.py models the fp8 WGMMA's register layouts; they
     must be the ones the DSL's atom uses."""
     code = (
-        "import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
-        "import cutlass, cutlass.cute as cute\n"
-        "from cutefa.kernels.sm90 import fp8\n"
-        "@cute.jit\n"
-        "def probe():\n"
         "    print('A', fp8.pv_tiled_mma(128).tv_layout_A)\n"
         "    print('C', fp8.qk_tiled_mma(128).tv_layout_C)\n"
-        "probe()\n"
     )
     out = _run_dsl_probe(tmp_path / "probe_layouts.py", code)
     lines = dict(line.split(" ", 1) for line in out.splitlines() if line[:2] in ("A ", "C "))
@@ -265,11 +267,6 @@ def test_smem_layouts_match_the_dsl(tmp_path):
     through the 32-bit recast view (what the plain transpose indexes) is 4x the word offset, i.e.
     the byte layout's offset at (row, 4 w)."""
     code = (
-        "import os; os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
-        "import cutlass, cutlass.cute as cute\n"
-        "from cutefa.kernels.sm90 import fp8\n"
-        "@cute.jit\n"
-        "def probe():\n"
         "    for (tile_n, head_dim, stages) in fp8.SMEM_LAYOUTS_V_VT:\n"
         "        _, _, sv, svt = fp8.smem_layouts(tile_n, head_dim, 2, stages)\n"
         "        print('L', tile_n, head_dim, stages, str(sv) + '|' + str(svt))\n"
@@ -278,7 +275,6 @@ def test_smem_layouts_match_the_dsl(tmp_path):
         "            bad = [(r, w, s) for s in range(stages) for r in range(rows) for w in range(cols // 4)\n"
         "                   if 4 * l32((r, w, s)) != lay.outer((r, 4 * w, s))]\n"
         "            print('R', tile_n, head_dim, stages, len(bad))\n"
-        "probe()\n"
     )
     out = _run_dsl_probe(tmp_path / "probe_smem.py", code)
     layouts = {}
