@@ -59,17 +59,19 @@ SM90_PCVT_NO_SPILL: frozenset[tuple[int, int]] = frozenset({(128, 176), (128, 19
 # The sm90 fp8 forward: the producer warpgroup keeps 40 registers for the on-chip V transpose, so
 # the two consumer warpgroups get 232 (40 * 128 + 232 * 256 = 168 * 384, what the CTA holds at launch).
 SM90_FP8_CONSUMER_REGS = 232
-# With the hoisted 32-bit transpose (hoist_vt without wide_vt) the producer fits 32 registers
-# (it peaks at R17-R27 on sm_90a at 40, and recomputes a few addresses per block at 32: hd128 179 ->
-# 219 instructions per warp and key block), so a tile that needs it can give the consumers 240
-# (32 * 128 + 240 * 256 = 168 * 384); the wide transpose's producer peaks at R35 and keeps 40.
+# With the hoisted 32-bit transpose (hoist_vt without wide_vt) the producer fits 24 registers (it
+# peaks at R17-R27 on sm_90a with 40 to spare, at R21 when held to 24), so a tile that needs it can
+# give the consumers 240 (24 * 128 + 240 * 256 = 168 * 384, as in the 16-bit kernels); the wide
+# transpose's producer peaks at R35 and keeps 40. setmaxnreg only moves registers inside the CTA's
+# launch allocation: a split that adds up to more than 168 * 384 (e.g. 32 * 128 + 240 * 256) makes
+# the consumers' increase wait forever (tests/test_register_pool.py).
 SM90_FP8_CONSUMER_REGS_HOISTED = 240
 
 
 def sm90_fp8_consumer_regs(spec: VariantSpec) -> int:
     """The consumers' setmaxnreg budget of an sm90 fp8 forward (the producer gets the rest of the
     CTA's 168 x 384): 240 where the tile's estimate exceeds 232 and the hoisted 32-bit transpose lets
-    the producer give up 8 more registers; 232 otherwise (every default)."""
+    the producer give up 16 more registers (24 left); 232 otherwise (every default)."""
     if spec.hoist_vt and not spec.wide_vt and _sm90_registers(spec) > SM90_FP8_CONSUMER_REGS:
         return SM90_FP8_CONSUMER_REGS_HOISTED
     return SM90_FP8_CONSUMER_REGS

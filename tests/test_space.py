@@ -670,7 +670,7 @@ def test_lpt_grid_variants():
 
 def test_sm90_fp8_consumer_registers():
     """The fp8 forward's consumers keep 232 registers (producer 40) on every default; a tile whose
-    estimate exceeds that gets 240 (producer 32) when its transpose is the hoisted 32-bit one."""
+    estimate exceeds that gets 240 (producer 24) when its transpose is the hoisted 32-bit one."""
     defaults = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3" and s not in space.fp8_alternative_specs("sm90")]
     assert defaults and all(space.sm90_fp8_consumer_regs(s) == space.SM90_FP8_CONSUMER_REGS == 232 for s in defaults)
     long = VariantSpec("sm90", "fwd", "e4m3", 256, 128, 96, 2, 12, overlap=True, pingpong=True, hoist_vt=True)
