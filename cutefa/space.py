@@ -59,6 +59,22 @@ SM90_PCVT_NO_SPILL: frozenset[tuple[int, int]] = frozenset({(128, 176), (128, 19
 # The sm90 fp8 forward: the producer warpgroup keeps 40 registers for the on-chip V transpose, so
 # the two consumer warpgroups get 232 (40 * 128 + 232 * 256 = 168 * 384, what the CTA holds at launch).
 SM90_FP8_CONSUMER_REGS = 232
+# With the hoisted 32-bit transpose (hoist_vt without wide_vt) the producer fits 24 registers (it
+# peaks at R17-R27 on sm_90a with 40 to spare, at R21 when held to 24), so a tile that needs it can
+# give the consumers 240 (24 * 128 + 240 * 256 = 168 * 384, as in the 16-bit kernels); the wide
+# transpose's producer peaks at R35 and keeps 40. setmaxnreg only moves registers inside the CTA's
+# launch allocation: a split that adds up to more than 168 * 384 (e.g. 32 * 128 + 240 * 256) makes
+# the consumers' increase wait forever (tests/test_register_pool.py).
+SM90_FP8_CONSUMER_REGS_HOISTED = 240
+
+
+def sm90_fp8_consumer_regs(spec: VariantSpec) -> int:
+    """The consumers' setmaxnreg budget of an sm90 fp8 forward (the producer gets the rest of the
+    CTA's 168 x 384): 240 where the tile's estimate exceeds 232 and the hoisted 32-bit transpose lets
+    the producer give up 16 more registers (24 left); 232 otherwise (every default)."""
+    if spec.hoist_vt and not spec.wide_vt and _sm90_registers(spec) > SM90_FP8_CONSUMER_REGS:
+        return SM90_FP8_CONSUMER_REGS_HOISTED
+    return SM90_FP8_CONSUMER_REGS
 SM90_FP8_MMA_K = 32  # k of an fp8 WGMMA: P V steps over keys 32 at a time
 SM90_FP8_TRANSPOSE_THREADS = 128  # the producer warpgroup that transposes V (fp8.WG_THREADS)
 
@@ -172,6 +188,11 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             (Tile(128, 64, 3, 12), {"overlap": True, "pingpong": True}),
             (Tile(128, 64, 4, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 64, 3, 12), {"overlap": True, "pingpong": True, "hoist_vt": True, "wide_vt": True}),
+            # 1.5x longer key blocks in the 240 registers the hoisted transpose can leave the
+            # consumers (sm90_fp8_consumer_regs): 128x96 with the overlap schedule (R231-R233, no
+            # spill; 177 KiB, so 2 stages), with and without ping-pong.
+            (Tile(128, 96, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
+            (Tile(128, 96, 2, 12), {"overlap": True, "hoist_vt": True}),
         ),
     },
 }
@@ -771,7 +792,7 @@ def _sm90_regs(spec: VariantSpec) -> str | None:
     if sm90_pcvt_compiled(spec):
         return None  # compiled with no spill on sm_90a (tests/test_compile_sm90_fwd_pcvt.py checks)
     estimate = _sm90_registers(spec)
-    budget = SM90_FP8_CONSUMER_REGS if spec.dtype == "e4m3" else sm90_consumer_regs(spec)
+    budget = sm90_fp8_consumer_regs(spec) if spec.dtype == "e4m3" else sm90_consumer_regs(spec)
     if estimate > budget:
         return f"would spill registers (estimated {estimate} > {budget} per consumer thread after setmaxnreg)"
     return None

@@ -304,8 +304,10 @@ def test_wide_tiles_are_the_valid_ones():
     from cutefa.spec import VariantSpec
 
     def valid(tile_n, head_dim, stages):
+        # the wide transpose's own rule (a tile may still fail the register budget, e.g. hd256 x 96
+        # at the 232 registers the wide transpose leaves the consumers)
         spec = VariantSpec("sm90", "fwd", "e4m3", head_dim, 128, tile_n, stages, 12, pingpong=True, hoist_vt=True)
-        return space.why_invalid(spec) is None and space.why_invalid(spec.replace(wide_vt=True)) is None
+        return space._wide_vt_rule(spec.replace(wide_vt=True)) is None
 
     assert WIDE_TILES == [t for t in TILES if valid(*t)]
     assert {(128, 128, 2), (64, 256, 3), (128, 64, 2)} <= set(WIDE_TILES)  # hd128 / hd256 / hd64 defaults

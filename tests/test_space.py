@@ -415,7 +415,7 @@ def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
     committed = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
     alternatives = space.fp8_alternative_specs("sm90")
     assert set(alternatives) <= set(committed)
-    assert len(alternatives) <= 20  # a short list for one GPU run, not a sweep (hoist_vt and wide_vt twins included)
+    assert len(alternatives) <= 28  # a short list for one GPU run, not a sweep (hoist_vt and wide_vt twins included)
     fp8 = [s for s in committed if s not in alternatives and not s.block_quant]
     assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
     assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not, on the default tile and schedule
@@ -666,3 +666,16 @@ def test_lpt_grid_variants():
     ):
         reason = space.why_invalid(bad)
         assert reason is not None and words in reason, (bad.name, reason)
+
+
+def test_sm90_fp8_consumer_registers():
+    """The fp8 forward's consumers keep 232 registers (producer 40) on every default; a tile whose
+    estimate exceeds that gets 240 (producer 24) when its transpose is the hoisted 32-bit one."""
+    defaults = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3" and s not in space.fp8_alternative_specs("sm90")]
+    assert defaults and all(space.sm90_fp8_consumer_regs(s) == space.SM90_FP8_CONSUMER_REGS == 232 for s in defaults)
+    long = VariantSpec("sm90", "fwd", "e4m3", 256, 128, 96, 2, 12, overlap=True, pingpong=True, hoist_vt=True)
+    assert space.est_registers(long) > 232 and space.sm90_fp8_consumer_regs(long) == 240
+    assert long in space.fp8_alternative_specs("sm90") and space.why_invalid(long) is None
+    assert space.sm90_fp8_consumer_regs(long.replace(hoist_vt=False)) == 232  # the per-word transpose keeps 40
+    assert "would spill registers" in space.why_invalid(long.replace(hoist_vt=False))
+    assert "would spill registers" in space.why_invalid(long.replace(tile_n=128))  # 256 > 240
