@@ -23,7 +23,6 @@ Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_dqbulk_gpu.py``.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -73,28 +72,6 @@ def target():
     return current_target()
 
 
-def _inputs(gen, spec, batch, sq, sk, hq, hkv):
-    dtype = bwd80.DTYPES[spec.dtype]
-    q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
-    out, lse = bwd90.forward_ref(q, k, v, spec.causal)
-    return q, k, v, dout, out, lse
-
-
-def _judge(spec, where, got, q, k, v, dout):
-    scale = 1.0 / math.sqrt(spec.head_dim)
-    fn = functools.partial(bwd80.attention, causal=spec.causal, scale=scale)
-    exact = bwd80.grads(fn, q.float(), k.float(), v.float(), dout.float())
-    base = bwd80.grads(fn, q, k, v, dout)
-    for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
-        assert g.shape == e.shape, f"{where} {name}"
-        assert torch.isfinite(g).all(), f"{where} {name}: non-finite values (unwritten or NaN)"
-        err, err_base = bwd80.rel(g, e), bwd80.rel(b, e)
-        assert err <= 3 * err_base + 1e-3, f"{where} {name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
-
-
 def test_bulk_variants_committed():
     """The defaults at head dims 64/96/128 (both dtypes), the bf16 overlap alternatives there, and
     the bf16 head-dim-split variants at 192/256 (plain and overlap)."""
@@ -115,9 +92,10 @@ def test_bulk_grads_direct(gen, target, spec):
 
     kernel = get_kernel(spec, target)
     for shape in SHAPES:
-        q, k, v, dout, out, lse = _inputs(gen, spec, *shape)
+        q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, *shape)
         got = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout)
-        _judge(spec, f"{spec.name} b{shape[0]} sq{shape[1]} sk{shape[2]} hq{shape[3]} hkv{shape[4]}", got, q, k, v, dout)
+        where = f"{spec.name} b{shape[0]} sq{shape[1]} sk{shape[2]} hq{shape[3]} hkv{shape[4]}"
+        bwd90.judge_grads(spec, where, got, q, k, v, dout)
 
 
 @pytest.mark.parametrize("spec", BULK + DQW, ids=lambda s: s.name)
@@ -126,11 +104,11 @@ def test_bulk_grads_through_backward(gen, spec):
     from cutefa import backward
 
     for shape in ((1, 17, 1000, 4, 2), (2, 1000, 777, 4, 4)):
-        q, k, v, dout, out, lse = _inputs(gen, spec, *shape)
+        q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, *shape)
         scale = 1.0 / math.sqrt(spec.head_dim)
         for deterministic in (False, True):
             got = backward.gradients(dout, q, k, v, out, lse, None, spec.causal, scale, deterministic, spec=spec)
-            _judge(spec, f"{spec.name} {shape} deterministic={deterministic}", got, q, k, v, dout)
+            bwd90.judge_grads(spec, f"{spec.name} {shape} deterministic={deterministic}", got, q, k, v, dout)
 
 
 @pytest.mark.parametrize(
@@ -146,7 +124,7 @@ def test_bulk_deterministic(gen, target, spec):
     from cutefa.compile import get_kernel
 
     twin = spec.replace(dq_bulk=False, overlap=False)  # the per-thread reductions (committed in bf16)
-    q, k, v, dout, out, lse = _inputs(gen, spec, 1, 1000, 4097, 16, 4)
+    q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, 1, 1000, 4097, 16, 4)
     first = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
     second = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
     ref = bwd90.run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
@@ -175,7 +153,7 @@ def test_dqw_deterministic_matches_twin(gen, target, spec):
 
     twin = spec.replace(dq_warp=False)
     for shape in ((1, 1000, 4097, 16, 4), (1, 4097, 200, 2, 1), (1, 1, 700, 2, 1)):
-        q, k, v, dout, out, lse = _inputs(gen, spec, *shape)
+        q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, *shape)
         first = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
         second = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
         ref = bwd90.run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
@@ -192,9 +170,9 @@ def test_dqw_repeated_calls(gen, target, spec):
     from cutefa.compile import get_kernel
 
     kernel = get_kernel(spec, target)
-    q, k, v, dout, out, lse = _inputs(gen, spec, 2, 1000, 1000, 4, 2)
+    q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, 2, 1000, 1000, 4, 2)
     first = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout)
-    _judge(spec, f"{spec.name} call 0", first, q, k, v, dout)
+    bwd90.judge_grads(spec, f"{spec.name} call 0", first, q, k, v, dout)
     for i in range(1, 20):
         got = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout)
         for name, a, b in zip(("dq", "dk", "dv"), got, first):
@@ -218,7 +196,7 @@ def test_rpf_matches_twin(gen, target, spec):
 
     twin = spec.replace(row_prefetch=False)
     for shape in ((1, 1000, 4097, 16, 4), (1, 4097, 200, 2, 1), (2, 17, 333, 3, 3), (1, 1, 700, 2, 1)):
-        q, k, v, dout, out, lse = _inputs(gen, spec, *shape)
+        q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, *shape)
         got = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
         ref = bwd90.run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
         for name, a, c in zip(("dq", "dk", "dv"), got, ref):

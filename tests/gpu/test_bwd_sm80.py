@@ -66,6 +66,16 @@ def rel(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(floor)).item()
 
 
+def random_inputs(gen, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv):
+    """q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim) and
+    dout (q's shape): unit normal values in ``dtype`` on the GPU, drawn from ``gen`` in that order."""
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=gen, device="cuda", dtype=dtype)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=gen, device="cuda", dtype=dtype)
+    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+    return q, k, v, dout
+
+
 def check(q, k, v, causal, gen):
     scale = 1.0 / math.sqrt(q.shape[-1])
     dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=q.dtype)
@@ -122,18 +132,16 @@ def test_deterministic_is_bitwise_reproducible(gen, head_dim):
         assert rel(a, b) < 1e-2
 
 
-def test_lse_gradient(gen):
-    q, k, v = (
-        torch.randn(1, 300, 2, 64, generator=gen, device="cuda", dtype=torch.float16) for _ in range(3)
-    )
-    w = torch.randn(1, 2, 300, generator=gen, device="cuda")
+def check_lse_gradient(q, k, v, w):
+    """The gradients of out.sum() + (lse * w).sum() through cutefa.flash_attn_func(return_lse=True)
+    (the incoming log-sum-exp gradient included) against float32 autograd of the exact attention."""
 
     def loss(a, b, c, lse_fn):
         out, lse = lse_fn(a, b, c)
         return out.float().sum() + (lse * w).sum()
 
     def ref(a, b, c):
-        s = torch.einsum("bqhd,bkhd->bhqk", a.float(), b.float()) / 8.0
+        s = torch.einsum("bqhd,bkhd->bhqk", a.float(), b.float()) / math.sqrt(a.shape[-1])
         return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), c.float()), torch.logsumexp(s, -1)
 
     got = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -142,6 +150,14 @@ def test_lse_gradient(gen):
     loss(*want, ref).backward()
     for g, e in zip(got, want):
         assert rel(g.grad, e.grad) < 1e-2
+
+
+def test_lse_gradient(gen):
+    q, k, v = (
+        torch.randn(1, 300, 2, 64, generator=gen, device="cuda", dtype=torch.float16) for _ in range(3)
+    )
+    w = torch.randn(1, 2, 300, generator=gen, device="cuda")
+    check_lse_gradient(q, k, v, w)
 
 
 def test_torch_compile_fullgraph_matches_eager(gen):
@@ -230,6 +246,18 @@ VARIANT_SHAPES = (
 )
 
 
+def _variant_inputs(gen, spec, batch, seqlen_q, seqlen_k, heads_q, heads_kv):
+    """:func:`random_inputs` in the variant's dtype and head dim, and out (in that dtype) and lse of
+    the exact forward at the softmax scale 1/sqrt(head_dim), for calling a variant directly."""
+    dt = DTYPES[spec.dtype]
+    q, k, v, dout = random_inputs(gen, dt, spec.head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    with torch.no_grad():
+        out, lse = _load_reference().attention_ref(
+            q, k, v, causal=spec.causal, softmax_scale=1.0 / math.sqrt(spec.head_dim)
+        )
+    return q, k, v, dout, out.to(dt), lse
+
+
 def _variants():
     from cutefa import space
 
@@ -246,7 +274,6 @@ def test_bwd_variant(gen, spec, deterministic):
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
 
-    reference = _load_reference()
     target = current_target()
     if not spec.runs_on(target):
         pytest.skip(f"{spec.arch} kernels do not run on {target}")
@@ -254,13 +281,7 @@ def test_bwd_variant(gen, spec, deterministic):
     dt = DTYPES[spec.dtype]
     scale = 1.0 / math.sqrt(spec.head_dim)
     for batch, sq, sk, hq, hkv in VARIANT_SHAPES:
-        q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dt)
-        k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dt)
-        v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dt)
-        dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dt)
-        with torch.no_grad():
-            out, lse = reference.attention_ref(q, k, v, causal=spec.causal, softmax_scale=scale)
-        out = out.to(dt)
+        q, k, v, dout, out, lse = _variant_inputs(gen, spec, batch, sq, sk, hq, hkv)
         # as backward.dq_splits: never more splits than key blocks
         splits = min(3, math.ceil(sk / spec.tile_n)) if deterministic else 1
         nan = {"device": "cuda"}
@@ -315,17 +336,10 @@ def test_bwd_dq_quad_matches_twin(gen, spec):
     if not spec.runs_on(target):
         pytest.skip(f"{spec.arch} kernels do not run on {target}")
     kernels = [get_kernel(s, target) for s in (spec, twin)]
-    reference = _load_reference()
     dt = DTYPES[spec.dtype]
     scale = 1.0 / math.sqrt(spec.head_dim)
     for batch, sq, sk, hq, hkv in QUAD_SHAPES:
-        q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dt)
-        k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dt)
-        v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dt)
-        dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dt)
-        with torch.no_grad():
-            out, lse = reference.attention_ref(q, k, v, causal=spec.causal, softmax_scale=scale)
-        out = out.to(dt)
+        q, k, v, dout, out, lse = _variant_inputs(gen, spec, batch, sq, sk, hq, hkv)
         for deterministic in (1, 0):
             splits = min(3, math.ceil(sk / spec.tile_n)) if deterministic else 1
             results = []

@@ -49,17 +49,17 @@ def _default_twin(spec):
 
 
 ALTERNATIVES = [s for s in BACKWARDS if _default_twin(s) != s]
-# (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
-SHAPES = (
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): ragged lengths (1, 17, 1000, 4097), seqlen_q !=
+# seqlen_k both ways, GQA and MQA; the first shapes of every sm90 backward test's list
+COMMON_SHAPES = (
     (1, 1, 1, 2, 2),
     (2, 17, 17, 2, 2),
     (1, 1000, 1000, 2, 1),
     (1, 4097, 4097, 1, 1),
     (1, 17, 1000, 4, 2),
     (1, 1000, 17, 3, 3),
-    (2, 333, 257, 6, 2),
-    (1, 128, 4097, 8, 1),
 )
+SHAPES = COMMON_SHAPES + ((2, 333, 257, 6, 2), (1, 128, 4097, 8, 1))
 
 
 def run_kernel(kernel, spec, q, k, v, out, lse, dout, *, deterministic=False):
@@ -97,6 +97,86 @@ def forward_ref(q, k, v, causal):
     return out.to(q.dtype), lse
 
 
+def random_inputs(gen, spec, batch, seqlen_q, seqlen_k, heads_q, heads_kv):
+    """q, k, v, dout (test_bwd_sm80.py's ``random_inputs`` in the variant's dtype and head dim) and
+    out, lse of the float32 reference forward (:func:`forward_ref`)."""
+    dtype = bwd80.DTYPES[spec.dtype]
+    q, k, v, dout = bwd80.random_inputs(
+        gen, dtype, spec.head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv
+    )
+    out, lse = forward_ref(q, k, v, spec.causal)
+    return q, k, v, dout, out, lse
+
+
+def reference_grads(spec, q, k, v, dout):
+    """(exact, base): the gradients of float32 autograd of the exact attention, and those of
+    PyTorch's own attention on the same low-precision inputs."""
+    scale = 1.0 / math.sqrt(spec.head_dim)
+    fn = functools.partial(bwd80.attention, causal=spec.causal, scale=scale)
+    exact = bwd80.grads(fn, q.float(), k.float(), v.float(), dout.float())
+    base = bwd80.grads(fn, q, k, v, dout)
+    return exact, base
+
+
+def assert_grads_close(where, got, exact, base):
+    """``got`` (dq, dk, dv): the shapes of ``exact``, finite, and relative errors at most 3x those of
+    ``base`` (plus 1e-3); failures name ``where``."""
+    for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
+        assert g.shape == e.shape, f"{where} {name}"
+        assert torch.isfinite(g).all(), f"{where} {name}: non-finite values (unwritten or NaN)"
+        err, err_base = bwd80.rel(g, e), bwd80.rel(b, e)
+        assert err <= 3 * err_base + 1e-3, f"{where} {name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
+
+
+def judge_grads(spec, where, got, q, k, v, dout):
+    """:func:`assert_grads_close` against :func:`reference_grads` of these inputs."""
+    assert_grads_close(where, got, *reference_grads(spec, q, k, v, dout))
+
+
+def check_variant(spec, kernel, batch, sq, sk, hq, hkv, gen, *, deterministic=False):
+    """One shape through :func:`run_kernel`, judged by :func:`judge_grads`."""
+    q, k, v, dout, out, lse = random_inputs(gen, spec, batch, sq, sk, hq, hkv)
+    got = run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=deterministic)
+    where = f"{spec.name} b{batch} sq{sq} sk{sk} hq{hq} hkv{hkv} det{int(deterministic)}"
+    judge_grads(spec, where, got, q, k, v, dout)
+
+
+def check_shapes(spec, target, shapes, gen):
+    """The variant's kernel for ``target`` through :func:`check_variant` at each of ``shapes``."""
+    from cutefa.compile import get_kernel
+
+    kernel = get_kernel(spec, target)
+    for shape in shapes:
+        check_variant(spec, kernel, *shape, gen)
+
+
+def check_deterministic_split(spec, target, gen):
+    """deterministic=1 with 32 (batch, head) pairs over 1000 keys, fewer dq_accum splits than key
+    blocks (each CTA walks several key blocks into one split): judged by :func:`check_variant`; then
+    :func:`check_deterministic`."""
+    from cutefa.backward import dq_splits
+    from cutefa.compile import get_kernel
+
+    kernel = get_kernel(spec, target)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    assert dq_splits(True, 2, 16, 1000, spec.tile_n, sm_count) < math.ceil(1000 / spec.tile_n)
+    check_variant(spec, kernel, 2, 1000, 1000, 16, 4, gen, deterministic=True)
+    check_deterministic(spec, kernel, gen)
+
+
+def check_deterministic(spec, kernel, gen):
+    """deterministic=1 on 2048 queries (4 heads) over 2000 keys (2 heads): two runs bitwise equal,
+    and within 1e-2 of the atomic mode."""
+    q, k, v, dout, out, lse = random_inputs(gen, spec, 1, 2048, 2000, 4, 2)
+    first = run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
+    second = run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
+    plain = run_kernel(kernel, spec, q, k, v, out, lse, dout)
+    for name, a, b, c in zip(("dq", "dk", "dv"), first, second, plain):
+        assert torch.isfinite(a).all(), f"{spec.name} {name}"
+        assert torch.equal(a, b), f"{spec.name} {name} differs between two deterministic runs"
+        assert bwd80.rel(a, c) < 1e-2, f"{spec.name} {name}"
+
+
 @pytest.fixture(scope="module")
 def target():
     from cutefa.dispatch import current_target
@@ -106,47 +186,14 @@ def target():
 
 @pytest.mark.parametrize("spec", BACKWARDS, ids=lambda s: s.name)
 def test_variant_grads(gen, target, spec):
-    from cutefa.compile import get_kernel
-
-    kernel = get_kernel(spec, target)
-    dtype = bwd80.DTYPES[spec.dtype]
-    for batch, sq, sk, hq, hkv in SHAPES:
-        q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-        k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-        v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-        dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
-        out, lse = forward_ref(q, k, v, spec.causal)
-        got = run_kernel(kernel, spec, q, k, v, out, lse, dout)
-        scale = 1.0 / math.sqrt(spec.head_dim)
-        fn = functools.partial(bwd80.attention, causal=spec.causal, scale=scale)
-        exact = bwd80.grads(fn, q.float(), k.float(), v.float(), dout.float())
-        base = bwd80.grads(fn, q, k, v, dout)
-        where = f"{spec.name} b{batch} sq{sq} sk{sk} hq{hq} hkv{hkv}"
-        for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
-            assert g.shape == e.shape, f"{where} {name}"
-            assert torch.isfinite(g).all(), f"{where} {name}: non-finite values (unwritten or NaN)"
-            err, err_base = bwd80.rel(g, e), bwd80.rel(b, e)
-            assert err <= 3 * err_base + 1e-3, f"{where} {name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
+    check_shapes(spec, target, SHAPES, gen)
 
 
 @pytest.mark.parametrize("spec", [s for s in BACKWARDS if s.causal], ids=lambda s: s.name)
 def test_variant_deterministic(gen, target, spec):
     from cutefa.compile import get_kernel
 
-    kernel = get_kernel(spec, target)
-    dtype = bwd80.DTYPES[spec.dtype]
-    q = torch.randn(1, 2048, 4, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    k = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    v = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
-    out, lse = forward_ref(q, k, v, spec.causal)
-    first = run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
-    second = run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
-    plain = run_kernel(kernel, spec, q, k, v, out, lse, dout)
-    for name, a, b, c in zip(("dq", "dk", "dv"), first, second, plain):
-        assert torch.isfinite(a).all(), name
-        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
-        assert bwd80.rel(a, c) < 1e-2, name
+    check_deterministic(spec, get_kernel(spec, target), gen)
 
 
 def test_dispatch_picks_sm90_backward(target):
@@ -171,12 +218,7 @@ def test_alternative_matches_default_bitwise(gen, target, spec):
     from cutefa.compile import get_kernel
 
     twin = _default_twin(spec)
-    dtype = bwd80.DTYPES[spec.dtype]
-    q = torch.randn(2, 1000, 4, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    k = torch.randn(2, 777, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    v = torch.randn(2, 777, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
-    out, lse = forward_ref(q, k, v, spec.causal)
+    q, k, v, dout, out, lse = random_inputs(gen, spec, 2, 1000, 777, 4, 2)
     mine = run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
     ref = run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
     reordered = space.sm90_bwd_head_split(spec) and spec.overlap

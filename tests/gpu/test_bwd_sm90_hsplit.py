@@ -18,9 +18,6 @@ Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_sm90_hsplit.py``.
 
 from __future__ import annotations
 
-import functools
-import math
-
 import pytest
 import torch
 from gpu_support import hopper_skip_reason as _skip_reason
@@ -38,38 +35,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, re
 # (the dq_bulk twins have their own test: tests/gpu/test_bwd_dqbulk_gpu.py)
 SPLIT = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s) and not s.dq_bulk]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
-SHAPES = (
-    (1, 1, 1, 2, 2),
-    (2, 17, 17, 2, 2),
-    (1, 1000, 1000, 2, 1),
-    (1, 4097, 4097, 1, 1),
-    (1, 17, 1000, 4, 2),
-    (1, 1000, 17, 3, 3),
+SHAPES = bwd90.COMMON_SHAPES + (
     (1, 33, 65, 2, 2),  # one query past consumer 0's half, one key past a block
     (2, 95, 64, 4, 1),  # MQA; causal: the diagonal crosses both consumers' halves
     (1, 64, 127, 6, 2),  # GQA; one key short of two blocks
     (1, 128, 4097, 8, 1),
 )
-
-
-def _check(spec, kernel, batch, sq, sk, hq, hkv, gen, *, deterministic=False):
-    dtype = bwd80.DTYPES[spec.dtype]
-    q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
-    out, lse = bwd90.forward_ref(q, k, v, spec.causal)
-    got = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=deterministic)
-    scale = 1.0 / math.sqrt(spec.head_dim)
-    fn = functools.partial(bwd80.attention, causal=spec.causal, scale=scale)
-    exact = bwd80.grads(fn, q.float(), k.float(), v.float(), dout.float())
-    base = bwd80.grads(fn, q, k, v, dout)
-    where = f"{spec.name} b{batch} sq{sq} sk{sk} hq{hq} hkv{hkv} det{int(deterministic)}"
-    for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
-        assert g.shape == e.shape, f"{where} {name}"
-        assert torch.isfinite(g).all(), f"{where} {name}: non-finite values (unwritten or NaN)"
-        err, err_base = bwd80.rel(g, e), bwd80.rel(b, e)
-        assert err <= 3 * err_base + 1e-3, f"{where} {name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
 
 
 @pytest.fixture(scope="module")
@@ -90,37 +61,14 @@ def test_split_variants_are_the_defaults_and_overlap():
 
 @pytest.mark.parametrize("spec", SPLIT, ids=lambda s: s.name)
 def test_split_grads(gen, target, spec):
-    from cutefa.compile import get_kernel
-
-    kernel = get_kernel(spec, target)
-    for shape in SHAPES:
-        _check(spec, kernel, *shape, gen)
+    bwd90.check_shapes(spec, target, SHAPES, gen)
 
 
 @pytest.mark.parametrize("spec", SPLIT, ids=lambda s: s.name)
 def test_split_deterministic(gen, target, spec):
     """deterministic=1: two runs bitwise equal and as accurate as the atomic mode; with 32 (batch,
     head) pairs each CTA walks several of the 16 key blocks (one dq_accum split per CTA)."""
-    from cutefa.backward import dq_splits
-    from cutefa.compile import get_kernel
-
-    kernel = get_kernel(spec, target)
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    assert dq_splits(True, 2, 16, 1000, spec.tile_n, sm_count) < math.ceil(1000 / spec.tile_n)
-    _check(spec, kernel, 2, 1000, 1000, 16, 4, gen, deterministic=True)
-    dtype = bwd80.DTYPES[spec.dtype]
-    q = torch.randn(1, 2048, 4, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    k = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    v = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
-    out, lse = bwd90.forward_ref(q, k, v, spec.causal)
-    first = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
-    second = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
-    plain = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout)
-    for name, a, b, c in zip(("dq", "dk", "dv"), first, second, plain):
-        assert torch.isfinite(a).all(), name
-        assert torch.equal(a, b), f"{spec.name} {name} differs between two deterministic runs"
-        assert bwd80.rel(a, c) < 1e-2, name
+    bwd90.check_deterministic_split(spec, target, gen)
 
 
 @pytest.mark.parametrize("head_dim", [192, 256])
@@ -144,19 +92,4 @@ def test_lse_gradient_hd256(gen):
     """The incoming log-sum-exp gradient (D = rowsum(dO * O) - dLSE) through the split kernel."""
     q, k, v = (torch.randn(1, 300, 2, 256, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     w = torch.randn(1, 2, 300, generator=gen, device="cuda")
-    import cutefa
-
-    def loss(a, b, c, lse_fn):
-        out, lse = lse_fn(a, b, c)
-        return out.float().sum() + (lse * w).sum()
-
-    def ref(a, b, c):
-        s = torch.einsum("bqhd,bkhd->bhqk", a.float(), b.float()) / 16.0
-        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), c.float()), torch.logsumexp(s, -1)
-
-    got = [t.detach().requires_grad_() for t in (q, k, v)]
-    loss(*got, lambda a, b, c: cutefa.flash_attn_func(a, b, c, return_lse=True)).backward()
-    want = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    loss(*want, ref).backward()
-    for g, e in zip(got, want):
-        assert bwd80.rel(g.grad, e.grad) < 1e-2
+    bwd80.check_lse_gradient(q, k, v, w)

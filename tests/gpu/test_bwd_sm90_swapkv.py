@@ -21,7 +21,6 @@ Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_sm90_swapkv.py``.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -33,7 +32,6 @@ from cutefa import space
 
 bwd80 = _load("test_bwd_sm80")
 bwd90 = _load("test_bwd_sm90")
-split = _load("test_bwd_sm90_hsplit")
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
@@ -41,13 +39,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, re
 COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_swapped(s)]
 SWAPPED = COMMITTED + [s.replace(dtype="fp16") for s in COMMITTED]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
-SHAPES = (
-    (1, 1, 1, 2, 2),
-    (2, 17, 17, 2, 2),
-    (1, 1000, 1000, 2, 1),
-    (1, 4097, 4097, 1, 1),
-    (1, 17, 1000, 4, 2),
-    (1, 1000, 17, 3, 3),
+SHAPES = bwd90.COMMON_SHAPES + (
     (1, 65, 49, 2, 2),  # one query past a 64-row block, one key past consumer 0's 48
     (2, 95, 97, 4, 1),  # MQA; one key past a 96-key block; causal: diagonals cross both halves
     (1, 64, 95, 6, 2),  # GQA; one key short of a block
@@ -76,37 +68,14 @@ def test_swapped_variants():
 
 @pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
 def test_swapped_grads(gen, target, spec):
-    from cutefa.compile import get_kernel
-
-    kernel = get_kernel(spec, target)
-    for shape in SHAPES:
-        split._check(spec, kernel, *shape, gen)
+    bwd90.check_shapes(spec, target, SHAPES, gen)
 
 
 @pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
 def test_swapped_deterministic(gen, target, spec):
     """deterministic=1: two runs bitwise equal and as accurate as the atomic mode; with 32 (batch,
     head) pairs each CTA walks several of the 11 key blocks (one dq_accum split per CTA)."""
-    from cutefa.backward import dq_splits
-    from cutefa.compile import get_kernel
-
-    kernel = get_kernel(spec, target)
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    assert dq_splits(True, 2, 16, 1000, spec.tile_n, sm_count) < math.ceil(1000 / spec.tile_n)
-    split._check(spec, kernel, 2, 1000, 1000, 16, 4, gen, deterministic=True)
-    dtype = bwd80.DTYPES[spec.dtype]
-    q = torch.randn(1, 2048, 4, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    k = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    v = torch.randn(1, 2000, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
-    out, lse = bwd90.forward_ref(q, k, v, spec.causal)
-    first = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
-    second = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
-    plain = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout)
-    for name, a, b, c in zip(("dq", "dk", "dv"), first, second, plain):
-        assert torch.isfinite(a).all(), name
-        assert torch.equal(a, b), f"{spec.name} {name} differs between two deterministic runs"
-        assert bwd80.rel(a, c) < 1e-2, name
+    bwd90.check_deterministic_split(spec, target, gen)
 
 
 @pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
@@ -116,12 +85,7 @@ def test_swapped_matches_head_split(gen, target, spec):
 
     twin = bwd90._default_twin(spec)
     assert space.sm90_bwd_head_split(twin), twin.name
-    dtype = bwd80.DTYPES[spec.dtype]
-    q = torch.randn(2, 1000, 4, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    k = torch.randn(2, 777, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    v = torch.randn(2, 777, 2, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
-    out, lse = bwd90.forward_ref(q, k, v, spec.causal)
+    q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, 2, 1000, 777, 4, 2)
     mine = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
     ref = bwd90.run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
     for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
@@ -134,21 +98,11 @@ def test_swapped_through_backward(gen, spec):
     """backward.gradients with the variant forced (the host allocates the workspace), both modes."""
     from cutefa import backward
 
-    dtype = bwd80.DTYPES[spec.dtype]
     for batch, sq, sk, hq, hkv in ((1, 17, 1000, 4, 2), (2, 1000, 777, 4, 4)):
-        q = torch.randn(batch, sq, hq, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-        k = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-        v = torch.randn(batch, sk, hkv, spec.head_dim, generator=gen, device="cuda", dtype=dtype)
-        dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
-        out, lse = bwd90.forward_ref(q, k, v, spec.causal)
+        q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, batch, sq, sk, hq, hkv)
         scale = 1.0 / math.sqrt(spec.head_dim)
-        fn = functools.partial(bwd80.attention, causal=spec.causal, scale=scale)
-        exact = bwd80.grads(fn, q.float(), k.float(), v.float(), dout.float())
-        base = bwd80.grads(fn, q, k, v, dout)
+        exact, base = bwd90.reference_grads(spec, q, k, v, dout)
         for deterministic in (False, True):
             got = backward.gradients(dout, q, k, v, out, lse, None, spec.causal, scale, deterministic, spec=spec)
             where = f"{spec.name} b{batch} sq{sq} sk{sk} deterministic={deterministic}"
-            for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
-                assert torch.isfinite(g).all(), f"{where} {name}"
-                err, err_base = bwd80.rel(g, e), bwd80.rel(b, e)
-                assert err <= 3 * err_base + 1e-3, f"{where} {name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
+            bwd90.assert_grads_close(where, got, exact, base)

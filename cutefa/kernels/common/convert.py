@@ -3,8 +3,9 @@
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from cutefa.kernels.common.ptx import pure_asm
 
 
 @dsl_user_op
@@ -13,14 +14,11 @@ def cvt_pair(lo: Float32, hi: Float32, bf16: cutlass.Constexpr, *, loc=None, ip=
     word (``lo`` in the low half): one ``cvt.rn.{bf16x2,f16x2}.f32``, one F2FP in SASS."""
     kind = "bf16x2" if bf16 else "f16x2"
     return Int32(
-        llvm.inline_asm(
+        pure_asm(
             T.i32(),
             [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
             f"cvt.rn.{kind}.f32 $0, $1, $2;",  # $1 goes to the upper half, $2 to the lower
             "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
             ip=ip,
         )

@@ -7,8 +7,9 @@ j <= i + (seqlen_k - seqlen_q). Masked scores become -inf before the softmax.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
+
+from cutefa.kernels.common.ptx import pure_asm
 
 
 def causal_key_limit(row: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
@@ -82,14 +83,11 @@ def shr_b32(x: Uint32, n: Int32, *, loc=None, ip=None) -> Uint32:
     """``shr.b32``: x >> n with shifts of 32 or more giving 0 (PTX clamps the amount; LLVM's
     shift would be undefined there)."""
     return Uint32(
-        llvm.inline_asm(
+        pure_asm(
             Uint32.mlir_type,
             [Uint32(x).ir_value(loc=loc, ip=ip), Int32(n).ir_value(loc=loc, ip=ip)],
             "shr.b32 $0, $1, $2;",
             "=r,r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
             ip=ip,
         )

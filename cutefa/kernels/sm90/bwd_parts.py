@@ -289,19 +289,27 @@ def dq_step(
     """One dQ piece of a query block: acc = dS K (dS buffer ``buf``) issued behind the dV/dK WGMMAs
     still in flight; once those are done the Q/dO stage is released (``handle``); then acc is added
     into the fp32 accumulator's 64-row block ``row_block`` (rows below seqlen_q)."""
-    # Zero-filled and accumulated into: the caller keeps ``mma``'s ACCUMULATE field True (a field
-    # set here, inside the caller's per-consumer branch, would escape the branch).
-    acc = cute.make_rmem_tensor(acc_shape, Float32)
-    acc.fill(0.0)
-    warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
-    warpgroup.commit_group()
+    _dq_behind_dkv(
+        mma, t_a, t_b, acc_shape, buf, handle,
+        lambda acc: red_add_pairs(
+            acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS, WG_ROWS
+        ),
+    )  # fmt: skip
+
+
+@cute.jit
+def _dq_behind_dkv(
+    mma: cute.TiledMma, t_a: cute.Tensor, t_b: cute.Tensor, acc_shape: cutlass.Constexpr, buf: Int32, handle,
+    reduce_dq: cutlass.Constexpr,
+):  # fmt: skip
+    """The dQ step behind the dV/dK WGMMAs, whatever its reduction: acc = dS K (dS buffer ``buf``)
+    committed behind them; once they are done the Q/dO stage is released (``handle``: S^T, dP^T,
+    dV and dK have read it); once dQ is done ``reduce_dq(acc)`` (traced inline)."""
+    acc = issue_dq(mma, t_a, t_b, acc_shape, buf)
     warpgroup.wait_group(1)
     handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
     warpgroup.wait_group(0)
-    red_add_pairs(acc, coords, dst[None, None, None, row_block], seqlen_q - row_block * WG_ROWS, WG_ROWS)
-
+    reduce_dq(acc)
 
 
 @cute.jit
@@ -332,6 +340,23 @@ def dq_step_under_dk(
 
 
 @cute.jit
+def issue_dq(
+    mma: cute.TiledMma, t_a: cute.Tensor, t_b: cute.Tensor, acc_shape: cutlass.Constexpr, buf: Int32
+):
+    """acc = dS K (dS buffer ``buf``: A ``t_a``, B ``t_b``) issued and committed as one WGMMA group
+    behind the ones in flight; returns acc (valid once that group is done)."""
+    # Zero-filled and accumulated into: the caller keeps ``mma``'s ACCUMULATE field True (a field
+    # set here, inside the caller's per-consumer branch, would escape the branch).
+    acc = cute.make_rmem_tensor(acc_shape, Float32)
+    acc.fill(0.0)
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
+    warpgroup.commit_group()
+    return acc
+
+
+@cute.jit
 def _dq_then_dk(
     mma: cute.TiledMma,
     t_a: cute.Tensor,
@@ -348,12 +373,7 @@ def _dq_then_dk(
     """The overlap schedule's dQ step, whatever its reduction: acc = dS K committed behind the dV
     WGMMA, then dK += dS^T Q as its own group; ``reduce_dq(acc)`` (traced inline) once dQ is done
     while dK may still run; the Q/dO stage released after dK."""
-    acc = cute.make_rmem_tensor(acc_shape, Float32)
-    acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
-    warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
-    warpgroup.commit_group()
+    acc = issue_dq(mma, t_a, t_b, acc_shape, buf)
     for k in cutlass.range_constexpr(cute.size(rdS, mode=[2])):
         cute.gemm(dkv_mma, acc_dK, rdS[None, None, k], t_qt[None, None, k], acc_dK)
     warpgroup.commit_group()
@@ -401,37 +421,39 @@ def bulk_dq_coords(mma, thread, cols: int) -> cute.Tensor:
 
 
 @cute.jit
-def stage_and_reduce(acc: cute.Tensor, s_base: Int32, g_addr, wtid: Int32, barrier_id: cutlass.Constexpr):
+def stage_values(
+    acc: cute.Tensor, first: cutlass.Constexpr, count: cutlass.Constexpr, s_base: Int32, wtid: Int32
+):
+    """Values [first, first + count) of this thread's fragment ``acc`` (``first`` and ``count``
+    multiples of 4) -> shared memory at ``s_base`` in fragment order: value first + 4j + e of
+    thread ``wtid`` at word 4 (128 j + wtid) + e, one 16-byte store per 4 values."""
+    s_thread = s_base + wtid * (BULK_VEC * 4)
+    for j in cutlass.range_constexpr(count // BULK_VEC):
+        v = first + BULK_VEC * j
+        st_shared_f32x4(
+            s_thread + j * (WG_ROWS * 2 * BULK_VEC * 4), acc[v], acc[v + 1], acc[v + 2], acc[v + 3]
+        )
+
+
+@cute.jit
+def stage_and_reduce(acc: cute.Tensor, s_base: Int32, g_addr, wtid: Int32, barrier_id: Int32):
     """``acc`` (this thread's fragment of a dQ piece) -> shared memory at ``s_base`` in fragment
     order, then one thread of the warpgroup adds the whole piece into global memory at ``g_addr``
-    (Int64) with a bulk reduce-add and commits it. The caller has made sure the buffer's previous
-    bulk read is done (:func:`bulk_wait`, before a barrier all of the warpgroup passes)."""
-    n = cute.size(acc)
-    s_thread = s_base + wtid * (BULK_VEC * 4)
-    for j in cutlass.range_constexpr(n // BULK_VEC):
-        st_shared_f32x4(
-            s_thread + j * (WG_ROWS * 2 * BULK_VEC * 4),
-            acc[BULK_VEC * j], acc[BULK_VEC * j + 1], acc[BULK_VEC * j + 2], acc[BULK_VEC * j + 3],
-        )  # fmt: skip
-    cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> visible to the bulk copy
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_ROWS * 2)
-    if wtid == 0:
-        bulk_reduce_add_f32(g_addr, s_base, n * WG_ROWS * 2 * 4)
-        cute.arch.cp_async_bulk_commit_group()
+    (Int64) with a bulk reduce-add and commits it, after the warpgroup met at its named barrier
+    ``barrier_id`` (a constant or a value). The caller has made sure the buffer's previous bulk read
+    is done (:func:`bulk_wait`, before a barrier all of the warpgroup passes)."""
+    _stage_values_and_reduce(acc, 0, cute.size(acc), s_base, g_addr, wtid, barrier_id)
 
 
 @cute.jit
 def _stage_values_and_reduce(
     acc: cute.Tensor, first: cutlass.Constexpr, count: cutlass.Constexpr, s_base: Int32, g_addr, wtid: Int32,
-    barrier_id: cutlass.Constexpr,
+    barrier_id: Int32,
 ):  # fmt: skip
     """Values [first, first + count) of this thread's fragment (``first`` and ``count`` multiples of
     4): words [128 first, 128 (first + count)) of the piece, staged at ``s_base`` and added into
     global memory at ``g_addr`` (the piece's start) plus their offset by one bulk reduce-add."""
-    s_thread = s_base + wtid * (BULK_VEC * 4)
-    for j in cutlass.range_constexpr(count // BULK_VEC):
-        v = first + BULK_VEC * j
-        st_shared_f32x4(s_thread + j * (WG_ROWS * 2 * BULK_VEC * 4), acc[v], acc[v + 1], acc[v + 2], acc[v + 3])
+    stage_values(acc, first, count, s_base, wtid)
     cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> visible to the bulk copy
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_ROWS * 2)
     if wtid == 0:
@@ -487,16 +509,10 @@ def dq_bulk_step(
 ):
     """:func:`dq_step` of the dq_bulk path: acc = dS K (dS buffer ``buf``) behind the dV/dK WGMMAs,
     the Q/dO stage released once those are done, then acc staged and bulk-added (:func:`stage_and_reduce`)."""
-    acc = cute.make_rmem_tensor(acc_shape, Float32)
-    acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
-    warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
-    warpgroup.commit_group()
-    warpgroup.wait_group(1)
-    handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
-    warpgroup.wait_group(0)
-    stage_and_reduce(acc, s_base, g_addr, wtid, barrier_id)
+    _dq_behind_dkv(
+        mma, t_a, t_b, acc_shape, buf, handle,
+        lambda acc: stage_and_reduce(acc, s_base, g_addr, wtid, barrier_id),
+    )  # fmt: skip
 
 
 @cute.jit
@@ -547,14 +563,8 @@ def stage_for_writer(
     """``acc`` (this thread's fragment of a dQ piece) -> shared memory at ``s_base`` in fragment
     order (as :func:`stage_and_reduce`), once the writer warp's previous bulk copy has read the
     buffer (``empty_id``); then fenced to the async proxy and handed to the writer (``full_id``)."""
-    n = cute.size(acc)
     cute.arch.barrier(barrier_id=empty_id, number_of_threads=writer_barrier_threads())
-    s_thread = s_base + wtid * (BULK_VEC * 4)
-    for j in cutlass.range_constexpr(n // BULK_VEC):
-        st_shared_f32x4(
-            s_thread + j * (WG_ROWS * 2 * BULK_VEC * 4),
-            acc[BULK_VEC * j], acc[BULK_VEC * j + 1], acc[BULK_VEC * j + 2], acc[BULK_VEC * j + 3],
-        )  # fmt: skip
+    stage_values(acc, 0, cute.size(acc), s_base, wtid)
     cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> visible to the bulk copy
     cute.arch.barrier_arrive(barrier_id=full_id, number_of_threads=writer_barrier_threads())
 
@@ -575,16 +585,10 @@ def dq_warp_step(
     """:func:`dq_bulk_step` with the dQ-writer warp: acc = dS K (dS buffer ``buf``) behind the dV/dK
     WGMMAs, the Q/dO stage released once those are done, then acc staged for the writer
     (:func:`stage_for_writer`)."""
-    acc = cute.make_rmem_tensor(acc_shape, Float32)
-    acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
-    warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
-    warpgroup.commit_group()
-    warpgroup.wait_group(1)
-    handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
-    warpgroup.wait_group(0)
-    stage_for_writer(acc, s_base, wtid, empty_id, full_id)
+    _dq_behind_dkv(
+        mma, t_a, t_b, acc_shape, buf, handle,
+        lambda acc: stage_for_writer(acc, s_base, wtid, empty_id, full_id),
+    )  # fmt: skip
 
 
 @cute.jit

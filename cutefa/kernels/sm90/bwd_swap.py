@@ -24,8 +24,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from cutefa.kernels.common.reduce import bulk_reduce_add_f32, st_shared_f32x4
-from cutefa.kernels.sm90.bwd_parts import BULK_VEC, bulk_wait
+from cutefa.kernels.sm90.bwd_parts import bulk_wait, issue_dq, stage_and_reduce
 from cutefa.kernels.sm90.parts import WG_ROWS
 
 
@@ -156,33 +155,17 @@ def dq_bulk_step_in_stage(
     """dQ of the dq_bulk path staged in the current Q/dO stage (no buffer of its own fits): acc =
     dS K (dS buffer ``buf``) behind the warpgroup's dV^T/dK^T WGMMAs; once those are done, a barrier
     of both consumers (each warpgroup's dV^T and dK^T read all of that stage's Q and dO); once dQ is
-    done, acc goes in fragment order (value 4j + e of thread t at word 4 (128 j + t) + e) to
-    ``s_base`` (this warpgroup's 16-bit tile of the stage: consumer 0 dO's, consumer 1 Q's, each
-    exactly the bytes of its fp32 64 x d/2 piece), a barrier of the warpgroup (``wg_barrier``), and
-    one thread (``wtid`` 0) adds the piece into global memory at ``g_addr`` with a bulk reduce-add
-    and commits it. It does not wait: the stage goes back to the producer later, through
-    :func:`release_stage_after_bulk` (in the next query block, once its S and dP are issued)."""
-    acc = cute.make_rmem_tensor(acc_shape, Float32)
-    acc.fill(0.0)  # accumulated into: the caller keeps ``mma``'s ACCUMULATE field True
-    warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-        cute.gemm(mma, acc, t_a[None, None, k, buf], t_b[None, None, k], acc)
-    warpgroup.commit_group()
+    done, :func:`stage_and_reduce` stages acc in fragment order (value 4j + e of thread t at word
+    4 (128 j + t) + e) at ``s_base`` (this warpgroup's 16-bit tile of the stage: consumer 0 dO's,
+    consumer 1 Q's, each exactly the bytes of its fp32 64 x d/2 piece), meets the warpgroup at
+    ``wg_barrier``, and one thread (``wtid`` 0) adds the piece into global memory at ``g_addr`` with
+    a bulk reduce-add and commits it. It does not wait: the stage goes back to the producer later,
+    through :func:`release_stage_after_bulk` (in the next query block, once its S and dP are issued)."""
+    acc = issue_dq(mma, t_a, t_b, acc_shape, buf)
     warpgroup.wait_group(1)  # this warpgroup's dV^T, dK^T done
     cute.arch.barrier(barrier_id=consumer_barrier, number_of_threads=consumer_threads)
     warpgroup.wait_group(0)
-    n = cute.size(acc)
-    s_thread = s_base + wtid * (BULK_VEC * 4)
-    for j in cutlass.range_constexpr(n // BULK_VEC):
-        st_shared_f32x4(
-            s_thread + j * (WG_ROWS * 2 * BULK_VEC * 4),
-            acc[BULK_VEC * j], acc[BULK_VEC * j + 1], acc[BULK_VEC * j + 2], acc[BULK_VEC * j + 3],
-        )  # fmt: skip
-    cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> visible to the bulk copy
-    cute.arch.barrier(barrier_id=wg_barrier, number_of_threads=WG_ROWS * 2)
-    if wtid == 0:
-        bulk_reduce_add_f32(g_addr, s_base, n * WG_ROWS * 2 * 4)
-        cute.arch.cp_async_bulk_commit_group()
+    stage_and_reduce(acc, s_base, g_addr, wtid, wg_barrier)
 
 
 @cute.jit
