@@ -622,6 +622,26 @@ def _row_prefetch_rule(spec: VariantSpec) -> str | None:
     return _sm90_bwd_main_only(spec, "row_prefetch")
 
 
+def _dq_stage_rule(spec: VariantSpec) -> str | None:
+    if not spec.dq_stage:
+        return None
+    if (spec.arch, spec.direction) != ("sm90", "bwd"):
+        return (
+            f"dq_stage (FlashAttention-4's shared-memory budget: dO single-buffered, a dQ staging buffer) "
+            f"is an sm90 backward flag, not a {spec.arch} {spec.direction} one"
+        )
+    if not sm90_bwd_swapped(spec):
+        return (
+            f"dq_stage with tile_m={spec.tile_m}, tile_n={spec.tile_n}, head_dim={spec.head_dim}: built for the "
+            "swapped-dK/dV backward (tile_n=96, head dim 192, templates/bwd_sm90_swapkv.py.j2) only"
+        )
+    if not spec.dq_bulk:
+        return "dq_stage without dq_bulk: the dedicated staging buffer holds dq_bulk's fp32 dQ pieces for the bulk reduce-add"
+    if spec.dq_warp:
+        return "dq_stage with dq_warp: the swapped backward has no dQ-writer warp (each consumer issues its own bulk reduce-add)"
+    return None
+
+
 def _dq_quad_rule(spec: VariantSpec) -> str | None:
     if spec.dq_quad and (spec.arch, spec.direction) != ("sm80", "bwd"):
         return (
@@ -834,6 +854,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _dq_bulk_rule,
     _dq_warp_rule,
     _row_prefetch_rule,
+    _dq_stage_rule,
     _dq_quad_rule,
     _head_dim_rule,
     why_no_kernel,
@@ -1112,6 +1133,7 @@ _FLAG_SETS[("sm90", "bwd")] = (
     {"overlap": True, "dq_bulk": True, "dq_warp": True},
     {"dq_bulk": True, "dq_warp": True, "row_prefetch": True},
     {"overlap": True, "dq_bulk": True, "dq_warp": True, "row_prefetch": True},
+    {"dq_bulk": True, "dq_stage": True},
 )
 # sm80 backward: dQ reductions in the accumulator's natural layout, or 16-byte ones into a
 # column-permuted one (dq_quad).
@@ -1174,6 +1196,10 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             (Tile(64, 64, 2, 12), {"overlap": True, "dq_bulk": True}),
             (Tile(64, 96, 2, 12), {}),
             (Tile(64, 96, 2, 12), {"dq_bulk": True}),
+            # FlashAttention-4's shared-memory budget for this tile (dq_stage): a 2-stage Q ring, a
+            # 1-stage dO pipeline, one dS buffer and a 48 KiB fp32 dQ staging buffer of its own
+            # (docs/perf-notes.md "hd192 backward on FA4's shared-memory budget").
+            (Tile(64, 96, 2, 12), {"dq_bulk": True, "dq_stage": True}),
         ),
         256: (
             (Tile(64, 64, 2, 12), {"overlap": True}),
@@ -1245,12 +1271,22 @@ def sm90_bwd_swap_smem_bytes(spec: VariantSpec) -> int:
     each), one P buffer and two dS buffers (tile_m x tile_n), 1 KiB-aligned each, the LSE2/D rows
     and mbarriers, rounded up to 1 KiB, plus the kernel's 1 KiB of static shared memory. dq_bulk
     adds nothing: each consumer stages its fp32 dQ piece (64 x d/2) in its 16-bit tile of the current
-    Q/dO stage (consumer 0 dO's, consumer 1 Q's: the same bytes)."""
-    elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
-    elements += 3 * spec.tile_m * spec.tile_n
+    Q/dO stage (consumer 0 dO's, consumer 1 Q's: the same bytes).
+    dq_stage (FlashAttention-4's budget): a Q ring of ``stages`` and a dO pipeline of one stage, one
+    P and one dS buffer, and the fp32 dQ staging of its own (tile_m x d: each consumer's 64 x d/2
+    piece); hd192 s2: 72 + 48 + 24 + 12 + 12 + 48 KiB of buffers, 219 KiB in all."""
+    if spec.dq_stage:
+        elements = 2 * spec.tile_n * spec.head_dim + (spec.stages + 1) * spec.tile_m * spec.head_dim
+        elements += 2 * spec.tile_m * spec.tile_n
+        staging = 4 * spec.tile_m * spec.head_dim
+        barriers = (2 + 2 * spec.stages + 2) * 8
+    else:
+        elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
+        elements += 3 * spec.tile_m * spec.tile_n
+        staging = 0
+        barriers = (2 + 2 * spec.stages) * 8
     rows = 2 * 2 * spec.tile_m * 4
-    barriers = (2 + 2 * spec.stages) * 8
-    struct = elements * spec.elem_bytes + rows + barriers
+    struct = elements * spec.elem_bytes + staging + rows + barriers
     return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
 
 

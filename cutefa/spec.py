@@ -48,6 +48,7 @@ _FLAG_TOKENS = (
     ("dq_bulk", "dqbulk"),
     ("dq_warp", "dqw"),
     ("row_prefetch", "rpf"),
+    ("dq_stage", "dqs"),
     ("lpt_grid", "lpt"),
     ("dq_quad", "dqquad"),
     ("hoist_vt", "hvt"),
@@ -112,6 +113,12 @@ class VariantSpec:
     # follow (S^T/dP^T, then dP^T), so those loads' latency hides behind the MMAs instead of
     # following the wait (FlashAttention-3 loads them before its waits). Name token _rpf.
     row_prefetch: bool = False
+    # sm90 backward, swapped-dK/dV partition (templates/bwd_sm90_swapkv.py.j2, head dim 192) with
+    # dq_bulk: FlashAttention-4's shared-memory budget for that tile: a 2-stage Q ring and a 1-stage
+    # dO pipeline (two TMA pipelines), one dS buffer, and a dedicated fp32 dQ staging buffer per
+    # consumer (instead of staging dQ in the current Q/dO stage), so that dQ is issued before dK^T
+    # and staged while dK^T runs. Name token _dqs.
+    dq_stage: bool = False
     # sm90 16-bit forward, not persistent: a 1-D grid of one CTA per tile in longest-first order
     # (FlashAttention-4's causal launch order): the (head, batch) pairs in sections whose K/V fit the
     # L2 budget, inside a section the last query blocks of all its pairs first (parts.lpt_tile).

@@ -123,6 +123,7 @@ def test_manifest(out):
         "dq_bulk": False,
         "dq_warp": False,
         "row_prefetch": False,
+        "dq_stage": False,
         "lpt_grid": False,
         "dq_quad": False,
         "hoist_vt": False,

@@ -5,7 +5,9 @@ design: WGMMA (HGMMA) 64x48 for S, dP (K = head_dim) and for dV^T, dK^T (M = hea
 atoms, K = the 64 queries, both operands transposed in shared memory), 64x96 for dQ (K = the 96
 keys), TMA loads, setmaxnreg with the consumers within their 240 registers, dQ into dq_accum by
 8-byte fp32 vector reductions or (dq_bulk) 16-byte shared stores into the Q/dO stage and one bulk
-reduce-add whose read of the stage is waited for one query block later, under S and dP (dq_bulk:
+reduce-add whose read of the stage is waited for one query block later, under S and dP (dq_stage:
+FlashAttention-4's shared-memory budget, a staging buffer of its own, the piece staged and added
+while dK^T runs, one named barrier fewer per query block) (dq_bulk:
 dK/dV out through K's and V's shared memory with transposed stmatrix and TMA stores), WGMMAs left
 asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
 roles address the same bytes, with each consumer's part on a swizzle-atom edge.
@@ -33,7 +35,7 @@ COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_
 # operand type) and the bf16 dq_bulk variants
 CHECKED = [s for s in COMMITTED if s.causal and not s.dq_bulk]
 CHECKED += [s.replace(dtype="fp16") for s in COMMITTED if not s.causal and not s.dq_bulk]
-CHECKED += [s for s in COMMITTED if s.dq_bulk]  # non-causal and causal (its own launch order)
+CHECKED += [s for s in COMMITTED if s.dq_bulk]  # non-causal and causal (its own launch order), with and without dq_stage
 
 
 def test_swapped_variants_committed_not_dispatched():
@@ -47,7 +49,9 @@ def test_swapped_variants_committed_not_dispatched():
         "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12",
         "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal",
         "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqbulk",
+        "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqbulk_dqs",
         "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_dqbulk",
+        "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_dqbulk_dqs",
     ]
     for spec in COMMITTED + CHECKED:
         assert space.why_invalid(spec) is None, spec.name
@@ -74,6 +78,27 @@ def test_swapped_validity():
     assert "tile_n=96" in space.why_invalid(base.replace(head_dim=256))
     assert "tile_n=96" in space.why_invalid(base.replace(head_dim=128))
     assert space.sm90_bwd_dq_pieces(base) == ((0, 0, 96), (0, 96, 96))
+
+
+def test_dq_stage_validity():
+    """dq_stage (name token _dqs): FlashAttention-4's shared-memory budget for the swapped tile only,
+    with dq_bulk: K, V 72 KiB, Q 48 (2 stages), dO 24 (1 stage), P 12, dS 12, the fp32 dQ staging 48,
+    rows and mbarriers (a 223,232-byte struct), 1 KiB static: 219 KiB of the 227."""
+    spec = space.VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12, dq_bulk=True, dq_stage=True)
+    assert spec.name == "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_dqbulk_dqs"
+    assert space.why_invalid(spec) is None
+    assert space.sm90_bwd_smem_bytes(spec) == 223232 + 1024 <= space.SM90_SMEM_LIMIT
+    assert space.sm90_bwd_dq_accum_shape(spec, 1, 2, 100, 3) == (1, 2, 3, 2, 64 * 192)  # dq_bulk's chunks
+    assert "without dq_bulk" in space.why_invalid(spec.replace(dq_bulk=False))
+    assert "shared memory" in space.why_invalid(spec.replace(stages=3))
+    for other in (
+        spec.replace(tile_n=64),  # the head-dim split
+        spec.replace(head_dim=128, tile_n=128),
+        spec.replace(head_dim=128, tile_n=128, tile_m=80),
+    ):
+        assert "swapped-dK/dV" in space.why_invalid(other), other.name
+    assert "sm90 backward" in space.why_invalid(space.VariantSpec("sm80", "bwd", "bf16", 192, 64, 64, 1, 8, dq_stage=True))
+    assert "sm90 backward" in space.why_invalid(space.VariantSpec("sm90", "fwd", "bf16", 192, 128, 112, 2, 12, dq_stage=True))
 
 
 @pytest.fixture(scope="module")
@@ -113,24 +138,34 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
         # the 64 x d/2 fp32 piece: 16-byte shared stores in fragment order, one bulk reduce-add
         assert not reductions and len(bulk) == 1, f"{spec.name}: {len(reductions)} REDs, {len(bulk)} bulk"
         assert len(re.findall(r"\bSTS\.128\b", text)) == 64 * (d // 2) // 128 // 4, report.summary()
-        # the stage of the previous query block goes back once its bulk copy has read it, waited for
-        # after the next block's S and dP WGMMAs are issued and before S is waited on (not ahead of
-        # them), and once more after the query loop
         loop = text[text.index("HGMMA.") :]
-        first_wait = loop.index("WARPGROUP.DEPBAR")
-        assert re.search(r"DEPBAR\.LE SB0, 0x0", loop[:first_wait]), f"{spec.name}: no bulk wait under S/dP"
-        release = r"SYNCS\.ARRIVE\.TRANS64\S*\s+RZ, \[R\d+\+URZ\+0x\w+\]"
-        assert re.search(release, loop[:first_wait]), f"{spec.name}: no stage release under S/dP"
-        waits = len(re.findall(r"\bDEPBAR\.LE SB0, 0x0", loop))
-        assert waits >= 4, f"{spec.name}: {waits} bulk waits (read and full, in and after the loop)"
+        if spec.dq_stage:
+            # FlashAttention-4's budget: the previous bulk copy's read of this consumer's own staging
+            # buffer is waited for before dQ is issued; dO's stage goes back between dQ and dK^T
+            # (dV^T done); the piece is staged and bulk-added while dK^T runs (after its last HGMMA,
+            # before the wait for every WGMMA); four named barriers per query block (P, dS twice,
+            # the staging), one fewer than in-stage staging
+            dq_first = loop.index(f"HGMMA.64x{d // 2}x16")
+            dk_last = loop.rindex(".tnspA.tnspB")
+            wait_all = loop.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+            red = loop.index("UBLKRED")
+            assert dk_last < red < wait_all, f"{spec.name}: bulk reduce-add not under dK^T"
+            assert re.search(r"DEPBAR\.LE SB0, 0x0", loop[:dq_first]), f"{spec.name}: no bulk wait before dQ"
+            release = r"SYNCS\.ARRIVE\.TRANS64\S*\s+RZ, \["
+            assert re.search(release, loop[dq_first:dk_last]), f"{spec.name}: dO not released between dQ and dK^T"
+            assert len(re.findall(r"\bBAR\.SYNC", loop[:red])) == 4, f"{spec.name}: barriers per query block"
+            assert len(re.findall(r"\bDEPBAR\.LE SB0, 0x0", loop)) >= 2
+        else:
+            _check_in_stage_release(spec, loop)
     else:
         # 8-byte reductions, one per two columns of 64 rows x d/2 per thread, unguarded and guarded paths
         assert len(reductions) == 2 * (64 * (d // 2) // 128 // 2) and not bulk, f"{spec.name}: {len(reductions)} REDs"
     # K, V, Q, dO: one TMA box per 32-column panel of the 64-byte swizzle
     assert report.counts["UTMALDG"] == 4 * d // 32, report.summary()
-    # WGMMAs stay asynchronous: S/dP, dV, dQ (twice) waits per query block
+    # WGMMAs stay asynchronous: S/dP, dV, dQ (twice) waits per query block; dq_stage: S/dP, dP, dV^T,
+    # dQ, dK^T
     waits = re.findall(r"WARPGROUP\.DEPBAR", text)
-    assert len(waits) <= 4, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
+    assert len(waits) <= (5 if spec.dq_stage else 4), f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
     # P and dS stored with stmatrix: 64 x 48 each per warpgroup, 16 x 16 per warp instruction
     stsm = 2 * keys // 16
     if spec.dq_bulk:
@@ -144,6 +179,18 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
     else:
         assert not re.findall(r"\bUTMASTG\b", text)
     assert report.counts["STSM"] == stsm, report.summary()
+
+
+def _check_in_stage_release(spec, loop: str) -> None:
+    """dq_bulk staged in the Q/dO stage: the stage of the previous query block goes back once its
+    bulk copy has read it, waited for after the next block's S and dP WGMMAs are issued and before S
+    is waited on (not ahead of them), and once more after the query loop."""
+    first_wait = loop.index("WARPGROUP.DEPBAR")
+    assert re.search(r"DEPBAR\.LE SB0, 0x0", loop[:first_wait]), f"{spec.name}: no bulk wait under S/dP"
+    release = r"SYNCS\.ARRIVE\.TRANS64\S*\s+RZ, \[R\d+\+URZ\+0x\w+\]"
+    assert re.search(release, loop[:first_wait]), f"{spec.name}: no stage release under S/dP"
+    waits = len(re.findall(r"\bDEPBAR\.LE SB0, 0x0", loop))
+    assert waits >= 4, f"{spec.name}: {waits} bulk waits (read and full, in and after the loop)"
 
 
 _LAYOUT_CHECK = """

@@ -86,6 +86,18 @@ def test_early_rescale_and_pair_cvt_name_tokens():
         spec.replace(pair_cvt=1)
 
 
+def test_dq_stage_name_token():
+    spec = VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12, causal=True, dq_bulk=True)
+    staged = spec.replace(dq_stage=True)
+    assert staged.name == "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqbulk_dqs"
+    assert parse_name(staged.name) == staged and parse_name(spec.name) == spec
+    # after dq_bulk's token, in its fixed place
+    with pytest.raises(ValueError, match="in the order"):
+        parse_name("cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqs_dqbulk")
+    with pytest.raises(TypeError, match="dq_stage=1 must be a bool"):
+        spec.replace(dq_stage=1)
+
+
 @pytest.mark.parametrize(
     ("name", "words"),
     [

@@ -44,7 +44,7 @@ def _default_twin(spec):
     return spec.replace(
         tile_m=tile.tile_m, tile_n=tile.tile_n, stages=tile.stages, warps=tile.warps, overlap=False,
         dq_bulk=bool(space.default_extras("sm90", "bwd", spec.head_dim).get("dq_bulk")), dq_warp=False,
-        row_prefetch=False,
+        row_prefetch=False, dq_stage=False,
     )  # fmt: skip
 
 

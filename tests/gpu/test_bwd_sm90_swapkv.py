@@ -1,8 +1,9 @@
 """The sm90 backward at head dim 192 with dK/dV on WGMMA's M axis (templates/bwd_sm90_swapkv.py.j2:
 96 keys per CTA, 48 per consumer warpgroup, dQ split by head-dim columns) on a Hopper GPU.
 
-The committed variants (BWD_ALTERNATIVES: bf16, causal and not, per-thread dQ reductions and dq_bulk
-staged in the Q/dO stage) and their fp16 twins (compiled on first use) are called directly with the calling convention of cutefa/backward.py through
+The committed variants (BWD_ALTERNATIVES: bf16, causal and not, per-thread dQ reductions, dq_bulk
+staged in the Q/dO stage, and dq_bulk on FlashAttention-4's shared-memory budget (dq_stage: a
+2-stage Q ring, a 1-stage dO pipeline, one dS buffer, a dQ staging buffer of its own)) and their fp16 twins (compiled on first use) are called directly with the calling convention of cutefa/backward.py through
 tests/gpu/test_bwd_sm90.py's ``run_kernel`` (dq, dk, dv and every workspace poisoned with NaN, so an
 element the kernel does not write fails; grouped heads summed as backward.py does) and judged
 against float32 autograd of the exact attention with the tolerance of tests/gpu/test_bwd_sm80.py
@@ -10,7 +11,8 @@ against float32 autograd of the exact attention with the tolerance of tests/gpu/
 seqlens 1, 17, 1000, 4097, seqlen_q != seqlen_k both ways, GQA and MQA, and the partition's own
 edges: a key past consumer 0's 48 (49), one short of and one past a 96-key block (95, 97), a query
 past a 64-row block (65), causal diagonals that cross the consumers' key halves, long query loops
-over few key blocks (dq_bulk gives each Q/dO stage back one query block late), causal dq_bulk's
+over few key blocks (dq_bulk gives each Q/dO stage back one query block late; dq_stage refills
+dO's one stage and reuses the one dS buffer every query block), causal dq_bulk's
 launch order over several chunks of (batch, head) pairs, the last one partial. deterministic=1
 must be bitwise reproducible, also where each CTA walks several key blocks; the gradients must be
 close to the head-dim split's (the other hd192 backward); through backward.gradients
@@ -58,8 +60,9 @@ def target():
 
 
 def test_swapped_variants():
-    assert sorted((s.dtype, s.causal, s.dq_bulk) for s in SWAPPED) == sorted(
-        (t, c, b) for t in ("bf16", "fp16") for c in (False, True) for b in (False, True)
+    flags = ((False, False), (True, False), (True, True))  # (dq_bulk, dq_stage)
+    assert sorted((s.dtype, s.causal, s.dq_bulk, s.dq_stage) for s in SWAPPED) == sorted(
+        (t, c, b, st) for t in ("bf16", "fp16") for c in (False, True) for b, st in flags
     )
     for spec in SWAPPED:
         assert (spec.head_dim, spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (192, 64, 96, 2, 12)
@@ -91,6 +94,38 @@ def test_swapped_matches_head_split(gen, target, spec):
     for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
         assert torch.isfinite(a).all(), f"{spec.name} {name}"
         assert bwd80.rel(a, b) < 1e-2, f"{spec.name} {name} vs {twin.name}"
+
+
+STAGED = [s for s in SWAPPED if s.dq_stage]
+
+
+@pytest.mark.parametrize("spec", STAGED, ids=lambda s: s.name)
+def test_dq_stage_matches_in_stage_twin_bitwise(gen, target, spec):
+    """dq_stage changes where the fp32 dQ piece is staged and when the WGMMAs are waited for, not
+    what is computed: the same WGMMAs over the same operands and, with deterministic=1, the same bulk
+    adds in the same order per dq_accum element, so dq, dk and dv are bitwise those of the dq_bulk
+    twin that stages dQ in the Q/dO stage (also over long query loops: dO's one stage and the one dS
+    buffer reused every query block, and over several key blocks per CTA). deterministic=0: dK and
+    dV (no atomics) still bitwise, dQ close."""
+    from cutefa.compile import get_kernel
+
+    twin = spec.replace(dq_stage=False)
+    assert twin in SWAPPED and twin.dq_bulk, twin.name
+    kernel, twin_kernel = get_kernel(spec, target), get_kernel(twin, target)
+    # long query loops over few key blocks, a ragged edge, several key blocks per deterministic CTA
+    shapes = ((2, 1000, 777, 4, 2), (1, 4097, 200, 4, 2), (1, 65, 49, 2, 2), (2, 300, 2000, 16, 16))
+    for batch, sq, sk, hq, hkv in shapes:
+        q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, batch, sq, sk, hq, hkv)
+        where = f"{spec.name} b{batch} sq{sq} sk{sk} hq{hq} hkv{hkv}"
+        for det in (True, False):
+            mine = bwd90.run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=det)
+            ref = bwd90.run_kernel(twin_kernel, twin, q, k, v, out, lse, dout, deterministic=det)
+            for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
+                assert torch.isfinite(a).all(), f"{where} {name}"
+                if det or name != "dq":
+                    assert torch.equal(a, b), f"{where} deterministic={det}: {name} differs from {twin.name}"
+                else:
+                    assert bwd80.rel(a, b) < 1e-2, f"{where}: {name} vs {twin.name}"  # other add order
 
 
 @pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
