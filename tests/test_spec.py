@@ -57,16 +57,33 @@ def test_name_format():
     assert str(BASE.replace(causal=False)) == "cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4"
 
 
-def test_block_quant_name_token():
-    spec = VariantSpec("sm90", "fwd", "e4m3", 128, 128, 128, 2, 12, causal=True, overlap=True, pingpong=True)
-    block = spec.replace(block_quant=True)
-    assert block.name == "cutefa_sm90_fwd_e4m3_hd128_128x128_s2_w12_causal_ov_pp_blockq"
-    assert parse_name(block.name) == block and parse_name(spec.name) == spec
-    # the token comes after the schedule flags, like every flag in its fixed place
+@pytest.mark.parametrize(
+    "spec, flag, name, misordered",
+    [
+        (
+            VariantSpec("sm90", "fwd", "e4m3", 128, 128, 128, 2, 12, causal=True, overlap=True, pingpong=True),
+            "block_quant",
+            "cutefa_sm90_fwd_e4m3_hd128_128x128_s2_w12_causal_ov_pp_blockq",
+            "cutefa_sm90_fwd_e4m3_hd128_128x128_s2_w12_blockq_ov_pp",  # after the schedule flags
+        ),
+        (
+            VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12, causal=True, dq_bulk=True),
+            "dq_stage",
+            "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqbulk_dqs",
+            "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqs_dqbulk",  # after dq_bulk's token
+        ),
+    ],
+    ids=["block_quant", "dq_stage"],
+)
+def test_flag_name_token(spec, flag, name, misordered):
+    """A flag's token sits in its fixed place in the name, the name parses back, and a bool is required."""
+    flagged = spec.replace(**{flag: True})
+    assert flagged.name == name
+    assert parse_name(flagged.name) == flagged and parse_name(spec.name) == spec
     with pytest.raises(ValueError, match="in the order"):
-        parse_name("cutefa_sm90_fwd_e4m3_hd128_128x128_s2_w12_blockq_ov_pp")
-    with pytest.raises(TypeError, match="block_quant=1 must be a bool"):
-        spec.replace(block_quant=1)
+        parse_name(misordered)
+    with pytest.raises(TypeError, match=f"{flag}=1 must be a bool"):
+        spec.replace(**{flag: 1})
 
 
 def test_early_rescale_and_pair_cvt_name_tokens():
@@ -84,18 +101,6 @@ def test_early_rescale_and_pair_cvt_name_tokens():
         spec.replace(early_rescale=1)
     with pytest.raises(TypeError, match="pair_cvt=1 must be a bool"):
         spec.replace(pair_cvt=1)
-
-
-def test_dq_stage_name_token():
-    spec = VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12, causal=True, dq_bulk=True)
-    staged = spec.replace(dq_stage=True)
-    assert staged.name == "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqbulk_dqs"
-    assert parse_name(staged.name) == staged and parse_name(spec.name) == spec
-    # after dq_bulk's token, in its fixed place
-    with pytest.raises(ValueError, match="in the order"):
-        parse_name("cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqs_dqbulk")
-    with pytest.raises(TypeError, match="dq_stage=1 must be a bool"):
-        spec.replace(dq_stage=1)
 
 
 @pytest.mark.parametrize(
