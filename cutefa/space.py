@@ -1105,11 +1105,15 @@ SM90_BWD_SPLIT_HEAD_DIMS = (192, 256)
 # columns (96 each) over all 96 keys. tile_n = 96, tile_m = 64, P and dS through shared memory.
 SM90_BWD_SWAP_TILE_N = 96
 SM90_BWD_SWAP_HEAD_DIMS = (192,)
+# Head dim 192's default is the swapped partition on FlashAttention-4's shared-memory budget
+# (dq_bulk + dq_stage, DEFAULT_BWD_SWAP_FLAGS: +6-10% over the in-stage dq_bulk and ~1.6x the plain
+# head-dim split in bf16 on the H200, docs/perf-notes.md "hd192 on FA4's budget measured"); head
+# dim 256 keeps the head-dim split.
 DEFAULT_BWD_TILES["sm90"] = {
     64: Tile(128, 128, 2, 12),
     96: Tile(64, 128, 2, 12),
     128: Tile(64, 128, 2, 12),
-    192: Tile(64, 64, 2, 12),
+    192: Tile(64, SM90_BWD_SWAP_TILE_N, 2, 12),
     256: Tile(64, 64, 2, 12),
 }
 _TILE_GRID["sm90"] = (
@@ -1143,6 +1147,8 @@ _FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True})
 # 64, 96, 128): dq_bulk, FlashAttention-3's dQ path (measured +9-19% over per-thread reductions at
 # hd64/hd128 on the H200, docs/perf-notes.md "dq_bulk ... measured").
 DEFAULT_BWD_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"dq_bulk": True}}
+# Flags of the sm90 backward default where the default tile is the swapped partition (head dim 192).
+DEFAULT_BWD_SWAP_FLAGS: dict[str, bool] = {"dq_bulk": True, "dq_stage": True}
 
 # Backward alternatives committed next to the defaults (tile, extras), bf16 only (the dtype the
 # benchmark measures), so that one GPU run can time each beside the default; dispatch keeps the
@@ -1191,15 +1197,16 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
         # ring: each consumer stages its piece in the current Q/dO stage once both consumers' dV^T
         # and dK^T, which read all of Q and dO, are done; no extra shared memory).
         192: (
+            (Tile(64, 64, 2, 12), {}),  # the head-dim split, head dim 192's default before the swapped partition
             (Tile(64, 64, 2, 12), {"overlap": True}),
             (Tile(64, 64, 2, 12), {"dq_bulk": True}),
             (Tile(64, 64, 2, 12), {"overlap": True, "dq_bulk": True}),
             (Tile(64, 96, 2, 12), {}),
             (Tile(64, 96, 2, 12), {"dq_bulk": True}),
-            # FlashAttention-4's shared-memory budget for this tile (dq_stage): a 2-stage Q ring, a
-            # 1-stage dO pipeline, one dS buffer and a 48 KiB fp32 dQ staging buffer of its own
-            # (docs/perf-notes.md "hd192 backward on FA4's shared-memory budget").
-            (Tile(64, 96, 2, 12), {"dq_bulk": True, "dq_stage": True}),
+            # (the default, DEFAULT_BWD_SWAP_FLAGS: FlashAttention-4's shared-memory budget for this
+            # tile, dq_stage: a 2-stage Q ring, a 1-stage dO pipeline, one dS buffer and a 48 KiB
+            # fp32 dQ staging buffer of its own; docs/perf-notes.md "hd192 backward on FA4's
+            # shared-memory budget")
         ),
         256: (
             (Tile(64, 64, 2, 12), {"overlap": True}),
@@ -1612,6 +1619,8 @@ def default_extras(arch: str, direction: str, head_dim: int, dtype: str | None =
         tile = DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
         if tile is None or sm90_bwd_head_split(VariantSpec(arch, direction, "bf16", head_dim, *tile)):
             return {}
+        if sm90_bwd_swapped(VariantSpec(arch, direction, "bf16", head_dim, *tile)):
+            return dict(DEFAULT_BWD_SWAP_FLAGS)
         return dict(DEFAULT_BWD_FLAGS.get(arch, {}))
     extras: dict[str, object] = dict(DEFAULT_FLAGS.get(arch, {}))
     emu = DEFAULT_EXP_EMU.get(arch, {}).get(head_dim, 0)

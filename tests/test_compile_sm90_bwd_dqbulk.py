@@ -74,7 +74,9 @@ def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
     for spec in BULK:
         assert spec.name.endswith("_dqbulk")
         assert space.why_invalid(spec) is None, spec.name
-        tile = space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
+        # the default tile, or at head dims 192 and 256 the head-dim split's (192's default is the
+        # swapped partition, tests/test_compile_sm90_bwd_swapkv.py)
+        tile = (64, 64, 2, 12) if space.sm90_bwd_head_split(spec) else space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
         assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == tile
         if spec.dtype == "bf16" and spec.head_dim != 96:
             assert _twin(spec) in committed  # timed beside the variant it changes
@@ -83,6 +85,7 @@ def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
         assert backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal) == spec
     assert space.default_extras("sm90", "bwd", 128) == {"dq_bulk": True}
     assert space.default_extras("sm90", "bwd", 256) == {}  # the head-dim split
+    assert space.default_extras("sm90", "bwd", 192) == {"dq_bulk": True, "dq_stage": True}  # the swapped partition
 
 
 def test_predicate_counts_the_staging_buffers():

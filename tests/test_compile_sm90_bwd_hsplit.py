@@ -27,7 +27,7 @@ from cutefa import sass, space
 
 # (the dq_bulk twins have their own test: tests/test_compile_sm90_bwd_dqbulk.py)
 COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s) and not s.dq_bulk]
-SPLIT = [s for s in COMMITTED if not s.overlap]  # the dispatch defaults
+SPLIT = [s for s in COMMITTED if not s.overlap]  # the dispatch defaults at hd256; bf16 alternatives at hd192
 OVERLAP = [s for s in COMMITTED if s.overlap]  # BWD_ALTERNATIVES: bf16, both masks
 # fp16 and bf16 differ only in the operand type: both head dims, each with one dtype causal and the
 # other not; the overlap schedule at both head dims (one causal).
@@ -37,18 +37,21 @@ CHECKED = [s for s in SPLIT if (s.dtype == "bf16") == s.causal] + [
 
 
 def test_split_defaults():
-    """Dispatch's default backward tiles at head dims 192 and 256 are the split (64 x 64, 2 stages,
-    12 warps), fp16 and bf16, causal and not; backward.choose_bwd picks them on sm_90a."""
+    """Dispatch's default backward tile at head dim 256 is the split (64 x 64, 2 stages, 12 warps),
+    fp16 and bf16, causal and not, and backward.choose_bwd picks it on sm_90a; at head dim 192 the
+    split stays committed beside the swapped default (bf16, both masks)."""
     import torch
 
     from cutefa import backward
 
-    assert sorted({s.head_dim for s in SPLIT}) == [192, 256]
-    assert len(SPLIT) == 2 * 2 * 2
+    defaults = [s for s in SPLIT if s.head_dim == 256]
+    assert sorted((s.dtype, s.causal) for s in defaults) == [(dt, c) for dt in ("bf16", "fp16") for c in (False, True)]
+    assert sorted((s.dtype, s.causal) for s in SPLIT if s.head_dim == 192) == [("bf16", False), ("bf16", True)]
     for spec in SPLIT:
         assert space.why_invalid(spec) is None, spec.name
         assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (64, 64, 2, 12)
-        assert space.DEFAULT_BWD_TILES["sm90"][spec.head_dim] == (64, 64, 2, 12)
+    assert space.DEFAULT_BWD_TILES["sm90"][256] == (64, 64, 2, 12)
+    for spec in defaults:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
         assert backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal) == spec
     # the sm80 family still serves these head dims below Hopper

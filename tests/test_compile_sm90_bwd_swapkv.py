@@ -38,9 +38,10 @@ CHECKED += [s.replace(dtype="fp16") for s in COMMITTED if not s.causal and not s
 CHECKED += [s for s in COMMITTED if s.dq_bulk]  # non-causal and causal (its own launch order), with and without dq_stage
 
 
-def test_swapped_variants_committed_not_dispatched():
-    """bf16, causal and not, 64 x 96, 2 stages, 12 warps, no dq_bulk; rendered by their own template;
-    dispatch keeps the head-dim split until a tuned table says otherwise."""
+def test_swapped_variants_committed_and_the_staged_one_dispatched():
+    """64 x 96, 2 stages, 12 warps, causal and not, rendered by their own template: bf16 with per-thread
+    dQ reductions, dq_bulk in the Q/dO stage, and dq_bulk on FlashAttention-4's budget (dq_stage), the
+    last also in fp16: it is head dim 192's default, which dispatch picks without a tuned entry."""
     import torch
 
     from cutefa import backward
@@ -52,13 +53,17 @@ def test_swapped_variants_committed_not_dispatched():
         "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqbulk_dqs",
         "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_dqbulk",
         "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_dqbulk_dqs",
+        "cutefa_sm90_bwd_fp16_hd192_64x96_s2_w12_causal_dqbulk_dqs",
+        "cutefa_sm90_bwd_fp16_hd192_64x96_s2_w12_dqbulk_dqs",
     ]
     for spec in COMMITTED + CHECKED:
         assert space.why_invalid(spec) is None, spec.name
         assert codegen.template_name(spec) == "bwd_sm90_swapkv.py.j2"
         assert not space.sm90_bwd_head_split(spec)
-    for causal in (False, True):
-        assert not space.sm90_bwd_swapped(backward.choose_bwd("sm_90a", torch.bfloat16, 192, causal))
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal in (False, True):
+            chosen = backward.choose_bwd("sm_90a", dtype, 192, causal)
+            assert space.sm90_bwd_swapped(chosen) and chosen.dq_bulk and chosen.dq_stage, chosen.name
 
 
 def test_swapped_validity():

@@ -185,10 +185,11 @@ def test_sm90_bwd_head_split():
     assert space.sm90_bwd_head_split(split)
     assert not space.sm90_bwd_head_split(split.replace(head_dim=128, tile_n=128))
     assert not space.sm90_bwd_head_split(split.replace(arch="sm80", warps=8))
+    assert space.DEFAULT_BWD_TILES["sm90"][256] == space.Tile(64, 64, 2, 12)
+    assert space.DEFAULT_BWD_TILES["sm90"][192] == space.Tile(64, 96, 2, 12)  # the swapped partition
     for head_dim in (192, 256):
         spec = split.replace(head_dim=head_dim)
         assert space.why_invalid(spec) is None, spec.name
-        assert space.DEFAULT_BWD_TILES["sm90"][head_dim] == space.Tile(64, 64, 2, 12)
         half = head_dim // 2
         assert space.sm90_bwd_dq_pieces(spec) == ((0, 0, half), (0, half, half))
         # dK + dV (64 keys x d/2, fp32 over 128 threads) beside the larger of S^T/dP^T (+ 16-bit
