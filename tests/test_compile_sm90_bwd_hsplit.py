@@ -1,5 +1,6 @@
 """sm90 backward at head dims 192 and 256 (the head-dim split, templates/bwd_sm90_hsplit.py.j2) on
-this CPU: the default variants compile for sm_90a and their SASS shows the design: WGMMA (HGMMA)
+this CPU: the committed variants (head dim 256's defaults, head dim 192's bf16 alternatives beside
+its swapped default) compile for sm_90a and their SASS shows the design: WGMMA (HGMMA)
 64 x tile_m/2 for S^T and dP^T (each consumer its half of the queries) and 64 x d/2 for dV, dK and
 dQ (each consumer its half of the head dim), TMA loads (UTMALDG) of K, V, Q and dO, setmaxnreg
 (USETMAXREG), MUFU.EX2, 8-byte fp32 vector reductions into the dQ accumulator, WGMMAs left
