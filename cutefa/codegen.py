@@ -23,6 +23,7 @@ from cutefa.space import (
     sm90_bwd_head_split,
     sm90_bwd_swapped,
     sm90_fp8_consumer_regs,
+    sm90_fp8_producer_regs,
     smem_bytes,
     why_invalid,
     why_no_kernel,
@@ -58,6 +59,7 @@ def derived(spec: VariantSpec) -> dict[str, object]:
     values: dict[str, object] = {"threads": spec.threads, "smem_bytes": smem_bytes(spec)}
     if (spec.arch, spec.direction, spec.dtype) == ("sm90", "fwd", "e4m3"):
         values["consumer_regs"] = sm90_fp8_consumer_regs(spec)
+        values["producer_regs"] = sm90_fp8_producer_regs(spec)
     if (spec.arch, spec.direction) == ("sm90", "bwd"):
         values["dq_pieces"] = sm90_bwd_dq_pieces(spec)
         values["dq_alias"] = sm90_bwd_dq_bulk_aliases(spec)

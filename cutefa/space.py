@@ -75,6 +75,13 @@ def sm90_fp8_consumer_regs(spec: VariantSpec) -> int:
     if spec.hoist_vt and not spec.wide_vt and _sm90_registers(spec) > SM90_FP8_CONSUMER_REGS:
         return SM90_FP8_CONSUMER_REGS_HOISTED
     return SM90_FP8_CONSUMER_REGS
+
+
+def sm90_fp8_producer_regs(spec: VariantSpec) -> int:
+    """The producer warpgroup's setmaxnreg budget of an sm90 fp8 forward: what the CTA's launch
+    allocation (168 x 384) leaves beside the two consumer warpgroups' :func:`sm90_fp8_consumer_regs`
+    (40 beside 232, 24 beside 240)."""
+    return (168 * 384 - 2 * 128 * sm90_fp8_consumer_regs(spec)) // 128
 SM90_FP8_MMA_K = 32  # k of an fp8 WGMMA: P V steps over keys 32 at a time
 SM90_FP8_TRANSPOSE_THREADS = 128  # the producer warpgroup that transposes V (fp8.WG_THREADS)
 

@@ -32,9 +32,8 @@ CHECKED = [
 def _budgets(spec) -> list[int]:
     """The setmaxnreg budgets (producer, consumers) of an fp8 forward: 40 and 232, or 24 and 240
     where the tile needs the registers and the hoisted 32-bit transpose lets the producer give
-    them up (space.sm90_fp8_consumer_regs)."""
-    consumers = space.sm90_fp8_consumer_regs(spec)
-    return [40 if consumers == space.SM90_FP8_CONSUMER_REGS else 24, consumers]
+    them up (space.sm90_fp8_producer_regs, space.sm90_fp8_consumer_regs)."""
+    return [space.sm90_fp8_producer_regs(spec), space.sm90_fp8_consumer_regs(spec)]
 
 
 def _assert_split_fits(report, spec):

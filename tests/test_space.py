@@ -678,5 +678,7 @@ def test_sm90_fp8_consumer_registers():
     assert space.est_registers(long) > 232 and space.sm90_fp8_consumer_regs(long) == 240
     assert long in space.fp8_alternative_specs("sm90") and space.why_invalid(long) is None
     assert space.sm90_fp8_consumer_regs(long.replace(hoist_vt=False)) == 232  # the per-word transpose keeps 40
+    assert space.sm90_fp8_producer_regs(long) == 24 and space.sm90_fp8_producer_regs(long.replace(hoist_vt=False)) == 40
+    assert all(space.sm90_fp8_producer_regs(s) == 40 for s in defaults)
     assert "would spill registers" in space.why_invalid(long.replace(hoist_vt=False))
     assert "would spill registers" in space.why_invalid(long.replace(tile_n=128))  # 256 > 240
