@@ -1624,9 +1624,12 @@ def default_extras(arch: str, direction: str, head_dim: int, dtype: str | None =
     default tile is not the head-dim split. Dispatch's heuristics use the same."""
     if direction != "fwd":
         tile = DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
-        if tile is None or sm90_bwd_head_split(VariantSpec(arch, direction, "bf16", head_dim, *tile)):
+        if tile is None:
             return {}
-        if sm90_bwd_swapped(VariantSpec(arch, direction, "bf16", head_dim, *tile)):
+        default = VariantSpec(arch, direction, "bf16", head_dim, *tile)
+        if sm90_bwd_head_split(default):
+            return {}
+        if sm90_bwd_swapped(default):
             return dict(DEFAULT_BWD_SWAP_FLAGS)
         return dict(DEFAULT_BWD_FLAGS.get(arch, {}))
     extras: dict[str, object] = dict(DEFAULT_FLAGS.get(arch, {}))
