@@ -1,9 +1,10 @@
 """The sm90 backward at head dim 192 with dK/dV on WGMMA's M axis (templates/bwd_sm90_swapkv.py.j2:
 96 keys per CTA, 48 per consumer warpgroup, dQ split by head-dim columns) on a Hopper GPU.
 
-The committed variants (BWD_ALTERNATIVES: bf16, causal and not, per-thread dQ reductions, dq_bulk
-staged in the Q/dO stage, and dq_bulk on FlashAttention-4's shared-memory budget (dq_stage: a
-2-stage Q ring, a 1-stage dO pipeline, one dS buffer, a dQ staging buffer of its own)) and their fp16 twins (compiled on first use) are called directly with the calling convention of cutefa/backward.py through
+The committed variants (head dim 192's default for both dtypes: dq_bulk on FlashAttention-4's
+shared-memory budget (dq_stage: a 2-stage Q ring, a 1-stage dO pipeline, one dS buffer, a dQ
+staging buffer of its own); BWD_ALTERNATIVES, bf16: per-thread dQ reductions and dq_bulk staged in
+the Q/dO stage) and the fp16 twins of the alternatives (compiled on first use) are called directly with the calling convention of cutefa/backward.py through
 tests/gpu/test_bwd_sm90.py's ``run_kernel`` (dq, dk, dv and every workspace poisoned with NaN, so an
 element the kernel does not write fails; grouped heads summed as backward.py does) and judged
 against float32 autograd of the exact attention with the tolerance of tests/gpu/test_bwd_sm80.py
@@ -15,7 +16,7 @@ over few key blocks (dq_bulk gives each Q/dO stage back one query block late; dq
 dO's one stage and reuses the one dS buffer every query block), causal dq_bulk's
 launch order over several chunks of (batch, head) pairs, the last one partial. deterministic=1
 must be bitwise reproducible, also where each CTA walks several key blocks; the gradients must be
-close to the head-dim split's (the other hd192 backward); through backward.gradients
+close to the head-dim split's (the other hd192 partition; fp16's compiled on first use); through backward.gradients
 with the variant forced the host allocates the (dq_bulk: tiled) workspace.
 
 Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_sm90_swapkv.py``.
@@ -39,7 +40,8 @@ bwd90 = _load("test_bwd_sm90")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
 COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_swapped(s)]
-SWAPPED = COMMITTED + [s.replace(dtype="fp16") for s in COMMITTED]
+# the committed ones (bf16 alternatives, the fp16/bf16 defaults) and the fp16 twins of the rest
+SWAPPED = COMMITTED + [t for t in (s.replace(dtype="fp16") for s in COMMITTED) if t not in COMMITTED]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 SHAPES = bwd90.COMMON_SHAPES + (
     (1, 65, 49, 2, 2),  # one query past a 64-row block, one key past consumer 0's 48
@@ -81,13 +83,19 @@ def test_swapped_deterministic(gen, target, spec):
     bwd90.check_deterministic_split(spec, target, gen)
 
 
+def _head_split_twin(spec):
+    """The head-dim split (64 keys per CTA, each consumer half of the head dim) of spec's dtype and
+    mask: bf16's is committed, fp16's compiles on first use."""
+    return spec.replace(tile_n=64, dq_bulk=False, dq_stage=False)
+
+
 @pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
 def test_swapped_matches_head_split(gen, target, spec):
     """The same gradients as the head-dim split (another partition: close, not bitwise)."""
     from cutefa.compile import get_kernel
 
-    twin = bwd90._default_twin(spec)
-    assert space.sm90_bwd_head_split(twin), twin.name
+    twin = _head_split_twin(spec)
+    assert space.sm90_bwd_head_split(twin) and space.why_invalid(twin) is None, twin.name
     q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, 2, 1000, 777, 4, 2)
     mine = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
     ref = bwd90.run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
