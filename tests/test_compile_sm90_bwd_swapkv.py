@@ -297,7 +297,7 @@ def test_swap_dkv_store_fragment_order(tmp_path):
 _HEAVY_FIRST_CHECK = """
 import cutlass, cutlass.cute as cute
 from cutlass import Int32
-from cutefa.kernels.sm90 import bwd_swap
+from cutefa.kernels.sm90 import bwd_parts
 
 cases = []
 
@@ -315,7 +315,7 @@ def check(n_blocks: cutlass.Constexpr, heads: cutlass.Constexpr, batches: cutlas
         for h in cutlass.range_constexpr(heads):
             for x in cutlass.range_constexpr(n_blocks):
                 grid = (Int32(n_blocks), Int32(heads), Int32(batches))
-                n, hh, bb = bwd_swap.heavy_first(Int32(x), Int32(h), Int32(b), *grid, wave)
+                n, hh, bb = bwd_parts.heavy_first(Int32(x), Int32(h), Int32(b), *grid, wave)
                 got.append((_int(n), _int(hh), _int(bb)))
     cases.append(((n_blocks, heads, batches, wave), got))
 

@@ -68,7 +68,7 @@ its loop, and it waits for its last copies to complete before the CTA exits. The
 no bulk-group wait: the one before their per-block barrier is gone.
 
 Launch order (deterministic=0): CTA (x, y, z) of the grid takes the key block, head and batch of
-bwd_swap.heavy_first: chunks of about one wave of (batch, head) pairs, within a chunk every pair's
+bwd_parts.heavy_first: chunks of about one wave of (batch, head) pairs, within a chunk every pair's
 key block 0 first (the one that walks the most query blocks), then block 1, ...; the grid ends on
 short CTAs.
 
@@ -86,7 +86,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
-from cutefa.kernels.sm90 import bwd_parts, bwd_swap, parts
+from cutefa.kernels.sm90 import bwd_parts, parts
 
 SPEC_NAME = "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_causal_dqbulk_dqw"
 DTYPE = cutlass.BFloat16
@@ -100,7 +100,6 @@ CONSUMER_THREADS = CONSUMERS * parts.WG_THREADS
 CAUSAL = True
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-WAVE_CTAS = 132  # CTAs per wave on an H100/H200 SXM (one per SM): the causal launch order's chunk (a hint only)
 # dQ (TILE_M x HEAD_DIM) of a query block split between the consumers: (64-row block, first
 # column, columns) of consumer 0 and of consumer 1 (column splits at swizzle-atom boundaries of K).
 DQ_PIECES = ((0, 0, 64), (0, 64, 64))
@@ -308,12 +307,7 @@ class Kernel:
         Storage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        grid_x, n_heads, n_batch = cute.arch.grid_dim()
-        if deterministic == 0:
-            # one key block per CTA: the longest CTAs (first key blocks) of a wave of (batch, head)
-            # pairs launch first, the grid ends on short ones
-            bx, head, batch = bwd_swap.heavy_first(bx, head, batch, grid_x, n_heads, n_batch, WAVE_CTAS)
+        bx, head, batch, grid_x = bwd_parts.causal_launch_coords(deterministic)
         head_kv = head // group
         wg = cute.arch.make_warp_uniform(tidx // parts.WG_THREADS)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())

@@ -69,7 +69,7 @@ query block (consumer 0's piece, then consumer 1's), read back by the same postp
 (bwd_parts.bulk_dq_coords).
 
 Launch order (deterministic=0): CTA (x, y, z) of the grid takes the key block, head and batch of
-bwd_swap.heavy_first: chunks of about one wave of (batch, head) pairs, within a chunk every pair's
+bwd_parts.heavy_first: chunks of about one wave of (batch, head) pairs, within a chunk every pair's
 key block 0 first (the one that walks the most query blocks), then block 1, ...; the grid ends on
 short CTAs.
 
@@ -108,7 +108,6 @@ CONSUMER_REGS = 240
 DQ_PIECES = ((0, 0, 96), (0, 96, 96))
 DQ_OFFSETS = bwd_parts.bulk_piece_offsets(DQ_PIECES)
 DQ_PIECE_WORDS = parts.WG_ROWS * DQ_COLS  # one consumer's fp32 dQ piece in its staging buffer
-WAVE_CTAS = 132  # CTAs per wave on an H100/H200 SXM (one per SM): the causal launch order's chunk (a hint only)
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
 WG_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
 # Preprocess and postprocess: one warp per query row, ROW_WARPS warps per CTA, ROWS_PER_WARP rows each.
@@ -316,12 +315,7 @@ class Kernel:
         Storage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        grid_x, n_heads, n_batch = cute.arch.grid_dim()
-        if deterministic == 0:
-            # one key block per CTA: the longest CTAs (first key blocks) of a wave of (batch, head)
-            # pairs launch first, the grid ends on short ones
-            bx, head, batch = bwd_swap.heavy_first(bx, head, batch, grid_x, n_heads, n_batch, WAVE_CTAS)
+        bx, head, batch, grid_x = bwd_parts.causal_launch_coords(deterministic)
         head_kv = head // group
         wg = cute.arch.make_warp_uniform(tidx // parts.WG_THREADS)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())

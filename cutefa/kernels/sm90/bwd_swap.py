@@ -181,31 +181,3 @@ def release_stage_after_bulk(
     if wtid == 0:
         bulk_wait(deterministic)
     pipe.consumer_release(pipeline.PipelineState(stages, Int32(0), index, Int32(0)))
-
-
-@cute.jit
-def heavy_first(
-    bx: Int32,
-    head: Int32,
-    batch: Int32,
-    n_blocks: Int32,
-    heads: Int32,
-    batches: Int32,
-    wave: cutlass.Constexpr,
-):
-    """Causal launch order (one key block per CTA): (n_block, head, batch) of the CTA with grid
-    coordinates (bx, head, batch), grid (n_blocks, heads, batches), so that the CTAs, in launch
-    order, go through chunks of g = max(wave // n_blocks, 1) (batch, head) pairs (about one wave of
-    ``wave`` CTAs) and within a chunk by key block, all pairs' block 0 first: with the bottom-right
-    diagonal key block n sees the fewest query blocks for the largest n, so each chunk starts its
-    longest CTAs first and the grid ends on short ones (the grid's own order, key blocks fastest,
-    leaves a long CTA of each pair for the last wave). A bijection of [0, n_blocks * heads * batches)."""
-    pairs = heads * batches
-    g = cutlass.max(Int32(wave) // n_blocks, Int32(1))
-    linear = bx + n_blocks * (head + heads * batch)
-    chunk = linear // (g * n_blocks)
-    within = linear - chunk * g * n_blocks
-    size = cutlass.min(g, pairs - chunk * g)
-    n_block = within // size
-    pair = chunk * g + within - n_block * size
-    return n_block, pair % heads, pair // heads
