@@ -1,10 +1,11 @@
 """What the GPU test files share: loading a sibling test module by name (its helpers and its
-parametrization lists), and the reason a Hopper-only file skips."""
+parametrization lists), and the reasons a file skips on a GPU it does not target."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,10 +22,31 @@ def load_sibling(name: str):
     return sys.modules[key]
 
 
-def hopper_skip_reason() -> str | None:
-    """Why a test that needs a Hopper GPU (sm_90a) cannot run here, or None."""
+def _capability_skip_reason(runs_on: Callable[[tuple[int, int]], bool], needs: str) -> str | None:
+    """Why a test cannot run here, or None: no CUDA GPU, or one whose compute capability
+    ``runs_on`` refuses (then ``needs``, with that capability in place of its ``{}``)."""
     if not torch.cuda.is_available():
         return "needs a CUDA GPU: torch.cuda.is_available() is False"
-    if torch.cuda.get_device_capability()[0] != 9:
-        return f"needs a Hopper GPU (sm_90a), this GPU is {torch.cuda.get_device_capability()}"
+    capability = torch.cuda.get_device_capability()
+    if not runs_on(capability):
+        return needs.format(capability)
     return None
+
+
+def hopper_skip_reason() -> str | None:
+    """Why a test that needs a Hopper GPU (sm_90a) cannot run here, or None."""
+    return _capability_skip_reason(lambda cc: cc[0] == 9, "needs a Hopper GPU (sm_90a), this GPU is {}")
+
+
+def sm80_skip_reason() -> str | None:
+    """Why a test that needs an sm80-family GPU (compute capability 8.0 or newer) cannot run here,
+    or None."""
+    return _capability_skip_reason(lambda cc: cc >= (8, 0), "needs compute capability >= 8.0, this GPU is {}")
+
+
+def sm90_kernel_skip_reason(kernel: str) -> str | None:
+    """Why a test of ``kernel`` (for example "fp8 forward"), an sm90-only kernel, cannot run here
+    (on anything but a compute capability 9.0 GPU), or None."""
+    return _capability_skip_reason(
+        lambda cc: cc == (9, 0), f"the {kernel} is an sm90 (Hopper) kernel; this GPU is {{}}"
+    )

@@ -13,17 +13,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_support import load_sibling as _load
+from gpu_support import sm80_skip_reason as _skip_reason
 
 import cutefa
-
-
-def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU: torch.cuda.is_available() is False"
-    if torch.cuda.get_device_capability() < (8, 0):
-        return f"needs compute capability >= 8.0, this GPU is {torch.cuda.get_device_capability()}"
-    return None
-
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
@@ -219,20 +212,6 @@ def test_training_loop_matches_sdpa():
     assert losses[True][-1] < losses[True][0]
 
 
-def _load_reference():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "cutefa_tests_reference"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("reference.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 # Every committed sm80 backward variant (the defaults and the tuning alternatives: dispatch runs only
 # the defaults), called directly. (batch, seqlen_q, seqlen_k, heads_q, heads_kv): partial tiles on
 # both sides, one query row, one key, more query blocks than two (a double-buffered Q alternates
@@ -252,7 +231,7 @@ def _variant_inputs(gen, spec, batch, seqlen_q, seqlen_k, heads_q, heads_kv):
     dt = DTYPES[spec.dtype]
     q, k, v, dout = random_inputs(gen, dt, spec.head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv)
     with torch.no_grad():
-        out, lse = _load_reference().attention_ref(
+        out, lse = _load("reference").attention_ref(
             q, k, v, causal=spec.causal, softmax_scale=1.0 / math.sqrt(spec.head_dim)
         )
     return q, k, v, dout, out.to(dt), lse

@@ -229,11 +229,10 @@ def test_alternative_matches_default_bitwise(gen, target, spec):
     half = spec.head_dim // 2
     for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
         assert torch.isfinite(a).all(), f"{spec.name} {name}"
-        if space.sm90_bwd_swapped(spec) != space.sm90_bwd_swapped(twin):  # another partition (64 or 96 keys per CTA): other sums
-            assert bwd80.rel(a, b) < 1e-2, f"{spec.name} {name} vs {twin.name}"
-        elif space.sm90_bwd_swapped(spec):  # the swapped partition's other dQ paths (dq_stage's bitwise twin test: test_bwd_sm90_swapkv.py)
-            assert bwd80.rel(a, b) < 1e-2, f"{spec.name} {name} vs {twin.name}"
-        elif space.sm90_bwd_dq_swapped(spec):  # 80 query rows per step, dQ transposed: other sums
+        # Other sums, so close rather than bitwise: the hd192 partitions against each other (64 or 96
+        # keys per CTA) and the swapped one's other dQ paths (dq_stage's bitwise twin test is in
+        # test_bwd_sm90_swapkv.py); 80 query rows per step with dQ transposed.
+        if space.sm90_bwd_swapped(spec) or space.sm90_bwd_swapped(twin) or space.sm90_bwd_dq_swapped(spec):
             assert bwd80.rel(a, b) < 1e-2, f"{spec.name} {name} vs {twin.name}"
         elif reordered and name != "dq":  # consumer 1's columns: its own queries first, then consumer 0's
             assert torch.equal(a[..., :half], b[..., :half]), f"{spec.name} {name} differs from {twin.name}"

@@ -24,6 +24,7 @@ import math
 import pytest
 import torch
 from gpu_support import load_sibling as _load
+from gpu_support import sm90_kernel_skip_reason
 
 import cutefa
 from cutefa import fp8, space
@@ -32,11 +33,7 @@ ref = _load("reference")
 
 
 def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU: torch.cuda.is_available() is False"
-    if torch.cuda.get_device_capability() != (9, 0):
-        return f"the fp8 forward is an sm90 (Hopper) kernel; this GPU is {torch.cuda.get_device_capability()}"
-    return None
+    return sm90_kernel_skip_reason("fp8 forward")
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
@@ -87,9 +84,16 @@ def kv_head_descales(descales, batch, heads_kv):
 def emulate(fp8s, descales, *, causal, scale):
     """What the kernel computes, in float32 torch: dequantized inputs, P rounded to e4m3 (times
     2^8) against the final row max, unrounded row sums. Returns (out, lse)."""
+    q, k, v = (fp8.dequantize_fp8(x, d) for x, d in zip(fp8s, descales))
+    return emulate_dequantized(q, k, v, causal=causal, scale=scale)
+
+
+def emulate_dequantized(q, k, v, *, causal, scale, p_ratio=None):
+    """:func:`emulate` from the dequantized q, k and v. P is rounded to e4m3 as P * r * 2^8, where r
+    is 1 or, given ``p_ratio`` (batch, heads_kv, seqlen_k), its value for the key (the block
+    kernels' ratio of v's block descale to its largest). Returns (out, lse)."""
     from cutefa.kernels.sm90.fp8 import P_OFFSET_LOG2  # the kernel's shift of P (imports the DSL)
 
-    q, k, v = (fp8.dequantize_fp8(x, d) for x, d in zip(fp8s, descales))
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
     out = torch.zeros(batch, seqlen_q, heads_q, head_dim, device=q.device)
@@ -105,7 +109,10 @@ def emulate(fp8s, descales, *, causal, scale):
         empty = torch.isneginf(m)
         m = torch.where(empty, torch.zeros_like(m), m)
         p = torch.exp(s - m[:, None])
-        p_q = (p * 2.0**P_OFFSET_LOG2).to(torch.float8_e4m3fn).float() / 2.0**P_OFFSET_LOG2
+        shift = 2.0**P_OFFSET_LOG2
+        if p_ratio is not None:
+            shift = p_ratio[blk.batch, blk.head_kv][None, :] * shift
+        p_q = (p * shift).to(torch.float8_e4m3fn).float() / shift
         denom = p.sum(dim=-1)
         o = (p_q @ v[blk.batch, :, blk.head_kv]) / torch.where(empty, torch.ones_like(denom), denom)[:, None]
         out[blk.batch, blk.row0 : blk.row1, blk.head_q] = torch.where(empty[:, None], torch.zeros_like(o), o)
@@ -115,7 +122,10 @@ def emulate(fp8s, descales, *, causal, scale):
     return out, lse
 
 
-def check(out, lse, exact, exact_lse, emul, emul_lse, *, what):
+def check_out(out, lse, exact, emul, *, what):
+    """out and lse hold no NaN (every element written), and out's relative L2 error against
+    ``exact`` is at most EMULATION_FACTOR times the emulation's plus EMULATION_FLOOR, the
+    emulation's own at most EMULATION_MAX_ERROR."""
     assert not torch.isnan(out).any(), f"{what}: NaN in out (an element was not written)"
     assert not torch.isnan(lse).any(), f"{what}: NaN in lse"
     err = ref.rel_l2(out.float(), exact)
@@ -123,6 +133,12 @@ def check(out, lse, exact, exact_lse, emul, emul_lse, *, what):
     assert err_emul <= EMULATION_MAX_ERROR, f"{what}: the e4m3 emulation itself is off by {err_emul:.4f}"
     bound = EMULATION_FACTOR * err_emul + EMULATION_FLOOR
     assert err <= bound, f"{what}: rel L2 {err:.4f} > {bound:.4f} (emulation {err_emul:.4f})"
+
+
+def check(out, lse, exact, exact_lse, emul, emul_lse, *, what):
+    """:func:`check_out`, and lse finite where the emulation's is (whose own is finite where the
+    reference's is), and there within LSE_TOL of the emulation's."""
+    check_out(out, lse, exact, emul, what=what)
     finite = torch.isfinite(emul_lse)
     assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse finite where the reference is not"
     lse_err = ref.max_abs(lse[finite], emul_lse[finite])

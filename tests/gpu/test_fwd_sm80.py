@@ -11,36 +11,16 @@ once and then reused by every shape.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from gpu_support import load_sibling as _load
+from gpu_support import sm80_skip_reason as _skip_reason
 
 import cutefa
 
-
-def _load_reference():
-    name = "cutefa_tests_reference"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("reference.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-ref = _load_reference()
-
-
-def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU: torch.cuda.is_available() is False"
-    if torch.cuda.get_device_capability() < (8, 0):
-        return f"needs compute capability >= 8.0, this GPU is {torch.cuda.get_device_capability()}"
-    return None
+ref = _load("reference")
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]

@@ -14,18 +14,10 @@ import contextlib
 
 import pytest
 import torch
+from gpu_support import sm80_skip_reason as _skip_reason
 
 import cutefa
 from cutefa import compile as cc
-
-
-def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU: torch.cuda.is_available() is False"
-    if torch.cuda.get_device_capability() < (8, 0):
-        return f"needs compute capability >= 8.0, this GPU is {torch.cuda.get_device_capability()}"
-    return None
-
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
