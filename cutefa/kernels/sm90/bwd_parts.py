@@ -660,29 +660,17 @@ def dq_writer_block(
 
 
 @cute.jit
-def bulk_postprocess_piece(
-    mma: cute.TiledMma,
-    mdQaccum: cute.Tensor,
-    sdQ: cute.Tensor,
-    scale: Float32,
-    batch: Int32,
-    head: Int32,
-    m_block: Int32,
-    thread: Int32,
-    row_block: cutlass.Constexpr,
-    col0: cutlass.Constexpr,
-    cols: cutlass.Constexpr,
-    offset: cutlass.Constexpr,
-    dtype: cutlass.Constexpr,
-):
-    """dQ of one consumer's piece of query block ``m_block`` from the dq_bulk workspace (splits,
-    batch, heads, blocks, tile_m * head_dim) into ``sdQ`` (the block's tile_m x head_dim tile in
-    shared memory, rows padded by :data:`POST_ROW_PAD`): thread ``thread`` (of 128) reads its
-    fragment's values 16 bytes at a time (coalesced over the threads; every load of a split issued
-    before its adds), sums the splits in order, scales and converts. All rows, padded ones too
-    (:func:`store_dq_tile` guards the rows when it writes dQ)."""
-    coords = bulk_dq_coords(mma, thread, cols)
-    vecs = cols // 2 // BULK_VEC  # cols / 2 values per thread, BULK_VEC per 16-byte load
+def _bulk_postprocess(
+    coords: cute.Tensor, transposed: cutlass.Constexpr, mdQaccum: cute.Tensor, sdQ: cute.Tensor,
+    scale: Float32, batch: Int32, head: Int32, m_block: Int32, thread: Int32, row0: cutlass.Constexpr,
+    col0: cutlass.Constexpr, offset: cutlass.Constexpr, dtype: cutlass.Constexpr,
+):  # fmt: skip
+    """The body of :func:`bulk_postprocess_piece` and :func:`bulk_postprocess_transposed_piece`:
+    thread ``thread``'s values of the piece at word ``offset`` of query block ``m_block``'s chunk,
+    read 16 bytes at a time, the splits summed in order, scaled, converted and each written to
+    ``sdQ[row0 + row, col0 + col]``, where ``coords`` holds the tile-local (row, col) of each value
+    in fragment order, or with ``transposed`` its (col, row)."""
+    vecs = cute.size(coords) // BULK_VEC  # BULK_VEC values per 16-byte load
     acc = cute.make_rmem_tensor((BULK_VEC, vecs), Float32)
     part = cute.make_rmem_tensor((BULK_VEC,), Float32)
     splits = cute.size(mdQaccum, mode=[0])
@@ -701,7 +689,27 @@ def bulk_postprocess_piece(
     for j in cutlass.range_constexpr(vecs):
         for e in cutlass.range_constexpr(BULK_VEC):
             row, col = coords[BULK_VEC * j + e]
-            sdQ[row_block * WG_ROWS + row, col0 + col] = dtype(acc[e, j] * scale)
+            if cutlass.const_expr(transposed):
+                row, col = col, row
+            sdQ[row0 + row, col0 + col] = dtype(acc[e, j] * scale)
+
+
+@cute.jit
+def bulk_postprocess_piece(
+    mma: cute.TiledMma, mdQaccum: cute.Tensor, sdQ: cute.Tensor, scale: Float32, batch: Int32, head: Int32,
+    m_block: Int32, thread: Int32, row_block: cutlass.Constexpr, col0: cutlass.Constexpr,
+    cols: cutlass.Constexpr, offset: cutlass.Constexpr, dtype: cutlass.Constexpr,
+):  # fmt: skip
+    """dQ of one consumer's piece of query block ``m_block`` from the dq_bulk workspace (splits,
+    batch, heads, blocks, tile_m * head_dim) into ``sdQ`` (the block's tile_m x head_dim tile in
+    shared memory, rows padded by :data:`POST_ROW_PAD`): thread ``thread`` (of 128) reads its
+    fragment's values 16 bytes at a time (coalesced over the threads; every load of a split issued
+    before its adds), sums the splits in order, scales and converts. All rows, padded ones too
+    (:func:`store_dq_tile` guards the rows when it writes dQ)."""
+    _bulk_postprocess(
+        bulk_dq_coords(mma, thread, cols), False, mdQaccum, sdQ, scale, batch, head, m_block, thread,
+        row_block * WG_ROWS, col0, offset, dtype,
+    )  # fmt: skip
 
 
 # --- Transposed dQ (tile_m = 80, FlashAttention-4's non-causal hd128 tile; space.sm90_bwd_dq_swapped) ---
@@ -759,41 +767,16 @@ def bulk_dq_transposed_coords(mma, thread, cols: int, tile_m: int) -> cute.Tenso
 
 @cute.jit
 def bulk_postprocess_transposed_piece(
-    mma: cute.TiledMma,
-    mdQaccum: cute.Tensor,
-    sdQ: cute.Tensor,
-    scale: Float32,
-    batch: Int32,
-    head: Int32,
-    m_block: Int32,
-    thread: Int32,
-    col0: cutlass.Constexpr,
-    cols: cutlass.Constexpr,
-    tile_m: cutlass.Constexpr,
-    offset: cutlass.Constexpr,
-    dtype: cutlass.Constexpr,
-):
+    mma: cute.TiledMma, mdQaccum: cute.Tensor, sdQ: cute.Tensor, scale: Float32, batch: Int32,
+    head: Int32, m_block: Int32, thread: Int32, col0: cutlass.Constexpr, cols: cutlass.Constexpr,
+    tile_m: cutlass.Constexpr, offset: cutlass.Constexpr, dtype: cutlass.Constexpr,
+):  # fmt: skip
     """:func:`bulk_postprocess_piece` for a transposed piece (:func:`bulk_dq_transposed_coords`):
     the same coalesced 16-byte reads and split sums in order, each value to ``sdQ[query, col0 + column]``."""
-    coords = bulk_dq_transposed_coords(mma, thread, cols, tile_m)
-    vecs = cols * tile_m // (WG_ROWS * 2) // BULK_VEC
-    acc = cute.make_rmem_tensor((BULK_VEC, vecs), Float32)
-    part = cute.make_rmem_tensor((BULK_VEC,), Float32)
-    splits = cute.size(mdQaccum, mode=[0])
-    for s in cutlass.range(splits, unroll=1):
-        vectors = cute.logical_divide(mdQaccum[s, batch, head, m_block, None], cute.make_layout(BULK_VEC))
-        for j in cutlass.range_constexpr(vecs):
-            src = vectors[None, offset // BULK_VEC + j * WG_ROWS * 2 + thread]
-            if s == 0:
-                cute.autovec_copy(src, acc[None, j])
-            else:
-                cute.autovec_copy(src, part)
-                for e in cutlass.range_constexpr(BULK_VEC):
-                    acc[e, j] = acc[e, j] + part[e]
-    for j in cutlass.range_constexpr(vecs):
-        for e in cutlass.range_constexpr(BULK_VEC):
-            col, row = coords[BULK_VEC * j + e]
-            sdQ[row, col0 + col] = dtype(acc[e, j] * scale)
+    _bulk_postprocess(
+        bulk_dq_transposed_coords(mma, thread, cols, tile_m), True, mdQaccum, sdQ, scale, batch, head,
+        m_block, thread, 0, col0, offset, dtype,
+    )  # fmt: skip
 
 
 POST_ROW_PAD = 8  # 16-bit elements after each row of the postprocess's dQ tile: 16 bytes, so that
