@@ -1156,6 +1156,11 @@ _FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True})
 DEFAULT_BWD_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"dq_bulk": True}}
 # Flags of the sm90 backward default where the default tile is the swapped partition (head dim 192).
 DEFAULT_BWD_SWAP_FLAGS: dict[str, bool] = {"dq_bulk": True, "dq_stage": True}
+# Flags of the sm90 backward default where the default tile is the head-dim split (head dim 256):
+# dq_bulk (staged in the consumer's own columns of the Q/dO stage) with the overlap schedule, the
+# variant the tuner picks for bf16 at every length of both masks (+9-14% over per-thread reductions
+# without the overlap, docs/perf-notes.md "dq_bulk everywhere measured"), so fp16 runs it too.
+DEFAULT_BWD_SPLIT_FLAGS: dict[str, bool] = {"dq_bulk": True, "overlap": True}
 
 # Backward alternatives committed next to the defaults (tile, extras), bf16 only (the dtype the
 # benchmark measures), so that one GPU run can time each beside the default; dispatch keeps the
@@ -1216,9 +1221,10 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             # shared-memory budget")
         ),
         256: (
+            (Tile(64, 64, 2, 12), {}),  # the head-dim split as head dim 256's default was before dq_bulk
             (Tile(64, 64, 2, 12), {"overlap": True}),
             (Tile(64, 64, 2, 12), {"dq_bulk": True}),
-            (Tile(64, 64, 2, 12), {"overlap": True, "dq_bulk": True}),
+            # (the default, DEFAULT_BWD_SPLIT_FLAGS: dq_bulk with the overlap schedule)
         ),
     },
     # dq_quad: 16-byte dQ reductions into a column-permuted accumulator (FlashAttention-2 adds dQ
@@ -1620,15 +1626,15 @@ def valid_variants(arch: str, direction: str = "fwd") -> list[VariantSpec]:
 def default_extras(arch: str, direction: str, head_dim: int, dtype: str | None = None) -> dict[str, object]:
     """Spec fields beyond the tile that a family's default variant sets: schedule flags (sm90)
     and the exp2 emulation share (sm100) of the forward, plus, when ``dtype`` is given, its own
-    forward flags and schedule (:data:`DEFAULT_DTYPE_FLAGS`, :data:`DEFAULT_DTYPE_SCHEDULES`); the sm90 backward's dq_bulk where its
-    default tile is not the head-dim split. Dispatch's heuristics use the same."""
+    forward flags and schedule (:data:`DEFAULT_DTYPE_FLAGS`, :data:`DEFAULT_DTYPE_SCHEDULES`); the sm90 backward's flags (dq_bulk; dq_stage
+    on the swapped partition, overlap on the head-dim split). Dispatch's heuristics use the same."""
     if direction != "fwd":
         tile = DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
         if tile is None:
             return {}
         default = VariantSpec(arch, direction, "bf16", head_dim, *tile)
         if sm90_bwd_head_split(default):
-            return {}
+            return dict(DEFAULT_BWD_SPLIT_FLAGS)
         if sm90_bwd_swapped(default):
             return dict(DEFAULT_BWD_SWAP_FLAGS)
         return dict(DEFAULT_BWD_FLAGS.get(arch, {}))

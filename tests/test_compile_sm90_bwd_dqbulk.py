@@ -4,7 +4,8 @@ Each consumer warpgroup stages its fp32 dQ piece in shared memory in the WGMMA f
 one thread adds the whole piece into the tiled dq_accum with one bulk reduce-add
 (cp.reduce.async.bulk, SASS ``UBLKRED``). Checked here: dq_bulk is the default at head dims 64/96/128
 (its per-thread-reduction twins committed beside it in bf16) and dispatch picks it; the head-dim
-split's _dqbulk variants (hd192/hd256) sit beside its defaults; the predicate counts the staging
+split's _dqbulk variants (hd192/hd256; hd256's default is the one with the overlap schedule) sit
+beside the plain split; the predicate counts the staging
 buffers (the head split's fill the opt-in limit exactly at hd192; at hd256 they would not fit and dQ
 is staged in the Q/dO stage); variants compile for sm_90a with the bulk reduce-add
 16-byte shared-memory stores and no per-thread fp32 reduction (no REDG) or local-memory spill; and
@@ -41,12 +42,13 @@ BULK = [
 # hd128 64x128 (a column split of dQ) non-causal, hd64 128x128 (a row split) causal; and the overlap
 # schedule's bulk path (its dQ staging runs while dK's WGMMA does) at hd128; the head-dim split at
 # hd192, plain non-causal and causal with the overlap schedule; hd256 (staged in the Q/dO stage)
-# plain non-causal.
+# plain non-causal and its default (the overlap schedule) causal in fp16.
 CHECKED = [
     s for s in BULK if s.head_dim <= 128 and s.causal == (s.head_dim == 64) and (not s.overlap or s.head_dim == 128)
 ]
 CHECKED += [s for s in BULK if s.head_dim == 192 and s.causal == s.overlap]
 CHECKED += [s for s in BULK if s.head_dim == 256 and not s.causal and not s.overlap]
+CHECKED += [s for s in BULK if s.head_dim == 256 and s.causal and s.overlap and s.dtype == "fp16"]  # the default
 
 
 def _twin(spec: VariantSpec) -> VariantSpec:
@@ -55,7 +57,8 @@ def _twin(spec: VariantSpec) -> VariantSpec:
 
 def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
     """dq_bulk is the sm90 backward default at head dims 64, 96, 128 (every dtype, both masks) and
-    with the overlap schedule a bf16 alternative at 64 and 128; on the head-dim split (192, 256) bf16
+    with the overlap schedule a bf16 alternative at 64 and 128; on the head-dim split hd256's default
+    with the overlap schedule (every dtype) and a bf16 alternative without it, at hd192 bf16
     alternatives, plain and overlap; each has its per-thread-reduction twin committed (bf16) to be
     timed beside it; dispatch picks the default without a tuned table's entry."""
     import torch
@@ -66,9 +69,10 @@ def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
     assert sorted((s.dtype, s.head_dim, s.causal) for s in defaults) == [
         (dt, hd, causal) for dt in ("bf16", "fp16") for hd in (64, 96, 128) for causal in (False, True)
     ]
-    assert sorted((s.head_dim, s.causal) for s in BULK if s.overlap or s.head_dim > 128) == sorted(
-        [(hd, causal) for hd in (64, 128, 192, 256) for causal in (False, True)]
-        + [(hd, causal) for hd in (192, 256) for causal in (False, True)]
+    assert sorted((s.dtype, s.head_dim, s.causal, s.overlap) for s in BULK if s.overlap or s.head_dim > 128) == sorted(
+        [("bf16", hd, causal, True) for hd in (64, 128) for causal in (False, True)]
+        + [("bf16", hd, causal, ov) for hd in (192, 256) for causal in (False, True) for ov in (False, True)]
+        + [("fp16", 256, causal, True) for causal in (False, True)]  # hd256's default, the overlap schedule
     )
     committed = set(space.default_variants("sm90", "bwd"))
     for spec in BULK:
@@ -84,7 +88,12 @@ def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
         dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[spec.dtype])
         assert backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal) == spec
     assert space.default_extras("sm90", "bwd", 128) == {"dq_bulk": True}
-    assert space.default_extras("sm90", "bwd", 256) == {}  # the head-dim split
+    # the head-dim split: dq_bulk with the overlap schedule, dispatched for both dtypes
+    assert space.default_extras("sm90", "bwd", 256) == {"dq_bulk": True, "overlap": True}
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal in (False, True):
+            spec = backward.choose_bwd("sm_90a", dtype, 256, causal)
+            assert spec in BULK and spec.overlap and space.sm90_bwd_head_split(spec), spec.name
     assert space.default_extras("sm90", "bwd", 192) == {"dq_bulk": True, "dq_stage": True}  # the swapped partition
 
 

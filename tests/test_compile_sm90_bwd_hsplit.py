@@ -1,6 +1,7 @@
 """sm90 backward at head dims 192 and 256 (the head-dim split, templates/bwd_sm90_hsplit.py.j2) on
-this CPU: the committed variants (head dim 256's defaults, head dim 192's bf16 alternatives beside
-its swapped default) compile for sm_90a and their SASS shows the design: WGMMA (HGMMA)
+this CPU: the committed variants without dq_bulk (bf16 alternatives beside head dim 256's default,
+the split with dq_bulk and the overlap schedule (tests/test_compile_sm90_bwd_dqbulk.py), and beside
+head dim 192's swapped default) compile for sm_90a and their SASS shows the design: WGMMA (HGMMA)
 64 x tile_m/2 for S^T and dP^T (each consumer its half of the queries) and 64 x d/2 for dV, dK and
 dQ (each consumer its half of the head dim), TMA loads (UTMALDG) of K, V, Q and dO, setmaxnreg
 (USETMAXREG), MUFU.EX2, 8-byte fp32 vector reductions into the dQ accumulator, WGMMAs left
@@ -28,33 +29,35 @@ from cutefa import sass, space
 
 # (the dq_bulk twins have their own test: tests/test_compile_sm90_bwd_dqbulk.py)
 COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s) and not s.dq_bulk]
-SPLIT = [s for s in COMMITTED if not s.overlap]  # the dispatch defaults at hd256; bf16 alternatives at hd192
+SPLIT = [s for s in COMMITTED if not s.overlap]  # bf16 alternatives (hd256's default adds dq_bulk and the overlap)
 OVERLAP = [s for s in COMMITTED if s.overlap]  # BWD_ALTERNATIVES: bf16, both masks
-# fp16 and bf16 differ only in the operand type: both head dims, each with one dtype causal and the
-# other not; the overlap schedule at both head dims (one causal).
-CHECKED = [s for s in SPLIT if (s.dtype == "bf16") == s.causal] + [
+# both head dims, one causal and the other not; the overlap schedule at both head dims (one causal).
+CHECKED = [s for s in SPLIT if s.causal == (s.head_dim == 192)] + [
     s for s in OVERLAP if s.causal == (s.head_dim == 256)
 ]
 
 
 def test_split_defaults():
     """Dispatch's default backward tile at head dim 256 is the split (64 x 64, 2 stages, 12 warps),
-    fp16 and bf16, causal and not, and backward.choose_bwd picks it on sm_90a; at head dim 192 the
-    split stays committed beside the swapped default (bf16, both masks)."""
+    fp16 and bf16, causal and not, with dq_bulk and the overlap schedule, and backward.choose_bwd
+    picks it on sm_90a; the plain split stays committed beside it at head dims 256 and 192 (there
+    beside the swapped default; bf16, both masks)."""
     import torch
 
     from cutefa import backward
 
-    defaults = [s for s in SPLIT if s.head_dim == 256]
-    assert sorted((s.dtype, s.causal) for s in defaults) == [(dt, c) for dt in ("bf16", "fp16") for c in (False, True)]
-    assert sorted((s.dtype, s.causal) for s in SPLIT if s.head_dim == 192) == [("bf16", False), ("bf16", True)]
+    assert sorted((s.dtype, s.head_dim, s.causal) for s in SPLIT) == [
+        ("bf16", d, c) for d in (192, 256) for c in (False, True)
+    ]
     for spec in SPLIT:
         assert space.why_invalid(spec) is None, spec.name
         assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (64, 64, 2, 12)
     assert space.DEFAULT_BWD_TILES["sm90"][256] == (64, 64, 2, 12)
-    for spec in defaults:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
-        assert backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal) == spec
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal in (False, True):
+            spec = backward.choose_bwd("sm_90a", dtype, 256, causal)
+            assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (64, 64, 2, 12), spec.name
+            assert spec.dq_bulk and spec.overlap and space.sm90_bwd_head_split(spec), spec.name
     # the sm80 family still serves these head dims below Hopper
     assert backward.choose_bwd("sm_80", torch.bfloat16, 256, True).arch == "sm80"
     # the overlap schedule is committed beside the bf16 defaults; dispatch keeps the defaults

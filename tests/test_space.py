@@ -209,16 +209,18 @@ def test_sm90_bwd_head_split():
     valid = [s for s in space.valid_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
     assert {(s.head_dim, s.tile_m, s.stages) for s in valid} == {(192, 64, 2), (192, 64, 3), (256, 64, 2)}
     assert {s.replace(overlap=False) for s in valid if s.overlap} == {s for s in valid if not s.overlap}
-    # the overlap schedule is committed beside each default (bf16), dispatch keeps the default
+    # the overlap schedule without dq_bulk is committed beside the plain split (bf16)
     committed = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s)]
     assert sorted((s.dtype, s.head_dim, s.causal) for s in committed if s.overlap and not s.dq_bulk) == [
         ("bf16", d, c) for d in (192, 256) for c in (False, True)
     ]
-    # dq_bulk: plain and overlap twins of the bf16 defaults (staging buffers of its own at hd192 s2,
-    # the Q/dO stage's columns where those would not fit)
-    assert sorted((s.dtype, s.head_dim, s.causal, s.overlap) for s in committed if s.dq_bulk) == [
-        ("bf16", d, c, o) for d in (192, 256) for c in (False, True) for o in (False, True)
-    ]
+    # dq_bulk: plain and overlap (staging buffers of its own at hd192 s2, the Q/dO stage's columns
+    # where those would not fit), bf16; hd256's default (every dtype) is the overlap one
+    assert sorted((s.dtype, s.head_dim, s.causal, s.overlap) for s in committed if s.dq_bulk) == sorted(
+        [("bf16", d, c, o) for d in (192, 256) for c in (False, True) for o in (False, True)]
+        + [("fp16", 256, c, True) for c in (False, True)]
+    )
+    assert space.default_extras("sm90", "bwd", 256) == space.DEFAULT_BWD_SPLIT_FLAGS
     assert {(s.head_dim, s.stages, space.sm90_bwd_dq_bulk_aliases(s)) for s in valid if s.dq_bulk} == {
         (192, 2, False), (192, 3, True), (256, 2, True)
     }

@@ -1,7 +1,8 @@
 """The sm90 backward's dq_bulk path (FlashAttention-3's dQ path) on a Hopper GPU.
 
 Each committed _dqbulk variant (the hd64/hd128 default tiles and the hd192/hd256 head-dim-split
-default tile with the flag, plain and with the overlap schedule; hd256 stages dQ in the Q/dO stage)
+tile with the flag, plain and with the overlap schedule, hd256's default with it; hd256 stages dQ in
+the Q/dO stage)
 is forced: called
 directly with the calling convention of cutefa/backward.py (tests/gpu/test_bwd_sm90.py's
 ``run_kernel``: dq, dk, dv and the tiled dq_accum workspace poisoned with NaN first, so the
@@ -73,15 +74,17 @@ def target():
 
 
 def test_bulk_variants_committed():
-    """The defaults at head dims 64/96/128 (both dtypes), the bf16 overlap alternatives there, and
-    the bf16 head-dim-split variants at 192/256 (plain and overlap)."""
+    """The defaults at head dims 64/96/128 (both dtypes), the bf16 overlap alternatives there, the
+    bf16 head-dim-split variants at 192/256 (plain and overlap), and hd256's default (the split with
+    the overlap schedule) in fp16."""
     assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if not s.overlap) == sorted(
         [(dt, hd, causal) for dt in ("bf16", "fp16") for hd in (64, 96, 128) for causal in (False, True)]
         + [("bf16", hd, causal) for hd in (192, 256) for causal in (False, True)]
     )
-    assert sorted((s.head_dim, s.causal) for s in BULK if s.overlap) == [
-        (hd, causal) for hd in (64, 128, 192, 256) for causal in (False, True)
-    ]
+    assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if s.overlap) == sorted(
+        [("bf16", hd, causal) for hd in (64, 128, 192, 256) for causal in (False, True)]
+        + [("fp16", 256, causal) for causal in (False, True)]
+    )
     assert all(space.sm90_bwd_head_split(s) == (s.head_dim >= 192) for s in BULK)
     assert all(space.sm90_bwd_dq_bulk_aliases(s) == (s.head_dim == 256) for s in BULK)
 

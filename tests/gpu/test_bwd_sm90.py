@@ -10,8 +10,9 @@ PyTorch's own attention on the same low-precision inputs). Shapes: ragged length
 An alternative (another Q/dO ring depth, the overlap schedule, the dq_bulk path, the dQ-writer
 warp) does the same arithmetic in the same order as its default twin, so with deterministic=1
 their gradients must be bitwise equal. (One
-exception: the head-dim split's overlap (head dims 192/256) adds consumer 1's dK/dV columns over
-the two query halves in the other order; those columns must be close, the rest bitwise equal. And
+exception: the head-dim split's overlap (head dims 192/256; hd256's default has it) adds consumer
+1's dK/dV columns over the two query halves in the other order, so where one of the pair has it and
+the other not those columns must be close, the rest bitwise equal. And
 at head dim 192 the default is the partition with dK/dV swapped onto WGMMA's M axis, 96 keys per
 CTA, whose sums run in other orders than the head-dim split's (64 keys per CTA): across the two
 partitions the gradients must be close; the swapped variants' own bitwise twin test is in
@@ -46,9 +47,9 @@ def _default_twin(spec):
     tile = space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
     extras = space.default_extras("sm90", "bwd", spec.head_dim)
     return spec.replace(
-        tile_m=tile.tile_m, tile_n=tile.tile_n, stages=tile.stages, warps=tile.warps, overlap=False,
-        dq_bulk=bool(extras.get("dq_bulk")), dq_warp=False, row_prefetch=False,
-        dq_stage=bool(extras.get("dq_stage")),
+        tile_m=tile.tile_m, tile_n=tile.tile_n, stages=tile.stages, warps=tile.warps,
+        overlap=bool(extras.get("overlap")), dq_bulk=bool(extras.get("dq_bulk")), dq_warp=False,
+        row_prefetch=False, dq_stage=bool(extras.get("dq_stage")),
     )  # fmt: skip
 
 
@@ -225,7 +226,7 @@ def test_alternative_matches_default_bitwise(gen, target, spec):
     q, k, v, dout, out, lse = random_inputs(gen, spec, 2, 1000, 777, 4, 2)
     mine = run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
     ref = run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
-    reordered = space.sm90_bwd_head_split(spec) and spec.overlap
+    reordered = space.sm90_bwd_head_split(spec) and spec.overlap != twin.overlap
     half = spec.head_dim // 2
     for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
         assert torch.isfinite(a).all(), f"{spec.name} {name}"

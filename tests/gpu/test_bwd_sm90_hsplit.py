@@ -1,9 +1,10 @@
 """The sm90 backward at head dims 192 and 256 (the head-dim split, templates/bwd_sm90_hsplit.py.j2)
 on a Hopper GPU.
 
-Each split variant (DEFAULT_BWD_TILES["sm90"][256] and head dim 192's bf16 alternative: 64 keys per
-CTA shared by both consumer warpgroups, each owning half of the head dim; and its committed overlap
-alternative, _ov) is called directly with the calling convention of
+Each split variant without dq_bulk (bf16 alternatives at head dims 192 and 256: 64 keys per CTA
+shared by both consumer warpgroups, each owning half of the head dim; and its committed overlap
+alternative, _ov; hd256's default, the split with dq_bulk and the overlap schedule, runs in
+tests/gpu/test_bwd_dqbulk_gpu.py) is called directly with the calling convention of
 cutefa/backward.py through tests/gpu/test_bwd_sm90.py's ``run_kernel`` (dq, dk, dv and every
 workspace poisoned with NaN, so an element the kernel does not write fails; grouped heads summed
 as backward.py does) and judged against float32 autograd of the exact attention with the
@@ -32,7 +33,7 @@ bwd90 = _load("test_bwd_sm90")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
-# hd256's defaults (fp16/bf16), hd192's bf16 split and the committed overlap alternatives (bf16).
+# The bf16 split alternatives at hd192/hd256, plain and with the overlap schedule.
 # (the dq_bulk twins have their own test: tests/gpu/test_bwd_dqbulk_gpu.py)
 SPLIT = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s) and not s.dq_bulk]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
@@ -52,10 +53,10 @@ def target():
 
 
 def test_split_variants_are_the_defaults_and_overlap():
-    # hd256's default (both dtypes); at hd192 the swapped partition is the default and the split a
-    # bf16 alternative
+    # bf16 alternatives: hd256's default is the split with dq_bulk and the overlap schedule
+    # (tests/gpu/test_bwd_dqbulk_gpu.py), hd192's the swapped partition
     assert sorted((s.head_dim, s.dtype, s.causal) for s in SPLIT if not s.overlap) == sorted(
-        [(256, t, c) for t in ("bf16", "fp16") for c in (False, True)] + [(192, "bf16", c) for c in (False, True)]
+        (d, "bf16", c) for d in (192, 256) for c in (False, True)
     )
     assert sorted((s.head_dim, s.dtype, s.causal) for s in SPLIT if s.overlap) == sorted(
         (d, "bf16", c) for d in (192, 256) for c in (False, True)
