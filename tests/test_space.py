@@ -612,16 +612,17 @@ def test_fa4_hd256_schedule_variants():
 
 def test_pair_cvt_twins_and_long_hd128_tiles():
     """The paired-conversion overlap + ping-pong forwards outside hd256: hd128 with key tiles 128 to
-    192, the twins of the hd64 128x192, hd96 128x128 and hd192 128x96 tiles; fp16 and bf16, both
-    masks. hd128 128x176 and 128x192 pass the register rule only in that compiled form
+    192 (128 and 160 also on the longest-first grid), the twins of the hd64 128x192, hd96 128x128 and
+    hd192 128x96 tiles; fp16 and bf16, both masks. hd128 128x176 and 128x192 pass the register rule only in that compiled form
     (SM90_PCVT_NO_SPILL)."""
     fwd = space.default_variants("sm90", "fwd")
     new = {s.name for s in fwd if s.pair_cvt and s.head_dim != 256}
     tiles = [(128, n) for n in (128, 144, 160, 176, 192)] + [(64, 192), (96, 128), (192, 96)]
+    lpt_tiles = [(128, 128), (128, 160)]  # the table's causal hd128 tiles on the longest-first grid
     assert new == {
-        f"cutefa_sm90_fwd_{dt}_hd{hd}_128x{n}_s2_w12{c}_ov_pp_pcvt"
+        f"cutefa_sm90_fwd_{dt}_hd{hd}_128x{n}_s2_w12{c}_ov_pp_pcvt{lpt}"
         for dt in ("fp16", "bf16")
-        for hd, n in tiles
+        for hd, n, lpt in [(hd, n, "") for hd, n in tiles] + [(hd, n, "_lpt") for hd, n in lpt_tiles]
         for c in ("", "_causal")
     }
     for hd, n in ((128, 176), (128, 192)):
@@ -644,7 +645,8 @@ def test_pair_cvt_twins_and_long_hd128_tiles():
 
 def test_lpt_grid_variants():
     """The 1-D longest-first grid (lpt_grid): committed on the hd64 192x128 overlap tiles (with and
-    without ping-pong) and on hd256's 128x80 tuned schedules, both masks, fp16 and bf16; refused
+    without ping-pong), on hd256's 128x80 tuned schedules and hd128's causal table tiles (128x128,
+    128x160 with paired conversion), both masks, fp16 and bf16; refused
     wherever it has no meaning."""
     fwd = space.default_variants("sm90", "fwd")
     new = [s for s in fwd if s.lpt_grid]
@@ -655,6 +657,7 @@ def test_lpt_grid_variants():
         for tile, flags in (
             ("hd64_192x128_s2_w16", "_ov_lpt"), ("hd64_192x128_s2_w16", "_ov_pp_lpt"),
             ("hd256_128x80_s2_w12", "_ov_pcvt_lpt"), ("hd256_128x80_s2_w12", "_ov_pp_erescale_pcvt_lpt"),
+            ("hd128_128x128_s2_w12", "_ov_pp_pcvt_lpt"), ("hd128_128x160_s2_w12", "_ov_pp_pcvt_lpt"),
         )
     }  # fmt: skip
     for spec in new:
