@@ -288,7 +288,7 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
             # the 128x192 tuning tile converts P one score per instruction in bf16 (240 of 280 F2FP
             # element-wise, P V issued in 39 groups): its pair_cvt twin
             (Tile(128, 192, 2, 12), _PCVT_OV_PP),
-            # a longest-first 1-D grid (lpt_grid: causal over all pairs at once, else in L2 sections)
+            # a longest-first 1-D grid in L2 sections of (head, batch) pairs (lpt_grid)
             (Tile(192, 128, 2, 16), {"overlap": True, "lpt_grid": True}),
             (Tile(192, 128, 2, 16), {"overlap": True, "pingpong": True, "lpt_grid": True}),
         ),
@@ -316,8 +316,7 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
         # hd96's default tile converts in pairs already; with pair_cvt its unmasked loop is 434
         # instructions per block instead of 467 (fewer uniform-datapath ones), R219 -> R184.
         96: ((Tile(128, 128, 2, 12), _PCVT_OV_PP),),
-        # and the table's causal tiles (128x128, 128x160) on the longest-first 1-D grid (lpt_grid,
-        # causal: all pairs' longest tiles first)
+        # and the table's causal tiles (128x128, 128x160) on the longest-first 1-D grid (lpt_grid)
         128: tuple((Tile(128, n, 2, 12), _PCVT_OV_PP) for n in (128, 144, 160, 176, 192))
         + tuple((Tile(128, n, 2, 12), {**_PCVT_OV_PP, "lpt_grid": True}) for n in (128, 160)),
         # The default hd192 128x96 tile converts P one score per instruction in bf16 (120 of 180 F2FP

@@ -25,32 +25,16 @@ def test_every_tile_once_longest_first(num_m, heads, batch, group):
 
 
 def test_group_keeps_kv_in_l2():
-    # hd128 bf16 at 16k keys: 8 MiB of K and V per (head, batch) pair -> 3 pairs in 24 MiB.
-    assert parts.lpt_group(16384, 128, 2) == 3
-    assert parts.lpt_group(1024, 64, 2) == parts.L2_KV_BUDGET // (1024 * 256)
+    # hd128 bf16 at 16k keys: 8 MiB of K and V per (head, batch) pair -> 3 pairs in 24 MiB -> 2,
+    # the largest power of two (equal sections of the usual batch x heads pair counts)
+    assert parts.lpt_group(16384, 128, 2) == 2
+    assert parts.lpt_group(1024, 64, 2) == 64  # 96 fit
+    assert parts.lpt_group(2048, 256, 2) == 8  # 12 fit
     assert parts.lpt_group(10**7, 256, 2) == 1
     assert parts.lpt_group(0, 128, 2) >= 1
+    for seqlen_k in range(1, 70000, 997):
+        for head_dim in (64, 96, 128, 192, 256):
+            group = parts.lpt_group(seqlen_k, head_dim, 2)
+            fit = max(parts.L2_KV_BUDGET // (seqlen_k * 4 * head_dim), 1)
+            assert group & (group - 1) == 0 and group <= fit < 2 * group, (seqlen_k, head_dim)
 
-
-def test_causal_grid_is_one_section_of_every_pair():
-    """The causal 1-D grid (lpt_grid) passes every (head, batch) pair as one section: the whole grid
-    runs last query block first across all pairs, so no pair's longest tile waits for the tail; the
-    non-causal one keeps the L2 sections (templates/fwd_sm90.py.j2)."""
-    from cutefa import codegen
-    from cutefa.spec import parse_name
-
-    num_m, heads, batch = 6, 4, 3
-    pairs = heads * batch
-    order = [parts.lpt_tile(t, num_m, heads, pairs, pairs) for t in range(num_m * pairs)]
-    m_blocks = [m for m, _, _ in order]
-    assert m_blocks == sorted(m_blocks, reverse=True)
-    assert order[:pairs] == [(num_m - 1, p % heads, p // heads) for p in range(pairs)]
-    one_section = "parts.lpt_tile(bx, num_m, heads_q, heads_q * batch_size, heads_q * batch_size)"
-    for name, causal in (
-        ("cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_pcvt_lpt", True),
-        ("cutefa_sm90_fwd_bf16_hd128_128x160_s2_w12_causal_ov_pp_pcvt_lpt", True),
-        ("cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_ov_pcvt_lpt", False),
-    ):
-        source = codegen.render_source(parse_name(name))
-        assert (one_section in source) == causal, name
-        assert ("parts.lpt_group(seqlen_k" in source) != causal, name

@@ -52,8 +52,7 @@ PTXAS_OPTIONS = "-regUsageLevel 3"
 
 
 class Kernel:
-    """Launch: a 1-D grid of one CTA per tile (parts.lpt_tile: longest first over all (head, batch)
-    pairs when causal, in L2 sections of pairs otherwise), THREADS threads per CTA."""
+    """Launch: a 1-D grid of one CTA per tile (longest first, parts.lpt_tile), THREADS threads per CTA."""
 
     @cute.jit
     def __call__(
@@ -155,10 +154,9 @@ class Kernel:
                 cpasync.prefetch_descriptor(v_tma)
                 cpasync.prefetch_descriptor(o_tma)
                 bx, _, _ = cute.arch.block_idx()  # a 1-D grid in longest-first order
-                # causal: one section of every (head, batch) pair, so all pairs' longest tiles launch first and the
-                # grid ends on the shortest ones (L2 sections of a few pairs leave each later section's longest
-                # tiles for the tail); the CTAs of one pair that run at the same time walk the same K/V blocks
-                m_block, head, batch = parts.lpt_tile(bx, num_m, heads_q, heads_q * batch_size, heads_q * batch_size)
+                m_block, head, batch = parts.lpt_tile(
+                    bx, num_m, heads_q, heads_q * batch_size, parts.lpt_group(seqlen_k, HEAD_DIM, DTYPE.width // 8)
+                )
                 row0 = m_block * TILE_M
                 head_kv = head // group
                 # Key blocks [0, n_blocks) are visited; [n_unmasked, n_blocks) need a mask.
@@ -212,10 +210,9 @@ class Kernel:
             r2s_thr = r2s.get_slice(wtid)
             corr = cute.make_rmem_tensor((cute.size(o_mn, mode=[0]),), Float32)
             bx, _, _ = cute.arch.block_idx()  # a 1-D grid in longest-first order
-            # causal: one section of every (head, batch) pair, so all pairs' longest tiles launch first and the
-            # grid ends on the shortest ones (L2 sections of a few pairs leave each later section's longest
-            # tiles for the tail); the CTAs of one pair that run at the same time walk the same K/V blocks
-            m_block, head, batch = parts.lpt_tile(bx, num_m, heads_q, heads_q * batch_size, heads_q * batch_size)
+            m_block, head, batch = parts.lpt_tile(
+                bx, num_m, heads_q, heads_q * batch_size, parts.lpt_group(seqlen_k, HEAD_DIM, DTYPE.width // 8)
+            )
             row0 = m_block * TILE_M
             head_kv = head // group
             # Key blocks [0, n_blocks) are visited; [n_unmasked, n_blocks) need a mask.

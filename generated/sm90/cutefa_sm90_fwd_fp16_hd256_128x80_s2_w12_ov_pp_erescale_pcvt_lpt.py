@@ -48,8 +48,7 @@ CONSUMER_REGS = 240  # 24 x 128 + CONSUMER_REGS x 128 x CONSUMERS <= 64K
 
 
 class Kernel:
-    """Launch: a 1-D grid of one CTA per tile (parts.lpt_tile: longest first over all (head, batch)
-    pairs when causal, in L2 sections of pairs otherwise), THREADS threads per CTA."""
+    """Launch: a 1-D grid of one CTA per tile (longest first, parts.lpt_tile), THREADS threads per CTA."""
 
     @cute.jit
     def __call__(
@@ -150,7 +149,7 @@ class Kernel:
                 cpasync.prefetch_descriptor(k_tma)
                 cpasync.prefetch_descriptor(v_tma)
                 cpasync.prefetch_descriptor(o_tma)
-                bx, _, _ = cute.arch.block_idx()  # a 1-D grid in L2 sections of (head, batch) pairs
+                bx, _, _ = cute.arch.block_idx()  # a 1-D grid in longest-first order
                 m_block, head, batch = parts.lpt_tile(
                     bx, num_m, heads_q, heads_q * batch_size, parts.lpt_group(seqlen_k, HEAD_DIM, DTYPE.width // 8)
                 )
@@ -202,7 +201,7 @@ class Kernel:
             r2s = cute.make_tiled_copy_C(parts.o_store_atom(DTYPE), pv_mma)
             r2s_thr = r2s.get_slice(wtid)
             corr = cute.make_rmem_tensor((cute.size(o_mn, mode=[0]),), Float32)
-            bx, _, _ = cute.arch.block_idx()  # a 1-D grid in L2 sections of (head, batch) pairs
+            bx, _, _ = cute.arch.block_idx()  # a 1-D grid in longest-first order
             m_block, head, batch = parts.lpt_tile(
                 bx, num_m, heads_q, heads_q * batch_size, parts.lpt_group(seqlen_k, HEAD_DIM, DTYPE.width // 8)
             )

@@ -147,7 +147,12 @@ def lpt_tile(t, num_m, heads, pairs, group):
 
 
 def lpt_group(seqlen_k, head_dim: int, elem_bytes: int):
-    """(head, batch) pairs per section of :func:`lpt_tile`: as many as have K and V in
-    :data:`L2_KV_BUDGET`, at least one."""
+    """(head, batch) pairs per section of :func:`lpt_tile`: the largest power of two of them whose K
+    and V fit in :data:`L2_KV_BUDGET`, at least one. A power of two divides the usual pair counts
+    (batch x heads) into equal sections; an uneven last section, or section boundaries that fall
+    mid-wave, start a section's longest causal tiles late, and the grid ends on them."""
     kv_bytes = cutlass.max(seqlen_k, 1) * (2 * head_dim * elem_bytes)
-    return cutlass.max(L2_KV_BUDGET // kv_bytes, 1)
+    group = cutlass.max(L2_KV_BUDGET // kv_bytes, 1)
+    for shift in (1, 2, 4, 8, 16):  # every bit below the highest set
+        group = group | (group >> shift)
+    return group - (group >> 1)
