@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from cpu_support import reference
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
@@ -26,19 +27,6 @@ LOG2_E = math.log2(math.e)
 
 def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
-
-
-def reference(q, k, v, causal, scale):
-    group = q.shape[2] // k.shape[2]
-    k, v = k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        allowed = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
-        s = s.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
 def emulate_kernel(dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal, scale, deterministic,

@@ -3,33 +3,18 @@ forced backward choice and the per-variant table (the timing itself needs a GPU)
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from cpu_support import load_tool
 
 from cutefa import backward, space
-
-
-def _bench():
-    key = "cutefa_tools_bench"
-    if key not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
-        spec = importlib.util.spec_from_file_location(key, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
 
 OV = "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_ov"
 S3 = "cutefa_sm90_bwd_bf16_hd128_64x128_s3_w12"
 
 
 def test_names_and_families_parse():
-    bench = _bench()
+    bench = load_tool("bench")
     args = bench.parse_args(["--bwd-variants", f"{OV},{S3},{OV}"])
     assert args.bwd_variants == [OV, S3]  # duplicates dropped, order kept
     assert "bwd" in args.passes  # implied
@@ -49,12 +34,12 @@ def test_names_and_families_parse():
 )
 def test_bad_names_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
-        _bench().parse_args(["--bwd-variants", bad])
+        load_tool("bench").parse_args(["--bwd-variants", bad])
     assert "--bwd-variants" in capsys.readouterr().err
 
 
 def test_a_variant_serves_its_own_cells_only():
-    bench = _bench()
+    bench = load_tool("bench")
     assert bench.variant_serves(OV, bench.Cell("bf16", 128, False, 2048, "bwd"))
     assert not bench.variant_serves(OV, bench.Cell("bf16", 128, True, 2048, "bwd"))
     assert not bench.variant_serves(OV, bench.Cell("bf16", 64, False, 2048, "bwd"))
@@ -63,7 +48,7 @@ def test_a_variant_serves_its_own_cells_only():
 
 
 def test_forced_variant_replaces_the_backward_choice_and_restores_it():
-    bench = _bench()
+    bench = load_tool("bench")
     default = backward.choose_bwd("sm_90a", torch.bfloat16, 128, False)
     assert default.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk"  # the default (dq_bulk)
     with bench.forced_bwd_variant(OV):
@@ -77,7 +62,7 @@ def test_forced_variant_replaces_the_backward_choice_and_restores_it():
 
 
 def test_table_has_one_row_per_variant_with_ratios():
-    bench = _bench()
+    bench = load_tool("bench")
     row = bench.Row(bench.Cell("bf16", 128, False, 2048, "bwd"))
     row.results["FA4"] = bench.Result("ok", ms=1.0, tflops=500.0)
     row.results["cutefa"] = bench.Result("ok", ms=1.0, tflops=400.0)

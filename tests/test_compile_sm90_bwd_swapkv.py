@@ -27,8 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from cutefa import codegen, space
-from cutefa import sass
+from cutefa import codegen, sass, space
 
 COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_swapped(s)]
 # the committed bf16 causal variant, the fp16 non-causal twin (fp16 and bf16 differ only in the

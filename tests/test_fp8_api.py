@@ -9,15 +9,13 @@ import math
 
 import pytest
 import torch
+from cpu_support import rand, reference, trace_attention_block
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
 from cutefa import fp8, ops
 
 E4M3_EPS = 2.0**-3  # e4m3 has 3 mantissa bits: relative spacing 2^-3, rounding error <= 2^-4
-
-
-def rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,17 +144,6 @@ def test_quantize_errors(call, error, match):
 # flash_attn_func with fp8 inputs
 
 
-def reference(q, k, v, causal, scale):
-    group = q.shape[2] // k.shape[2]
-    k, v = k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        allowed = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
-        s = s.masked_fill(~allowed, -math.inf)
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v), torch.logsumexp(s, -1)
-
-
 @pytest.fixture
 def on_cpu(monkeypatch):
     """Accept CPU tensors; the fp8 launch computes the dequantized reference. Records calls."""
@@ -274,22 +261,6 @@ def test_fp8_options_with_16_bit_inputs_are_refused(on_cpu, option):
 
 
 def test_fp8_fake_impl_and_torch_compile_trace_the_fp8_op():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    @torch.compile(fullgraph=True, backend=capture)
-    def attention_block(q, k, v, qd, kd, vd):
-        out, lse = cutefa.flash_attn_func(
-            q, k, v, causal=True, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd
-        )
-        return out * 2, lse.exp()
-
-    torch._dynamo.reset()
     with FakeTensorMode():
         q = torch.empty(2, 5, 8, 128, device="cuda", dtype=torch.float8_e4m3fn)
         k = v = torch.empty(2, 7, 2, 128, device="cuda", dtype=torch.float8_e4m3fn)
@@ -298,12 +269,9 @@ def test_fp8_fake_impl_and_torch_compile_trace_the_fp8_op():
             torch.ones(2, 2, device="cuda"),
             torch.ones((), device="cuda"),
         )
-        out, lse = attention_block(q, k, v, qd, kd, vd)
+        (out, lse), called = trace_attention_block(q, k, v, qd, kd, vd)
     assert (out.shape, out.dtype) == ((2, 5, 8, 128), torch.bfloat16) and lse.shape == (2, 8, 5)
-    (graph,) = graphs
-    assert torch.ops.cutefa.flash_fwd_fp8.default in [
-        n.target for n in graph.graph.nodes if n.op == "call_function"
-    ]
+    assert torch.ops.cutefa.flash_fwd_fp8.default in called
 
 
 def test_explain_names_the_e4m3_variant():

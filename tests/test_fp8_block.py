@@ -16,16 +16,14 @@ import math
 
 import pytest
 import torch
+from cpu_support import rand, reference, trace_attention_block
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
 from cutefa import dispatch, fp8, ops
 
 P_OFFSET_LOG2 = 8.0  # cutefa.kernels.sm90.fp8.P_OFFSET_LOG2 (importing it would import the DSL)
 LOG2_E = math.log2(math.e)
-
-
-def rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def token_outliers(x, seed, every=37, factor=60.0):
@@ -35,20 +33,6 @@ def token_outliers(x, seed, every=37, factor=60.0):
     boost[::every] = factor
     boost[torch.randint(0, x.shape[1], (3,), generator=torch.Generator().manual_seed(seed))] = factor
     return x * boost[None, :, None, None]
-
-
-def reference(q, k, v, causal, scale):
-    """float64 attention of (dequantized) q, k, v: (out (b, sq, hq, d), lse (b, hq, sq))."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.double().repeat_interleave(group, 2), v.double().repeat_interleave(group, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k) * scale
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        allowed = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
-        s = s.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
 def emulate_kernel(q, k, v, q_descale, kv_scales, v_descale, *, causal, scale, tile_m, tile_n, round_p=False):
@@ -244,7 +228,7 @@ def test_blockwise_algorithm_is_exact(causal, sq, sk, hq, hkv, d):
         x.double() * fp8.expand_descale(s, x.shape, block).double()
         for x, s, block in ((q8, qd, spec.tile_m), (k8, kd, spec.tile_n), (v8, vd, spec.tile_n))
     ]
-    exact, exact_lse = reference(*deq, causal, scale)
+    exact, exact_lse = reference(*deq, causal, scale, torch.float64)
     # What is left is the rounding of the kernel's float32 arguments (log2 r and 1 / r): ~1e-7.
     tol = 2e-6
     torch.testing.assert_close(out, exact, atol=tol * exact.abs().max().item(), rtol=tol)
@@ -375,7 +359,7 @@ def test_api_runs_the_block_variant(on_cpu, causal):
     assert [a.shape for a in args] == [(2, 2, 3), (2, 2, 7, 4), (2, 2)]
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 4, 300)
     deq = [fp8.dequantize_fp8(x, s, b) for x, s, b in ((q8, qd, 128), (k8, kd, 128), (v8, vd, 128))]
-    exact, exact_lse = reference(*deq, causal, 1 / 8)
+    exact, exact_lse = reference(*deq, causal, 1 / 8, torch.float64)
     torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=2e-2)  # bf16 output
     torch.testing.assert_close(lse.double(), exact_lse, atol=1e-4, rtol=1e-5)
 
@@ -441,7 +425,7 @@ def test_accuracy_table_block_vs_tensor_vs_head():
     noisy, so 4 batches are measured at once. Block quantization comes out below per-tensor."""
     q, k, v = outlier_inputs()
     tiles = (128, 128)  # hd128's sm90 e4m3 tile
-    exact, _ = reference(q, k, v, False, 128**-0.5)
+    exact, _ = reference(q, k, v, False, 128**-0.5, torch.float64)
     choice = sm90_choice(
         torch.empty(q.shape, dtype=torch.float8_e4m3fn),
         torch.empty(k.shape, dtype=torch.float8_e4m3fn),
@@ -472,29 +456,10 @@ def test_accuracy_table_block_vs_tensor_vs_head():
 def test_torch_compile_traces_block_descales():
     """3-D descales go through the cutefa::flash_fwd_fp8 op like 2-D ones: the fake implementation
     needs no dispatch, so torch.compile traces a block-quantized call without a GPU."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    @torch.compile(fullgraph=True, backend=capture)
-    def attention_block(q, k, v, qd, kd, vd):
-        out, lse = cutefa.flash_attn_func(
-            q, k, v, causal=True, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd
-        )
-        return out * 2, lse.exp()
-
-    torch._dynamo.reset()
     with FakeTensorMode():
         q = torch.empty(2, 300, 8, 128, device="cuda", dtype=torch.float8_e4m3fn)
         k = v = torch.empty(2, 777, 2, 128, device="cuda", dtype=torch.float8_e4m3fn)
         qd, kd, vd = (torch.ones(2, 2, n, device="cuda") for n in (3, 7, 7))
-        out, lse = attention_block(q, k, v, qd, kd, vd)
+        (out, lse), called = trace_attention_block(q, k, v, qd, kd, vd)
     assert (out.shape, out.dtype) == ((2, 300, 8, 128), torch.bfloat16) and lse.shape == (2, 8, 300)
-    (graph,) = graphs
-    assert torch.ops.cutefa.flash_fwd_fp8.default in [
-        n.target for n in graph.graph.nodes if n.op == "call_function"
-    ]
+    assert torch.ops.cutefa.flash_fwd_fp8.default in called

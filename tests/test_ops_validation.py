@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from cpu_support import reference, trace_attention_block
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,18 +32,6 @@ def qkv(batch=2, sq=8, sk=8, hq=4, hkv=2, d=64, dtype=torch.bfloat16, device="cp
     k = torch.randn(batch, sk, hkv, d, dtype=dtype, device=device)
     v = torch.randn(batch, sk, hkv, d, dtype=dtype, device=device)
     return q, k, v
-
-
-def reference(q, k, v, causal, scale):
-    """Plain float32 attention with grouped heads and bottom-right causal masking."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.float().repeat_interleave(group, 2), v.float().repeat_interleave(group, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        allowed = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
-        s = s.masked_fill(~allowed, -math.inf)
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v), torch.logsumexp(s, -1)
 
 
 @pytest.fixture
@@ -286,24 +275,10 @@ def test_fake_impl_shapes_on_fake_cuda_tensors():
 
 
 def test_torch_compile_fullgraph_traces_through_the_fake_impl():
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    @torch.compile(fullgraph=True, backend=capture)
-    def attention_block(q, k, v):
-        out, lse = cutefa.flash_attn_func(q, k, v, causal=True, return_lse=True)
-        return out * 2, lse.exp()
-
-    torch._dynamo.reset()
     with FakeTensorMode():
         q, k, v = qkv(device="cuda")
-        out, lse = attention_block(q, k, v)
+        (out, lse), ops_called = trace_attention_block(q, k, v)
     assert out.shape == q.shape and out.device.type == "cuda" and lse.shape == (2, 4, 8)
-    (graph,) = graphs
-    ops_called = [n.target for n in graph.graph.nodes if n.op == "call_function"]
     assert torch.ops.cutefa.flash_fwd.default in ops_called
 
 

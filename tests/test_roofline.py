@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from cpu_support import load_tool
 
 from cutefa import space
 from cutefa.spec import VariantSpec
-
-
-def _roofline():
-    key = "cutefa_tools_roofline"
-    if key not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "tools" / "roofline.py"
-        spec = importlib.util.spec_from_file_location(key, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
 
 SINGLE = VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16)
 PAIR = SINGLE.replace(cta_pair=True)
 
 
 def test_pair_halves_kv_traffic_per_sm():
-    roof = _roofline()
+    roof = load_tool("roofline")
     q_bytes = 128 * 128 * 2
     kv_bytes = 2 * 128 * 128 * 2  # K and V of one 128-key block
     # Reads Q and K/V, plus the TMA fill of K/V shared by the CTA's two Q tiles.
@@ -36,7 +22,7 @@ def test_pair_halves_kv_traffic_per_sm():
 
 
 def test_pair_keeps_the_mma_rate_and_never_predicts_slower():
-    roof = _roofline()
+    roof = load_tool("roofline")
     rows = roof.pair_rows(8192, 128)
     assert {p.head_dim for p, _, _ in rows} == set(space.PAIR_ALTERNATIVES["sm100"])
     for pair, single, n in rows:
