@@ -211,14 +211,16 @@ def tuned_tables() -> list[TunedTable]:
     return _TABLES
 
 
-def _table_for(family: str, problem: Problem, direction: str = "fwd") -> TunedTable | None:
-    """The family's table of ``direction`` for this target, preferring one measured on this GPU."""
+def _tables_for(family: str, problem: Problem, direction: str = "fwd") -> list[TunedTable]:
+    """The family's tables of ``direction`` for this target in the order they are asked: those
+    measured on this GPU first, each group in :func:`tuned_tables` order ($CUTEFA_TUNED_DIR first).
+    A table without an entry for a problem (a fresh table of some head dims) passes it on to the next."""
     tables = [
         t for t in tuned_tables() if t.arch == family and t.target == problem.target and t.direction == direction
     ]
     gpu = (problem.gpu_name or "").lower()
     same_gpu = [t for t in tables if gpu and t.gpu.lower() in gpu]
-    return (same_gpu or tables or [None])[0]
+    return same_gpu + [t for t in tables if t not in same_gpu]
 
 
 def clear_caches() -> None:
@@ -249,9 +251,11 @@ def _table_candidate(
     family: str, problem: Problem, direction: str = "fwd"
 ) -> tuple[str, VariantSpec | None, str] | None:
     """(label, spec or None, how it was picked or why it is unusable) from the tuned table, if any."""
-    table = _table_for(family, problem, direction)
-    entry = table.lookup(problem) if table else None
-    if table is None or entry is None:
+    for table in _tables_for(family, problem, direction):
+        entry = table.lookup(problem)
+        if entry is not None:
+            break
+    else:
         return None
     where = f"tuned table {table.path.name} (measured on {table.measured_on})"
     try:

@@ -153,6 +153,24 @@ def test_table_of_this_gpu_wins_over_another_gpu_of_the_target(isolated):
     assert "a A100; no table for this GPU" in other.reason
 
 
+def test_a_fresh_table_of_some_head_dims_leaves_the_others_to_the_committed_one(isolated, tmp_path, monkeypatch):
+    """A table in $CUTEFA_TUNED_DIR (asked first) that covers head dim 64 only: head dim 64 takes its
+    entry, head dim 128 the committed table's (not the heuristic)."""
+    committed = "cutefa_sm80_fwd_bf16_hd128_128x128_s1_w8"
+    write_table(isolated, "sm80_a100.json", [entry(committed, None)])
+    fresh_dir = tmp_path / "fresh"
+    fresh_dir.mkdir()
+    fresh = "cutefa_sm80_fwd_bf16_hd64_64x64_s1_w4"
+    write_table(fresh_dir, "sm80_a100.json", [entry(fresh, None, head_dim=64)], measured_on="fresh fixture")
+    monkeypatch.setenv("CUTEFA_TUNED_DIR", str(fresh_dir))
+    dispatch.clear_caches()
+    a100 = "NVIDIA A100-SXM4-80GB"
+    choice = dispatch.choose(**problem(head_dim=64, gpu_name=a100))
+    assert choice.spec.name == fresh and "fresh fixture" in choice.reason
+    choice = dispatch.choose(**problem(gpu_name=a100))
+    assert choice.spec.name == committed and "test fixture" in choice.reason
+
+
 def test_invalid_tuned_entry_is_rejected_and_the_heuristic_used(isolated):
     bad = "cutefa_sm80_fwd_bf16_hd128_64x64_s1_w8"  # 64 rows cannot feed 8 warps of 16-row slabs
     write_table(isolated, "sm80_a100.json", [entry(bad, None)])
