@@ -82,6 +82,8 @@ def sm90_fp8_producer_regs(spec: VariantSpec) -> int:
     allocation (168 x 384) leaves beside the two consumer warpgroups' :func:`sm90_fp8_consumer_regs`
     (40 beside 232, 24 beside 240)."""
     return (168 * 384 - 2 * 128 * sm90_fp8_consumer_regs(spec)) // 128
+
+
 SM90_FP8_MMA_K = 32  # k of an fp8 WGMMA: P V steps over keys 32 at a time
 SM90_FP8_TRANSPOSE_THREADS = 128  # the producer warpgroup that transposes V (fp8.WG_THREADS)
 
