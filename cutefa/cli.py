@@ -263,6 +263,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             f"--arch {args.arch} --direction {args.direction}: no {args.arch} {args.direction} kernel exists yet, "
             "so there is nothing to tune"
         )
+    if args.direction == "bwd" and "e4m3" in args.dtype:
+        raise UsageError("--dtype e4m3 --direction bwd: there is no fp8 backward to tune (forward only)")
     from cutefa.tune import tune
 
     path = tune(args.arch, out_dir=args.out, seqlens=tuple(args.seqlens), dtypes=tuple(args.dtype),
@@ -283,9 +285,9 @@ def _int_list(text: str) -> list[int]:
 
 def _dtype_list(text: str) -> list[str]:
     values = text.split(",")
-    bad = [v for v in values if v not in ("fp16", "bf16")]
+    bad = [v for v in values if v not in ("fp16", "bf16", "e4m3")]
     if bad:
-        raise argparse.ArgumentTypeError(f"{bad} not accepted: give fp16, bf16 or fp16,bf16")
+        raise argparse.ArgumentTypeError(f"{bad} not accepted: give fp16, bf16 and/or e4m3, comma-separated")
     return values
 
 
@@ -407,7 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--direction", choices=DIRECTIONS, default="fwd", help="forward (default) or backward variants"
     )
     p.add_argument("--seqlens", type=_int_list, default=[1024, 4096, 16384], help="(default: 1024,4096,16384)")
-    p.add_argument("--dtype", type=_dtype_list, default=["fp16", "bf16"], help="(default: fp16,bf16)")
+    p.add_argument(
+        "--dtype", type=_dtype_list, default=["fp16", "bf16"],
+        help="fp16, bf16, e4m3 (forward; inputs quantized per head), comma-separated (default: fp16,bf16)",
+    )
     p.add_argument("--hdim", type=_int_list, help="head dims (default: every one with a variant)")
     p.add_argument("--out", type=Path, default=TUNED_DIR, help="table folder (default: cutefa/tuned)")
     return parser

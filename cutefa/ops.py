@@ -33,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from cutefa import backward as _backward_pass
-from cutefa import dispatch
+from cutefa import dispatch, space
 from cutefa import profile as _profile
 from cutefa.compile import get_kernel
 from cutefa.space import why_invalid
@@ -294,15 +294,25 @@ def _fp8_descale(name: str, d: object, q: torch.Tensor, k: torch.Tensor) -> torc
 
 
 def _block_choice(choice: dispatch.Choice) -> dispatch.Choice:
-    """The block-quantization variant (``block_quant``) of the dispatched e4m3 forward ``choice``."""
+    """The block-quantization variant (``block_quant``) of the dispatched e4m3 forward ``choice``:
+    its twin with the flag where that is committed, else the committed block variant of the head
+    dim and mask (a tuned table may pick a tile whose block twin is not built, e.g. one that would
+    spill with the block scales' registers)."""
     spec = choice.spec.replace(block_quant=True)
+    reason = f"{choice.reason}; block quantization (_blockq)"
+    committed = [
+        s for s in space.fp8_block_specs(spec.arch) if (s.head_dim, s.causal) == (spec.head_dim, spec.causal)
+    ]
+    if committed and spec not in committed:
+        spec = committed[0]
+        reason = f"{choice.reason}; block quantization on the committed {spec.name} ({choice.spec.name} has no block twin)"
     why_not = why_invalid(spec)
     if why_not is not None:
         raise NotImplementedError(
             f"block-quantized fp8 descales (3-D) have no kernel for {choice.spec.name} on {choice.target}: "
             f"{why_not}; use per-tensor or per-head descales there"
         )
-    return dataclasses.replace(choice, spec=spec, reason=f"{choice.reason}; block quantization (_blockq)")
+    return dataclasses.replace(choice, spec=spec, reason=reason)
 
 
 def _block_descale(name: str, d: torch.Tensor, seqlen_name: str, seqlen: int, tile: str, rows: int, spec: Any

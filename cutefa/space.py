@@ -149,12 +149,14 @@ DEFAULT_DTYPE_FLAGS: dict[tuple[str, str], dict[str, object]] = {
 DEFAULT_DTYPE_TILES: dict[tuple[str, str], dict[int, Tile]] = {
     ("sm90", "e4m3"): {128: Tile(128, 128, 3, 12), 256: Tile(128, 64, 3, 12)},
 }
-# Schedule flags of a dtype's default forward at a head dim, over DEFAULT_FLAGS. sm90 e4m3 hd128:
-# the overlap schedule without ping-pong on the 3-stage tile (+1-9% over overlap + ping-pong in three
-# runs on the H200: with QGMMA at twice the 16-bit rate the forced alternation costs more than it
-# hides).
+# Schedule and softmax flags of a dtype's default forward at a head dim, over DEFAULT_FLAGS. sm90
+# e4m3 hd128: the overlap schedule without ping-pong on the 3-stage tile (+1-9% over overlap +
+# ping-pong in three runs on the H200: with QGMMA at twice the 16-bit rate the forced alternation
+# costs more than it hides); hd256: O rescaled only when a warp's row max moves (lazy_rescale: -2
+# to +12%, +3% typical, in two runs on the H200; at hd128 within 1%, docs/perf-notes.md, "fp8: O
+# rescaled only when a warp's row max moves").
 DEFAULT_DTYPE_SCHEDULES: dict[tuple[str, str], dict[int, dict[str, bool]]] = {
-    ("sm90", "e4m3"): {128: {"overlap": True, "pingpong": False}},
+    ("sm90", "e4m3"): {128: {"overlap": True, "pingpong": False}, 256: {"lazy_rescale": True}},
 }
 
 
@@ -171,11 +173,11 @@ def default_tile(arch: str, head_dim: int, dtype: str | None = None) -> Tile | N
 # entry is (tile, schedule/exp_emu fields) and gives a causal and a non-causal variant. Deeper rings
 # (3-4 stages) give the V transpose and the K/V loads more than half a key block of slack; hd128's
 # tile_n 160 amortizes each block's fixed costs but spills with the overlap schedule at 232
-# registers (so does tile_n 96 at hd256), so it runs ping-pong only. Every entry compiles for sm_90a
-# with no spill (tests/test_compile_sm90_fp8.py), which stands in for the register estimate
-# (:func:`_sm90_regs`). Like the defaults, each carries hoist_vt, except the defaults' twins without
-# it (hd128 128x128 3 stages, overlap; hd256 128x64 3 stages, overlap + ping-pong), and the same two
-# default tiles and schedules carry wide_vt too (the 64-bit transpose) beside them.
+# registers, so it runs ping-pong only. Every entry compiles for sm_90a with no spill
+# (tests/test_compile_sm90_fp8.py), which stands in for the register estimate (:func:`_sm90_regs`).
+# Like the defaults, each carries hoist_vt, except the twins without it of hd128's default (128x128
+# 3 stages, overlap) and of hd256's 128x64 3-stage tile (overlap + ping-pong), and those two carry
+# wide_vt too (the 64-bit transpose) beside them.
 FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], ...]]] = {
     "sm90": {
         128: (
@@ -191,18 +193,27 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             # half the producer's shared-memory instructions; docs/perf-notes.md, "fp8 wide
             # transpose").
             (Tile(128, 128, 3, 12), {"overlap": True, "hoist_vt": True, "wide_vt": True}),
+            # The default with O rescaled only when a warp's row max moves (lazy_rescale; the
+            # default rescales 64 accumulators per thread every key block).
+            (Tile(128, 128, 3, 12), {"overlap": True, "hoist_vt": True, "lazy_rescale": True}),
         ),
         256: (
+            # The default tile and schedule without lazy_rescale (the default before it), with 2
+            # and 4 stages, without the hoisted transpose and with the wide one.
+            (Tile(128, 64, 3, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 64, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 64, 3, 12), {"overlap": True, "pingpong": True}),
             (Tile(128, 64, 4, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 64, 3, 12), {"overlap": True, "pingpong": True, "hoist_vt": True, "wide_vt": True}),
             # 1.5x longer key blocks in the 240 registers the hoisted transpose can leave the
             # consumers (sm90_fp8_consumer_regs): 128x96 with the overlap schedule (R231-R233, no
-            # spill; 177 KiB, so 2 stages), with and without ping-pong. Measured -6 to +2% against
-            # the 3-stage 128x64 default (docs/perf-notes.md, "fp8 240/24 measured").
+            # spill; 177 KiB, so 2 stages), with and without ping-pong, and with lazy_rescale.
+            # Measured -6 to +2% against the 3-stage 128x64 tile without lazy_rescale
+            # (docs/perf-notes.md, "fp8 240/24 measured"); with lazy_rescale -3 to +7% against
+            # the default (+6-7% at 16k).
             (Tile(128, 96, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 96, 2, 12), {"overlap": True, "hoist_vt": True}),
+            (Tile(128, 96, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True}),
         ),
     },
 }
@@ -409,8 +420,16 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
         for block_quant in _block_quant_options(arch, direction, dtype)
     ]
     if direction == "fwd" and "e4m3" in _candidate_dtypes(arch, direction):
+        # the committed e4m3 variants off the grid: the alternatives, and defaults (and their block
+        # twins) with flags the grid does not vary (lazy_rescale)
+        defaults = [
+            VariantSpec(arch, "fwd", "e4m3", hd, *tile, causal=causal, **default_extras(arch, "fwd", hd, "e4m3"))
+            for hd in HEAD_DIMS
+            if (tile := default_tile(arch, hd, "e4m3")) is not None
+            for causal in (False, True)
+        ]
         known = set(grid)
-        grid += [s for s in fp8_alternative_specs(arch) if s not in known]
+        grid += [s for s in dict.fromkeys(fp8_alternative_specs(arch) + defaults + fp8_block_specs(arch)) if s not in known]
     return grid
 
 
@@ -566,6 +585,17 @@ def _wide_vt_rule(spec: VariantSpec) -> str | None:
         return (
             f"wide_vt: (head_dim / 8) x (tile_n / 8) = {units} 8x8-byte units (head_dim={spec.head_dim}, "
             f"tile_n={spec.tile_n}) is not a multiple of the producer warpgroup's {SM90_FP8_TRANSPOSE_THREADS} threads"
+        )
+    return None
+
+
+def _lazy_rescale_rule(spec: VariantSpec) -> str | None:
+    if not spec.lazy_rescale:
+        return None
+    if (spec.arch, spec.direction, spec.dtype) != ("sm90", "fwd", "e4m3"):
+        return (
+            "lazy_rescale (O rescaled only when a warp's row max moves by more than 2^4) is an sm90 e4m3 "
+            f"forward flag, not a {spec.arch} {spec.dtype} {spec.direction} one"
         )
     return None
 
@@ -859,6 +889,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _pair_cvt_rule,
     _hoist_vt_rule,
     _wide_vt_rule,
+    _lazy_rescale_rule,
     _lpt_grid_rule,
     _cta_pair_rule,
     _block_quant_rule,

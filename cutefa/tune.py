@@ -26,6 +26,9 @@ TOKENS = 16384
 HIDDEN = 2048
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 CHECK_TOL = 2e-2
+# e4m3 (fp8) forward against float32 attention of the unquantized inputs: q, k, v and P rounded to
+# 3 mantissa bits give a few percent (tests/gpu/test_fp8.py bounds its emulation by 10%).
+FP8_CHECK_TOL = 1e-1
 # Gradients against float32 attention: dQ, dK and dV each within this relative L2 error (bf16/fp16
 # rounding of P, dS and the operands gives ~5e-3-1e-2 on random inputs).
 BWD_CHECK_TOL = 5e-2
@@ -95,7 +98,8 @@ def measure(
 
     timer = _timer()
     spec0 = specs[0]
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec0.dtype]
+    fp8 = spec0.dtype == "e4m3"
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.bfloat16}[spec0.dtype]
     scale = 1.0 / math.sqrt(spec0.head_dim)
     heads = max(1, HIDDEN // spec0.head_dim)
     out: list[Measurement] = []
@@ -104,15 +108,27 @@ def measure(
         q, k, v = (torch.randn(batch, seqlen, heads, spec0.head_dim, device="cuda", dtype=dtype) for _ in range(3))
         expect = _sdpa(q, k, v, spec0.causal, scale).float()
         flops = 4 * batch * heads * seqlen * seqlen * spec0.head_dim / (2 if spec0.causal else 1)
+        # e4m3: the inputs quantized per head, the kernel's descales after its output and lse
+        inputs, descales = _fp8_inputs(q, k, v) if fp8 else ((q, k, v), ())
         for spec in specs:
             kernel = get_kernel(spec, target)
             o = torch.full_like(q, math.nan)
             lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
-            run = functools.partial(kernel, q, k, v, o, lse, scale)
+            run = functools.partial(kernel, *inputs, o, lse, *descales, scale)
             run()
             err = ((o.float() - expect).norm() / expect.norm()).item()
-            out.append(_timed_if_correct(spec, seqlen, err, CHECK_TOL, run, flops, timer, progress))
+            tol = FP8_CHECK_TOL if fp8 else CHECK_TOL
+            out.append(_timed_if_correct(spec, seqlen, err, tol, run, flops, timer, progress))
     return out
+
+
+def _fp8_inputs(q: Any, k: Any, v: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """q, k and v quantized to e4m3 per (batch, head) (:func:`cutefa.quantize_fp8`), and their
+    float32 descales, as the sm90 e4m3 forward takes them."""
+    from cutefa.fp8 import quantize_fp8
+
+    quantized = [quantize_fp8(x, "head") for x in (q, k, v)]
+    return tuple(x for x, _ in quantized), tuple(d.contiguous() for _, d in quantized)
 
 
 def _timed_if_correct(
@@ -233,7 +249,8 @@ def tune(
     if not torch.cuda.is_available():
         raise RuntimeError("tuning needs a CUDA GPU, and torch sees none")
     target = current_target()
-    specs = [s for s in space.default_variants(arch, direction) if s.dtype in dtypes]
+    # block-quantization variants are not dispatched from the table (ops derives them from the pick)
+    specs = [s for s in space.default_variants(arch, direction) if s.dtype in dtypes and not s.block_quant]
     specs = [s for s in specs if head_dims is None or s.head_dim in head_dims]
     specs = [s for s in specs if s.runs_on(target)]
     if not specs:

@@ -173,6 +173,16 @@ def test_tune_refuses_a_family_without_kernels(capsys, monkeypatch):
     assert "no sm90 fwd kernel exists yet" in capsys.readouterr().err
 
 
+def test_tune_takes_e4m3_for_the_forward_only(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_local_target", lambda: "sm_90a")
+    assert cli.main(["tune", "--arch", "sm90", "--direction", "bwd", "--dtype", "bf16,e4m3"]) == 2
+    assert "there is no fp8 backward to tune" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["tune", "--arch", "sm90", "--dtype", "fp32"])
+    assert exc.value.code == 2
+    assert "give fp16, bf16 and/or e4m3" in capsys.readouterr().err
+
+
 def test_bench_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_local_target", lambda: None)
     assert cli.main(["bench", "--help"]) == 2

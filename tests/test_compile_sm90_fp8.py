@@ -201,9 +201,15 @@ def test_block_sass(cubins, block_cubins, spec):
 
 
 # hoist_vt (_hvt, the e4m3 default): the V transpose's addresses hoisted (fp8.TransposeV); the
-# hd128 and hd256 defaults keep a twin without it among the alternatives.
-HOISTED = [s for s in FP8_DEFAULTS if s.replace(hoist_vt=False) in FP8_ALTERNATIVES]
+# hd128 default and hd256's default tile and schedule (without its lazy_rescale) keep a twin
+# without it among the alternatives.
+HOISTED = [s for s in FP8_DEFAULTS + FP8_ALTERNATIVES if s.hoist_vt and s.replace(hoist_vt=False) in FP8_ALTERNATIVES]
 TWINS = [s.replace(hoist_vt=False) for s in HOISTED]
+
+
+def _cubin(spec, *fixtures):
+    """The cubin of ``spec`` from whichever of the cubin fixtures compiled it."""
+    return next(found[spec.name] for found in fixtures if spec.name in found)
 
 
 def _instructions(text: str) -> list[tuple[int, str]]:
@@ -261,8 +267,8 @@ def test_hoisted_transpose_sass(cubins, alternative_cubins, spec):
     instructions (hd128: 603 -> 179, hd256: 726 -> 174 on sm_90a); the consumers' code keeps its
     QGMMA, MUFU.EX2 and e4m3 conversion counts."""
     twin = spec.replace(hoist_vt=False)
-    assert spec in CHECKED and twin in TWINS
-    text = sass.disassemble(cubins[spec.name])
+    assert spec in CHECKED + FP8_ALTERNATIVES and twin in TWINS
+    text = sass.disassemble(_cubin(spec, cubins, alternative_cubins))
     twin_text = sass.disassemble(alternative_cubins[twin.name])
     steps = fp8.transpose_steps(spec.tile_n, spec.head_dim)
     lines = _instructions(text)
@@ -274,7 +280,8 @@ def test_hoisted_transpose_sass(cubins, alternative_cubins, spec):
     hoisted = producer_block_instructions(text, steps, steps)
     before = producer_block_instructions(twin_text, 2, steps)  # the twin's loop is unrolled twice
     assert 16 * steps < hoisted < 200 and before > 3 * hoisted, (hoisted, before)
-    report, twin_report = sass.analyze(cubins[spec.name]), sass.analyze(alternative_cubins[twin.name])
+    report = sass.analyze(_cubin(spec, cubins, alternative_cubins))
+    twin_report = sass.analyze(alternative_cubins[twin.name])
     for op in ("QGMMA", "MUFU.EX2", "F2FP.SATFINITE.E4M3"):
         assert report.counts[op] == twin_report.counts[op], (op, report.summary(), twin_report.summary())
     assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0
@@ -326,7 +333,7 @@ def test_wide_variants_are_committed():
     assert {(s.head_dim, s.tile_n, s.stages, s.causal) for s in WIDE} == {
         (128, 128, 3, False), (128, 128, 3, True), (256, 64, 3, False), (256, 64, 3, True),
     }  # fmt: skip
-    assert all(s.hoist_vt and s.replace(wide_vt=False) in FP8_DEFAULTS for s in WIDE)
+    assert all(s.hoist_vt and s.replace(wide_vt=False) in HOISTED for s in WIDE)
 
 
 @pytest.mark.parametrize("spec", [s for s in WIDE if not s.causal], ids=lambda s: s.name)
@@ -337,9 +344,9 @@ def test_wide_transpose_sass(cubins, alternative_cubins, spec):
     176, the XOR-derived addresses take most of the LDS/STS savings; hd256 174 -> 152). The consumers keep
     their QGMMA, MUFU.EX2 and e4m3 conversion counts; no spill; both setmaxnreg budgets respected."""
     twin = spec.replace(wide_vt=False)
-    assert twin in CHECKED
+    assert twin in HOISTED
     text = sass.disassemble(alternative_cubins[spec.name])
-    twin_text = sass.disassemble(cubins[twin.name])
+    twin_text = sass.disassemble(_cubin(twin, cubins, alternative_cubins))
     steps = fp8.wide_steps(spec.tile_n, spec.head_dim)
     ops, twin_ops = _producer_ops(text), _producer_ops(twin_text)
     assert ops.get("LDS.64") == 8 * steps and ops.get("STS.64") == 8 * steps, ops
@@ -350,7 +357,8 @@ def test_wide_transpose_sass(cubins, alternative_cubins, spec):
     hoisted = producer_block_instructions(twin_text, 1, 1)
     print(f"{spec.name}: producer warp per key block {hoisted} (_hvt) -> {wide} (_wvt)")
     assert 48 * steps < wide <= hoisted + 4, (wide, hoisted)
-    report, twin_report = sass.analyze(alternative_cubins[spec.name]), sass.analyze(cubins[twin.name])
+    report = sass.analyze(alternative_cubins[spec.name])
+    twin_report = sass.analyze(_cubin(twin, cubins, alternative_cubins))
     for op in ("QGMMA", "MUFU.EX2", "F2FP.SATFINITE.E4M3"):
         assert report.counts[op] == twin_report.counts[op], (op, report.summary(), twin_report.summary())
     assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0
@@ -358,3 +366,53 @@ def test_wide_transpose_sass(cubins, alternative_cubins, spec):
     assert [budget for budget, _ in regions] == _budgets(spec), regions
     assert all(used < budget for budget, used in regions), regions
     _assert_split_fits(report, spec)
+
+
+# lazy_rescale (_lres): O rescaled only when a warp's row max moves by more than 2^4; hd256's
+# default, committed beside the hd128 default and on hd256's 128x96 tile.
+LAZY = [s for s in FP8_ALTERNATIVES if s.lazy_rescale] + [s for s in CHECKED if s.lazy_rescale]
+
+
+def test_lazy_variants_are_committed():
+    committed = [s for s in FP8_DEFAULTS + FP8_ALTERNATIVES if s.lazy_rescale]
+    assert {(s.head_dim, s.tile_n, s.causal) for s in committed} == {
+        (128, 128, False), (128, 128, True), (256, 64, False), (256, 64, True), (256, 96, False), (256, 96, True),
+    }  # fmt: skip
+    assert all(s.replace(lazy_rescale=False) in set(FP8_DEFAULTS) | set(FP8_ALTERNATIVES) for s in committed)
+    assert {s.head_dim for s in FP8_DEFAULTS if s.lazy_rescale} == {256}
+    assert any(s.lazy_rescale for s in CHECKED)
+
+
+def _skipped_fmuls(text: str) -> list[int]:
+    """For each forward conditional branch of ``text``: the FMULs it jumps over, where the stretch
+    it skips holds at least one."""
+    lines = _instructions(text)
+    found = []
+    for i, (addr, ins) in enumerate(lines):
+        m = re.match(r"@!?P\d+\s+BRA\s+0x([0-9a-f]+)", ins)
+        if not m or int(m.group(1), 16) <= addr:
+            continue
+        target = int(m.group(1), 16)
+        skipped = [x for a, x in lines[i + 1 :] if a < target]
+        fmuls = sum(x.split()[0].startswith("FMUL") for x in skipped if not x.startswith("@"))
+        if fmuls:
+            found.append(fmuls)
+    return found
+
+
+@pytest.mark.parametrize("spec", LAZY, ids=lambda s: s.name)
+def test_lazy_rescale_sass(cubins, alternative_cubins, spec):
+    """A _lres variant: one warp vote per softmax (the two loop bodies and the overlap prologue),
+    and in each loop body the O rescale (head_dim / 2 FMULs per thread) behind a branch of its own
+    that the vote decides; QGMMA only, no spill, budgets kept."""
+    text = sass.disassemble(_cubin(spec, cubins, alternative_cubins))
+    report = sass.analyze(_cubin(spec, cubins, alternative_cubins))
+    bodies = 3 if spec.overlap else 2
+    assert text.count("VOTE.ANY") == bodies, report.summary()
+    rescales = [n for n in _skipped_fmuls(text) if n == spec.head_dim // 2]
+    assert len(rescales) == 2, _skipped_fmuls(text)
+    assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0, report.summary()
+    assert report.counts["HGMMA"] == 0 and report.missing("sm90", "e4m3") == [], report.summary()
+    regions = sass.setmaxnreg_regions(text)
+    assert [budget for budget, _ in regions] == _budgets(spec), regions
+    assert all(used < budget for budget, used in regions), regions

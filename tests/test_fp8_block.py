@@ -20,7 +20,7 @@ from cpu_support import rand, reference, trace_attention_block
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
-from cutefa import dispatch, fp8, ops
+from cutefa import dispatch, fp8, ops, space
 
 P_OFFSET_LOG2 = 8.0  # cutefa.kernels.sm90.fp8.P_OFFSET_LOG2 (importing it would import the DSL)
 LOG2_E = math.log2(math.e)
@@ -199,6 +199,24 @@ def test_block_quantize_errors(call, error, match):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_block_choice_of_a_pick_without_a_block_twin(causal):
+    """A dispatched e4m3 variant whose block twin is not committed (a tuned table may pick hd256's
+    128x96 tile, whose block twin would spill) runs block descales on the committed block variant of
+    its head dim and mask, and says so."""
+    picked = space.VariantSpec(
+        "sm90", "fwd", "e4m3", 256, 128, 96, 2, 12, causal=causal, overlap=True, pingpong=True,
+        hoist_vt=True, lazy_rescale=True,
+    )  # fmt: skip
+    assert picked in space.default_variants("sm90") and picked.replace(block_quant=True) not in space.default_variants("sm90")
+    choice = ops._block_choice(dispatch.Choice(picked, "sm_90a", "tuned"))
+    committed = [s for s in space.fp8_block_specs("sm90") if (s.head_dim, s.causal) == (256, causal)]
+    assert [choice.spec] == committed
+    assert f"block quantization on the committed {choice.spec.name}" in choice.reason
+    default = dispatch.Choice(committed[0].replace(block_quant=False), "sm_90a", "heuristic")
+    assert ops._block_choice(default).spec == committed[0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     ("sq", "sk", "hq", "hkv", "d"),
     [(300, 777, 4, 2, 64), (1, 17, 2, 2, 256), (200, 100, 3, 1, 192), (128, 256, 2, 2, 128)],
@@ -212,7 +230,7 @@ def test_blockwise_algorithm_is_exact(causal, sq, sk, hq, hkv, d):
     )
     choice = ops._block_choice(sm90_choice(q, k, causal))
     spec = choice.spec
-    assert spec.block_quant and spec.hoist_vt and spec.name.endswith("_blockq_hvt")
+    assert spec.block_quant and spec.hoist_vt and "_blockq_hvt" in spec.name
     assert (spec.tile_m, spec.tile_n) == cutefa.fp8_block_sizes(q, k, causal=causal, target="sm_90a")
     (_, _, _), ((q8, qd), (k8, kd), (v8, vd)) = block_inputs(
         2, sq, sk, hq, hkv, d, tiles=(spec.tile_m, spec.tile_n)

@@ -418,7 +418,7 @@ def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
     committed = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
     alternatives = space.fp8_alternative_specs("sm90")
     assert set(alternatives) <= set(committed)
-    assert len(alternatives) <= 28  # a short list for one GPU run, not a sweep (hoist_vt and wide_vt twins included)
+    assert len(alternatives) <= 32  # a short list for one GPU run, not a sweep (hoist_vt, wide_vt and lazy_rescale twins included)
     fp8 = [s for s in committed if s not in alternatives and not s.block_quant]
     assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
     assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not, on the default tile and schedule
@@ -432,7 +432,11 @@ def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
     # the e4m3 defaults (and the block-quantization ones) carry their dtype's flag: the hoisted transpose
     assert space.DEFAULT_DTYPE_FLAGS[("sm90", "e4m3")] == {"hoist_vt": True}
     assert all(s.hoist_vt for s in committed if s not in alternatives)
-    assert space.default_extras("sm90", "fwd", 256, "e4m3") == {**space.default_extras("sm90", "fwd", 256), "hoist_vt": True}
+    # hd256's e4m3 default rescales O lazily (DEFAULT_DTYPE_SCHEDULES); no other default does
+    assert space.default_extras("sm90", "fwd", 256, "e4m3") == {
+        **space.default_extras("sm90", "fwd", 256), "lazy_rescale": True, "hoist_vt": True,
+    }  # fmt: skip
+    assert {s.head_dim for s in committed if s.lazy_rescale and s not in alternatives} == {256}
     assert space.default_extras("sm90", "fwd", 128, "bf16") == space.default_extras("sm90", "fwd", 128)
     assert not any(s.hoist_vt for s in space.default_variants("sm90") if s.dtype != "e4m3")
 
@@ -446,9 +450,13 @@ def test_fp8_alternatives_are_valid_and_differ_from_the_defaults():
         assert spec.tile_n % space.SM90_FP8_MMA_K == 0 and spec.tile_m == 128, spec.name
         default = space.default_tile("sm90", spec.head_dim, "e4m3")
         schedule = space.default_extras("sm90", "fwd", spec.head_dim, "e4m3")
-        assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong, spec.exp_emu, spec.hoist_vt, spec.wide_vt) != (
-            default.tile_n, default.stages, schedule["overlap"], schedule["pingpong"], 0, True, False
-        ), spec.name
+        assert (
+            spec.tile_n, spec.stages, spec.overlap, spec.pingpong, spec.exp_emu, spec.hoist_vt, spec.wide_vt,
+            spec.lazy_rescale,
+        ) != (
+            default.tile_n, default.stages, schedule["overlap"], schedule["pingpong"], 0, True, False,
+            schedule.get("lazy_rescale", False),
+        ), spec.name  # fmt: skip
         if not spec.hoist_vt:  # the twins without the hoisted transpose: the default tile and schedule
             assert (spec.tile_n, spec.stages, spec.overlap, spec.pingpong) == (
                 default.tile_n, default.stages, schedule["overlap"], schedule["pingpong"]
@@ -459,7 +467,9 @@ def test_fp8_alternatives_are_valid_and_differ_from_the_defaults():
     wide_vt = [s for s in alternatives if s.wide_vt]
     committed = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
     assert sorted(wide_vt) == sorted(
-        s.replace(wide_vt=True) for s in committed if s not in alternatives and not s.block_quant and s.head_dim in (128, 256)
+        s.replace(wide_vt=True, lazy_rescale=False)
+        for s in committed
+        if s not in alternatives and not s.block_quant and s.head_dim in (128, 256)
     )
     # only the explicit list bypasses the register estimate: a like tile outside it still fails it
     wide = space.fp8_alternative_specs("sm90")[0].replace(head_dim=256, tile_n=128, stages=2)

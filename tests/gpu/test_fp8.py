@@ -272,6 +272,69 @@ def test_wide_transpose_matches_its_twin(gen, spec):
     _assert_bitwise_equal_to_twin(gen, spec, spec.replace(wide_vt=False))
 
 
+# lazy_rescale (_lres): committed beside the hd128 and hd256 defaults (and hd256's 128x96 tile).
+LAZY = [s for s in FP8_VARIANTS if s.lazy_rescale]
+
+
+def test_lazy_rescale_variants_are_tested():
+    assert {(s.head_dim, s.causal) for s in LAZY} == {(128, False), (128, True), (256, False), (256, True)}
+    assert all(s.replace(lazy_rescale=False) in FP8_VARIANTS for s in LAZY)
+
+
+@pytest.mark.parametrize("spec", LAZY, ids=lambda s: s.name)
+def test_lazy_rescale_on_rising_maxes(gen, spec):
+    """Scores whose row maxes keep rising through the key loop, so that the lazy variant takes both
+    of its paths many times: keys carry a mean that grows toward key 0 (the kernel walks the keys
+    from the last block to the first), queries a positive mean, so each row's max climbs by about
+    2^0.5 per 64 keys (past the 2^4 threshold every ~8 blocks) on top of the unit-variance noise.
+    Checked against the float32 attention of the dequantized inputs and the emulation as in
+    test_variant, and against the twin without the flag (same quantized inputs): relative L2
+    within the e4m3 rounding of P."""
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+
+    kernels = (get_kernel(spec, current_target()), get_kernel(spec.replace(lazy_rescale=False), current_target()))
+    d = spec.head_dim
+    scale = ref.default_scale(d)
+    for batch, sq, sk, hq, hkv in ((1, 4097, 4097, 2, 1), (2, 1000, 1000, 2, 2), (1, 300, 2500, 4, 2)):
+        q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, d)
+        q = q + 0.5
+        # q's mean 0.5 times a key's mean m over d elements, times the scale and log2(e): m moves
+        # a score by 0.5 * d * scale * log2(e) * m log2 units; the ramp rises 0.5 per 64 keys.
+        ramp_top = 0.5 * (sk / 64.0) / (0.5 * d * scale * math.log2(math.e))
+        ramp = torch.linspace(ramp_top, 0.0, sk, device="cuda")[None, :, None, None]
+        k = k + ramp
+        fp8s, descales = quantize(q, k, v)
+        outs = []
+        for kernel in kernels:
+            out = torch.full((batch, sq, hq, d), math.nan, dtype=torch.bfloat16, device="cuda")
+            lse = torch.full((batch, hq, sq), math.nan, device="cuda")
+            kernel(*fp8s, out, lse, *kv_head_descales(descales, batch, hkv), scale)
+            outs.append((out, lse))
+        torch.cuda.synchronize()
+        (out, lse), (out_twin, lse_twin) = outs
+        what = f"{spec.name} {(batch, sq, sk, hq, hkv)}"
+        # The reference takes the dequantized inputs: with scores this peaked, the rounding of q, k
+        # and v alone would exceed the emulation's 10% bound; what the ramp tests is the kernel's
+        # handling of P and O, which the emulation models exactly but for P's rounding.
+        dequantized = [fp8.dequantize_fp8(x, scale_) for x, scale_ in zip(fp8s, descales)]
+        exact, _ = ref.attention_ref(*dequantized, causal=spec.causal)
+        emul, emul_lse = emulate(fp8s, descales, causal=spec.causal, scale=scale)
+        check_out(out, lse, exact, emul, what=what)
+        assert not torch.isnan(out_twin).any(), what
+        diff = ref.rel_l2(out.float(), out_twin.float())
+        assert diff <= 0.05, f"{what}: rel L2 {diff:.4f} against the twin without lazy_rescale"
+        # Against the emulation: scores of a few hundred here, and the e4m3 tensor cores'
+        # accumulation (fewer mantissa bits than fp32) moves the lse by up to ~2^-12 of its size,
+        # so the bound grows with it as in test_fp8_block_gpu.py. Against the twin (the same S
+        # from the same tensor cores; only the fp32 row sums' offsets differ): 1e-3.
+        for other, against, rel, tol in ((emul_lse, "the emulation", 2.0**-9, LSE_TOL), (lse_twin, "the twin", 0.0, 1e-3)):
+            finite = torch.isfinite(other)
+            assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse finite where {against}'s is not"
+            err = (lse[finite] - other[finite]).abs()
+            assert torch.all(err <= tol + rel * other[finite].abs()), f"{what}: lse off {against} by {err.max().item():.4g}"
+
+
 @pytest.mark.parametrize("head_dim", sorted({s.head_dim for s in FP8_VARIANTS}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("granularity", ["tensor", "head"])

@@ -32,6 +32,19 @@ MMA_K = 32  # k of one fp8 WGMMA
 # e4m3 subnormals (max e4m3 is 448 > 256). Row sums carry the same factor, so it cancels in O; the
 # LSE subtracts it.
 P_OFFSET_LOG2 = 8.0
+# lazy_rescale variants: a warp keeps its rows' running maxes until a key block raises some row's
+# max by more than LAZY_RESCALE_LOG2 (log2 units); only then are its maxes, row sums and O rescaled
+# (one warp-uniform branch; after the first key blocks almost never). P = exp2(score - kept max +
+# LAZY_P_OFFSET_LOG2) then stays below 2^(4 + 4) = 256 as the default's does (probabilities down to
+# 2^-10 of a fresh row max stay normal). Exact: the max only offsets the exponents that the row sums
+# and the LSE are taken against.
+LAZY_RESCALE_LOG2 = 4.0
+LAZY_P_OFFSET_LOG2 = 4.0
+
+
+def p_offset_log2(lazy: bool) -> float:
+    """The shift of P (log2) of a variant with or without lazy_rescale."""
+    return LAZY_P_OFFSET_LOG2 if lazy else P_OFFSET_LOG2
 
 # Register layouts of one warpgroup (threads x values -> (row, col) of the tile, column-major
 # index row + 64 * col), as the DSL's fp8 WGMMA atom reports them (a compile test checks).
@@ -543,6 +556,26 @@ class WideTransposeV:
 
 
 @cute.jit
+def block_row_maxes(s_mn: cute.Tensor, scale: Float32) -> cute.Tensor:
+    """Per row of ``s_mn``: its largest score over the quad that holds the row, times ``scale``."""
+    blk = cute.make_rmem_tensor((cute.size(s_mn, mode=[0]),), Float32)
+    for r in cutlass.range_constexpr(cute.size(blk)):
+        blk[r] = quad_allreduce_max(s_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)) * scale
+    return blk
+
+
+@cute.jit
+def warp_moves_max(blk_max: cute.Tensor, row_max: cute.Tensor, scale_log2: Float32) -> cutlass.Boolean:
+    """lazy_rescale: whether some row of this warp has a block max above its running max by more
+    than LAZY_RESCALE_LOG2 ((blk - prev) * scale_log2 in log2 units: a row's first finite block
+    gives +inf, a row that has seen only masked scores NaN, i.e. no). The same for every lane."""
+    need = cutlass.Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        need = need | ((blk_max[r] - row_max[r]) * scale_log2 > LAZY_RESCALE_LOG2)
+    return cute.arch.vote_any_sync(need)
+
+
+@cute.jit
 def online_softmax_step(
     s_mn: cute.Tensor,
     row_max: cute.Tensor,
@@ -550,6 +583,7 @@ def online_softmax_step(
     scale_log2: Float32,
     corr: cute.Tensor,
     emu_per_16: cutlass.Constexpr = 0,
+    lazy: cutlass.Constexpr = False,
 ):
     """Scores ``s_mn`` (rows x cols, fp32) to probabilities scaled by 2^P_OFFSET_LOG2, in place;
     the per-row rescale factors of O go to ``corr`` (applied by the caller once no MMA reads O).
@@ -557,19 +591,30 @@ def online_softmax_step(
     Of every 16 scores of a thread's row the last ``emu_per_16`` take :func:`exp2_fma` on the FMA
     units instead of MUFU.EX2 (0: all on MUFU, the code of the default variants). Its arguments
     reach +P_OFFSET_LOG2 = 8 here, not only <= 0: the Cody-Waite split adds round(x) into the
-    exponent bits, exact for any x up to 127."""
+    exponent bits, exact for any x up to 127.
+
+    ``lazy`` (lazy_rescale variants): the warp's maxes move only when :func:`warp_moves_max` says
+    so, P is shifted by LAZY_P_OFFSET_LOG2; returns that warp-uniform flag (the caller rescales O
+    only where it is set; ``corr`` is 1 elsewhere). Without ``lazy`` returns True."""
+    moved = True
+    if cutlass.const_expr(lazy):
+        blk = block_row_maxes(s_mn, Float32(1.0))
+        moved = warp_moves_max(blk, row_max, scale_log2)
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
-        blk_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
         prev_max = row_max[r]
-        new_max = cute.arch.fmax(prev_max, blk_max)
+        if cutlass.const_expr(lazy):
+            new_max = cutlass.select_(moved, cute.arch.fmax(prev_max, blk[r]), prev_max)
+        else:
+            blk_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
+            new_max = cute.arch.fmax(prev_max, blk_max)
         # A row that has seen only masked scores keeps max = -inf: offset by 0 so that
         # exp2(-inf - offset) = 0 instead of NaN.
         offset = (0.0 if new_max == -Float32.inf else new_max) * scale_log2
         if cutlass.const_expr(emu_per_16 == 0):
-            p = cute.math.exp2(row * scale_log2 - (offset - P_OFFSET_LOG2), fastmath=True)
+            p = cute.math.exp2(row * scale_log2 - (offset - p_offset_log2(lazy)), fastmath=True)
         else:
-            s_mn[r, None].store(row * scale_log2 - (offset - P_OFFSET_LOG2))
+            s_mn[r, None].store(row * scale_log2 - (offset - p_offset_log2(lazy)))
             for j in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 if cutlass.const_expr(j % 16 >= 16 - emu_per_16):
                     s_mn[r, j] = exp2_fma(s_mn[r, j])
@@ -580,6 +625,7 @@ def online_softmax_step(
         row_sum[r] = row_sum[r] * corr[r] + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
         row_max[r] = new_max
         s_mn[r, None].store(p)
+    return moved
 
 
 @cute.jit
@@ -592,6 +638,7 @@ def online_softmax_step_block(
     v_ratio_inv: Float32,
     corr: cute.Tensor,
     emu_per_16: cutlass.Constexpr = 0,
+    lazy: cutlass.Constexpr = False,
 ):
     """:func:`online_softmax_step` for block-quantized inputs (``block_quant`` variants).
 
@@ -602,15 +649,24 @@ def online_softmax_step_block(
     sv[n] / max(sv) in (0, 1]: its log2 ``v_ratio_log2`` joins the exp2 bias, so the probabilities
     left in ``s_mn`` (and converted to e4m3 for P V) are P * r[n], while ``row_sum`` accumulates the
     unscaled P (the tile's sum times ``v_ratio_inv`` = 1 / r[n]). The epilogue multiplies O by
-    max(sv). Per score this is the FFMA and MUFU.EX2 of the per-head path; per row two more FMULs."""
+    max(sv). Per score this is the FFMA and MUFU.EX2 of the per-head path; per row two more FMULs.
+    ``lazy`` and the return value as in :func:`online_softmax_step` (row_max is in scaled log2
+    units here, so the block maxes are compared scaled)."""
+    moved = True
+    if cutlass.const_expr(lazy):
+        blk = block_row_maxes(s_mn, tile_scale_log2)
+        moved = warp_moves_max(blk, row_max, Float32(1.0))
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
-        blk_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
         prev_max = row_max[r]
-        new_max = cute.arch.fmax(prev_max, blk_max * tile_scale_log2)
+        if cutlass.const_expr(lazy):
+            new_max = cutlass.select_(moved, cute.arch.fmax(prev_max, blk[r]), prev_max)
+        else:
+            blk_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
+            new_max = cute.arch.fmax(prev_max, blk_max * tile_scale_log2)
         # A row that has seen only masked scores keeps max = -inf: offset by 0 (see online_softmax_step).
         offset = 0.0 if new_max == -Float32.inf else new_max
-        bias = offset - (P_OFFSET_LOG2 + v_ratio_log2)
+        bias = offset - (p_offset_log2(lazy) + v_ratio_log2)
         if cutlass.const_expr(emu_per_16 == 0):
             p = cute.math.exp2(row * tile_scale_log2 - bias, fastmath=True)
         else:
@@ -625,6 +681,7 @@ def online_softmax_step_block(
         row_sum[r] = row_sum[r] * corr[r] + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0) * v_ratio_inv
         row_max[r] = new_max
         s_mn[r, None].store(p)
+    return moved
 
 
 @cute.jit
@@ -635,10 +692,12 @@ def softmax_finalize(
     scale_log2: Float32,
     v_descale: Float32,
     lse: cute.Tensor,
+    lazy: cutlass.Constexpr = False,
 ):
     """O = O * v_descale / row_sum and the natural-log LSE of the dequantized scores per row.
     Rows with no unmasked key get O = 0 and LSE = -inf. ``row_max`` times ``scale_log2`` is the
-    row max in log2 units (block_quant variants keep it scaled already and pass 1)."""
+    row max in log2 units (block_quant variants keep it scaled already and pass 1); ``lazy``: P
+    was shifted by LAZY_P_OFFSET_LOG2 (lazy_rescale)."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
         total = quad_allreduce_sum(row_sum[r])
         empty = total == 0.0 or total != total  # noqa: PLR0124 -- the NaN test
@@ -647,7 +706,7 @@ def softmax_finalize(
         lse[r] = (
             -Float32.inf
             if empty
-            else (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True) - P_OFFSET_LOG2) * LN_2
+            else (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True) - p_offset_log2(lazy)) * LN_2
         )
 
 
@@ -659,6 +718,8 @@ def rescale_rows(o_mn: cute.Tensor, corr: cute.Tensor):
 
 __all__ = [
     "FP8",
+    "LAZY_P_OFFSET_LOG2",
+    "LAZY_RESCALE_LOG2",
     "MMA_K",
     "P_OFFSET_LOG2",
     "P_STRIDES",
@@ -670,11 +731,13 @@ __all__ = [
     "WIDE_UNIT_BYTES",
     "TransposeV",
     "WideTransposeV",
+    "block_row_maxes",
     "composed_offset",
     "hoisted_plan",
     "key_of_a_column",
     "online_softmax_step",
     "online_softmax_step_block",
+    "p_offset_log2",
     "p_views",
     "pv_tiled_mma",
     "qk_tiled_mma",
@@ -689,6 +752,7 @@ __all__ = [
     "transpose_unit",
     "transpose_v",
     "transpose_words",
+    "warp_moves_max",
     "wide_steps",
     "wide_transpose_plan",
     "wide_transpose_unit",
