@@ -31,7 +31,9 @@ fi
 if has tune; then
     for arch in $(python3 -c "from cutefa.spec import families_for_target as f; print(*f('$target'))"); do
         for direction in fwd bwd; do
-            python3 -m cutefa tune --arch "$arch" --direction "$direction" --out "$out/tuned" 2>&1 |
+            dtypes=fp16,bf16
+            [[ $direction == fwd ]] && dtypes=fp16,bf16,e4m3  # the fp8 forward (no fp8 backward)
+            python3 -m cutefa tune --arch "$arch" --direction "$direction" --dtype "$dtypes" --out "$out/tuned" 2>&1 |
                 tee -a "$out/tune.log" | tail -n 2
         done
     done
