@@ -1274,6 +1274,21 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
     },
 }
 
+# Backward alternatives of other dtypes than BWD_ALTERNATIVE_DTYPES, per (arch, dtype): fp16 gets the
+# dQ-writer warp (dq_warp) on the tiles where bf16's tuned table runs it (hd64 and hd128, +1-4% in
+# bf16, docs/perf-notes.md "The dQ-writer warp measured"), and hd128's overlap schedule with and
+# without it, so that fp16's table can pick them too.
+BWD_DTYPE_ALTERNATIVES: dict[tuple[str, str], dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]] = {
+    ("sm90", "fp16"): {
+        64: ((Tile(128, 128, 2, 12), {"dq_bulk": True, "dq_warp": True}),),
+        128: (
+            (Tile(64, 128, 2, 12), {"dq_bulk": True, "dq_warp": True}),
+            (Tile(64, 128, 2, 12), {"overlap": True, "dq_bulk": True}),
+            (Tile(64, 128, 2, 12), {"overlap": True, "dq_bulk": True, "dq_warp": True}),
+        ),
+    },
+}
+
 
 def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | None:
     """The dQ piece of each consumer warpgroup, (64-row block, first column, columns), or None
@@ -1698,7 +1713,7 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     schedule) pairs, and the PAIR_ALTERNATIVES tiles as CTA
     pairs (cta_pair, with the default extras); backward: DEFAULT_BWD_TILES, the
     BWD_TUNING_ALTERNATIVES tiles, and the BWD_ALTERNATIVES (tile, flags) in the
-    BWD_ALTERNATIVE_DTYPES. A direction contributes only once its kernel exists (IMPLEMENTED).
+    BWD_ALTERNATIVE_DTYPES, plus a dtype's own BWD_DTYPE_ALTERNATIVES. A direction contributes only once its kernel exists (IMPLEMENTED).
     e4m3 (fp8) gets the default tile and schedule (:data:`DEFAULT_ONLY_DTYPES`) plus its own
     explicit list, :data:`FP8_ALTERNATIVES`, and the block-quantization forwards
     (:func:`fp8_block_specs`).
@@ -1752,6 +1767,14 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
             if d in directions
             for dtype in BWD_ALTERNATIVE_DTYPES
             if dtype in IMPLEMENTED.get((arch, d), ())
+            for causal in (False, True)
+        }
+        | {
+            VariantSpec(arch, "bwd", dtype, head_dim, *tile, causal=causal, **extras)
+            for (family, dtype), alts in BWD_DTYPE_ALTERNATIVES.items()
+            if family == arch and "bwd" in directions and dtype in IMPLEMENTED.get((arch, "bwd"), ())
+            for head_dim, entries_ in alts.items()
+            for tile, extras in entries_
             for causal in (False, True)
         }
     )

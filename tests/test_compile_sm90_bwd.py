@@ -107,18 +107,23 @@ def test_sass_sm90a_bwd(cubins, spec):
 
 
 def test_alternatives_are_bf16_schedules_beside_the_defaults():
-    """BWD_ALTERNATIVES: bf16 only, at most 32, each a valid spec that differs from its head dim's
-    default; dispatch (backward.choose_bwd) with no tuned table picks the default."""
+    """BWD_ALTERNATIVES: bf16, at most 32, each a valid spec that differs from its head dim's
+    default; fp16 only the dQ-writer warp's and hd128's overlap (BWD_DTYPE_ALTERNATIVES); dispatch (backward.choose_bwd)
+    with no tuned table picks the default."""
     import torch
 
     from cutefa import backward
 
-    assert 0 < len(ALTERNATIVES) <= 32
-    assert {s.dtype for s in ALTERNATIVES} == {"bf16"}
+    bf16 = [s for s in ALTERNATIVES if s.dtype == "bf16"]
+    fp16 = [s for s in ALTERNATIVES if s.dtype == "fp16"]
+    assert 0 < len(bf16) <= 32 and len(bf16) + len(fp16) == len(ALTERNATIVES)
+    assert fp16 and all(s.dq_bulk and (s.dq_warp or s.overlap) for s in fp16)
+    assert {s.replace(dtype="bf16") for s in fp16} <= set(bf16)
     assert {s.head_dim for s in ALTERNATIVES} == {64, 128}
     for spec in ALTERNATIVES:
         assert space.why_invalid(spec) is None, spec.name
-        chosen = backward.choose_bwd("sm_90a", torch.bfloat16, spec.head_dim, spec.causal)
+        dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
+        chosen = backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal)
         assert chosen in DEFAULTS and chosen != spec
     assert any(s.overlap for s in ALTERNATIVES) and any(s.stages == 3 for s in ALTERNATIVES)
 

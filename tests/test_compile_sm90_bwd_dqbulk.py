@@ -57,7 +57,7 @@ def _twin(spec: VariantSpec) -> VariantSpec:
 
 def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
     """dq_bulk is the sm90 backward default at head dims 64, 96, 128 (every dtype, both masks) and
-    with the overlap schedule a bf16 alternative at 64 and 128; on the head-dim split hd256's default
+    with the overlap schedule a bf16 alternative at 64 and 128 (and an fp16 one at 128); on the head-dim split hd256's default
     with the overlap schedule (every dtype) and a bf16 alternative without it, at hd192 bf16
     alternatives, plain and overlap; each has its per-thread-reduction twin committed (bf16) to be
     timed beside it; dispatch picks the default without a tuned table's entry."""
@@ -73,6 +73,7 @@ def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
         [("bf16", hd, causal, True) for hd in (64, 128) for causal in (False, True)]
         + [("bf16", hd, causal, ov) for hd in (192, 256) for causal in (False, True) for ov in (False, True)]
         + [("fp16", 256, causal, True) for causal in (False, True)]  # hd256's default, the overlap schedule
+        + [("fp16", 128, causal, True) for causal in (False, True)]  # space.BWD_DTYPE_ALTERNATIVES
     )
     committed = set(space.default_variants("sm90", "bwd"))
     for spec in BULK:

@@ -34,7 +34,9 @@ from cutefa.spec import VariantSpec, parse_name
 DQW = [s for s in space.default_variants("sm90", "bwd") if s.dq_warp and not s.row_prefetch]
 # hd128 64x128 (a column split of dQ) causal with the overlap schedule; hd64 128x128 (a row split)
 # non-causal with the default schedule.
-CHECKED = [s for s in DQW if (s.head_dim, s.causal, s.overlap) in ((128, True, True), (64, False, False))]
+CHECKED = [
+    s for s in DQW if s.dtype == "bf16" and (s.head_dim, s.causal, s.overlap) in ((128, True, True), (64, False, False))
+]
 
 # named barrier ids (templates/bwd_sm90.py.j2): consumer c's "dQ full" 4 + c, "dQ empty" 6 + c;
 # dq_bulk's per-consumer staging barriers 2 and 3; 0xa0 = 160 threads (a warpgroup and a warp)
@@ -70,12 +72,15 @@ def test_flag_name_rule_and_budget():
 
 
 def test_variants_committed():
-    """bf16 only, on the tuned table's tiles: hd64 128x128 (dq_bulk), hd128 64x128 with and without
-    the overlap schedule; causal and not; each beside its committed dq_bulk twin."""
-    assert {s.dtype for s in DQW} == {"bf16"}
-    assert sorted((s.head_dim, s.tile_m, s.overlap, s.causal) for s in DQW) == sorted(
-        [(64, 128, False, c) for c in (False, True)] + [(128, 64, ov, c) for ov in (False, True) for c in (False, True)]
-    )
+    """bf16 and fp16 (space.BWD_DTYPE_ALTERNATIVES), on the tuned table's tiles: hd64 128x128
+    (dq_bulk), hd128 64x128 with and without the overlap schedule; causal and not; each beside its
+    committed dq_bulk twin."""
+    assert {s.dtype for s in DQW} == {"bf16", "fp16"}
+    for dtype in ("bf16", "fp16"):
+        assert sorted((s.head_dim, s.tile_m, s.overlap, s.causal) for s in DQW if s.dtype == dtype) == sorted(
+            [(64, 128, False, c) for c in (False, True)]
+            + [(128, 64, ov, c) for ov in (False, True) for c in (False, True)]
+        )
     committed = set(space.default_variants("sm90", "bwd"))
     for spec in DQW:
         assert spec.name.endswith("_dqbulk_dqw") and spec.dq_bulk

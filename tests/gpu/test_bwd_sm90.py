@@ -215,7 +215,9 @@ def test_dispatch_picks_sm90_backward(target):
 def test_every_alternative_is_exercised():
     """The alternatives are part of BACKWARDS (so test_variant_grads runs each of them)."""
     assert ALTERNATIVES and all(_default_twin(s) in BACKWARDS for s in ALTERNATIVES)
-    assert len(ALTERNATIVES) == sum(2 * len(a) for a in space.BWD_ALTERNATIVES["sm90"].values())
+    assert len(ALTERNATIVES) == sum(2 * len(a) for a in space.BWD_ALTERNATIVES["sm90"].values()) + sum(
+        2 * len(a) for (arch, _), alts in space.BWD_DTYPE_ALTERNATIVES.items() if arch == "sm90" for a in alts.values()
+    )
 
 
 @pytest.mark.parametrize("spec", ALTERNATIVES, ids=lambda s: s.name)
