@@ -554,25 +554,24 @@ def _pair_cvt_rule(spec: VariantSpec) -> str | None:
     return None
 
 
-def _hoist_vt_rule(spec: VariantSpec) -> str | None:
-    if not spec.hoist_vt:
+def _sm90_e4m3_forward_flag(spec: VariantSpec, flag: str, what: str) -> str | None:
+    """Why ``spec`` may not set ``flag`` (a flag of the sm90 e4m3 forward, described by ``what``):
+    None where it is unset or ``spec`` is that forward."""
+    if not getattr(spec, flag) or (spec.arch, spec.direction, spec.dtype) == ("sm90", "fwd", "e4m3"):
         return None
-    if (spec.arch, spec.direction, spec.dtype) != ("sm90", "fwd", "e4m3"):
-        return (
-            "hoist_vt (the V transpose's addresses hoisted) is an sm90 e4m3 forward flag, not a "
-            f"{spec.arch} {spec.dtype} {spec.direction} one"
-        )
-    return None
+    return f"{flag} ({what}) is an sm90 e4m3 forward flag, not a {spec.arch} {spec.dtype} {spec.direction} one"
+
+
+def _hoist_vt_rule(spec: VariantSpec) -> str | None:
+    return _sm90_e4m3_forward_flag(spec, "hoist_vt", "the V transpose's addresses hoisted")
 
 
 def _wide_vt_rule(spec: VariantSpec) -> str | None:
     if not spec.wide_vt:
         return None
-    if (spec.arch, spec.direction, spec.dtype) != ("sm90", "fwd", "e4m3"):
-        return (
-            "wide_vt (the V transpose with 64-bit shared-memory accesses) is an sm90 e4m3 forward flag, "
-            f"not a {spec.arch} {spec.dtype} {spec.direction} one"
-        )
+    wrong_family = _sm90_e4m3_forward_flag(spec, "wide_vt", "the V transpose with 64-bit shared-memory accesses")
+    if wrong_family:
+        return wrong_family
     if not spec.hoist_vt:
         return "wide_vt requires hoist_vt (the wide transpose's addresses are hoisted like the _hvt transpose's)"
     if spec.tile_n % SM90_FP8_MMA_K:
@@ -590,14 +589,7 @@ def _wide_vt_rule(spec: VariantSpec) -> str | None:
 
 
 def _lazy_rescale_rule(spec: VariantSpec) -> str | None:
-    if not spec.lazy_rescale:
-        return None
-    if (spec.arch, spec.direction, spec.dtype) != ("sm90", "fwd", "e4m3"):
-        return (
-            "lazy_rescale (O rescaled only when a warp's row max moves by more than 2^4) is an sm90 e4m3 "
-            f"forward flag, not a {spec.arch} {spec.dtype} {spec.direction} one"
-        )
-    return None
+    return _sm90_e4m3_forward_flag(spec, "lazy_rescale", "O rescaled only when a warp's row max moves by more than 2^4")
 
 
 def _lpt_grid_rule(spec: VariantSpec) -> str | None:

@@ -258,9 +258,13 @@ def test_hoisted_transpose_matches_its_twin(gen, spec):
 WIDE = [s for s in FP8_VARIANTS if s.wide_vt]
 
 
-def test_wide_transpose_variants_are_tested():
-    assert {(s.head_dim, s.causal) for s in WIDE} == {(128, False), (128, True), (256, False), (256, True)}
-    assert all(s.replace(wide_vt=False) in FP8_VARIANTS for s in WIDE)
+@pytest.mark.parametrize("flag", ["wide_vt", "lazy_rescale"])
+def test_flag_variants_are_tested(flag):
+    """The wide transpose and the lazy rescale: committed at hd128 and hd256, both masks, each beside
+    its twin without the flag."""
+    flagged = [s for s in FP8_VARIANTS if getattr(s, flag)]
+    assert {(s.head_dim, s.causal) for s in flagged} == {(128, False), (128, True), (256, False), (256, True)}
+    assert all(s.replace(**{flag: False}) in FP8_VARIANTS for s in flagged)
 
 
 @pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
@@ -274,11 +278,6 @@ def test_wide_transpose_matches_its_twin(gen, spec):
 
 # lazy_rescale (_lres): committed beside the hd128 and hd256 defaults (and hd256's 128x96 tile).
 LAZY = [s for s in FP8_VARIANTS if s.lazy_rescale]
-
-
-def test_lazy_rescale_variants_are_tested():
-    assert {(s.head_dim, s.causal) for s in LAZY} == {(128, False), (128, True), (256, False), (256, True)}
-    assert all(s.replace(lazy_rescale=False) in FP8_VARIANTS for s in LAZY)
 
 
 @pytest.mark.parametrize("spec", LAZY, ids=lambda s: s.name)
