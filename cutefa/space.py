@@ -320,6 +320,10 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
             # serializes its WGMMAs: pair_cvt there)
             (Tile(128, 80, 2, 12), {"overlap": True, "pair_cvt": True, "lpt_grid": True}),
             (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "early_rescale": True, "pair_cvt": True, "lpt_grid": True}),
+            # the table's schedules with O rescaled only when a warp's row max moves by more than
+            # 2^8 (lazy_rescale; hd256 rescales 128 accumulators per thread every key block)
+            (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "early_rescale": True, "pair_cvt": True, "lazy_rescale": True}),
+            (Tile(128, 80, 2, 12), {"overlap": True, "pingpong": True, "early_rescale": True, "pair_cvt": True, "lpt_grid": True, "lazy_rescale": True}),
         ),
         # hd128 with longer key tiles (FlashAttention-3's non-causal hd128 tile is 128x176): half the
         # per-block fixed costs (barriers, row reductions, the O rescale, pipeline waits) per FLOP.
@@ -331,7 +335,9 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
         96: ((Tile(128, 128, 2, 12), _PCVT_OV_PP),),
         # and the table's causal tiles (128x128, 128x160) on the longest-first 1-D grid (lpt_grid)
         128: tuple((Tile(128, n, 2, 12), _PCVT_OV_PP) for n in (128, 144, 160, 176, 192))
-        + tuple((Tile(128, n, 2, 12), {**_PCVT_OV_PP, "lpt_grid": True}) for n in (128, 160)),
+        + tuple((Tile(128, n, 2, 12), {**_PCVT_OV_PP, "lpt_grid": True}) for n in (128, 160))
+        # the table's long tiles with the lazy O rescale (lazy_rescale)
+        + tuple((Tile(128, n, 2, 12), {**_PCVT_OV_PP, "lazy_rescale": True}) for n in (160, 176)),
         # The default hd192 128x96 tile converts P one score per instruction in bf16 (120 of 180 F2FP
         # element-wise, P V issued in 21 groups): its pair_cvt twin.
         192: ((Tile(128, 96, 2, 12), _PCVT_OV_PP),),
@@ -365,6 +371,9 @@ _SM90_SCHEDULES: tuple[dict[str, bool], ...] = tuple(
     {"overlap": True, "pingpong": pp, "lpt_grid": True, **extra}
     for pp in (False, True)
     for extra in ({}, {"pair_cvt": True}, {"early_rescale": True, "pair_cvt": True})
+) + tuple(  # ping-pong and paired conversion with the lazy O rescale, on either grid
+    {"overlap": True, "pingpong": True, "pair_cvt": True, "lazy_rescale": True, **extra}
+    for extra in ({}, {"early_rescale": True}, {"early_rescale": True, "lpt_grid": True})
 )
 
 
@@ -589,7 +598,18 @@ def _wide_vt_rule(spec: VariantSpec) -> str | None:
 
 
 def _lazy_rescale_rule(spec: VariantSpec) -> str | None:
-    return _sm90_e4m3_forward_flag(spec, "lazy_rescale", "O rescaled only when a warp's row max moves by more than 2^4")
+    if not spec.lazy_rescale or spec.dtype == "e4m3":
+        return _sm90_e4m3_forward_flag(spec, "lazy_rescale", "O rescaled only when a warp's row max moves")
+    if (spec.arch, spec.direction) != ("sm90", "fwd"):
+        return (
+            "lazy_rescale (O rescaled only when a warp's row max moves) is an sm90 forward flag, not a "
+            f"{spec.arch} {spec.direction} one"
+        )
+    if not spec.overlap:
+        return "lazy_rescale: the sm90 16-bit forward rescales lazily in the overlap schedule only (its deferred softmax step)"
+    if spec.exp_emu:
+        return "lazy_rescale with exp_emu: the lazy softmax step keeps every exp2 on MUFU"
+    return None
 
 
 def _lpt_grid_rule(spec: VariantSpec) -> str | None:

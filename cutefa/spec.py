@@ -143,10 +143,11 @@ class VariantSpec:
     # half the shared-memory instructions of the 4 x 4 unit; the same bytes land in the same Vt
     # words. Name token _wvt.
     wide_vt: bool = False
-    # sm90 e4m3 forward: a warp keeps its rows' running maxes (the exp2 offsets) until a key block
-    # raises one of them by more than 2^4, and rescales its rows of O only then, in one warp-uniform
-    # branch (fp8.warp_moves_max); P is shifted by 2^4 instead of 2^8 so that it stays below 256.
-    # Exact up to rounding. Name token _lres.
+    # sm90 forward: a warp keeps its rows' running maxes (the exp2 offsets) until a key block raises
+    # one of them by more than a threshold, and rescales its rows of O only then, in one
+    # warp-uniform branch (cutefa/kernels/common/lazy_rescale.py): e4m3 2^4 with P shifted by 2^4
+    # instead of 2^8 (below 256 either way), fp16/bf16 2^8 (the overlap schedule). Exact up to
+    # rounding. Name token _lres.
     lazy_rescale: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).

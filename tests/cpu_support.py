@@ -1,11 +1,12 @@
 """What the CPU test files share: seeded random inputs, a plain attention reference, tracing a
-flash_attn_func call under torch.compile on fake CUDA tensors, and loading a script of tools/ as a
-module."""
+flash_attn_func call under torch.compile on fake CUDA tensors, loading a script of tools/ as a
+module, and reading the branches of a kernel's SASS."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -67,3 +68,23 @@ def load_tool(name: str):
         sys.modules[key] = module
         spec.loader.exec_module(module)
     return sys.modules[key]
+
+
+def skipped_fmuls(sass_text: str) -> list[int]:
+    """For each forward conditional branch of the SASS text (``cuobjdump -sass``): the FMULs it jumps
+    over, where the stretch it skips holds at least one (the lazy O rescale's branches)."""
+    lines = [
+        (int(m.group(1), 16), m.group(2))
+        for m in re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*);", sass_text, re.MULTILINE)
+    ]
+    found = []
+    for i, (addr, ins) in enumerate(lines):
+        m = re.match(r"@!?P\d+\s+BRA\s+0x([0-9a-f]+)", ins)
+        if not m or int(m.group(1), 16) <= addr:
+            continue
+        target = int(m.group(1), 16)
+        skipped = [x for a, x in lines[i + 1 :] if a < target]
+        fmuls = sum(x.split()[0].startswith("FMUL") for x in skipped if not x.startswith("@"))
+        if fmuls:
+            found.append(fmuls)
+    return found

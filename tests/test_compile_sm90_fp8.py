@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from cpu_support import skipped_fmuls
 
 from cutefa import sass, space
 from cutefa.kernels.sm90 import fp8
@@ -383,23 +384,6 @@ def test_lazy_variants_are_committed():
     assert any(s.lazy_rescale for s in CHECKED)
 
 
-def _skipped_fmuls(text: str) -> list[int]:
-    """For each forward conditional branch of ``text``: the FMULs it jumps over, where the stretch
-    it skips holds at least one."""
-    lines = _instructions(text)
-    found = []
-    for i, (addr, ins) in enumerate(lines):
-        m = re.match(r"@!?P\d+\s+BRA\s+0x([0-9a-f]+)", ins)
-        if not m or int(m.group(1), 16) <= addr:
-            continue
-        target = int(m.group(1), 16)
-        skipped = [x for a, x in lines[i + 1 :] if a < target]
-        fmuls = sum(x.split()[0].startswith("FMUL") for x in skipped if not x.startswith("@"))
-        if fmuls:
-            found.append(fmuls)
-    return found
-
-
 @pytest.mark.parametrize("spec", LAZY, ids=lambda s: s.name)
 def test_lazy_rescale_sass(cubins, alternative_cubins, spec):
     """A _lres variant: one warp vote per softmax (the two loop bodies and the overlap prologue),
@@ -409,8 +393,8 @@ def test_lazy_rescale_sass(cubins, alternative_cubins, spec):
     report = sass.analyze(_cubin(spec, cubins, alternative_cubins))
     bodies = 3 if spec.overlap else 2
     assert text.count("VOTE.ANY") == bodies, report.summary()
-    rescales = [n for n in _skipped_fmuls(text) if n == spec.head_dim // 2]
-    assert len(rescales) == 2, _skipped_fmuls(text)
+    rescales = [n for n in skipped_fmuls(text) if n == spec.head_dim // 2]
+    assert len(rescales) == 2, skipped_fmuls(text)
     assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0, report.summary()
     assert report.counts["HGMMA"] == 0 and report.missing("sm90", "e4m3") == [], report.summary()
     regions = sass.setmaxnreg_regions(text)

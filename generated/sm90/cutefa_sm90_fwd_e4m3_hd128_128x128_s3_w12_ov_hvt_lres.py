@@ -12,7 +12,7 @@ scale, v_descale into the final normalisation. TMA zero-fills rows past the end 
 stored from registers with a row predicate.
 
 Lazy rescale: a warp keeps its rows' running maxes until a key block raises one of them by more
-than 2^4 (fp8.warp_moves_max) and only then rescales its rows of O; P is shifted by 2^4.
+than 2^4 (cutefa/kernels/common/lazy_rescale.py) and only then rescales its rows of O; P is shifted by 2^4.
 """
 
 import cuda.bindings.driver as cuda
@@ -288,7 +288,7 @@ class Kernel:
                 moved = fp8.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
                 warpgroup.wait_group(0)
                 v_handle.release()
-                if moved:  # warp-uniform: some row of this warp raised its max (fp8.warp_moves_max)
+                if moved:  # warp-uniform: some row of this warp raised its max (cutefa/kernels/common/lazy_rescale.py)
                     fp8.rescale_rows(o_mn, corr)
                 rP_acc.store(s_perm.load().to(fp8.FP8))
             for i in cutlass.range(unmasked_rest, unroll=1):
@@ -309,7 +309,7 @@ class Kernel:
                 moved = fp8.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
                 warpgroup.wait_group(0)
                 v_handle.release()
-                if moved:  # warp-uniform: some row of this warp raised its max (fp8.warp_moves_max)
+                if moved:  # warp-uniform: some row of this warp raised its max (cutefa/kernels/common/lazy_rescale.py)
                     fp8.rescale_rows(o_mn, corr)
                 rP_acc.store(s_perm.load().to(fp8.FP8))
             if n_blocks > 0:  # P V of the first key block

@@ -18,7 +18,7 @@ one, so the e4m3 P carries V's scale while the row sums stay unscaled; O is mult
 largest v descale (fp8.online_softmax_step_block).
 
 Lazy rescale: a warp keeps its rows' running maxes until a key block raises one of them by more
-than 2^4 (fp8.warp_moves_max) and only then rescales its rows of O; P is shifted by 2^4.
+than 2^4 (cutefa/kernels/common/lazy_rescale.py) and only then rescales its rows of O; P is shifted by 2^4.
 """
 
 import cuda.bindings.driver as cuda
@@ -330,7 +330,7 @@ class Kernel:
                 )
                 warpgroup.wait_group(0)
                 v_handle.release()
-                if moved:  # warp-uniform: some row of this warp raised its max (fp8.warp_moves_max)
+                if moved:  # warp-uniform: some row of this warp raised its max (cutefa/kernels/common/lazy_rescale.py)
                     fp8.rescale_rows(o_mn, corr)
                 rP_acc.store(s_perm.load().to(fp8.FP8))
             for i in cutlass.range(unmasked_rest, unroll=1):
@@ -358,7 +358,7 @@ class Kernel:
                 )
                 warpgroup.wait_group(0)
                 v_handle.release()
-                if moved:  # warp-uniform: some row of this warp raised its max (fp8.warp_moves_max)
+                if moved:  # warp-uniform: some row of this warp raised its max (cutefa/kernels/common/lazy_rescale.py)
                     fp8.rescale_rows(o_mn, corr)
                 rP_acc.store(s_perm.load().to(fp8.FP8))
             if n_blocks > 0:  # P V of the first key block

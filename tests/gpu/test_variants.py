@@ -51,3 +51,53 @@ def test_variant(gen, spec):
         lse = torch.full((batch, hq, sq), math.nan, device="cuda")
         kernel(q, k, v, out, lse, 1.0 / math.sqrt(spec.head_dim))
         fwd.check_forward(q, k, v, causal=spec.causal, out=out, lse=lse)
+
+
+# The 16-bit lazy O rescale (lazy_rescale, _lres): committed on the tuned table's hd128 and hd256
+# tiles, each beside its twin without the flag.
+LAZY = [s for s in FORWARDS if s.lazy_rescale]
+
+
+def test_lazy_variants_are_tested():
+    assert {(s.dtype, s.head_dim, s.causal) for s in LAZY} == {
+        (dt, hd, c) for dt in ("fp16", "bf16") for hd in (128, 256) for c in (False, True)
+    }
+    assert all(s.replace(lazy_rescale=False) in FORWARDS for s in LAZY)
+
+
+@pytest.mark.parametrize("spec", LAZY, ids=lambda s: s.name)
+def test_lazy_rescale_on_rising_maxes(gen, spec):
+    """Row maxes that keep rising through the key loop past the 2^8 threshold (keys carry a mean
+    that grows toward key 0, the kernel walking the keys from the last block to the first, queries
+    a positive mean: about 1 log2 unit per 64 keys), so the lazy variant takes both of its branches
+    many times: checked against the float32 reference, and against its twin without the flag to
+    within the 16-bit rounding of P (the kept max shifts P by up to 2^8)."""
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+
+    target = current_target()
+    kernels = (get_kernel(spec, target), get_kernel(spec.replace(lazy_rescale=False), target))
+    dtype = fwd.DTYPES[spec.dtype]
+    d = spec.head_dim
+    scale = 1.0 / math.sqrt(d)
+    for batch, sq, sk, hq, hkv in ((1, 4097, 4097, 2, 1), (2, 1000, 1100, 4, 2), (1, 300, 2500, 2, 2)):
+        q, k, v = fwd.make_inputs(gen, batch, sq, sk, hq, hkv, d, dtype)
+        # q's mean 0.5 times a key's mean m over d elements, times the scale and log2(e): a ramp of
+        # one log2 unit per 64 keys
+        ramp_top = (sk / 64.0) / (0.5 * d * scale * math.log2(math.e))
+        ramp = torch.linspace(ramp_top, 0.0, sk, device="cuda")[None, :, None, None]
+        q, k = (q.float() + 0.5).to(dtype), (k.float() + ramp).to(dtype)
+        outs = []
+        for kernel in kernels:
+            out = torch.full_like(q, math.nan)
+            lse = torch.full((batch, hq, sq), math.nan, device="cuda")
+            kernel(q, k, v, out, lse, scale)
+            outs.append((out, lse))
+        (out, lse), (out_twin, lse_twin) = outs
+        fwd.check_forward(q, k, v, causal=spec.causal, out=out, lse=lse)
+        fwd.check_forward(q, k, v, causal=spec.causal, out=out_twin, lse=lse_twin)
+        diff = ((out.float() - out_twin.float()).norm() / out_twin.float().norm()).item()
+        assert diff <= 1e-2, f"{spec.name} {(batch, sq, sk, hq, hkv)}: rel L2 {diff:.3g} against the twin"
+        finite = torch.isfinite(lse_twin)
+        assert torch.equal(torch.isfinite(lse), finite)
+        assert (lse[finite] - lse_twin[finite]).abs().max().item() <= 1e-3, spec.name

@@ -22,6 +22,7 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
 from cutefa.kernels.common.exp2 import exp2_fma
+from cutefa.kernels.common.lazy_rescale import block_row_maxes, warp_moves_max
 from cutefa.kernels.common.softmax import LN_2, quad_allreduce_max, quad_allreduce_sum
 from cutefa.kernels.sm90.parts import WG_ROWS, WG_THREADS
 
@@ -556,26 +557,6 @@ class WideTransposeV:
 
 
 @cute.jit
-def block_row_maxes(s_mn: cute.Tensor, scale: Float32) -> cute.Tensor:
-    """Per row of ``s_mn``: its largest score over the quad that holds the row, times ``scale``."""
-    blk = cute.make_rmem_tensor((cute.size(s_mn, mode=[0]),), Float32)
-    for r in cutlass.range_constexpr(cute.size(blk)):
-        blk[r] = quad_allreduce_max(s_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)) * scale
-    return blk
-
-
-@cute.jit
-def warp_moves_max(blk_max: cute.Tensor, row_max: cute.Tensor, scale_log2: Float32) -> cutlass.Boolean:
-    """lazy_rescale: whether some row of this warp has a block max above its running max by more
-    than LAZY_RESCALE_LOG2 ((blk - prev) * scale_log2 in log2 units: a row's first finite block
-    gives +inf, a row that has seen only masked scores NaN, i.e. no). The same for every lane."""
-    need = cutlass.Boolean(False)
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        need = need | ((blk_max[r] - row_max[r]) * scale_log2 > LAZY_RESCALE_LOG2)
-    return cute.arch.vote_any_sync(need)
-
-
-@cute.jit
 def online_softmax_step(
     s_mn: cute.Tensor,
     row_max: cute.Tensor,
@@ -593,13 +574,13 @@ def online_softmax_step(
     reach +P_OFFSET_LOG2 = 8 here, not only <= 0: the Cody-Waite split adds round(x) into the
     exponent bits, exact for any x up to 127.
 
-    ``lazy`` (lazy_rescale variants): the warp's maxes move only when :func:`warp_moves_max` says
-    so, P is shifted by LAZY_P_OFFSET_LOG2; returns that warp-uniform flag (the caller rescales O
+    ``lazy`` (lazy_rescale variants): the warp's maxes move only when ``warp_moves_max``
+    (cutefa/kernels/common/lazy_rescale.py) says so, P is shifted by LAZY_P_OFFSET_LOG2; returns that warp-uniform flag (the caller rescales O
     only where it is set; ``corr`` is 1 elsewhere). Without ``lazy`` returns True."""
     moved = True
     if cutlass.const_expr(lazy):
         blk = block_row_maxes(s_mn, Float32(1.0))
-        moved = warp_moves_max(blk, row_max, scale_log2)
+        moved = warp_moves_max(blk, row_max, scale_log2, LAZY_RESCALE_LOG2)
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
         prev_max = row_max[r]
@@ -655,7 +636,7 @@ def online_softmax_step_block(
     moved = True
     if cutlass.const_expr(lazy):
         blk = block_row_maxes(s_mn, tile_scale_log2)
-        moved = warp_moves_max(blk, row_max, Float32(1.0))
+        moved = warp_moves_max(blk, row_max, Float32(1.0), LAZY_RESCALE_LOG2)
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
         prev_max = row_max[r]
@@ -731,7 +712,6 @@ __all__ = [
     "WIDE_UNIT_BYTES",
     "TransposeV",
     "WideTransposeV",
-    "block_row_maxes",
     "composed_offset",
     "hoisted_plan",
     "key_of_a_column",
@@ -752,7 +732,6 @@ __all__ = [
     "transpose_unit",
     "transpose_v",
     "transpose_words",
-    "warp_moves_max",
     "wide_steps",
     "wide_transpose_plan",
     "wide_transpose_unit",

@@ -1,0 +1,68 @@
+"""The sm90 16-bit forward's lazy O rescale (lazy_rescale, name token _lres) on this CPU.
+
+A warp keeps its rows' running maxes until a key block raises one of them by more than 2^8 and
+rescales its rows of O only then (cutefa/kernels/common/lazy_rescale.py). Checked: the flag's rule
+and committed variants, and the SASS (sm_90a) of one bf16 and one fp16 variant: one warp vote per
+softmax step (the overlap prologue and the two loop bodies), the O rescale (head_dim / 2 FMULs per
+thread) behind a branch of its own at each place the twin rescales, the twin's WGMMA waits (no
+serialized WGMMA), no spill, both setmaxnreg budgets kept. Correctness on hardware:
+tests/gpu/test_variants.py (every committed variant, and rising row maxes against the twin).
+"""
+
+from __future__ import annotations
+
+import pytest
+from cpu_support import skipped_fmuls
+
+from cutefa import sass, space
+from cutefa.spec import VariantSpec
+
+LAZY = [s for s in space.default_variants("sm90", "fwd") if s.lazy_rescale and s.dtype != "e4m3"]
+# hd256 non-causal with the early rescale (bf16) and hd128 causal without it (fp16)
+CHECKED = [
+    s
+    for s in LAZY
+    if (s.dtype, s.head_dim, s.causal, s.tile_n, s.lpt_grid) in (("bf16", 256, False, 80, False), ("fp16", 128, True, 176, False))
+]
+
+
+def test_rule_and_committed_variants():
+    spec = VariantSpec("sm90", "fwd", "bf16", 256, 128, 80, 2, 12, overlap=True, pingpong=True, pair_cvt=True, lazy_rescale=True)
+    assert spec.name == "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_ov_pp_pcvt_lres"
+    assert space.why_invalid(spec) is None
+    assert "overlap schedule" in space.why_invalid(spec.replace(overlap=False, pingpong=False))
+    assert "exp_emu" in space.why_invalid(spec.replace(exp_emu=25))
+    assert "sm90 forward flag" in space.why_invalid(spec.replace(arch="sm80", tile_n=64, stages=1, warps=8, overlap=False, pingpong=False, pair_cvt=False))
+    assert {(s.dtype, s.head_dim, s.causal) for s in LAZY} == {
+        (dt, hd, c) for dt in ("fp16", "bf16") for hd in (128, 256) for c in (False, True)
+    }
+    committed = set(space.default_variants("sm90", "fwd"))
+    assert all(s.overlap and s.replace(lazy_rescale=False) in committed for s in LAZY)
+    assert len(CHECKED) == 2
+
+
+@pytest.fixture(scope="module")
+def cubins(tmp_path_factory):
+    specs = CHECKED + [s.replace(lazy_rescale=False) for s in CHECKED]
+    return sass.dump_cubins(specs, "sm_90a", tmp_path_factory.mktemp("sm_90a_lazy"))
+
+
+@pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
+def test_lazy_rescale_sass(cubins, spec):
+    text = sass.disassemble(cubins[spec.name])
+    twin = spec.replace(lazy_rescale=False)
+    twin_text = sass.disassemble(cubins[twin.name])
+    report, twin_report = sass.analyze(cubins[spec.name]), sass.analyze(cubins[twin.name])
+    assert text.count("VOTE.ANY") == 3, report.summary()
+    # the rescale sites: each loop body's, and with the early rescale the last block's P V (ptxas
+    # may copy a site: at least that many more branches over head_dim / 2 FMULs than the twin has)
+    sites = 3 if spec.early_rescale else 2
+    half = spec.head_dim // 2
+    assert skipped_fmuls(text).count(half) >= skipped_fmuls(twin_text).count(half) + sites, (
+        skipped_fmuls(text), skipped_fmuls(twin_text)
+    )
+    assert text.count("WARPGROUP.DEPBAR") == twin_text.count("WARPGROUP.DEPBAR")
+    assert report.counts["HGMMA"] == twin_report.counts["HGMMA"]
+    assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0, report.summary()
+    regions = sass.setmaxnreg_regions(text)
+    assert regions and all(used < budget for budget, used in regions), regions
