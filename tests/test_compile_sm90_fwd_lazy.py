@@ -38,6 +38,15 @@ def test_rule_and_committed_variants():
     }
     committed = set(space.default_variants("sm90", "fwd"))
     assert all(s.overlap and s.replace(lazy_rescale=False) in committed for s in LAZY)
+    # the tuned table's tiles and schedules: hd256 128x80 overlap + ping-pong with the early rescale
+    # and paired conversion (on both grids), hd128 128x160 and 128x176 overlap + ping-pong, paired
+    assert {s.name.removeprefix(f"cutefa_sm90_fwd_{s.dtype}_").replace("_causal", "") for s in LAZY} == {
+        "hd256_128x80_s2_w12_ov_pp_erescale_pcvt_lres",
+        "hd256_128x80_s2_w12_ov_pp_erescale_pcvt_lpt_lres",
+        "hd128_128x160_s2_w12_ov_pp_pcvt_lres",
+        "hd128_128x176_s2_w12_ov_pp_pcvt_lres",
+    }
+    assert len(LAZY) == 4 * 2 * 2  # x dtypes x masks
     assert len(CHECKED) == 2
 
 
