@@ -431,14 +431,8 @@ def candidates(arch: str, direction: str = "fwd") -> list[VariantSpec]:
     if direction == "fwd" and "e4m3" in _candidate_dtypes(arch, direction):
         # the committed e4m3 variants off the grid: the alternatives, and defaults (and their block
         # twins) with flags the grid does not vary (lazy_rescale)
-        defaults = [
-            VariantSpec(arch, "fwd", "e4m3", hd, *tile, causal=causal, **default_extras(arch, "fwd", hd, "e4m3"))
-            for hd in HEAD_DIMS
-            if (tile := default_tile(arch, hd, "e4m3")) is not None
-            for causal in (False, True)
-        ]
         known = set(grid)
-        grid += [s for s in dict.fromkeys(fp8_alternative_specs(arch) + defaults + fp8_block_specs(arch)) if s not in known]
+        grid += [s for s in default_variants(arch, "fwd") if s.dtype == "e4m3" and s not in known]
     return grid
 
 
