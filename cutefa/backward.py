@@ -20,7 +20,7 @@ import torch
 
 from cutefa import dispatch
 from cutefa.compile import get_kernel
-from cutefa.space import DEFAULT_BWD_TILES, default_extras, sm90_bwd_dq_accum_shape, why_invalid
+from cutefa.space import DEFAULT_BWD_TILES, bwd_dq_accum_shape, default_extras, why_invalid
 from cutefa.spec import TORCH_DTYPE_NAMES, VariantSpec, families_for_target
 
 _ALIGN_BYTES = 16
@@ -84,9 +84,9 @@ def dq_accum_workspace(
 ) -> torch.Tensor:
     """The float32 dQ workspace of backward variant ``spec``, left uninitialized: the variant's
     preprocess kernel zeroes it. Default layout (splits, batch, seqlen_q, heads_q, head_dim); sm90
-    dq_bulk: the tiled layout of :func:`cutefa.space.sm90_bwd_dq_accum_shape` (whole chunks zeroed,
+    dq_bulk and sm80 dq_tile: the tiled layout of :func:`cutefa.space.bwd_dq_accum_shape` (whole chunks zeroed,
     the padding rows of the last query block too)."""
-    shape = sm90_bwd_dq_accum_shape(spec, splits, batch, seqlen_q, heads_q)  # the default layout without dq_bulk
+    shape = bwd_dq_accum_shape(spec, splits, batch, seqlen_q, heads_q)  # the default layout without dq_bulk / dq_tile
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 

@@ -304,6 +304,8 @@ TILE_SCHEDULE_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool
             # a longest-first 1-D grid in L2 sections of (head, batch) pairs (lpt_grid)
             (Tile(192, 128, 2, 16), {"overlap": True, "lpt_grid": True}),
             (Tile(192, 128, 2, 16), {"overlap": True, "pingpong": True, "lpt_grid": True}),
+            # the table's three-consumer tile with the lazy O rescale (lazy_rescale)
+            (Tile(192, 128, 2, 16), {"overlap": True, "pingpong": True, "lazy_rescale": True}),
         ),
         # hd256 128x80 closer to FlashAttention-4's
         # sm90 forward: overlap without ping-pong (its scheduler barrier is off above head dim 128),
@@ -371,10 +373,10 @@ _SM90_SCHEDULES: tuple[dict[str, bool], ...] = tuple(
     {"overlap": True, "pingpong": pp, "lpt_grid": True, **extra}
     for pp in (False, True)
     for extra in ({}, {"pair_cvt": True}, {"early_rescale": True, "pair_cvt": True})
-) + tuple(  # ping-pong and paired conversion with the lazy O rescale, on either grid
+) + tuple(  # ping-pong (and paired conversion) with the lazy O rescale, on either grid
     {"overlap": True, "pingpong": True, "pair_cvt": True, "lazy_rescale": True, **extra}
     for extra in ({}, {"early_rescale": True}, {"early_rescale": True, "lpt_grid": True})
-)
+) + ({"overlap": True, "pingpong": True, "lazy_rescale": True},)
 
 
 # sm100 forward: one CTA per UMMA, or a CTA pair (2-SM UMMAs).
@@ -698,6 +700,24 @@ def _dq_quad_rule(spec: VariantSpec) -> str | None:
     return None
 
 
+def _dq_tile_rule(spec: VariantSpec) -> str | None:
+    if not spec.dq_tile:
+        return None
+    if (spec.arch, spec.direction) != ("sm80", "bwd"):
+        return (
+            f"dq_tile (the dQ accumulator tiled by query blocks in fragment order) is an sm80 backward "
+            f"flag, not a {spec.arch} {spec.direction} one"
+        )
+    if spec.dq_quad:
+        return "dq_tile with dq_quad: the two are different layouts of the same dQ accumulator"
+    if spec.tile_m * spec.head_dim % (4 * spec.threads):
+        return (
+            f"dq_tile needs tile_m * head_dim ({spec.tile_m * spec.head_dim}) to be a multiple of 4 x the "
+            f"{spec.threads} threads (whole 16-byte vectors per thread)"
+        )
+    return None
+
+
 def _head_dim_rule(spec: VariantSpec) -> str | None:
     if spec.head_dim not in HEAD_DIMS:
         return f"head_dim={spec.head_dim} is not one of {HEAD_DIMS}"
@@ -904,6 +924,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _row_prefetch_rule,
     _dq_stage_rule,
     _dq_quad_rule,
+    _dq_tile_rule,
     _head_dim_rule,
     why_no_kernel,
 )
@@ -1188,8 +1209,8 @@ _FLAG_SETS[("sm90", "bwd")] = (
     {"dq_bulk": True, "dq_stage": True},
 )
 # sm80 backward: dQ reductions in the accumulator's natural layout, or 16-byte ones into a
-# column-permuted one (dq_quad).
-_FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True})
+# column-permuted one (dq_quad), or into one tiled by query blocks in fragment order (dq_tile).
+_FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True}, {"dq_tile": True})
 
 # Flags of the sm90 backward default where the default tile is not the head-dim split (head dims
 # 64, 96, 128): dq_bulk, FlashAttention-3's dQ path (measured +9-19% over per-thread reductions at
@@ -1271,12 +1292,14 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
     # dq_quad: 16-byte dQ reductions into a column-permuted accumulator (FlashAttention-2 adds dQ
     # with one warp-wide reduction per contiguous 128-byte line of its permuted workspace); on the
     # best tile of each head dim; docs/perf-notes.md "sm80 backward beside FlashAttention-2's
-    # configuration".
+    # configuration". dq_tile: FlashAttention-2's whole workspace layout, each query block's dQ in
+    # fragment order (one warp's 16-byte reductions cover 512 contiguous bytes); docs/perf-notes.md
+    # "sm80 backward: the dQ accumulator in fragment order".
     "sm80": {
-        64: ((Tile(128, 128, 2, 8), {"dq_quad": True}),),
-        128: ((Tile(64, 128, 1, 8), {"dq_quad": True}),),
-        192: ((Tile(64, 64, 1, 8), {"dq_quad": True}),),
-        256: ((Tile(64, 64, 1, 8), {"dq_quad": True}),),
+        64: ((Tile(128, 128, 2, 8), {"dq_quad": True}), (Tile(128, 128, 2, 8), {"dq_tile": True})),
+        128: ((Tile(64, 128, 1, 8), {"dq_quad": True}), (Tile(64, 128, 1, 8), {"dq_tile": True})),
+        192: ((Tile(64, 64, 1, 8), {"dq_quad": True}), (Tile(64, 64, 1, 8), {"dq_tile": True})),
+        256: ((Tile(64, 64, 1, 8), {"dq_quad": True}), (Tile(64, 64, 1, 8), {"dq_tile": True})),
     },
 }
 
@@ -1473,18 +1496,24 @@ def sm90_bwd_dq_bulk_bytes(spec: VariantSpec) -> int:
     return 4 * spec.tile_m * spec.head_dim
 
 
-def sm90_bwd_dq_accum_shape(
+def bwd_dq_accum_shape(
     spec: VariantSpec, splits: int, batch: int, seqlen_q: int, heads_q: int
 ) -> tuple[int, ...]:
-    """Shape of the fp32 dQ workspace of an sm90 backward variant. Default layout (splits, batch,
-    seqlen_q, heads_q, head_dim). dq_bulk: (splits, batch, heads_q, query blocks, tile_m * head_dim),
-    seqlen_q rounded up to whole query blocks; each block one contiguous chunk holding the consumers'
-    dQ pieces one after the other, each in its WGMMA fragment's order
-    (cutefa/kernels/sm90/bwd_parts.py, :func:`~cutefa.kernels.sm90.bwd_parts.bulk_dq_coords`)."""
-    if not spec.dq_bulk:
+    """Shape of the fp32 dQ workspace of a backward variant. Default layout (splits, batch,
+    seqlen_q, heads_q, head_dim). sm90 dq_bulk and sm80 dq_tile: (splits, batch, heads_q, query
+    blocks, tile_m * head_dim), seqlen_q rounded up to whole query blocks; each block one contiguous
+    chunk in the dQ MMA's fragment order: dq_bulk the consumers' pieces one after the other, each in
+    its WGMMA fragment's order (cutefa/kernels/sm90/bwd_parts.py,
+    :func:`~cutefa.kernels.sm90.bwd_parts.bulk_dq_coords`); dq_tile every thread's mma.sync fragment
+    (cutefa/kernels/sm80/dq_tile.py)."""
+    if not (spec.dq_bulk or spec.dq_tile):
         return (splits, batch, seqlen_q, heads_q, spec.head_dim)
     blocks = -(-seqlen_q // spec.tile_m)
     return (splits, batch, heads_q, blocks, spec.tile_m * spec.head_dim)
+
+
+# The name the sm90 backward's building blocks cite for the dq_bulk workspace.
+sm90_bwd_dq_accum_shape = bwd_dq_accum_shape
 
 
 def sm90_bwd_registers(spec: VariantSpec) -> int:

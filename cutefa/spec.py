@@ -54,6 +54,7 @@ _FLAG_TOKENS = (
     ("hoist_vt", "hvt"),
     ("wide_vt", "wvt"),
     ("lazy_rescale", "lres"),
+    ("dq_tile", "dqtile"),
 )
 
 
@@ -149,6 +150,13 @@ class VariantSpec:
     # instead of 2^8 (below 256 either way), fp16/bf16 2^8 (the overlap schedule). Exact up to
     # rounding. Name token _lres.
     lazy_rescale: bool = False
+    # sm80 backward: the fp32 dQ accumulator tiled by query blocks, each block's tile_m x head_dim
+    # values in the dQ MMA's fragment order (value v * j + e of thread t at word v * (threads * j +
+    # t) + e, v = 4 where the target has 16-byte reductions, sm_90 and newer, else 1), so that one
+    # warp's reduction covers 32 * 4 * v contiguous bytes (FlashAttention-2's workspace); the
+    # padding rows of the last block take zeros, so no reduction is predicated. The postprocess
+    # reads each thread's values back in the same order. Name token _dqtile.
+    dq_tile: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0

@@ -129,6 +129,7 @@ def test_manifest(out):
         "hoist_vt": False,
         "wide_vt": False,
         "lazy_rescale": False,
+        "dq_tile": False,
         "exp_emu": 0,
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),

@@ -31,8 +31,10 @@ A100_SUBSET = [
     and s.causal
     and (s.head_dim, s.tile_m, s.stages) in ((128, 64, 1), (256, 64, 1), (128, 64, 2), (192, 64, 2), (64, 128, 2))
     and not s.dq_quad
-] + [s for s in DEFAULTS if s.dq_quad and s.causal and s.head_dim in (64, 128)]
-# (bf16 only: dq_quad is committed in bf16; compiled for sm_80 it keeps element-wise reductions.)
+    and not s.dq_tile
+] + [s for s in DEFAULTS if (s.dq_quad or s.dq_tile) and s.causal and s.head_dim in (64, 128)]
+# (bf16 only: dq_quad and dq_tile are committed in bf16; compiled for sm_80 dq_quad keeps element-wise
+# reductions in the natural layout, dq_tile element-wise ones in its fragment order.)
 
 
 def test_alternatives_are_committed():
@@ -62,11 +64,12 @@ def _reductions(cubin) -> tuple[int, int, int]:
     return len(re.findall(r"\bREDG?\.E\.ADD\.F32\b(?!x)", text)), pairs, quads
 
 
-def _grid(rows: int, cols: int, spec) -> tuple[int, int]:
-    """The warp grid the template uses for a dV/dK or dQ output of (rows, cols): (w/2, 2), or
-    (2, w/2) where valid and squarer per warp, except at head_dim 256."""
+def _grid(rows: int, cols: int, spec, dq: bool = False) -> tuple[int, int]:
+    """The warp grid the template uses for a dV/dK or (``dq``) dQ output of (rows, cols): (w/2, 2),
+    or (2, w/2) where valid and squarer per warp, except at head_dim 256 (where dq_tile's dQ grid
+    is the squarer one again)."""
     tall, wide = (spec.warps // 2, 2), (2, spec.warps // 2)
-    if spec.head_dim == 256 or rows % (16 * wide[0]) or cols % (16 * wide[1]):
+    if (spec.head_dim == 256 and not (dq and spec.dq_tile)) or rows % (16 * wide[0]) or cols % (16 * wide[1]):
         return tall
     return wide if rows // wide[0] + cols // wide[1] < rows // tall[0] + cols // tall[1] else tall
 
@@ -81,7 +84,7 @@ def _ldmatrix_per_warp(spec) -> int:
 
     m, n, d = spec.tile_m, spec.tile_n, spec.head_dim
     sdp = gemm(m, n, d, (2, spec.warps // 2))
-    return 2 * sdp + 2 * gemm(n, d, m, _grid(n, d, spec)) + gemm(m, d, n, _grid(m, d, spec))
+    return 2 * sdp + 2 * gemm(n, d, m, _grid(n, d, spec)) + gemm(m, d, n, _grid(m, d, spec, dq=True))
 
 
 def _check(cubin, spec, vector_red: bool) -> None:
@@ -96,10 +99,13 @@ def _check(cubin, spec, vector_red: bool) -> None:
     assert report.counts["LDSM"] == _ldmatrix_per_warp(spec), f"{spec.name}: {report.summary()}"
     # One fp32 reduction per dQ element a thread holds, or one per pair of adjacent columns, or
     # (dq_quad) one per quad of permuted columns; the vector ones twice in the code: unpredicated
-    # for full query blocks, guarded for the last one.
+    # for full query blocks, guarded for the last one. dq_tile: one per quad of the fragment order,
+    # unpredicated only (the padding rows add zeros).
     per_thread = spec.tile_m * spec.head_dim // spec.threads
     if not vector_red:
         expected = (per_thread, 0, 0)
+    elif spec.dq_tile:
+        expected = (0, 0, per_thread // 4)
     elif spec.dq_quad:
         expected = (0, 0, 2 * (per_thread // 4))
     else:
@@ -126,6 +132,18 @@ def test_dq_quad_committed():
         "cutefa_sm80_bwd_bf16_hd256_64x64_s1_w8_dqquad",
     } <= quads
     assert all(space.why_invalid(s) is None for s in DEFAULTS if s.dq_quad)
+
+
+def test_dq_tile_committed():
+    """dq_tile twins of the dq_quad tiles (bf16, both masks), valid; the workspace is tiled by query
+    blocks; the flag is refused beside dq_quad and outside the sm80 backward."""
+    tiles = {s for s in DEFAULTS if s.dq_tile}
+    assert {s.replace(dq_tile=False, dq_quad=True) for s in tiles} == {s for s in DEFAULTS if s.dq_quad}
+    assert all(space.why_invalid(s) is None for s in tiles)
+    spec = next(s for s in tiles if s.head_dim == 128 and not s.causal)
+    assert space.bwd_dq_accum_shape(spec, 2, 3, 1000, 5) == (2, 3, 5, -(-1000 // 64), 64 * 128)
+    assert "dq_quad" in space.why_invalid(spec.replace(dq_quad=True))
+    assert "sm80 backward" in space.why_invalid(space.VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_tile=True))
 
 
 @cute.jit

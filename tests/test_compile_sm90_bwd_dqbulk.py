@@ -129,9 +129,9 @@ def test_predicate_counts_the_staging_buffers():
 
 def test_workspace_shapes():
     spec = next(s for s in BULK if s.head_dim == 128)
-    assert space.sm90_bwd_dq_accum_shape(spec, 3, 2, 1000, 5) == (3, 2, 5, -(-1000 // 64), 64 * 128)
-    assert space.sm90_bwd_dq_accum_shape(spec, 1, 1, 1, 1) == (1, 1, 1, 1, 64 * 128)
-    assert space.sm90_bwd_dq_accum_shape(_twin(spec), 3, 2, 1000, 5) == (3, 2, 1000, 5, 128)
+    assert space.bwd_dq_accum_shape(spec, 3, 2, 1000, 5) == (3, 2, 5, -(-1000 // 64), 64 * 128)
+    assert space.bwd_dq_accum_shape(spec, 1, 1, 1, 1) == (1, 1, 1, 1, 64 * 128)
+    assert space.bwd_dq_accum_shape(_twin(spec), 3, 2, 1000, 5) == (3, 2, 1000, 5, 128)
 
 
 def test_host_allocates_the_variant_layout():

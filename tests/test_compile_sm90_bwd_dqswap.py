@@ -57,7 +57,7 @@ def test_predicate_admits_the_tile_with_dq_bulk_only():
     assert space.smem_bytes(spec) == space.sm90_bwd_smem_bytes(spec)
     # dK + dV 128, S^T + dP^T (64 x 80 fp32) 80, calibrated overhead: 236 (SASS: R235 non-causal)
     assert space.sm90_bwd_registers(spec) == 236 <= space.SM90_CONSUMER_REGS
-    assert space.sm90_bwd_dq_accum_shape(spec, 1, 2, 161, 3) == (1, 2, 3, 3, 80 * 128)
+    assert space.bwd_dq_accum_shape(spec, 1, 2, 161, 3) == (1, 2, 3, 3, 80 * 128)
 
 
 def test_committed_as_bf16_alternatives_not_dispatched():

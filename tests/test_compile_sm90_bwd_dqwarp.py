@@ -57,7 +57,7 @@ def test_flag_name_rule_and_budget():
     for s in DQW:
         assert space.sm90_bwd_smem_bytes(s) == space.sm90_bwd_smem_bytes(_twin(s)) <= space.SM90_SMEM_LIMIT
         assert space.sm90_bwd_registers(s) == space.sm90_bwd_registers(_twin(s))
-        assert space.sm90_bwd_dq_accum_shape(s, 2, 1, 1000, 3) == space.sm90_bwd_dq_accum_shape(_twin(s), 2, 1, 1000, 3)
+        assert space.bwd_dq_accum_shape(s, 2, 1, 1000, 3) == space.bwd_dq_accum_shape(_twin(s), 2, 1, 1000, 3)
         assert codegen.template_name(s) == "bwd_sm90.py.j2"
     assert "dq_bulk" in space.why_invalid(spec.replace(dq_bulk=False))
     assert "sm90 backward" in space.why_invalid(VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8, dq_warp=True))

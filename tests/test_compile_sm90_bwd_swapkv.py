@@ -92,7 +92,7 @@ def test_dq_stage_validity():
     assert spec.name == "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_dqbulk_dqs"
     assert space.why_invalid(spec) is None
     assert space.sm90_bwd_smem_bytes(spec) == 223232 + 1024 <= space.SM90_SMEM_LIMIT
-    assert space.sm90_bwd_dq_accum_shape(spec, 1, 2, 100, 3) == (1, 2, 3, 2, 64 * 192)  # dq_bulk's chunks
+    assert space.bwd_dq_accum_shape(spec, 1, 2, 100, 3) == (1, 2, 3, 2, 64 * 192)  # dq_bulk's chunks
     assert "without dq_bulk" in space.why_invalid(spec.replace(dq_bulk=False))
     assert "shared memory" in space.why_invalid(spec.replace(stages=3))
     for other in (

@@ -34,19 +34,21 @@ def test_rule_and_committed_variants():
     assert "exp_emu" in space.why_invalid(spec.replace(exp_emu=25))
     assert "sm90 forward flag" in space.why_invalid(spec.replace(arch="sm80", tile_n=64, stages=1, warps=8, overlap=False, pingpong=False, pair_cvt=False))
     assert {(s.dtype, s.head_dim, s.causal) for s in LAZY} == {
-        (dt, hd, c) for dt in ("fp16", "bf16") for hd in (128, 256) for c in (False, True)
+        (dt, hd, c) for dt in ("fp16", "bf16") for hd in (64, 128, 256) for c in (False, True)
     }
     committed = set(space.default_variants("sm90", "fwd"))
     assert all(s.overlap and s.replace(lazy_rescale=False) in committed for s in LAZY)
     # the tuned table's tiles and schedules: hd256 128x80 overlap + ping-pong with the early rescale
-    # and paired conversion (on both grids), hd128 128x160 and 128x176 overlap + ping-pong, paired
+    # and paired conversion (on both grids), hd128 128x160 and 128x176 overlap + ping-pong, paired;
+    # hd64's three-consumer 192x128 overlap + ping-pong
     assert {s.name.removeprefix(f"cutefa_sm90_fwd_{s.dtype}_").replace("_causal", "") for s in LAZY} == {
         "hd256_128x80_s2_w12_ov_pp_erescale_pcvt_lres",
         "hd256_128x80_s2_w12_ov_pp_erescale_pcvt_lpt_lres",
         "hd128_128x160_s2_w12_ov_pp_pcvt_lres",
         "hd128_128x176_s2_w12_ov_pp_pcvt_lres",
+        "hd64_192x128_s2_w16_ov_pp_lres",
     }
-    assert len(LAZY) == 4 * 2 * 2  # x dtypes x masks
+    assert len(LAZY) == 5 * 2 * 2  # x dtypes x masks
     assert len(CHECKED) == 2
 
 

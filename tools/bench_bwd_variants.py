@@ -83,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
                 scale = 1.0 / math.sqrt(hd)
                 f32 = {"dtype": torch.float32, "device": "cuda"}
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                dq_accum = torch.empty((1, batch, seqlen, heads, hd), **f32)
                 lse_log2, dpsum = torch.empty((batch, heads, seqlen), **f32), torch.empty((batch, heads, seqlen), **f32)
                 dlse = torch.zeros_like(lse_log2)
                 lse = lse.float().contiguous()
                 flops = 2.5 * 4.0 * batch * heads * seqlen**2 * hd / (2 if causal else 1)
                 for spec in (s for s in variants if s.head_dim == hd and s.causal == causal):
                     kernel = get_kernel(spec, target)
+                    dq_accum = torch.empty(space.bwd_dq_accum_shape(spec, 1, batch, seqlen, heads), **f32)
                     args_ = (q, k, v, out, dout, lse, dlse, dq, dk, dv, dq_accum, lse_log2, dpsum, scale, 0)
                     ms = bench_ms(functools.partial(kernel, *args_))
                     tile = (spec.tile_m, spec.tile_n, spec.stages, spec.warps)

@@ -250,6 +250,7 @@ def test_bwd_variant(gen, spec, deterministic):
     output and the dQ accumulator poisoned with NaN beforehand (an element the kernel does not
     write, or a split the preprocess does not clear, fails). Deterministic mode with up to 3
     splits makes each CTA walk several key blocks (the Q buffers restart at each)."""
+    from cutefa import space
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
 
@@ -267,7 +268,7 @@ def test_bwd_variant(gen, spec, deterministic):
         dq = torch.full(q.shape, math.nan, dtype=dt, **nan)
         dk_heads = torch.full((batch, sk, hq, spec.head_dim), math.nan, dtype=dt, **nan)
         dv_heads = torch.full_like(dk_heads, math.nan)
-        dq_accum = torch.full((splits, batch, sq, hq, spec.head_dim), math.nan, **nan)
+        dq_accum = torch.full(space.bwd_dq_accum_shape(spec, splits, batch, sq, hq), math.nan, **nan)
         lse_log2 = torch.full((batch, hq, sq), math.nan, **nan)
         dpsum = torch.full_like(lse_log2, math.nan)
         dlse = torch.zeros_like(lse_log2)
@@ -293,25 +294,27 @@ def test_bwd_variant(gen, spec, deterministic):
 def _quad_variants():
     from cutefa import space
 
-    return [s for s in space.default_variants("sm80", "bwd") if s.dq_quad]
+    return [s for s in space.default_variants("sm80", "bwd") if s.dq_quad or s.dq_tile]
 
 
-# Longer shapes for the dq_quad twins: whole and partial query blocks over several key blocks,
+# Longer shapes for the dq_quad and dq_tile twins: whole and partial query blocks over several key blocks,
 # seqlen_q != seqlen_k both ways, grouped-query heads.
 QUAD_SHAPES = ((1, 4097, 4097, 2, 1), (2, 1000, 4097, 4, 2), (1, 4097, 128, 2, 2), (2, 17, 1000, 4, 2))
 
 
 @pytest.mark.parametrize("spec", _quad_variants(), ids=lambda s: s.name)
 def test_bwd_dq_quad_matches_twin(gen, spec):
-    """dq_quad only moves dQ's columns in the fp32 accumulator and adds four per reduction: in
-    deterministic mode (each accumulator element summed by one thread in a fixed order, the splits
-    in order) its dq, dk and dv are bitwise those of the same tile without the flag; in atomic mode
-    they agree to fp32 reordering."""
+    """dq_quad only moves dQ's columns in the fp32 accumulator and adds four per reduction, dq_tile
+    moves every value to its fragment-order place in a per-query-block chunk: in deterministic mode
+    (each accumulator element summed by one thread in a fixed order, the splits in order) dq, dk and
+    dv are bitwise those of the same tile without the flag; in atomic mode they agree to fp32
+    reordering. Each kernel's accumulator is poisoned with NaN in its own layout."""
+    from cutefa import space
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
 
     target = current_target()
-    twin = spec.replace(dq_quad=False)
+    twin = spec.replace(dq_quad=False, dq_tile=False)
     if not spec.runs_on(target):
         pytest.skip(f"{spec.arch} kernels do not run on {target}")
     kernels = [get_kernel(s, target) for s in (spec, twin)]
@@ -322,11 +325,12 @@ def test_bwd_dq_quad_matches_twin(gen, spec):
         for deterministic in (1, 0):
             splits = min(3, math.ceil(sk / spec.tile_n)) if deterministic else 1
             results = []
-            for kernel in kernels:
+            for variant, kernel in zip((spec, twin), kernels):
                 dq = torch.full(q.shape, math.nan, dtype=dt, device="cuda")
                 dk = torch.full((batch, sk, hq, spec.head_dim), math.nan, dtype=dt, device="cuda")
                 dv = torch.full_like(dk, math.nan)
-                dq_accum = torch.full((splits, batch, sq, hq, spec.head_dim), math.nan, device="cuda")
+                accum_shape = space.bwd_dq_accum_shape(variant, splits, batch, sq, hq)
+                dq_accum = torch.full(accum_shape, math.nan, device="cuda")
                 lse_log2 = torch.full((batch, hq, sq), math.nan, device="cuda")
                 dpsum = torch.full_like(lse_log2, math.nan)
                 kernel(

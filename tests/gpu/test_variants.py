@@ -60,7 +60,7 @@ LAZY = [s for s in FORWARDS if s.lazy_rescale]
 
 def test_lazy_variants_are_tested():
     assert {(s.dtype, s.head_dim, s.causal) for s in LAZY} == {
-        (dt, hd, c) for dt in ("fp16", "bf16") for hd in (128, 256) for c in (False, True)
+        (dt, hd, c) for dt in ("fp16", "bf16") for hd in (64, 128, 256) for c in (False, True)
     }
     assert all(s.replace(lazy_rescale=False) in FORWARDS for s in LAZY)
 
