@@ -1215,7 +1215,11 @@ _FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True}, {"dq_tile": True})
 # Flags of the sm90 backward default where the default tile is not the head-dim split (head dims
 # 64, 96, 128): dq_bulk, FlashAttention-3's dQ path (measured +9-19% over per-thread reductions at
 # hd64/hd128 on the H200, docs/perf-notes.md "dq_bulk ... measured").
-DEFAULT_BWD_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"dq_bulk": True}}
+# sm80: dq_tile, FlashAttention-2's fp32 dQ workspace (each query block's dQ in the MMA's fragment
+# order; +5-9% over dq_quad and +14-20% over the natural layout on the H200, docs/perf-notes.md
+# "sm80 backward: the dQ accumulator in fragment order"), the layout FlashAttention-2 itself uses on
+# every sm8x GPU.
+DEFAULT_BWD_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"dq_bulk": True}, "sm80": {"dq_tile": True}}
 # Flags of the sm90 backward default where the default tile is the swapped partition (head dim 192).
 DEFAULT_BWD_SWAP_FLAGS: dict[str, bool] = {"dq_bulk": True, "dq_stage": True}
 # Flags of the sm90 backward default where the default tile is the head-dim split (head dim 256):
@@ -1292,14 +1296,14 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
     # dq_quad: 16-byte dQ reductions into a column-permuted accumulator (FlashAttention-2 adds dQ
     # with one warp-wide reduction per contiguous 128-byte line of its permuted workspace); on the
     # best tile of each head dim; docs/perf-notes.md "sm80 backward beside FlashAttention-2's
-    # configuration". dq_tile: FlashAttention-2's whole workspace layout, each query block's dQ in
-    # fragment order (one warp's 16-byte reductions cover 512 contiguous bytes); docs/perf-notes.md
-    # "sm80 backward: the dQ accumulator in fragment order".
+    # configuration". Beside them the same tiles in the accumulator's natural layout (the sm80
+    # default before dq_tile, docs/perf-notes.md "sm80 backward: the dQ accumulator in fragment
+    # order"), the twins the GPU tests compare both layouts with, bitwise.
     "sm80": {
-        64: ((Tile(128, 128, 2, 8), {"dq_quad": True}), (Tile(128, 128, 2, 8), {"dq_tile": True})),
-        128: ((Tile(64, 128, 1, 8), {"dq_quad": True}), (Tile(64, 128, 1, 8), {"dq_tile": True})),
-        192: ((Tile(64, 64, 1, 8), {"dq_quad": True}), (Tile(64, 64, 1, 8), {"dq_tile": True})),
-        256: ((Tile(64, 64, 1, 8), {"dq_quad": True}), (Tile(64, 64, 1, 8), {"dq_tile": True})),
+        64: ((Tile(128, 128, 2, 8), {"dq_quad": True}), (Tile(128, 128, 2, 8), {})),
+        128: ((Tile(64, 128, 1, 8), {"dq_quad": True}), (Tile(64, 128, 1, 8), {})),
+        192: ((Tile(64, 64, 1, 8), {"dq_quad": True}), (Tile(64, 64, 1, 8), {})),
+        256: ((Tile(64, 64, 1, 8), {"dq_quad": True}), (Tile(64, 64, 1, 8), {})),
     },
 }
 
@@ -1712,7 +1716,8 @@ def default_extras(arch: str, direction: str, head_dim: int, dtype: str | None =
     """Spec fields beyond the tile that a family's default variant sets: schedule flags (sm90)
     and the exp2 emulation share (sm100) of the forward, plus, when ``dtype`` is given, its own
     forward flags and schedule (:data:`DEFAULT_DTYPE_FLAGS`, :data:`DEFAULT_DTYPE_SCHEDULES`); the sm90 backward's flags (dq_bulk; dq_stage
-    on the swapped partition, overlap on the head-dim split). Dispatch's heuristics use the same."""
+    on the swapped partition, overlap on the head-dim split) and the sm80 backward's (dq_tile).
+    Dispatch's heuristics use the same."""
     if direction != "fwd":
         tile = DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
         if tile is None:
@@ -1770,7 +1775,7 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
         ("bwd", hd, tile, default_extras(arch, "bwd", hd), True) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()
     ]
     for hd, alts in BWD_TUNING_ALTERNATIVES.get(arch, {}).items():
-        entries += [("bwd", hd, tile, {}, False) for tile in alts]
+        entries += [("bwd", hd, tile, default_extras(arch, "bwd", hd), False) for tile in alts]
     bwd_alternatives = [
         ("bwd", hd, tile, extras, False) for hd, alts in BWD_ALTERNATIVES.get(arch, {}).items() for tile, extras in alts
     ]

@@ -22,27 +22,27 @@ from cutefa.kernels.sm80 import bwd_parts
 pytestmark = pytest.mark.compile
 
 DEFAULTS = space.default_variants("sm80", "bwd")
-# fp16 causal: the default tiles at hd128 and hd256, the double-buffered Q tiles at hd128 and hd192,
-# and hd64's 128x128 double-buffered tile (255 registers on sm_80).
+# fp16 causal (dq_tile, the family's default: element-wise reductions in fragment order on sm_80):
+# the default tiles at hd128 and hd256, the double-buffered Q tiles at hd128 and hd192, and hd64's
+# 128x128 double-buffered tile (255 registers on sm_80); and the bf16 causal alternatives at hd64
+# and hd128 (dq_quad, which keeps the natural layout on sm_80, and the natural layout itself).
 A100_SUBSET = [
     s
     for s in DEFAULTS
     if s.dtype == "fp16"
     and s.causal
     and (s.head_dim, s.tile_m, s.stages) in ((128, 64, 1), (256, 64, 1), (128, 64, 2), (192, 64, 2), (64, 128, 2))
-    and not s.dq_quad
-    and not s.dq_tile
-] + [s for s in DEFAULTS if (s.dq_quad or s.dq_tile) and s.causal and s.head_dim in (64, 128)]
-# (bf16 only: dq_quad and dq_tile are committed in bf16; compiled for sm_80 dq_quad keeps element-wise
-# reductions in the natural layout, dq_tile element-wise ones in its fragment order.)
+] + [s for s in DEFAULTS if not s.dq_tile and s.causal and s.head_dim in (64, 128)]
 
 
 def test_alternatives_are_committed():
     assert {(s.head_dim, s.stages) for s in DEFAULTS if s.stages == 2} == {(64, 2), (128, 2), (192, 2)}
     assert {s.name for s in A100_SUBSET} >= {
-        "cutefa_sm80_bwd_fp16_hd128_64x128_s2_w8_causal",
-        "cutefa_sm80_bwd_fp16_hd192_64x64_s2_w8_causal",
-        "cutefa_sm80_bwd_fp16_hd64_128x128_s2_w8_causal",
+        "cutefa_sm80_bwd_fp16_hd128_64x128_s2_w8_causal_dqtile",
+        "cutefa_sm80_bwd_fp16_hd192_64x64_s2_w8_causal_dqtile",
+        "cutefa_sm80_bwd_fp16_hd64_128x128_s2_w8_causal_dqtile",
+        "cutefa_sm80_bwd_bf16_hd128_64x128_s1_w8_causal",
+        "cutefa_sm80_bwd_bf16_hd128_64x128_s1_w8_causal_dqquad",
     }
 
 
@@ -135,12 +135,16 @@ def test_dq_quad_committed():
 
 
 def test_dq_tile_committed():
-    """dq_tile twins of the dq_quad tiles (bf16, both masks), valid; the workspace is tiled by query
-    blocks; the flag is refused beside dq_quad and outside the sm80 backward."""
+    """dq_tile is the family's default backward flag: every default and tuning tile carries it, both
+    dtypes and masks; the natural layout stays as the bf16 twin of the dq_quad tiles; the workspace
+    is tiled by query blocks; the flag is refused beside dq_quad and outside the sm80 backward."""
     tiles = {s for s in DEFAULTS if s.dq_tile}
-    assert {s.replace(dq_tile=False, dq_quad=True) for s in tiles} == {s for s in DEFAULTS if s.dq_quad}
+    assert {s.dtype for s in tiles} == {"fp16", "bf16"}
+    plain = {s for s in DEFAULTS if not (s.dq_tile or s.dq_quad)}
+    assert plain == {s.replace(dq_quad=False) for s in DEFAULTS if s.dq_quad}
+    assert {s.replace(dq_tile=True) for s in plain} <= tiles
     assert all(space.why_invalid(s) is None for s in tiles)
-    spec = next(s for s in tiles if s.head_dim == 128 and not s.causal)
+    spec = next(s for s in tiles if s.head_dim == 128 and s.tile_m == 64 and s.stages == 1 and not s.causal)
     assert space.bwd_dq_accum_shape(spec, 2, 3, 1000, 5) == (2, 3, 5, -(-1000 // 64), 64 * 128)
     assert "dq_quad" in space.why_invalid(spec.replace(dq_quad=True))
     assert "sm80 backward" in space.why_invalid(space.VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_tile=True))

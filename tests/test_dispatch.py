@@ -318,7 +318,9 @@ def test_backward_tables_steer_the_backward_only(isolated, monkeypatch):
     from cutefa import backward
 
     monkeypatch.setattr(space, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")})
-    default = VariantSpec("sm80", "bwd", "bf16", 128, *space.DEFAULT_BWD_TILES["sm80"][128])
+    default = VariantSpec(
+        "sm80", "bwd", "bf16", 128, *space.DEFAULT_BWD_TILES["sm80"][128], **space.default_extras("sm80", "bwd", 128)
+    )
     other = default.replace(tile_m=128, tile_n=64)
     assert space.why_invalid(other) is None and other != default
     bwd_entries = [entry(other.name, 2048), entry(default.name, None)]
@@ -342,7 +344,9 @@ def test_backward_table_entry_for_a_forward_variant_is_refused(isolated, monkeyp
     monkeypatch.setattr(space, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")})
     write_table(isolated, "sm80_bwd_a100.json", [entry(heuristic_name(), None)], direction="bwd")
     dispatch.clear_caches()
-    default = VariantSpec("sm80", "bwd", "bf16", 128, *space.DEFAULT_BWD_TILES["sm80"][128])
+    default = VariantSpec(
+        "sm80", "bwd", "bf16", 128, *space.DEFAULT_BWD_TILES["sm80"][128], **space.default_extras("sm80", "bwd", 128)
+    )
     assert backward.choose_bwd("sm_80", torch.bfloat16, 128, False, seqlen_k=512, gpu_name="A100") == default
 
 

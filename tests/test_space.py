@@ -228,28 +228,30 @@ def test_sm90_bwd_head_split():
 
 def test_sm80_bwd_default_set():
     committed = space.default_variants("sm80", "bwd")
-    defaults = [s for s in committed if not (s.dq_quad or s.dq_tile)]
+    # the default and tuning tiles, both dtypes and masks, with dq_tile (the accumulator tiled by
+    # query blocks in fragment order, the family's default backward flag)
+    defaults = [s for s in committed if s.dq_tile]
     extra = space.BWD_TUNING_ALTERNATIVES["sm80"]
+    assert space.default_extras("sm80", "bwd", 128) == {"dq_tile": True}
     assert len(defaults) == 2 * 2 * (len(HEAD_DIMS) + sum(len(tiles) for tiles in extra.values()))
     for spec in defaults:
         tile = (spec.tile_m, spec.tile_n, spec.stages, spec.warps)
         assert tile == space.DEFAULT_BWD_TILES["sm80"][spec.head_dim] or tile in extra[spec.head_dim]
         assert space.smem_bytes(spec) <= space.SM80_SMEM_LIMIT
-    # dq_quad (16-byte dQ reductions into a column-permuted accumulator): the BWD_ALTERNATIVES, bf16,
-    # causal and not, each the twin of a committed tile without the flag
-    # and dq_tile (the accumulator tiled by query blocks in fragment order), one of each per head dim
-    quads = [s for s in committed if s.dq_quad or s.dq_tile]
+    # The BWD_ALTERNATIVES, bf16, causal and not, on the best tile of each head dim: dq_quad (16-byte
+    # dQ reductions into a column-permuted accumulator) and the accumulator's natural layout, each
+    # the twin of a committed dq_tile variant
+    others = [s for s in committed if not s.dq_tile]
     alts = space.BWD_ALTERNATIVES["sm80"]
-    assert len(quads) == 2 * sum(len(a) for a in alts.values())
-    assert {s.dtype for s in quads} == {"bf16"}
+    assert len(others) == 2 * sum(len(a) for a in alts.values())
+    assert {s.dtype for s in others} == {"bf16"}
     assert all(
-        s.replace(dq_quad=False, dq_tile=False) in defaults and space.why_invalid(s) is None for s in quads
+        s.replace(dq_quad=False, dq_tile=True) in defaults and space.why_invalid(s) is None for s in others
     )
-    assert sum(s.dq_tile for s in quads) == sum(s.dq_quad for s in quads) == len(quads) // 2
+    assert sum(s.dq_quad for s in others) == len(others) // 2
     assert "dq_quad" in space.why_invalid(
         space.VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_quad=True)
     )
-    committed = defaults + quads
     assert space.default_variants("sm80") == sorted(committed + space.default_variants("sm80", "fwd"))
 
 

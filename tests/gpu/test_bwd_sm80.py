@@ -294,7 +294,10 @@ def test_bwd_variant(gen, spec, deterministic):
 def _quad_variants():
     from cutefa import space
 
-    return [s for s in space.default_variants("sm80", "bwd") if s.dq_quad or s.dq_tile]
+    committed = space.default_variants("sm80", "bwd")
+    plain = [s for s in committed if not (s.dq_quad or s.dq_tile)]
+    # every variant whose natural-layout twin (the same tile and dtype) is committed
+    return [s for s in committed if (s.dq_quad or s.dq_tile) and s.replace(dq_quad=False, dq_tile=False) in plain]
 
 
 # Longer shapes for the dq_quad and dq_tile twins: whole and partial query blocks over several key blocks,
