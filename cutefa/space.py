@@ -1216,7 +1216,7 @@ _FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True}, {"dq_tile": True})
 # 64, 96, 128): dq_bulk, FlashAttention-3's dQ path (measured +9-19% over per-thread reductions at
 # hd64/hd128 on the H200, docs/perf-notes.md "dq_bulk ... measured").
 # sm80: dq_tile, FlashAttention-2's fp32 dQ workspace (each query block's dQ in the MMA's fragment
-# order; +5-9% over dq_quad and +14-20% over the natural layout on the H200, docs/perf-notes.md
+# order; +5-9% over dq_quad and +11-21% over the natural layout on the H200, docs/perf-notes.md
 # "sm80 backward: the dQ accumulator in fragment order"), the layout FlashAttention-2 itself uses on
 # every sm8x GPU.
 DEFAULT_BWD_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"dq_bulk": True}, "sm80": {"dq_tile": True}}

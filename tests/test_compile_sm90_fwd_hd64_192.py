@@ -29,7 +29,7 @@ SPECS = [parse_name(n) for n in NAMES]
 PTXAS_OPTIONS = {
     f"cutefa_sm90_fwd_{dtype}_hd64_192x128_s2_w16_causal_{flags}": "-regUsageLevel 3"
     for dtype in ("bf16", "fp16")
-    for flags in ("ov_pp", "ov_lpt", "ov_pp_lpt")
+    for flags in ("ov_pp", "ov_lpt", "ov_pp_lpt", "ov_pp_lres")
 }
 
 

@@ -36,8 +36,6 @@ in a fixed order, and the postprocess sums the splits in order: bitwise-reproduc
 Per query block: S = Q K^T, P, P -> smem, dP = dO V^T, dS, dS -> smem, barrier, then
 dV += P^T dO, dK += dS^T Q, barrier, the next block's Q and dO loads (cp.async, under the dQ GEMM),
 dQ = dS K and its reductions.
-The dQ reductions are 8-byte red.global.add.v2.f32 (two adjacent columns) where the target is
-sm_90 or newer, element-wise red.global.add.f32 on sm_80/sm_86/sm_89.
 dq_tile: dq_accum is tiled by query blocks, each block's dQ in the MMA's fragment order
 (cutefa/kernels/sm80/dq_tile.py): where the target is sm_90 or newer a thread's values 4j..4j+3 go
 out as one 16-byte red.global.add.v4.f32 to word 4 (THREADS j + thread), so that a warp's reduction

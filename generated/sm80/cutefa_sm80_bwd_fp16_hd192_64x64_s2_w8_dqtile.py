@@ -38,8 +38,6 @@ dV += P^T dO, barrier, the next block's dO load (cp.async), dQ = dS K and its re
 before the dK GEMM, which covers their latency), dK += dS^T Q. Q has STAGES buffers: the next
 block's Q load is issued at the top of the step, right after the barrier, and has the whole step to
 land (FlashAttention-2's double-buffered Q).
-The dQ reductions are 8-byte red.global.add.v2.f32 (two adjacent columns) where the target is
-sm_90 or newer, element-wise red.global.add.f32 on sm_80/sm_86/sm_89.
 dq_tile: dq_accum is tiled by query blocks, each block's dQ in the MMA's fragment order
 (cutefa/kernels/sm80/dq_tile.py): where the target is sm_90 or newer a thread's values 4j..4j+3 go
 out as one 16-byte red.global.add.v4.f32 to word 4 (THREADS j + thread), so that a warp's reduction
