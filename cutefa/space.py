@@ -251,10 +251,12 @@ def fp8_alternative_specs(arch: str = "sm90") -> list[VariantSpec]:
 
 
 # Backward tiles per head dim (filled as each family's backward kernel lands). sm80: FlashAttention-2's
-# backward tiles on the A100 (flash_bwd_launch_template.h): query rows x keys per CTA, 8 warps.
+# backward tiles on the A100 (flash_bwd_launch_template.h): query rows x keys per CTA, 8 warps; hd64
+# its 128x128 tile with a double-buffered Q (150 KiB; +10% over 64x128 single-buffered with dq_tile
+# on the H200, docs/perf-notes.md "sm80 backward: the dQ accumulator in fragment order").
 DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {
     "sm80": {
-        64: Tile(64, 128, 1, 8),
+        64: Tile(128, 128, 2, 8),
         96: Tile(64, 128, 1, 8),
         128: Tile(64, 128, 1, 8),
         192: Tile(64, 64, 1, 8),
@@ -265,11 +267,12 @@ DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {
 # Backward tiles committed next to the default one so benchmarks can compare (dispatch runs the
 # default). sm80: a double-buffered Q tile (stages=2, FlashAttention-2's design): the next query
 # block's Q loads during a whole step, dO during the dQ and dK GEMMs; hd256 64x64 would need 182
-# KiB. hd64 also 128 query rows per step (FA2's "slightly faster" hd64 tile): 0.45 ldmatrix per
-# mma.sync instead of 0.55 and half the barriers per FLOP; 255 registers, no spill (sm_80, sm_90a).
+# KiB. hd64's default has 128 query rows per step (FA2's "slightly faster" hd64 tile: 0.45
+# ldmatrix per mma.sync instead of 0.55 and half the barriers per FLOP; 255 registers, no spill on
+# sm_80 and sm_90a); 64 rows, single- and double-buffered, and 128 rows single-buffered stay beside it.
 BWD_TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
     "sm80": {
-        64: (Tile(64, 128, 2, 8), Tile(128, 128, 1, 8), Tile(128, 128, 2, 8)),
+        64: (Tile(64, 128, 1, 8), Tile(64, 128, 2, 8), Tile(128, 128, 1, 8)),
         128: (Tile(64, 128, 2, 8),),
         192: (Tile(64, 64, 2, 8),),
     },
