@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import cutefa
     from cutefa import space
+    from cutefa.backward import dq_accum_workspace
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
 
@@ -89,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
                 flops = 2.5 * 4.0 * batch * heads * seqlen**2 * hd / (2 if causal else 1)
                 for spec in (s for s in variants if s.head_dim == hd and s.causal == causal):
                     kernel = get_kernel(spec, target)
-                    dq_accum = torch.empty(space.bwd_dq_accum_shape(spec, 1, batch, seqlen, heads), **f32)
+                    dq_accum = dq_accum_workspace(spec, 1, batch, seqlen, heads, q.device)
                     args_ = (q, k, v, out, dout, lse, dlse, dq, dk, dv, dq_accum, lse_log2, dpsum, scale, 0)
                     ms = bench_ms(functools.partial(kernel, *args_))
                     tile = (spec.tile_m, spec.tile_n, spec.stages, spec.warps)
-                    mark = "yes" if tile == default else ""
+                    # the default: the default tile with the family's default flags (dq_tile)
+                    extras = space.default_extras("sm80", "bwd", hd)
+                    mark = "yes" if tile == default and spec == spec.replace(**extras) else ""
                     print(
                         f"| {spec.name} | {mark} | {int(causal)} | {seqlen} | {ms:.3f} | {flops / ms / 1e9:.0f} |",
                         flush=True,

@@ -250,7 +250,7 @@ def test_bwd_variant(gen, spec, deterministic):
     output and the dQ accumulator poisoned with NaN beforehand (an element the kernel does not
     write, or a split the preprocess does not clear, fails). Deterministic mode with up to 3
     splits makes each CTA walk several key blocks (the Q buffers restart at each)."""
-    from cutefa import space
+    from cutefa.backward import dq_accum_workspace
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
 
@@ -268,7 +268,7 @@ def test_bwd_variant(gen, spec, deterministic):
         dq = torch.full(q.shape, math.nan, dtype=dt, **nan)
         dk_heads = torch.full((batch, sk, hq, spec.head_dim), math.nan, dtype=dt, **nan)
         dv_heads = torch.full_like(dk_heads, math.nan)
-        dq_accum = torch.full(space.bwd_dq_accum_shape(spec, splits, batch, sq, hq), math.nan, **nan)
+        dq_accum = dq_accum_workspace(spec, splits, batch, sq, hq, q.device).fill_(math.nan)
         lse_log2 = torch.full((batch, hq, sq), math.nan, **nan)
         dpsum = torch.full_like(lse_log2, math.nan)
         dlse = torch.zeros_like(lse_log2)
@@ -312,7 +312,7 @@ def test_bwd_dq_quad_matches_twin(gen, spec):
     (each accumulator element summed by one thread in a fixed order, the splits in order) dq, dk and
     dv are bitwise those of the same tile without the flag; in atomic mode they agree to fp32
     reordering. Each kernel's accumulator is poisoned with NaN in its own layout."""
-    from cutefa import space
+    from cutefa.backward import dq_accum_workspace
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
 
@@ -332,8 +332,7 @@ def test_bwd_dq_quad_matches_twin(gen, spec):
                 dq = torch.full(q.shape, math.nan, dtype=dt, device="cuda")
                 dk = torch.full((batch, sk, hq, spec.head_dim), math.nan, dtype=dt, device="cuda")
                 dv = torch.full_like(dk, math.nan)
-                accum_shape = space.bwd_dq_accum_shape(variant, splits, batch, sq, hq)
-                dq_accum = torch.full(accum_shape, math.nan, device="cuda")
+                dq_accum = dq_accum_workspace(variant, splits, batch, sq, hq, q.device).fill_(math.nan)
                 lse_log2 = torch.full((batch, hq, sq), math.nan, device="cuda")
                 dpsum = torch.full_like(lse_log2, math.nan)
                 kernel(
