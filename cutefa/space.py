@@ -1519,10 +1519,6 @@ def bwd_dq_accum_shape(
     return (splits, batch, heads_q, blocks, spec.tile_m * spec.head_dim)
 
 
-# The name the sm90 backward's building blocks cite for the dq_bulk workspace.
-sm90_bwd_dq_accum_shape = bwd_dq_accum_shape
-
-
 def sm90_bwd_registers(spec: VariantSpec) -> int:
     """Registers of a consumer thread at the peak (one warpgroup: 64 keys, 128 threads): fp32 dK
     and dV (64 x d each) for the whole query loop, beside fp32 S^T and dP^T (64 x tile_m each;

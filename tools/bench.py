@@ -77,6 +77,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _dtype_list(text: str) -> list[str]:
     values = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in values if x not in DTYPE_NAMES]
@@ -144,6 +154,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (bench_out/)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    p.add_argument(
+        "--rounds", type=_positive_int, default=1,
+        help="time every backend of a cell this many times, in turns (backend after backend, round "
+        "after round), and report the median: clock and power drift then falls on all backends alike",
+    )  # fmt: skip
     p.add_argument("--check-tol", type=float, default=2e-2, help="max rel error of cutefa vs SDPA")
     p.add_argument("--no-plot", action="store_true", help="skip bench.png")
     p.add_argument("--enqueue", action="store_true", help="measure host cost per call instead of the grid")
@@ -228,6 +243,7 @@ class Result:
     tflops: float | None = None
     rel_err: float | None = None
     error: str | None = None
+    rounds_ms: list[float] = field(default_factory=list)  # --rounds: each round's time
 
     def text(self) -> str:
         if self.status == "ok" and self.tflops is not None:
@@ -314,7 +330,9 @@ def report_markdown(meta: dict, rows: list[Row], backends: list[str], notes: lis
     out.append(
         f"Layout (batch, seqlen, heads, hdim), batch x seqlen = {TOKENS}, heads x hdim = {MODEL_DIM}; "
         "TFLOP/s = 4*b*h*s^2*d / time for the forward (2.5x that for the backward), halved when causal; median of "
-        f"{meta.get('timer', 'do_bench')}. WRONG: cutefa's output failed the check against SDPA "
+        f"{meta.get('timer', 'do_bench')}"
+        + (f", the median of {meta['rounds']} rounds in turns across backends" if meta.get("rounds", 1) > 1 else "")
+        + ". WRONG: cutefa's output failed the check against SDPA "
         f"(rel err > {meta.get('check_tol')}); err: the backend raised (see notes); empty: not installed."
     )
     out += ["", markdown_table(rows, backends), ""]
@@ -651,7 +669,8 @@ def run_grid(args: argparse.Namespace) -> int:
     if args.bwd_variants and cutefa_backend is None:
         (cutefa_backend,) = load_backends(["cutefa"])
     timer_name, time_ms = make_timer(args.warmup, args.rep)
-    meta = environment() | {"timer": timer_name, "check_tol": args.check_tol, "argv": sys.argv[1:]}
+    meta = environment() | {"timer": timer_name, "rounds": args.rounds, "check_tol": args.check_tol}
+    meta["argv"] = sys.argv[1:]
     notes: list[str] = []
     try:
         meta["matmul_tflops"] = measure_matmul(time_ms)
@@ -672,16 +691,32 @@ def run_grid(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - reported in the notes
             expect = None
             notes.append(f"{cell.label}: SDPA reference failed, cutefa unchecked: {_first_line(exc)}")
+        for _ in range(args.rounds):
+            for b in backends:
+                first = row.results.get(b.name)
+                if first is not None and first.ms is None:
+                    continue  # failed or missing in an earlier round
+                check = expect if b.name == "cutefa" and first is None else None
+                res = run_backend(b, q, k, v, cell.causal, time_ms, check, args.check_tol, dout)
+                if first is not None:
+                    first.rounds_ms.append(res.ms)  # None: this round failed
+                    continue
+                if res.ms is not None:
+                    res.rounds_ms.append(res.ms)
+                row.results[b.name] = res
         for b in backends:
-            check = expect if b.name == "cutefa" else None
-            res = run_backend(b, q, k, v, cell.causal, time_ms, check, args.check_tol, dout)
+            res = row.results[b.name]
+            if res.ms is not None:
+                if None in res.rounds_ms:
+                    res.status, res.ms, res.error = "err", None, f"failed in a later round: {res.rounds_ms}"
+                else:
+                    res.ms = statistics.median(res.rounds_ms)
             if res.ms is not None:
                 res.tflops = tflops(cell.flops, res.ms)
             if b.name == "cutefa" and expect is None and res.status == "ok":
                 res.status = "unchecked"
             if res.status in ("WRONG", "err"):
                 notes.append(f"{b.name} {cell.label}: {res.error}")
-            row.results[b.name] = res
         for vname in [n for n in args.bwd_variants if variant_serves(n, cell)]:
             vb = bwd_variant_backend(vname, cutefa_backend)
             res = run_backend(vb, q, k, v, cell.causal, time_ms, expect, args.check_tol, dout)

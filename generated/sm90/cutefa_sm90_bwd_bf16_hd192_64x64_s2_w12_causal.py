@@ -62,6 +62,7 @@ from cutefa.kernels.common.reduce import red_add_pairs
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
 from cutefa.kernels.sm90 import bwd_parts, parts
+from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_bf16_hd192_64x64_s2_w12_causal"
 DTYPE = cutlass.BFloat16
@@ -328,19 +329,20 @@ class Kernel:
             dkv_thr = dkv_mma.get_slice(wtid)
             dq_thr = dq_mma.get_slice(wtid)
 
-            # WGMMA operands. S^T, dP^T: all keys of K and V, this consumer's HALF_M queries of Q
+            # WGMMA operands (descriptors computed here, once: descriptors.hoisted).
+            # S^T, dP^T: all keys of K and V, this consumer's HALF_M queries of Q
             # and dO by ring stage. dV, dK: P^T and dS^T of all queries (by buffer), this
             # consumer's HALF_D columns of dO^T and Q^T (by stage). dQ: dS (by buffer), K^T's columns.
-            tSrK = sdp_thr.make_fragment_A(sdp_thr.partition_A(sK[None, None, 0]))
-            tSrV = sdp_thr.make_fragment_A(sdp_thr.partition_A(sV[None, None, 0]))
-            tSrQ = sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sQ, (HALF_M, HEAD_DIM), (c, 0, None))))
-            tSrdO = sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sdO, (HALF_M, HEAD_DIM), (c, 0, None))))
-            tdVrP = dkv_thr.make_fragment_A(dkv_thr.partition_A(sPt))
-            tdKrdS = dkv_thr.make_fragment_A(dkv_thr.partition_A(sdSt))
-            tdVrdOt = dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sdOt, (HALF_D, TILE_M), (c, 0, None))))
-            tdKrQt = dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sQt, (HALF_D, TILE_M), (c, 0, None))))
-            tdQrdS = dq_thr.make_fragment_A(dq_thr.partition_A(sdS))
-            tdQrKt = dq_thr.make_fragment_B(dq_thr.partition_B(cute.local_tile(sKt[None, None, 0], (HALF_D, TILE_N), (c, 0))))
+            tSrK = hoisted(sdp_thr.make_fragment_A(sdp_thr.partition_A(sK[None, None, 0])))
+            tSrV = hoisted(sdp_thr.make_fragment_A(sdp_thr.partition_A(sV[None, None, 0])))
+            tSrQ = hoisted(sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sQ, (HALF_M, HEAD_DIM), (c, 0, None)))))
+            tSrdO = hoisted(sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sdO, (HALF_M, HEAD_DIM), (c, 0, None)))))
+            tdVrP = hoisted(dkv_thr.make_fragment_A(dkv_thr.partition_A(sPt)))
+            tdKrdS = hoisted(dkv_thr.make_fragment_A(dkv_thr.partition_A(sdSt)))
+            tdVrdOt = hoisted(dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sdOt, (HALF_D, TILE_M), (c, 0, None)))))
+            tdKrQt = hoisted(dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sQt, (HALF_D, TILE_M), (c, 0, None)))))
+            tdQrdS = hoisted(dq_thr.make_fragment_A(dq_thr.partition_A(sdS)))
+            tdQrKt = hoisted(dq_thr.make_fragment_B(dq_thr.partition_B(cute.local_tile(sKt[None, None, 0], (HALF_D, TILE_N), (c, 0)))))
 
             acc_S = cute.make_rmem_tensor(sdp_thr.partition_shape_C((TILE_N, HALF_M)), Float32)
             acc_dP = cute.make_rmem_tensor(sdp_thr.partition_shape_C((TILE_N, HALF_M)), Float32)

@@ -58,6 +58,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
 from cutefa.kernels.sm90 import bwd_parts, bwd_swap, parts
+from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal"
 DTYPE = cutlass.BFloat16
@@ -321,19 +322,20 @@ class Kernel:
             dkv_thr = dkv_mma.get_slice(wtid)
             dq_thr = dq_mma.get_slice(wtid)
 
+            # WGMMA operands (descriptors computed here, once: descriptors.hoisted).
             # S, dP: A = Q, dO by ring stage; B = this warpgroup's keys of K and V.
-            tSrQ = sdp_thr.make_fragment_A(sdp_thr.partition_A(sQ))
-            tSrdO = sdp_thr.make_fragment_A(sdp_thr.partition_A(sdO))
-            tSrK = sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sK[None, None, 0], (KEYS_WG, HEAD_DIM), (c, 0))))
-            tSrV = sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sV[None, None, 0], (KEYS_WG, HEAD_DIM), (c, 0))))
+            tSrQ = hoisted(sdp_thr.make_fragment_A(sdp_thr.partition_A(sQ)))
+            tSrdO = hoisted(sdp_thr.make_fragment_A(sdp_thr.partition_A(sdO)))
+            tSrK = hoisted(sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sK[None, None, 0], (KEYS_WG, HEAD_DIM), (c, 0)))))
+            tSrV = hoisted(sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sV[None, None, 0], (KEYS_WG, HEAD_DIM), (c, 0)))))
             # dV^T, dK^T: A = dO^T, Q^T by ring stage; B = this warpgroup's keys of P (one buffer) and dS.
-            tdVrdOt = dkv_thr.make_fragment_A(dkv_thr.partition_A(sdOt))
-            tdKrQt = dkv_thr.make_fragment_A(dkv_thr.partition_A(sQt))
-            tdVrP = dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sPt[None, None, 0], (KEYS_WG, TILE_M), (c, 0))))
-            tdKrdS = dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sdSt, (KEYS_WG, TILE_M, 2), (c, 0, 0))))
+            tdVrdOt = hoisted(dkv_thr.make_fragment_A(dkv_thr.partition_A(sdOt)))
+            tdKrQt = hoisted(dkv_thr.make_fragment_A(dkv_thr.partition_A(sQt)))
+            tdVrP = hoisted(dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sPt[None, None, 0], (KEYS_WG, TILE_M), (c, 0)))))
+            tdKrdS = hoisted(dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sdSt, (KEYS_WG, TILE_M, 2), (c, 0, 0)))))
             # dQ: A = dS (both warpgroups' keys) by buffer; B = this warpgroup's columns of K^T.
-            tQrdS = dq_thr.make_fragment_A(dq_thr.partition_A(sdS))
-            tQrKt = dq_thr.make_fragment_B(dq_thr.partition_B(cute.local_tile(sKt[None, None, 0], (DQ_COLS, TILE_N), (c, 0))))
+            tQrdS = hoisted(dq_thr.make_fragment_A(dq_thr.partition_A(sdS)))
+            tQrKt = hoisted(dq_thr.make_fragment_B(dq_thr.partition_B(cute.local_tile(sKt[None, None, 0], (DQ_COLS, TILE_N), (c, 0)))))
             gdQacc = mdQaccum[bx * deterministic, batch, None, head, None]
             tdQg = dq_thr.partition_C(cute.local_tile(gdQacc, (parts.WG_ROWS, DQ_COLS), (None, c)))
             tdQc = dq_thr.partition_C(cute.make_identity_tensor((parts.WG_ROWS, DQ_COLS)))

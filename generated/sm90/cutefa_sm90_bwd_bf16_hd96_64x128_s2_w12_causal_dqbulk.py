@@ -75,6 +75,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
 from cutefa.kernels.sm90 import bwd_parts, parts
+from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_bf16_hd96_64x128_s2_w12_causal_dqbulk"
 DTYPE = cutlass.BFloat16
@@ -370,13 +371,14 @@ class Kernel:
             sdp_thr = sdp_mma.get_slice(wtid)
             dkv_thr = dkv_mma.get_slice(wtid)
 
-            # WGMMA operands: this warpgroup's 64 keys of K and V; Q, dO by ring stage.
-            tSrK = sdp_thr.make_fragment_A(sdp_thr.partition_A(cute.local_tile(sK[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0))))
-            tSrV = sdp_thr.make_fragment_A(sdp_thr.partition_A(cute.local_tile(sV[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0))))
-            tSrQ = sdp_thr.make_fragment_B(sdp_thr.partition_B(sQ))
-            tSrdO = sdp_thr.make_fragment_B(sdp_thr.partition_B(sdO))
-            tdKrQt = dkv_thr.make_fragment_B(dkv_thr.partition_B(sQt))
-            tdVrdOt = dkv_thr.make_fragment_B(dkv_thr.partition_B(sdOt))
+            # WGMMA operands (descriptors computed here, once: descriptors.hoisted): this warpgroup's
+            # 64 keys of K and V; Q, dO by ring stage.
+            tSrK = hoisted(sdp_thr.make_fragment_A(sdp_thr.partition_A(cute.local_tile(sK[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0)))))
+            tSrV = hoisted(sdp_thr.make_fragment_A(sdp_thr.partition_A(cute.local_tile(sV[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0)))))
+            tSrQ = hoisted(sdp_thr.make_fragment_B(sdp_thr.partition_B(sQ)))
+            tSrdO = hoisted(sdp_thr.make_fragment_B(sdp_thr.partition_B(sdO)))
+            tdKrQt = hoisted(dkv_thr.make_fragment_B(dkv_thr.partition_B(sQt)))
+            tdVrdOt = hoisted(dkv_thr.make_fragment_B(dkv_thr.partition_B(sdOt)))
             
             acc_S = cute.make_rmem_tensor(sdp_thr.partition_shape_C((parts.WG_ROWS, TILE_M)), Float32)
             acc_dP = cute.make_rmem_tensor(sdp_thr.partition_shape_C((parts.WG_ROWS, TILE_M)), Float32)

@@ -77,6 +77,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
 from cutefa.kernels.sm90 import bwd_parts, parts
+from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_fp16_hd256_64x64_s2_w12_ov_dqbulk"
 DTYPE = cutlass.Float16
@@ -367,25 +368,26 @@ class Kernel:
             dkv_thr = dkv_mma.get_slice(wtid)
             dq_thr = dq_mma.get_slice(wtid)
 
-            # WGMMA operands. S^T, dP^T: all keys of K and V, this consumer's HALF_M queries of Q
+            # WGMMA operands (descriptors computed here, once: descriptors.hoisted).
+            # S^T, dP^T: all keys of K and V, this consumer's HALF_M queries of Q
             # and dO by ring stage. dV, dK: P^T and dS^T of all queries (by buffer), this
             # consumer's HALF_D columns of dO^T and Q^T (by stage). dQ: dS (by buffer), K^T's columns.
-            tSrK = sdp_thr.make_fragment_A(sdp_thr.partition_A(sK[None, None, 0]))
-            tSrV = sdp_thr.make_fragment_A(sdp_thr.partition_A(sV[None, None, 0]))
-            tSrQ = sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sQ, (HALF_M, HEAD_DIM), (c, 0, None))))
-            tSrdO = sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sdO, (HALF_M, HEAD_DIM), (c, 0, None))))
-            tdQrdS = dq_thr.make_fragment_A(dq_thr.partition_A(sdS))
-            tdQrKt = dq_thr.make_fragment_B(dq_thr.partition_B(cute.local_tile(sKt[None, None, 0], (HALF_D, TILE_N), (c, 0))))
+            tSrK = hoisted(sdp_thr.make_fragment_A(sdp_thr.partition_A(sK[None, None, 0])))
+            tSrV = hoisted(sdp_thr.make_fragment_A(sdp_thr.partition_A(sV[None, None, 0])))
+            tSrQ = hoisted(sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sQ, (HALF_M, HEAD_DIM), (c, 0, None)))))
+            tSrdO = hoisted(sdp_thr.make_fragment_B(sdp_thr.partition_B(cute.local_tile(sdO, (HALF_M, HEAD_DIM), (c, 0, None)))))
+            tdQrdS = hoisted(dq_thr.make_fragment_A(dq_thr.partition_A(sdS)))
+            tdQrKt = hoisted(dq_thr.make_fragment_B(dq_thr.partition_B(cute.local_tile(sKt[None, None, 0], (HALF_D, TILE_N), (c, 0)))))
             # Overlap: dV and dK over this consumer's own HALF_M queries go out before the barrier
             # with P^T, dS^T as register A operands (dkv_rs_mma), over the other consumer's queries
             # after it from shared memory; B: dO^T, Q^T of those queries.
             dkv_rs_thr = dkv_rs_mma.get_slice(wtid)
-            tdVrdOt_own = dkv_rs_thr.make_fragment_B(dkv_rs_thr.partition_B(cute.local_tile(sdOt, (HALF_D, HALF_M), (c, c, None))))
-            tdKrQt_own = dkv_rs_thr.make_fragment_B(dkv_rs_thr.partition_B(cute.local_tile(sQt, (HALF_D, HALF_M), (c, c, None))))
-            tdVrP_other = dkv_thr.make_fragment_A(dkv_thr.partition_A(cute.local_tile(sPt, (TILE_N, HALF_M), (0, 1 - c, None))))
-            tdKrdS_other = dkv_thr.make_fragment_A(dkv_thr.partition_A(cute.local_tile(sdSt, (TILE_N, HALF_M), (0, 1 - c, None))))
-            tdVrdOt_other = dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sdOt, (HALF_D, HALF_M), (c, 1 - c, None))))
-            tdKrQt_other = dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sQt, (HALF_D, HALF_M), (c, 1 - c, None))))
+            tdVrdOt_own = hoisted(dkv_rs_thr.make_fragment_B(dkv_rs_thr.partition_B(cute.local_tile(sdOt, (HALF_D, HALF_M), (c, c, None)))))
+            tdKrQt_own = hoisted(dkv_rs_thr.make_fragment_B(dkv_rs_thr.partition_B(cute.local_tile(sQt, (HALF_D, HALF_M), (c, c, None)))))
+            tdVrP_other = hoisted(dkv_thr.make_fragment_A(dkv_thr.partition_A(cute.local_tile(sPt, (TILE_N, HALF_M), (0, 1 - c, None)))))
+            tdKrdS_other = hoisted(dkv_thr.make_fragment_A(dkv_thr.partition_A(cute.local_tile(sdSt, (TILE_N, HALF_M), (0, 1 - c, None)))))
+            tdVrdOt_other = hoisted(dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sdOt, (HALF_D, HALF_M), (c, 1 - c, None)))))
+            tdKrQt_other = hoisted(dkv_thr.make_fragment_B(dkv_thr.partition_B(cute.local_tile(sQt, (HALF_D, HALF_M), (c, 1 - c, None)))))
 
             acc_S = cute.make_rmem_tensor(sdp_thr.partition_shape_C((TILE_N, HALF_M)), Float32)
             acc_dP = cute.make_rmem_tensor(sdp_thr.partition_shape_C((TILE_N, HALF_M)), Float32)

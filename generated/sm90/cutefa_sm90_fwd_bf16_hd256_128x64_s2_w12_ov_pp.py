@@ -27,6 +27,7 @@ from cutefa.kernels.common.softmax import (
     softmax_state,
 )
 from cutefa.kernels.sm90 import parts
+from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_fwd_bf16_hd256_128x64_s2_w12_ov_pp"
 DTYPE = cutlass.BFloat16
@@ -181,9 +182,10 @@ class Kernel:
             wtid = tidx % parts.WG_THREADS
             qk_thr = qk_mma.get_slice(wtid)
             pv_thr = pv_mma.get_slice(wtid)
-            tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, c]))
-            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
-            tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+            # WGMMA descriptors of Q, K and V computed here, once (descriptors.hoisted).
+            tSrQ = hoisted(qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, c])))
+            tSrK = hoisted(qk_thr.make_fragment_B(qk_thr.partition_B(sK)))
+            tOrV = hoisted(pv_thr.make_fragment_B(pv_thr.partition_B(sV)))
             acc_S_shape = qk_thr.partition_shape_C((parts.WG_ROWS, TILE_N))
             acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((parts.WG_ROWS, HEAD_DIM)), Float32)
             o_mn = parts.acc_mn_view(acc_O)
@@ -252,6 +254,7 @@ class Kernel:
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
                 v_handle = v_consumer.wait_and_advance()
+                warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
@@ -275,6 +278,7 @@ class Kernel:
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
                 v_handle = v_consumer.wait_and_advance()
+                warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)

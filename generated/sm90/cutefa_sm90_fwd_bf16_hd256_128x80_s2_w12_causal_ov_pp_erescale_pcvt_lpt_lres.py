@@ -29,6 +29,7 @@ from cutefa.kernels.common.softmax import (
     softmax_state,
 )
 from cutefa.kernels.sm90 import parts
+from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_pp_erescale_pcvt_lpt_lres"
 DTYPE = cutlass.BFloat16
@@ -189,6 +190,11 @@ class Kernel:
             wtid = tidx % parts.WG_THREADS
             qk_thr = qk_mma.get_slice(wtid)
             pv_thr = pv_mma.get_slice(wtid)
+            # Descriptors rebuilt at each GEMM issue: with them held across the loop
+            # (descriptors.hoisted), ptxas gives up the uniform datapath on the causal two-consumer
+            # tiles with the widest S and O accumulators (hd192 without the paired conversion too) or
+            # the FMA exp2 (200-300 R2UR, up to ~110 more instructions per key block, some WGMMAs
+            # serialized).
             tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, c]))
             tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
             tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))

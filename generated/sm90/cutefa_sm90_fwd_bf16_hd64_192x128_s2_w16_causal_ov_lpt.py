@@ -27,6 +27,7 @@ from cutefa.kernels.common.softmax import (
     softmax_state,
 )
 from cutefa.kernels.sm90 import parts
+from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_fwd_bf16_hd64_192x128_s2_w16_causal_ov_lpt"
 DTYPE = cutlass.BFloat16
@@ -192,9 +193,10 @@ class Kernel:
             wtid = tidx % parts.WG_THREADS
             qk_thr = qk_mma.get_slice(wtid)
             pv_thr = pv_mma.get_slice(wtid)
-            tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, c]))
-            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
-            tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+            # WGMMA descriptors of Q, K and V computed here, once (descriptors.hoisted).
+            tSrQ = hoisted(qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, c])))
+            tSrK = hoisted(qk_thr.make_fragment_B(qk_thr.partition_B(sK)))
+            tOrV = hoisted(pv_thr.make_fragment_B(pv_thr.partition_B(sV)))
             acc_S_shape = qk_thr.partition_shape_C((parts.WG_ROWS, TILE_N))
             acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((parts.WG_ROWS, HEAD_DIM)), Float32)
             o_mn = parts.acc_mn_view(acc_O)

@@ -22,6 +22,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutefa.kernels.common.mask import apply_mask, causal_key_limit
 from cutefa.kernels.common.softmax import LOG2_E, softmax_state
 from cutefa.kernels.sm90 import fp8, parts
+from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_fwd_e4m3_hd256_128x64_s4_w12_causal_ov_pp_hvt"
 DTYPE = fp8.FP8
@@ -235,9 +236,10 @@ class Kernel:
             wtid = tidx % parts.WG_THREADS
             qk_thr = qk_mma.get_slice(wtid)
             pv_thr = pv_mma.get_slice(wtid)
-            tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, c]))
-            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
-            tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sVt))
+            # WGMMA descriptors of Q, K and Vt computed here, once (descriptors.hoisted).
+            tSrQ = hoisted(qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, c])))
+            tSrK = hoisted(qk_thr.make_fragment_B(qk_thr.partition_B(sK)))
+            tOrV = hoisted(pv_thr.make_fragment_B(pv_thr.partition_B(sVt)))
             acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((parts.WG_ROWS, HEAD_DIM)), Float32)
             acc_O.fill(0.0)
             o_mn = parts.acc_mn_view(acc_O)

@@ -29,6 +29,7 @@ from cutefa.kernels.common.softmax import (
     softmax_state,
 )
 from cutefa.kernels.sm90 import parts
+from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_fwd_fp16_hd128_128x176_s2_w12_causal_ov_pp_pcvt_lres"
 DTYPE = cutlass.Float16
@@ -187,6 +188,11 @@ class Kernel:
             wtid = tidx % parts.WG_THREADS
             qk_thr = qk_mma.get_slice(wtid)
             pv_thr = pv_mma.get_slice(wtid)
+            # Descriptors rebuilt at each GEMM issue: with them held across the loop
+            # (descriptors.hoisted), ptxas gives up the uniform datapath on the causal two-consumer
+            # tiles with the widest S and O accumulators (hd192 without the paired conversion too) or
+            # the FMA exp2 (200-300 R2UR, up to ~110 more instructions per key block, some WGMMAs
+            # serialized).
             tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, c]))
             tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
             tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
@@ -264,6 +270,7 @@ class Kernel:
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
                 v_handle = v_consumer.wait_and_advance()
+                warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
@@ -288,6 +295,7 @@ class Kernel:
                 parts.gemm_ss_zero(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_handle.index])
                 warpgroup.commit_group()
                 v_handle = v_consumer.wait_and_advance()
+                warpgroup.fence()  # after the V wait's retry loop: ptxas need not place one on a divergent path
                 parts.gemm_acc(pv_mma, acc_O, rP, tOrV[None, None, None, v_handle.index])
                 warpgroup.commit_group()
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)

@@ -29,6 +29,7 @@ from cutefa.kernels.common.softmax import (
     softmax_state,
 )
 from cutefa.kernels.sm90 import parts
+from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_fwd_fp16_hd256_128x80_s2_w12_ov_pp_erescale_pcvt_lpt_lres"
 DTYPE = cutlass.Float16
@@ -185,9 +186,10 @@ class Kernel:
             wtid = tidx % parts.WG_THREADS
             qk_thr = qk_mma.get_slice(wtid)
             pv_thr = pv_mma.get_slice(wtid)
-            tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, c]))
-            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
-            tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+            # WGMMA descriptors of Q, K and V computed here, once (descriptors.hoisted).
+            tSrQ = hoisted(qk_thr.make_fragment_A(qk_thr.partition_A(sQ[None, None, c])))
+            tSrK = hoisted(qk_thr.make_fragment_B(qk_thr.partition_B(sK)))
+            tOrV = hoisted(pv_thr.make_fragment_B(pv_thr.partition_B(sV)))
             acc_S_shape = qk_thr.partition_shape_C((parts.WG_ROWS, TILE_N))
             acc_O = cute.make_rmem_tensor(pv_thr.partition_shape_C((parts.WG_ROWS, HEAD_DIM)), Float32)
             o_mn = parts.acc_mn_view(acc_O)

@@ -29,6 +29,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutefa.kernels.common.reduce import bulk_reduce_add_f32, red_add_pairs, st_shared_f32x4
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80.bwd_parts import warp_allreduce_sum
+from cutefa.kernels.sm90.descriptors import hoisted
 from cutefa.kernels.sm90.parts import WG_ROWS, WG_THREADS
 
 
@@ -266,8 +267,8 @@ def dq_operands(
     accumulator shape) for :func:`dq_step`."""
     tile_n = cute.size(sdS, mode=[1])
     thr = mma.get_slice(wtid)
-    t_a = thr.make_fragment_A(thr.partition_A(cute.local_tile(sdS, (WG_ROWS, tile_n, 2), (row_block, 0, 0))))
-    t_b = thr.make_fragment_B(thr.partition_B(cute.local_tile(sKt, (cols, tile_n), (col0 // cols, 0))))
+    t_a = hoisted(thr.make_fragment_A(thr.partition_A(cute.local_tile(sdS, (WG_ROWS, tile_n, 2), (row_block, 0, 0)))))
+    t_b = hoisted(thr.make_fragment_B(thr.partition_B(cute.local_tile(sKt, (cols, tile_n), (col0 // cols, 0)))))
     dst = thr.partition_C(cute.local_tile(gdq, (WG_ROWS, cols), (None, col0 // cols)))
     coords = thr.partition_C(cute.make_identity_tensor((WG_ROWS, cols)))
     return t_a, t_b, dst, coords, thr.partition_shape_C((WG_ROWS, cols))
@@ -389,7 +390,7 @@ def _dq_then_dk(
 # contiguous over the warpgroup, no bank conflict); after a fence and a barrier of its 128 threads
 # one thread adds the whole piece into global memory with one bulk reduce-add. The global workspace
 # therefore holds, per query block, one contiguous chunk: consumer 0's piece, then consumer 1's,
-# each in that order (space.sm90_bwd_dq_accum_shape); :func:`bulk_dq_coords` maps it back.
+# each in that order (space.bwd_dq_accum_shape); :func:`bulk_dq_coords` maps it back.
 
 BULK_VEC = 4  # fp32 values per 16-byte store / load
 
@@ -409,8 +410,8 @@ def dq_bulk_operands(mma, wtid, sdS: cute.Tensor, sKt: cute.Tensor, row_block: i
     (A fragments by dS buffer, B fragment, accumulator shape) for :func:`dq_bulk_step`."""
     tile_n = cute.size(sdS, mode=[1])
     thr = mma.get_slice(wtid)
-    t_a = thr.make_fragment_A(thr.partition_A(cute.local_tile(sdS, (WG_ROWS, tile_n, 2), (row_block, 0, 0))))
-    t_b = thr.make_fragment_B(thr.partition_B(cute.local_tile(sKt, (cols, tile_n), (col0 // cols, 0))))
+    t_a = hoisted(thr.make_fragment_A(thr.partition_A(cute.local_tile(sdS, (WG_ROWS, tile_n, 2), (row_block, 0, 0)))))
+    t_b = hoisted(thr.make_fragment_B(thr.partition_B(cute.local_tile(sKt, (cols, tile_n), (col0 // cols, 0)))))
     return t_a, t_b, thr.partition_shape_C((WG_ROWS, cols))
 
 
@@ -727,8 +728,8 @@ def dq_transposed_operands(mma, wtid, sKt: cute.Tensor, sdS: cute.Tensor, col0: 
     tile_n = cute.size(sKt, mode=[1])
     tile_m = cute.size(sdS, mode=[0])
     thr = mma.get_slice(wtid)
-    t_a = thr.make_fragment_A(thr.partition_A(cute.local_tile(sKt, (cols, tile_n), (col0 // cols, 0))))
-    t_b = thr.make_fragment_B(thr.partition_B(sdS))
+    t_a = hoisted(thr.make_fragment_A(thr.partition_A(cute.local_tile(sKt, (cols, tile_n), (col0 // cols, 0)))))
+    t_b = hoisted(thr.make_fragment_B(thr.partition_B(sdS)))
     return t_a, t_b, thr.partition_shape_C((cols, tile_m))
 
 
