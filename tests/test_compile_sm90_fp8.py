@@ -265,7 +265,8 @@ def test_hoisted_variants_are_committed():
 def test_hoisted_transpose_sass(cubins, alternative_cubins, spec):
     """The _hvt producer: the transpose fully unrolled (each step's 4 LDS, 8 PRMT, 4 STS once in the
     producer's code), and per key block a producer warp executes under a third of its twin's
-    instructions (hd128: 603 -> 179, hd256: 726 -> 174 on sm_90a); the consumers' code keeps its
+    instructions (hd128: 603 -> 194, hd256: 726 -> 186 on sm_90a, with the lane masks' address
+    XORs and per-thread PRMT selectors, fp8.TRANSPOSE_LANE_MASKS); the consumers' code keeps its
     QGMMA, MUFU.EX2 and e4m3 conversion counts."""
     twin = spec.replace(hoist_vt=False)
     assert spec in CHECKED + FP8_ALTERNATIVES and twin in TWINS
@@ -341,8 +342,8 @@ def test_wide_variants_are_committed():
 def test_wide_transpose_sass(cubins, alternative_cubins, spec):
     """The _wvt producer: 8 LDS.64, 32 PRMT and 8 STS.64 per unit, fully unrolled, no 32-bit shared
     access left, half the producer's shared-memory instructions of its _hvt twin; per key block a
-    producer warp executes no more instructions than the twin's (sm_90a, DSL 4.8.1: hd128 179 ->
-    176, the XOR-derived addresses take most of the LDS/STS savings; hd256 174 -> 152). The consumers keep
+    producer warp executes no more instructions than the twin's (sm_90a, DSL 4.8.1: hd128 194 ->
+    176, the XOR-derived addresses take most of the LDS/STS savings; hd256 186 -> 152). The consumers keep
     their QGMMA, MUFU.EX2 and e4m3 conversion counts; no spill; both setmaxnreg budgets respected."""
     twin = spec.replace(wide_vt=False)
     assert twin in HOISTED

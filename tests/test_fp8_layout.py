@@ -184,13 +184,28 @@ def _composed(text: str):
 TILES = sorted(fp8.SMEM_LAYOUTS_V_VT)
 
 
-def _plan(tile_n, head_dim, stages):
+def _plans_of(plan_fn, word_bytes, tile_n, head_dim, stages):
+    """``plan_fn`` (fp8.transpose_plan or fp8.wide_transpose_plan) on a tile's layout strings, words
+    of ``word_bytes`` bytes."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
-    v_off, _, _, _ = _composed(v_text)
-    vt_off, _, _, _ = _composed(vt_text)
-    return fp8.transpose_plan(
-        lambda c: v_off(c[0], 4 * c[1], 0), lambda c: vt_off(c[0], 4 * c[1], 0), tile_n, head_dim
+    v_off, _, _, v_swz = _composed(v_text)
+    vt_off, _, _, vt_swz = _composed(vt_text)
+    return plan_fn(
+        lambda c: v_off(c[0], word_bytes * c[1], 0),
+        lambda c: vt_off(c[0], word_bytes * c[1], 0),
+        tile_n,
+        head_dim,
+        1 << sum(v_swz),
+        1 << sum(vt_swz),
     )
+
+
+def _plan(tile_n, head_dim, stages):
+    return _plans_of(fp8.transpose_plan, 4, tile_n, head_dim, stages)
+
+
+def _masked_words(tid, i, tile_n, head_dim):
+    return fp8.transpose_words(tid, i, head_dim, fp8.TRANSPOSE_LANE_MASKS[tile_n])
 
 
 def test_every_committed_e4m3_tile_has_its_smem_layouts():
@@ -206,36 +221,40 @@ def test_every_committed_e4m3_tile_has_its_smem_layouts():
 def test_hoisted_addresses_equal_the_swizzled_indexing(tile_n, head_dim, stages):
     """Every load and store of the hoisted transpose, for every thread, step and stage of the ring:
     the runtime base (the swizzled stage-0 offset of the plan's representative access, plus the
-    stage's start) plus the compile-time offset is the byte address that indexing the swizzled
-    layout at the unit's coordinates (fp8.transpose_unit, as the plain loop did) gives."""
+    stage's start), XOR the compile-time mask, plus the compile-time offset is the byte address
+    that indexing the swizzled layout at the unit's coordinates (fp8.transpose_unit, each lane's
+    load and store order permuted by its masks) gives."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     v_reps, v_plan, vt_reps, vt_plan = _plan(tile_n, head_dim, stages)
+    rows = fp8.UNIT_ROWS
     for side, text, reps, plan in ((0, v_text, v_reps, v_plan), (1, vt_text, vt_reps, vt_plan)):
         offset_of, n_stages, stage_bytes, swz = _composed(text)
         assert n_stages == stages
         assert stage_bytes % (1 << sum(swz)) == 0  # whole swizzle spans per stage
         for tid in range(THREADS):
+            m_load, m_store = fp8.lane_masks(tid % 32, fp8.TRANSPOSE_LANE_MASKS[tile_n])
             bases = []
             for i_rep, e_rep in reps:
-                coord = fp8.transpose_words(tid, i_rep, head_dim)[side][e_rep]
+                coord = _masked_words(tid, i_rep, tile_n, head_dim)[side][e_rep]
                 bases.append(offset_of(coord[0], 4 * coord[1], 0))
             for i in range(fp8.transpose_steps(tile_n, head_dim)):
                 key0, dq, kq = fp8.transpose_unit(tid, i, head_dim)
                 if side == 0:
-                    coords = [(key0 + r, 4 * dq) for r in (0, 1, 8, 9)]
+                    coords = [(key0 + rows[e ^ m_load], 4 * dq) for e in range(4)]
                 else:
-                    coords = [(4 * dq + e, 4 * kq) for e in range(4)]
+                    coords = [(4 * dq + (e ^ m_store), 4 * kq) for e in range(4)]
                 for e, (row, col) in enumerate(coords):
-                    c, delta = plan[i][e]
+                    c, x, d = plan[i][e]
                     for stage in range(stages):
-                        assert stage * stage_bytes + bases[c] + delta == offset_of(row, col, stage), (
+                        assert stage * stage_bytes + (bases[c] ^ x) + d == offset_of(row, col, stage), (
                             side, tid, i, e, stage,
                         )  # fmt: skip
 
 
 def _hoisted_vt_ring(tile_n, head_dim, stages, v_ring, v_stage, vt_stage):
-    """The hoisted 32-bit transpose (fp8.TransposeV) run on a byte image of the V ring: the Vt
-    ring image it writes and how often it writes each Vt word."""
+    """The hoisted 32-bit transpose (fp8.TransposeV) run on a byte image of the V ring, each thread
+    with its own load/store order and PRMT selectors: the Vt ring image it writes and how often it
+    writes each Vt word."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     v_off, _, v_stage_bytes, _ = _composed(v_text)
     vt_off, _, vt_stage_bytes, _ = _composed(vt_text)
@@ -244,31 +263,53 @@ def _hoisted_vt_ring(tile_n, head_dim, stages, v_ring, v_stage, vt_stage):
     writes = np.zeros(stages * vt_stage_bytes // 4, dtype=int)
     v_words, vt_words = v_ring.view(np.uint32), vt_ring.view(np.uint32)
     for tid in range(THREADS):
-        v_coords = [fp8.transpose_words(tid, i, head_dim)[0][e] for i, e in v_reps]
-        vt_coords = [fp8.transpose_words(tid, i, head_dim)[1][e] for i, e in vt_reps]
+        v_coords = [_masked_words(tid, i, tile_n, head_dim)[0][e] for i, e in v_reps]
+        vt_coords = [_masked_words(tid, i, tile_n, head_dim)[1][e] for i, e in vt_reps]
         v_bases = [v_stage * v_stage_bytes + v_off(row, 4 * w, 0) for row, w in v_coords]
         vt_bases = [vt_stage * vt_stage_bytes + vt_off(row, 4 * w, 0) for row, w in vt_coords]
+        selectors = fp8.transpose_selectors(*fp8.lane_masks(tid % 32, fp8.TRANSPOSE_LANE_MASKS[tile_n]))
         for i in range(fp8.transpose_steps(tile_n, head_dim)):
-            w = [int(v_words[(v_bases[c] + d) // 4]) for c, d in v_plan[i]]
-            for e, (c, d) in enumerate(vt_plan[i]):
-                assert (vt_bases[c] + d) % 4 == 0
-                vt_words[(vt_bases[c] + d) // 4] = _transpose_4x4(*w)[e]
-                writes[(vt_bases[c] + d) // 4] += 1
+            w = [int(v_words[((v_bases[c] ^ x) + d) // 4]) for c, x, d in v_plan[i]]
+            outs = _transpose_4x4(*w, selectors=selectors)
+            for e, (c, x, d) in enumerate(vt_plan[i]):
+                addr = (vt_bases[c] ^ x) + d
+                assert addr % 4 == 0
+                vt_words[addr // 4] = outs[e]
+                writes[addr // 4] += 1
     return vt_ring, writes
 
 
-def _transpose_4x4(w0, w1, w2, w3):
-    """fp8.transpose_4x4 (the 8 PRMT of a 4x4 unit) on Python ints."""
-    t0 = _prmt(w0, w1, fp8.PRMT_LO_PAIRS)
-    t1 = _prmt(w0, w1, fp8.PRMT_HI_PAIRS)
-    t2 = _prmt(w2, w3, fp8.PRMT_LO_PAIRS)
-    t3 = _prmt(w2, w3, fp8.PRMT_HI_PAIRS)
-    return (
-        _prmt(t0, t2, fp8.PRMT_LO_HALVES),
-        _prmt(t0, t2, fp8.PRMT_HI_HALVES),
-        _prmt(t1, t3, fp8.PRMT_LO_HALVES),
-        _prmt(t1, t3, fp8.PRMT_HI_HALVES),
-    )
+def _transpose_4x4(w0, w1, w2, w3, selectors=None):
+    """fp8.transpose_4x4 (the 8 PRMT of a 4x4 unit) on Python ints; with ``selectors`` (SA, SB,
+    HA, HB of fp8.transpose_selectors) the hoisted transpose's per-thread form."""
+    sa, sb, ha, hb = selectors or (fp8.PRMT_LO_PAIRS, fp8.PRMT_HI_PAIRS, fp8.PRMT_LO_HALVES, fp8.PRMT_HI_HALVES)
+    t0 = _prmt(w0, w1, sa)
+    t1 = _prmt(w0, w1, sb)
+    t2 = _prmt(w2, w3, sa)
+    t3 = _prmt(w2, w3, sb)
+    return (_prmt(t0, t2, ha), _prmt(t0, t2, hb), _prmt(t1, t3, ha), _prmt(t1, t3, hb))
+
+
+def test_canonical_selectors():
+    """Masks 0 give the plain transpose's PRMT selectors (fp8.transpose_4x4)."""
+    assert fp8.transpose_selectors(0, 0) == (
+        fp8.PRMT_LO_PAIRS, fp8.PRMT_HI_PAIRS, fp8.PRMT_LO_HALVES, fp8.PRMT_HI_HALVES,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("m_load", range(4))
+@pytest.mark.parametrize("m_store", range(4))
+def test_selectors_undo_the_lane_order(m_load, m_store):
+    """Words loaded in the order UNIT_ROWS[e ^ m_load], transposed with the selectors of (m_load,
+    m_store), give in store e the Vt word of head dim e ^ m_store: byte j = key row UNIT_ROWS[j]'s
+    byte e ^ m_store."""
+    rng = np.random.default_rng(m_load * 4 + m_store)
+    canonical = [int(x) for x in rng.integers(0, 2**32, size=4, dtype=np.uint64)]
+    loaded = [canonical[e ^ m_load] for e in range(4)]
+    outs = _transpose_4x4(*loaded, selectors=fp8.transpose_selectors(m_load, m_store))
+    for e in range(4):
+        dim = e ^ m_store
+        assert outs[e] == sum(((canonical[j] >> (8 * dim)) & 0xFF) << (8 * j) for j in range(4)), e
 
 
 @pytest.mark.parametrize(("tile_n", "head_dim", "stages"), TILES)
@@ -342,17 +383,7 @@ def test_wide_units_partition_the_tile_with_the_key_permutation(tile_n, head_dim
 
 @functools.cache
 def _wide_plan(tile_n, head_dim, stages):
-    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
-    v_off, _, _, v_swz = _composed(v_text)
-    vt_off, _, _, vt_swz = _composed(vt_text)
-    return fp8.wide_transpose_plan(
-        lambda c: v_off(c[0], 8 * c[1], 0),
-        lambda c: vt_off(c[0], 8 * c[1], 0),
-        tile_n,
-        head_dim,
-        1 << sum(v_swz),
-        1 << sum(vt_swz),
-    )
+    return _plans_of(fp8.wide_transpose_plan, 8, tile_n, head_dim, stages)
 
 
 @functools.cache
@@ -448,7 +479,8 @@ def test_wide_bank_conflicts(tile_n, head_dim, stages):
     are narrower (V at hd64: 64-byte rows; Vt at tile_n 64: 64-byte rows): all lanes of one
     instruction access rows with the same index mod 8 (the unit's 8 head dims / 8-key word are
     8-aligned), and such rows of a narrow atom share 64 (32) bytes of banks. Per byte moved that is
-    never more than the 32-bit transpose's wavefronts, and half of them on 128-byte sides."""
+    never more than the plain 32-bit mapping's wavefronts (fp8.transpose_unit without lane masks,
+    as fp8.transpose_v runs it), and half of them on 128-byte sides."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     v_off, vt_off = _composed(v_text)[0], _composed(vt_text)[0]
     for side, extent in ((0, head_dim), (1, tile_n)):
@@ -461,7 +493,7 @@ def test_wide_bank_conflicts(tile_n, head_dim, stages):
                     fronts = _wavefronts([a[i][e] for a in addrs], 8)
                     assert fronts == expected, (side, w, i, e, fronts)
                     wide_total += fronts
-        narrow_total = 0  # the 32-bit transpose, the same bytes
+        narrow_total = 0  # the plain 32-bit mapping, the same bytes
         for w in range(4):
             for i in range(fp8.transpose_steps(tile_n, head_dim)):
                 words = [fp8.transpose_words(t, i, head_dim)[side] for t in range(32 * w, 32 * w + 32)]
@@ -471,3 +503,22 @@ def test_wide_bank_conflicts(tile_n, head_dim, stages):
         assert wide_total <= narrow_total, (side, wide_total, narrow_total)
         if fp8.swizzle_atom_bytes(extent) == 128:
             assert 2 * wide_total == narrow_total, (side, wide_total, narrow_total)
+
+
+@pytest.mark.parametrize(("tile_n", "head_dim", "stages"), TILES)
+def test_hoisted_transpose_is_free_of_bank_conflicts(tile_n, head_dim, stages):
+    """With its lane masks (fp8.TRANSPOSE_LANE_MASKS) every warp-wide 32-bit load and store of the
+    hoisted transpose takes one wavefront; the plain mapping took 2 per load and 2-4 per store."""
+    v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
+    for side, text in ((0, v_text), (1, vt_text)):
+        offset_of = _composed(text)[0]
+        plain = 0
+        for w in range(4):
+            for i in range(fp8.transpose_steps(tile_n, head_dim)):
+                masked = [_masked_words(t, i, tile_n, head_dim)[side] for t in range(32 * w, 32 * w + 32)]
+                words = [fp8.transpose_words(t, i, head_dim)[side] for t in range(32 * w, 32 * w + 32)]
+                for e in range(4):
+                    fronts = _wavefronts([offset_of(ws[e][0], 4 * ws[e][1], 0) for ws in masked], 4)
+                    assert fronts == 1, (side, w, i, e, fronts)
+                    plain += _wavefronts([offset_of(ws[e][0], 4 * ws[e][1], 0) for ws in words], 4)
+        assert plain >= 2 * 4 * 4 * fp8.transpose_steps(tile_n, head_dim), (side, plain)

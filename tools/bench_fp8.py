@@ -1,6 +1,7 @@
 """FP8 (e4m3) forward benchmark on a Hopper GPU (or a Blackwell one: the sm100 e4m3 kernels, not yet
-hardware-tested): cutefa fp8 vs cutefa bf16 on the same problems,
-and FlashAttention-3's fp8 forward (``flash_attn_interface``) when it is installed.
+hardware-tested): cutefa fp8 vs cutefa bf16 on the same problems ("fp8 x bf16": their ratio),
+with FA4's bf16 forward (``flash_attn.cute``) and FlashAttention-3's fp8 forward
+(``flash_attn_interface``) when they are installed.
 
 Grid as in tools/bench.py: batch x seqlen = 16384 tokens, heads x head_dim = 2048, random normal
 inputs quantized per head. TFLOP/s counts 4*b*h*s^2*d, halved when causal. Each fp8 result is
@@ -72,6 +73,10 @@ def main(argv=None) -> int:
         from flash_attn_interface import flash_attn_func as fa3
     except ImportError:
         fa3 = None
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except ImportError:
+        fa4 = None
     _, time_ms = _load_bench().make_timer(args.warmup, args.rep)
     header = [
         "hdim",
@@ -79,7 +84,9 @@ def main(argv=None) -> int:
         "seqlen",
         "b x h",
         "bf16 TFLOP/s",
+        "FA4 bf16 TFLOP/s",
         "fp8 TFLOP/s",
+        "fp8 x bf16",
         "fp8 rel err",
         "FA3 fp8 TFLOP/s",
     ]
@@ -88,7 +95,7 @@ def main(argv=None) -> int:
     for hdim in args.hdim or [64, 128, 256]:
         for causal in map(bool, args.causal):
             for seqlen in args.seqlen:
-                cells = _cell(torch, cutefa, fa3, time_ms, hdim, causal, seqlen)
+                cells = _cell(torch, cutefa, fa3, fa4, time_ms, hdim, causal, seqlen)
                 print("| " + " | ".join(cells) + " |", flush=True)
     return 0
 
@@ -108,20 +115,27 @@ def _reference(torch, q, k, v, causal: bool):
     ).transpose(1, 2)  # float32; seqlen_q == seqlen_k, so top-left causal = bottom-right
 
 
-def _cell(torch, cutefa, fa3, time_ms, hdim: int, causal: bool, seqlen: int) -> list[str]:
+def _cell(torch, cutefa, fa3, fa4, time_ms, hdim: int, causal: bool, seqlen: int) -> list[str]:
     q, k, v, flops = _problem(torch, cutefa, hdim, causal, seqlen)
     batch, heads = q.shape[0], q.shape[2]
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
     (qq, qd), (kq, kd), (vq, vd) = (cutefa.quantize_fp8(x, "head") for x in (q, k, v))
     kw = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
     cells = [str(hdim), str(int(causal)), str(seqlen), f"{batch} x {heads}"]
-    ms = time_ms(lambda: cutefa.flash_attn_func(qb, kb, vb, causal=causal))
-    cells.append(f"{flops / ms / 1e9:.0f}")
+    bf16_ms = time_ms(lambda: cutefa.flash_attn_func(qb, kb, vb, causal=causal))
+    cells.append(f"{flops / bf16_ms / 1e9:.0f}")
+    if fa4 is None:
+        cells.append("-")
+    else:
+        try:
+            cells.append(f"{flops / time_ms(lambda: fa4(qb, kb, vb, causal=causal)) / 1e9:.0f}")
+        except Exception as exc:  # noqa: BLE001 - shown in the table
+            cells.append(f"err: {str(exc).splitlines()[0][:40]}")
     out = cutefa.flash_attn_func(qq, kq, vq, causal=causal, **kw)
     ref = _reference(torch, q, k, v, causal)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     ms = time_ms(lambda: cutefa.flash_attn_func(qq, kq, vq, causal=causal, **kw))
-    cells += [f"{flops / ms / 1e9:.0f}", f"{err:.4f}"]
+    cells += [f"{flops / ms / 1e9:.0f}", f"{bf16_ms / ms:.2f}", f"{err:.4f}"]
     if fa3 is None:
         return [*cells, "-"]
     try:

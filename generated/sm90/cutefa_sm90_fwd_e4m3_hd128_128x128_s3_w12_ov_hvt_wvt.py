@@ -205,7 +205,7 @@ class Kernel:
                     v_handle = v_producer.acquire_and_advance()
                     cute.copy(v_tma, tVgV[None, n_blocks - 1], tVsV[None, v_handle.index], tma_bar_ptr=v_handle.barrier)
             # The transpose addresses V and Vt by byte: per-thread swizzled base offsets computed
-            # here once, plus compile-time offsets per access (fp8.TransposeV).
+            # here once, plus compile-time XOR masks and offsets per access (fp8.TransposeV).
             # The wide transpose: 8x8-byte units, 64-bit LDS/STS (fp8.WideTransposeV).
             transpose = fp8.WideTransposeV(tidx, sV_layout, sVt_layout, TILE_N, HEAD_DIM)
             v_base = storage.sV.data_ptr().toint()

@@ -205,8 +205,8 @@ class Kernel:
                     v_handle = v_producer.acquire_and_advance()
                     cute.copy(v_tma, tVgV[None, n_blocks - 1], tVsV[None, v_handle.index], tma_bar_ptr=v_handle.barrier)
             # The transpose addresses V and Vt by byte: per-thread swizzled base offsets computed
-            # here once, plus compile-time offsets per access (fp8.TransposeV).
-            transpose = fp8.TransposeV(tidx, sV_layout, sVt_layout, TILE_N, HEAD_DIM)
+            # here once, plus compile-time XOR masks and offsets per access (fp8.TransposeV).
+            transpose = fp8.TransposeV(tidx, sV_layout, sVt_layout, TILE_N, HEAD_DIM, pipelined=PRODUCER_REGS >= 32)
             v_base = storage.sV.data_ptr().toint()
             vt_base = storage.sVt.data_ptr().toint()
             for i in cutlass.range(n_blocks, unroll=1):

@@ -188,12 +188,71 @@ def transpose_v(
         sVt[dq * 4 + 3, kq] = cutlass.Uint32(cute.arch.prmt(t1, t3, PRMT_HI_HALVES))
 
 
-def transpose_words(tid, i, head_dim: int):
+# The key rows of a 32-bit unit, relative to its first key, in canonical word order.
+UNIT_ROWS = (0, 1, 8, 9)
+
+
+def unit_row(j):
+    """UNIT_ROWS[j] by arithmetic (j may be a DSL Int32)."""
+    return (j & 1) + 8 * (j >> 1)
+
+
+# Lane masks of the hoisted 32-bit transpose (:class:`TransposeV`), per tile_n: ((load bit 0, load
+# bit 1), (store bit 0, store bit 1)), each the lane bit (0-4) that sets that bit of the thread's
+# load / store order mask, or None. Load e of a unit reads its word UNIT_ROWS[e ^ mL], store e
+# writes Vt row 4 dq + (e ^ mS). Without them a warp's 32-bit accesses fall on 4 distinct swizzle
+# chunk XORs per 8 rows (all its units start at even key rows, and its Vt rows 4 dq + e repeat mod
+# 8): 2 wavefronts per load, 2-4 per store. With them every load and store of every committed
+# tile takes one wavefront (tests/test_fp8_layout.py checks each one). Found by searching the
+# lane bits against the layouts.
+TRANSPOSE_LANE_MASKS = {
+    64: ((4, None), (1, None)),
+    96: ((4, None), (0, 1)),
+    128: ((4, None), (None, 1)),
+    160: ((4, None), (0, 1)),
+}
+NO_LANE_MASKS = ((None, None), (None, None))
+
+
+def lane_masks(lane, masks):
+    """(mL, mS) of a lane under ``masks`` (an entry of TRANSPOSE_LANE_MASKS): plain integer
+    arithmetic on an int or a DSL Int32."""
+
+    def bits(pair):
+        value = 0
+        for position, lane_bit in enumerate(pair):
+            if lane_bit is not None:
+                value = value | (((lane >> lane_bit) & 1) << position)
+        return value
+
+    return bits(masks[0]), bits(masks[1])
+
+
+def transpose_words(tid, i, head_dim: int, masks=NO_LANE_MASKS):
     """The 4 V word coordinates (key, dq) that unit ``i`` of thread ``tid`` loads and the 4 Vt
     word coordinates (head-dim row, kq) it stores, in the order of :class:`TransposeV`'s loads
-    and stores (the unit of :func:`transpose_unit`)."""
+    and stores (the unit of :func:`transpose_unit`; ``masks`` permute the order per lane, see
+    TRANSPOSE_LANE_MASKS)."""
     key0, dq, kq = transpose_unit(tid, i, head_dim)
-    return [(key0 + r, dq) for r in (0, 1, 8, 9)], [(dq * 4 + e, kq) for e in range(4)]
+    m_load, m_store = lane_masks(tid % 32, masks)
+    return (
+        [(key0 + unit_row(e ^ m_load), dq) for e in range(4)],
+        [(dq * 4 + (e ^ m_store), kq) for e in range(4)],
+    )
+
+
+def transpose_selectors(m_load, m_store):
+    """PRMT selectors (SA, SB, HA, HB) of the 4x4 byte transpose of a thread whose loads come in
+    the order UNIT_ROWS[e ^ m_load] and whose stores go to rows e ^ m_store (plain integer
+    arithmetic on ints or DSL Int32s). With words w0..w3 as loaded, a0 = PRMT(w0, w1, SA), a1 =
+    PRMT(w0, w1, SB), a2 = PRMT(w2, w3, SA), a3 = PRMT(w2, w3, SB) interleave one byte pair of two
+    key rows; store e writes PRMT(a0, a2, HA), PRMT(a0, a2, HB), PRMT(a1, a3, HA), PRMT(a1, a3, HB)
+    (e = 0..3). Masks 0 give the canonical PRMT_LO/HI_PAIRS and PRMT_LO/HI_HALVES: bit 1 of m_store
+    picks the byte pair (nibbles + 2), bit 0 of m_load swaps the pairs' operands and bit 1 the
+    halves' operands (nibbles ^ 4), bit 0 of m_store picks the half (nibbles + 2)."""
+    sa = (PRMT_LO_PAIRS + 0x2222 * ((m_store >> 1) & 1)) ^ (0x4444 * (m_load & 1))
+    ha = (PRMT_LO_HALVES + 0x2222 * (m_store & 1)) ^ (0x4444 * ((m_load >> 1) & 1))
+    return sa, sa ^ 0x2222, ha, ha ^ 0x2222
 
 
 def swizzle_bytes(offset, bits: int, base: int, shift: int):
@@ -202,59 +261,28 @@ def swizzle_bytes(offset, bits: int, base: int, shift: int):
     return offset ^ ((offset >> shift) & (((1 << bits) - 1) << base))
 
 
-def hoisted_plan(offset_of, head_dim: int, steps: int, side: int, threads: int = WG_THREADS):
-    """Split the byte offsets of the transpose's accesses into per-thread bases and constants.
-
-    ``offset_of(coord)`` is the (swizzled) byte offset of a word coordinate of V (``side`` 0) or
-    Vt (``side`` 1) within one stage; the accesses are those of :func:`transpose_words`. Returns
-    ``(reps, plan)``: ``reps`` lists the (step, access) pairs whose offset each thread computes at
-    run time (one register each), and ``plan[i][e] = (c, delta)`` says that for EVERY thread,
-    access e of step i is at ``offset(reps[c]) + delta`` with a compile-time ``delta``. The plan
-    is re-checked over all threads before it is returned (ValueError otherwise), so the loads and
-    stores touch exactly the bytes that indexing the layout at :func:`transpose_unit`'s
-    coordinates touches. An access whose offset differs from every base's by a thread-dependent
-    amount (the swizzle XOR flips a different chunk bit per thread) becomes a base itself: 1-4
-    bases per side for the default tiles, 12 for Vt at hd96 (6 head-dim tiles over 4 warps: a
-    step's tile is no fixed offset from another step's)."""
-
-    cache: dict[tuple[int, int], list[int]] = {}
-
-    def column(i, e):
-        if (i, e) not in cache:
-            cache[(i, e)] = [offset_of(transpose_words(t, i, head_dim)[side][e]) for t in range(threads)]
-        return cache[(i, e)]
-
-    reps: list[tuple[int, int]] = []
-    rep_cols: list[list[int]] = []
-    plan = []
-    for i in range(steps):
-        row = []
-        for e in range(4):
-            col = column(i, e)
-            for c, base in enumerate(rep_cols):
-                delta = col[0] - base[0]
-                if all(x - b == delta for x, b in zip(col, base)):
-                    row.append((c, delta))
-                    break
-            else:
-                reps.append((i, e))
-                rep_cols.append(col)
-                row.append((len(reps) - 1, 0))
-        plan.append(row)
-    for i in range(steps):  # the proof, independent of the search above
-        for e in range(4):
-            c, delta = plan[i][e]
-            if column(i, e) != [b + delta for b in rep_cols[c]]:
-                raise ValueError(f"transpose access ({i}, {e}) is not its base + {delta}")
-    return reps, plan
+def transpose_plan(v_offset, vt_offset, tile_n: int, head_dim: int, v_span: int, vt_span: int):
+    """(V reps, V plan, Vt reps, Vt plan) of :func:`xor_hoisted_plan` for the hoisted 32-bit
+    transpose of one tile (its lane masks from TRANSPOSE_LANE_MASKS): ``v_offset`` / ``vt_offset``
+    map a word coordinate (key, dq) / (head-dim row, kq) to its swizzled byte offset in stage 0;
+    ``v_span`` / ``vt_span`` are the layouts' swizzle spans."""
+    masks = TRANSPOSE_LANE_MASKS[tile_n]
+    return _side_plans(
+        lambda t, i: transpose_words(t, i, head_dim, masks),
+        transpose_steps(tile_n, head_dim), 4, (v_offset, vt_offset), (v_span, vt_span),
+    )  # fmt: skip
 
 
-def transpose_plan(v_offset, vt_offset, tile_n: int, head_dim: int):
-    """(V reps, V plan, Vt reps, Vt plan) of :func:`hoisted_plan` for one tile: ``v_offset`` /
-    ``vt_offset`` map a word coordinate (key, dq) / (head-dim row, kq) to its swizzled byte offset
-    in stage 0."""
-    steps = transpose_steps(tile_n, head_dim)
-    return (*hoisted_plan(v_offset, head_dim, steps, 0), *hoisted_plan(vt_offset, head_dim, steps, 1))
+def _side_plans(words, steps: int, accesses: int, offsets, spans):
+    """(V reps, V plan, Vt reps, Vt plan): :func:`xor_hoisted_plan` of both sides of a transpose
+    whose thread ``t`` accesses ``words(t, i)`` = (V coordinates, Vt coordinates) in step ``i``."""
+    plans = []
+    for side in (0, 1):
+        plans.extend(xor_hoisted_plan(
+            lambda i, e, side=side: [offsets[side](words(t, i)[side][e]) for t in range(WG_THREADS)],
+            steps, accesses, spans[side],
+        ))  # fmt: skip
+    return tuple(plans)
 
 
 def composed_offset(layout, coord_bytes):
@@ -273,36 +301,52 @@ def _swizzle_span(layout) -> int:
 
 
 class TransposeV:
-    """The V transpose of one tile shape, its address arithmetic hoisted (:func:`hoisted_plan`).
+    """The V transpose of one tile shape, its address arithmetic hoisted (:func:`transpose_plan`).
 
-    ``TransposeV(tid, sV_layout, sVt_layout, tile_n, head_dim)`` (once per thread, before the key
-    loop) computes the per-thread swizzled byte offsets of the plan's base accesses;
+    ``TransposeV(tid, sV_layout, sVt_layout, tile_n, head_dim, pipelined)`` (once per thread,
+    before the key loop) computes the per-thread swizzled byte offsets of the plan's base accesses
+    and the thread's PRMT selectors (:func:`transpose_selectors`, from its lane masks); ``pipelined``
+    issues each step's loads one step early (for a producer with 32 registers or more);
     ``__call__(v_base, vt_base, v_stage, vt_stage)`` transposes one stage. Plain Python, traced
     inline from the kernel: every loop here is unrolled at trace time."""
 
-    def __init__(self, tid, sV_layout, sVt_layout, tile_n: int, head_dim: int):
+    def __init__(self, tid, sV_layout, sVt_layout, tile_n: int, head_dim: int, pipelined: bool = True):
         self.steps = transpose_steps(tile_n, head_dim)
+        self.pipelined = pipelined
+        masks = TRANSPOSE_LANE_MASKS[tile_n]
         v_reps, self.v_plan, vt_reps, self.vt_plan = transpose_plan(
             lambda c: composed_offset(sV_layout, (c[0], c[1] * 4)),
             lambda c: composed_offset(sVt_layout, (c[0], c[1] * 4)),
             tile_n,
             head_dim,
+            _swizzle_span(sV_layout),
+            _swizzle_span(sVt_layout),
         )
-        assert all(delta % 4 == 0 for row in (*self.v_plan, *self.vt_plan) for _, delta in row)
+        assert all(d % 4 == 0 and x % 4 == 0 for row in (*self.v_plan, *self.vt_plan) for _, x, d in row)
         # Whole swizzle spans per stage (and a span-aligned ring, see __call__): swizzling the
-        # offset within stage 0 and adding the stage's start equals swizzling the absolute address.
+        # offset within stage 0 and adding the stage's start equals swizzling the absolute
+        # address, and (start + offset) ^ x = start + (offset ^ x) for x below the span.
         self.v_stage_bytes = cute.cosize(sV_layout.outer) // cute.size(sV_layout.outer, mode=[2])
         self.vt_stage_bytes = cute.cosize(sVt_layout.outer) // cute.size(sVt_layout.outer, mode=[2])
         assert self.v_stage_bytes % _swizzle_span(sV_layout) == 0
         assert self.vt_stage_bytes % _swizzle_span(sVt_layout) == 0
         self.v_offsets = []
         for i_rep, e_rep in v_reps:
-            key, dq = transpose_words(tid, i_rep, head_dim)[0][e_rep]
+            key, dq = transpose_words(tid, i_rep, head_dim, masks)[0][e_rep]
             self.v_offsets.append(cutlass.Int32(composed_offset(sV_layout, (key, dq * 4))))
         self.vt_offsets = []
         for i_rep, e_rep in vt_reps:
-            row, kq = transpose_words(tid, i_rep, head_dim)[1][e_rep]
+            row, kq = transpose_words(tid, i_rep, head_dim, masks)[1][e_rep]
             self.vt_offsets.append(cutlass.Int32(composed_offset(sVt_layout, (row, kq * 4))))
+        m_load, m_store = lane_masks(tid % 32, masks)
+        self.selectors = tuple(cutlass.Int32(x) for x in transpose_selectors(m_load, m_store))
+
+    @staticmethod
+    def _word(bases, c, x, d):
+        """A one-word tensor at (bases[c] ^ x) + d (bytes)."""
+        addr = bases[c] if x == 0 else bases[c] ^ x
+        ptr = cute.make_ptr(cutlass.Uint32, addr, cute.AddressSpace.smem, assumed_align=4) + d // 4
+        return cute.make_tensor(ptr, cute.make_layout(1))
 
     def __call__(self, v_base, vt_base, v_stage, vt_stage):
         """Vt[d, 32 kb + k] = V[32 kb + key_of_a_column(k), d] for stage ``v_stage`` of the V ring
@@ -311,37 +355,43 @@ class TransposeV:
         every swizzle span).
 
         A thread's unit (:func:`transpose_unit`) is 4 keys x 4 head dims: 4 word loads from 4 key
-        rows, a 4x4 byte transpose (8 PRMT), 4 word stores into 4 head-dim rows; every address is
-        a per-thread base plus a compile-time byte offset."""
+        rows, a 4x4 byte transpose (8 PRMT with the thread's selectors), 4 word stores into 4
+        head-dim rows; every address is a per-thread base, XOR a compile-time mask, plus a
+        compile-time byte offset."""
         v0 = v_base + v_stage * self.v_stage_bytes
         vt0 = vt_base + vt_stage * self.vt_stage_bytes
-        v_ptrs = [
-            cute.make_ptr(cutlass.Uint32, v0 + off, cute.AddressSpace.smem, assumed_align=4)
-            for off in self.v_offsets
-        ]
-        vt_ptrs = [
-            cute.make_ptr(cutlass.Uint32, vt0 + off, cute.AddressSpace.smem, assumed_align=4)
-            for off in self.vt_offsets
-        ]
-        word = cute.make_layout(1)
+        v_bases = [v0 + off for off in self.v_offsets]
+        vt_bases = [vt0 + off for off in self.vt_offsets]
+        sa, sb, ha, hb = self.selectors
+
+        def load(i):
+            return [cutlass.Int32(self._word(v_bases, c, x, d)[0]) for c, x, d in self.v_plan[i]]
+
+        # Pipelined: the next step's loads are issued before this step's stores (ptxas does not
+        # move a shared load above a shared store it cannot prove disjoint, so otherwise each step
+        # waits out its loads' latency alone). It takes 4 more registers: a producer held to 24
+        # registers spills with it, so that one runs the steps one after another.
+        ahead = load(0) if self.pipelined else None
         for i in range(self.steps):
-            w = [
-                cutlass.Int32(cute.make_tensor(v_ptrs[c] + delta // 4, word)[0])
-                for c, delta in self.v_plan[i]
-            ]
-            t0 = cutlass.Int32(cute.arch.prmt(w[0], w[1], PRMT_LO_PAIRS))
-            t1 = cutlass.Int32(cute.arch.prmt(w[0], w[1], PRMT_HI_PAIRS))
-            t2 = cutlass.Int32(cute.arch.prmt(w[2], w[3], PRMT_LO_PAIRS))
-            t3 = cutlass.Int32(cute.arch.prmt(w[2], w[3], PRMT_HI_PAIRS))
+            if self.pipelined:
+                w = ahead
+                if i + 1 < self.steps:
+                    ahead = load(i + 1)
+            else:
+                w = load(i)
+            a0 = cutlass.Int32(cute.arch.prmt(w[0], w[1], sa))
+            a1 = cutlass.Int32(cute.arch.prmt(w[0], w[1], sb))
+            a2 = cutlass.Int32(cute.arch.prmt(w[2], w[3], sa))
+            a3 = cutlass.Int32(cute.arch.prmt(w[2], w[3], sb))
             outs = (
-                cute.arch.prmt(t0, t2, PRMT_LO_HALVES),
-                cute.arch.prmt(t0, t2, PRMT_HI_HALVES),
-                cute.arch.prmt(t1, t3, PRMT_LO_HALVES),
-                cute.arch.prmt(t1, t3, PRMT_HI_HALVES),
+                cute.arch.prmt(a0, a2, ha),
+                cute.arch.prmt(a0, a2, hb),
+                cute.arch.prmt(a1, a3, ha),
+                cute.arch.prmt(a1, a3, hb),
             )
             for e in range(4):
-                c, delta = self.vt_plan[i][e]
-                cute.make_tensor(vt_ptrs[c] + delta // 4, word)[0] = cutlass.Uint32(outs[e])
+                c, x, d = self.vt_plan[i][e]
+                self._word(vt_bases, c, x, d)[0] = cutlass.Uint32(outs[e])
 
 
 # --- The wide transpose (wide_vt variants): 64-bit shared-memory accesses, 8 keys x 8 head dims ---
@@ -405,13 +455,15 @@ def wide_transpose_words(tid, i, tile_n: int, head_dim: int):
 
 
 def xor_hoisted_plan(column, steps: int, accesses: int, span: int):
-    """:func:`hoisted_plan` with XOR-derived bases: ``column(i, e)`` lists the byte offsets (one
-    per thread) of access ``e`` of step ``i``. Returns ``(reps, plan)``: ``plan[i][e] = (c, x, d)``
-    says that for EVERY thread, access e of step i is at ``(offset(reps[c]) ^ x) + d``, with
-    compile-time ``x < span`` (a mask of the swizzle's bits, 0 for a plain offset) and ``d``.
+    """Split the transpose's shared-memory byte offsets into per-thread bases, XOR masks and
+    offsets: ``column(i, e)`` lists the byte offsets (one per thread) of access ``e`` of step
+    ``i``. Returns ``(reps, plan)``: ``reps`` lists the (step, access) pairs whose offset each
+    thread computes at run time (one register each), and ``plan[i][e] = (c, x, d)`` says that for
+    EVERY thread, access e of step i is at ``(offset(reps[c]) ^ x) + d``, with compile-time
+    ``x < span`` (a mask of the swizzle's bits, 0 for a plain offset) and ``d``.
 
-    A swizzle XORs row bits into the slot bits of a row; the 64-bit accesses' lanes cover every
-    slot (no bank conflict), so a row move changes each lane's offset by a lane-dependent amount,
+    A swizzle XORs row bits into the slot bits of a row; the lanes of a conflict-free access cover
+    every slot, so a row move changes each lane's offset by a lane-dependent amount,
     but by the same XOR: an access related to a base by an XOR and an offset costs one LOP3 per
     (base, mask) per CTA (ptxas may recompute it per key block under the producer's 40 registers),
     and only an access related to no base that way becomes a base. When the ring's stage start
@@ -449,7 +501,7 @@ def xor_hoisted_plan(column, steps: int, accesses: int, span: int):
         for e in range(accesses):
             c, x, d = plan[i][e]
             if not 0 <= x < span or col(i, e) != [(b ^ x) + d for b in col(*reps[c])]:
-                raise ValueError(f"wide transpose access ({i}, {e}) is not (base {c} ^ {x}) + {d}")
+                raise ValueError(f"transpose access ({i}, {e}) is not (base {c} ^ {x}) + {d}")
     return reps, plan
 
 
@@ -457,16 +509,10 @@ def wide_transpose_plan(v_offset, vt_offset, tile_n: int, head_dim: int, v_span:
     """(V reps, V plan, Vt reps, Vt plan) of :func:`xor_hoisted_plan` for one tile: ``v_offset`` /
     ``vt_offset`` map an 8-byte word coordinate (key, dp) / (head-dim row, kp) to its swizzled
     byte offset in stage 0; ``v_span`` / ``vt_span`` are the layouts' swizzle spans."""
-    steps = wide_steps(tile_n, head_dim)
-    plans = []
-    for side, offset, span in ((0, v_offset, v_span), (1, vt_offset, vt_span)):
-        plans.extend(xor_hoisted_plan(
-            lambda i, e, side=side, offset=offset: [
-                offset(wide_transpose_words(t, i, tile_n, head_dim)[side][e]) for t in range(WG_THREADS)
-            ],
-            steps, 8, span,
-        ))  # fmt: skip
-    return tuple(plans)
+    return _side_plans(
+        lambda t, i: wide_transpose_words(t, i, tile_n, head_dim),
+        wide_steps(tile_n, head_dim), 8, (v_offset, vt_offset), (v_span, vt_span),
+    )  # fmt: skip
 
 
 def transpose_4x4(w0, w1, w2, w3):
@@ -702,19 +748,22 @@ __all__ = [
     "LAZY_P_OFFSET_LOG2",
     "LAZY_RESCALE_LOG2",
     "MMA_K",
+    "NO_LANE_MASKS",
     "P_OFFSET_LOG2",
     "P_STRIDES",
     "SMEM_LAYOUTS_V_VT",
+    "TRANSPOSE_LANE_MASKS",
     "TV_LAYOUT_A_FP8",
     "TV_LAYOUT_C_N128",
+    "UNIT_ROWS",
     "WG_THREADS",
     "WIDE_ROWS",
     "WIDE_UNIT_BYTES",
     "TransposeV",
     "WideTransposeV",
     "composed_offset",
-    "hoisted_plan",
     "key_of_a_column",
+    "lane_masks",
     "online_softmax_step",
     "online_softmax_step_block",
     "p_offset_log2",
@@ -728,10 +777,12 @@ __all__ = [
     "swizzle_bytes",
     "transpose_4x4",
     "transpose_plan",
+    "transpose_selectors",
     "transpose_steps",
     "transpose_unit",
     "transpose_v",
     "transpose_words",
+    "unit_row",
     "wide_steps",
     "wide_transpose_plan",
     "wide_transpose_unit",
