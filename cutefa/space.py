@@ -66,12 +66,19 @@ SM90_FP8_CONSUMER_REGS = 232
 # launch allocation: a split that adds up to more than 168 * 384 (e.g. 32 * 128 + 240 * 256) makes
 # the consumers' increase wait forever (tests/test_register_pool.py).
 SM90_FP8_CONSUMER_REGS_HOISTED = 240
+# Three consumer warpgroups (tile_m 192, 512 threads): the CTA holds 128 x 512 at launch, the
+# producer 32 and each consumer 160 (32 * 128 + 160 * 384 = 128 * 512). Only tiles whose O and S fit
+# 160 registers: hd128 with up to 96 keys (hd128 192x96 peaks at R157 on sm_90a, 192x128 spills).
+SM90_FP8_3WG_CONSUMER_REGS = 160
 
 
 def sm90_fp8_consumer_regs(spec: VariantSpec) -> int:
     """The consumers' setmaxnreg budget of an sm90 fp8 forward (the producer gets the rest of the
-    CTA's 168 x 384): 240 where the tile's estimate exceeds 232 and the hoisted 32-bit transpose lets
-    the producer give up 16 more registers (24 left); 232 otherwise (every default)."""
+    CTA's launch allocation): with two consumers (168 x 384) 240 where the tile's estimate exceeds
+    232 and the hoisted 32-bit transpose lets the producer give up 16 more registers (24 left), 232
+    otherwise (every default); with three (tile_m 192, 128 x 512) 160."""
+    if spec.tile_m == 192:
+        return SM90_FP8_3WG_CONSUMER_REGS
     if spec.hoist_vt and not spec.wide_vt and _sm90_registers(spec) > SM90_FP8_CONSUMER_REGS:
         return SM90_FP8_CONSUMER_REGS_HOISTED
     return SM90_FP8_CONSUMER_REGS
@@ -79,9 +86,12 @@ def sm90_fp8_consumer_regs(spec: VariantSpec) -> int:
 
 def sm90_fp8_producer_regs(spec: VariantSpec) -> int:
     """The producer warpgroup's setmaxnreg budget of an sm90 fp8 forward: what the CTA's launch
-    allocation (168 x 384) leaves beside the two consumer warpgroups' :func:`sm90_fp8_consumer_regs`
-    (40 beside 232, 24 beside 240)."""
-    return (168 * 384 - 2 * 128 * sm90_fp8_consumer_regs(spec)) // 128
+    allocation (65536 / threads rounded down to 8 registers, times threads) leaves beside the
+    consumer warpgroups' :func:`sm90_fp8_consumer_regs` (40 beside two at 232, 24 beside two at 240,
+    32 beside three at 160)."""
+    launch = 65536 // spec.threads // 8 * 8
+    consumers = spec.tile_m // 64
+    return (launch * spec.threads - consumers * 128 * sm90_fp8_consumer_regs(spec)) // 128
 
 
 SM90_FP8_MMA_K = 32  # k of an fp8 WGMMA: P V steps over keys 32 at a time
@@ -196,6 +206,12 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             # The default with O rescaled only when a warp's row max moves (lazy_rescale; the
             # default rescales 64 accumulators per thread every key block).
             (Tile(128, 128, 3, 12), {"overlap": True, "hoist_vt": True, "lazy_rescale": True}),
+            # Three consumer warpgroups of 64 rows over 96 keys (512 threads, consumers at 160
+            # registers: R157, no spill): three softmax chains per SM instead of two
+            # (docs/perf-notes.md, "fp8 hd128 with three consumer warpgroups"), with and without
+            # lazy_rescale; non-causal only (the causal twins spill, fp8_alternative_specs).
+            (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True}),
+            (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True, "lazy_rescale": True}),
         ),
         256: (
             # The default tile and schedule without lazy_rescale (the default before it), with 2
@@ -247,6 +263,7 @@ def fp8_alternative_specs(arch: str = "sm90") -> list[VariantSpec]:
         for hd, alts in FP8_ALTERNATIVES.get(arch, {}).items()
         for tile, extras in alts
         for causal in (False, True)
+        if not (causal and tile.tile_m == 192)  # _sm90_fp8: three consumers are non-causal only
     )
 
 
@@ -893,10 +910,22 @@ def _sm90_fp8(spec: VariantSpec) -> str | None:
     """The fp8 forward's own limits (templates/fwd_sm90_fp8.py.j2)."""
     if spec.dtype != "e4m3":
         return None
-    if spec.tile_m != 128:
+    if spec.tile_m not in (128, 192):
         return (
-            f"tile_m={spec.tile_m}: the sm90 fp8 forward runs two consumer warpgroups (tile_m=128); its "
-            "register split (producer 40, consumers 232) is laid out for that"
+            f"tile_m={spec.tile_m}: the sm90 fp8 forward runs two or three consumer warpgroups of 64 "
+            "query rows (tile_m 128 or 192); its register splits are laid out for those"
+        )
+    if spec.tile_m == 192 and spec.pingpong:
+        return "tile_m=192 with pingpong: the fp8 ping-pong hands the tensor core between two consumers"
+    if spec.tile_m == 192 and spec.causal:
+        return (
+            "tile_m=192 causal: the causal mask's registers do not fit the 160 three consumers get (hd128 "
+            "192x96 causal spills on sm_90a)"
+        )
+    if spec.tile_m == 192 and spec.head_dim != 128:
+        return (
+            f"tile_m=192 at head_dim {spec.head_dim}: three consumers get 160 registers each, which "
+            "holds O and S at head_dim 128 only (space.SM90_FP8_3WG_CONSUMER_REGS)"
         )
     if spec.tile_n % SM90_FP8_MMA_K:
         return (

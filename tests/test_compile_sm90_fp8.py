@@ -33,16 +33,19 @@ CHECKED = [
 def _budgets(spec) -> list[int]:
     """The setmaxnreg budgets (producer, consumers) of an fp8 forward: 40 and 232, or 24 and 240
     where the tile needs the registers and the hoisted 32-bit transpose lets the producer give
-    them up (space.sm90_fp8_producer_regs, space.sm90_fp8_consumer_regs)."""
+    them up, 32 and 160 with three consumers (space.sm90_fp8_producer_regs,
+    space.sm90_fp8_consumer_regs)."""
     return [space.sm90_fp8_producer_regs(spec), space.sm90_fp8_consumer_regs(spec)]
 
 
 def _assert_split_fits(report, spec):
-    """The CTA launches with the kernel's register count per thread (168 x 384); the setmaxnreg
-    budgets of one producer and two consumer warpgroups must add up to no more than that, or the
-    consumers' increase waits forever (tests/test_register_pool.py)."""
+    """The CTA launches with the kernel's register count per thread (168 x 384 with two consumers,
+    128 x 512 with three); the setmaxnreg budgets of one producer and the consumer warpgroups must
+    add up to no more than that, or the consumers' increase waits forever
+    (tests/test_register_pool.py)."""
     producer, consumers = _budgets(spec)
-    assert 128 * producer + 256 * consumers <= report.registers * 384, (spec.name, report.registers)
+    need = 128 * producer + (spec.threads - 128) * consumers
+    assert need <= report.registers * spec.threads, (spec.name, report.registers)
 
 
 def test_every_head_dim_has_an_fp8_default():
@@ -378,7 +381,8 @@ LAZY = [s for s in FP8_ALTERNATIVES if s.lazy_rescale] + [s for s in CHECKED if 
 def test_lazy_variants_are_committed():
     committed = [s for s in FP8_DEFAULTS + FP8_ALTERNATIVES if s.lazy_rescale]
     assert {(s.head_dim, s.tile_n, s.causal) for s in committed} == {
-        (128, 128, False), (128, 128, True), (256, 64, False), (256, 64, True), (256, 96, False), (256, 96, True),
+        (128, 128, False), (128, 128, True), (128, 96, False),
+        (256, 64, False), (256, 64, True), (256, 96, False), (256, 96, True),
     }  # fmt: skip
     assert all(s.replace(lazy_rescale=False) in set(FP8_DEFAULTS) | set(FP8_ALTERNATIVES) for s in committed)
     assert {s.head_dim for s in FP8_DEFAULTS if s.lazy_rescale} == {256}

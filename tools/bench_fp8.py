@@ -201,7 +201,12 @@ def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, c
     lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device="cuda")
     scale = 1.0 / math.sqrt(hdim)
     row = [str(int(causal)), str(seqlen), f"{batch} x {heads}", f"{bf16:.0f}"]
+    from cutefa.space import why_invalid
+
     for spec in specs:
+        if why_invalid(spec.replace(causal=causal)) is not None:
+            row.append("-")  # a variant without this mask (hd128 192x96 is non-causal only)
+            continue
         try:
             kernel = get_kernel(spec.replace(causal=causal), target)
             inputs = (qq, kq, vq)

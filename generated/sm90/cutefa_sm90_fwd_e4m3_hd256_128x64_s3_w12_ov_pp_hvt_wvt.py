@@ -38,8 +38,9 @@ OVERLAP = True  # intra-warpgroup overlap of softmax with the MMAs
 PINGPONG = True  # consumer warpgroups take turns issuing MMAs
 PP_BARRIER = 3  # named barriers 3 and 4 (0: CTA sync)
 # The producer warpgroup keeps enough registers for the V transpose; the consumers get the rest
-# of the CTA's registers (168 x 384 at launch: 40 x 128 + 232 x 256, or 24 x 128 + 240 x 256 for a
-# tile that needs it with the hoisted 32-bit transpose, space.sm90_fp8_consumer_regs).
+# of the CTA's registers (two consumers, 168 x 384 at launch: 40 x 128 + 232 x 256, or 24 x 128 +
+# 240 x 256 for a tile that needs it with the hoisted 32-bit transpose; three, 128 x 512: 32 x 128
+# + 160 x 384; space.sm90_fp8_consumer_regs).
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
