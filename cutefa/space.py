@@ -209,7 +209,7 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             # Three consumer warpgroups of 64 rows over 96 keys (512 threads, consumers at 160
             # registers: R157, no spill): three softmax chains per SM instead of two
             # (docs/perf-notes.md, "fp8 hd128 with three consumer warpgroups"), with and without
-            # lazy_rescale; non-causal only (the causal twins spill, fp8_alternative_specs).
+            # lazy_rescale; non-causal only (the causal twins spill, _sm90_fp8).
             (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True}),
             (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True, "lazy_rescale": True}),
         ),
@@ -257,14 +257,16 @@ def fp8_block_specs(arch: str = "sm90") -> list[VariantSpec]:
 
 
 def fp8_alternative_specs(arch: str = "sm90") -> list[VariantSpec]:
-    """The committed e4m3 forward alternatives of ``arch`` (:data:`FP8_ALTERNATIVES`), causal and not."""
-    return sorted(
+    """The committed e4m3 forward alternatives of ``arch`` (:data:`FP8_ALTERNATIVES`), causal and not
+    where the family's rules allow both."""
+    specs = (
         VariantSpec(arch, "fwd", "e4m3", hd, *tile, causal=causal, **extras)
         for hd, alts in FP8_ALTERNATIVES.get(arch, {}).items()
         for tile, extras in alts
         for causal in (False, True)
-        if not (causal and tile.tile_m == 192)  # _sm90_fp8: three consumers are non-causal only
     )
+    # less the mask twins the family's own rules refuse (sm90: three consumers are non-causal only)
+    return sorted(s for s in specs if arch != "sm90" or _sm90_fp8(s) is None)
 
 
 # Backward tiles per head dim (filled as each family's backward kernel lands). sm80: FlashAttention-2's
