@@ -403,11 +403,27 @@ def test_sm100_pair_candidates_and_defaults():
         (FP8.replace(head_dim=256, stages=3), "needs 321.0 KiB of shared memory, over the 227 KiB"),
         # O 128 + S 64 + P 16 + 48 = 256 registers per consumer thread.
         (FP8.replace(head_dim=256), "would spill registers (estimated 256 > 232 per consumer thread"),
+        # three consumer warpgroups (tile_m 192): hd128 only, no ping-pong, no causal mask
+        (FP8.replace(tile_m=192, tile_n=96, warps=16, pingpong=True), "tile_m=192 with pingpong"),
+        (FP8.replace(tile_m=192, tile_n=96, warps=16, pingpong=False, causal=True), "tile_m=192 causal: the causal mask's registers"),
+        (FP8.replace(tile_m=192, tile_n=64, warps=16, pingpong=False, head_dim=256), "tile_m=192 at head_dim 256"),
     ],
     ids=lambda x: x.name if isinstance(x, VariantSpec) else None,
 )
 def test_fp8_rules_name_themselves(spec, reason):
     assert reason in space.why_invalid(spec)
+
+
+def test_fp8_three_consumer_register_split():
+    """tile_m 192 (512 threads): 128 registers per thread at launch, producer 32 and three
+    consumers at 160 fill it exactly; the two-consumer splits stay 40 / 232 and 24 / 240."""
+    three = VariantSpec("sm90", "fwd", "e4m3", 128, 192, 96, 2, 16, overlap=True, hoist_vt=True)
+    assert three in space.fp8_alternative_specs() and space.why_invalid(three) is None
+    assert (space.sm90_fp8_producer_regs(three), space.sm90_fp8_consumer_regs(three)) == (32, 160)
+    assert 32 * 128 + 3 * 128 * 160 == 128 * 512
+    assert (space.sm90_fp8_producer_regs(FP8), space.sm90_fp8_consumer_regs(FP8)) == (40, 232)
+    wide_tile = VariantSpec("sm90", "fwd", "e4m3", 256, 128, 96, 2, 12, overlap=True, hoist_vt=True)
+    assert (space.sm90_fp8_producer_regs(wide_tile), space.sm90_fp8_consumer_regs(wide_tile)) == (24, 240)
 
 
 def test_fp8_budgets():
