@@ -66,19 +66,17 @@ SM90_FP8_CONSUMER_REGS = 232
 # launch allocation: a split that adds up to more than 168 * 384 (e.g. 32 * 128 + 240 * 256) makes
 # the consumers' increase wait forever (tests/test_register_pool.py).
 SM90_FP8_CONSUMER_REGS_HOISTED = 240
-# Three consumer warpgroups (tile_m 192, 512 threads): the CTA holds 128 x 512 at launch, the
-# producer 32 and each consumer 160 (32 * 128 + 160 * 384 = 128 * 512). Only tiles whose O and S fit
-# 160 registers: hd128 with up to 96 keys (hd128 192x96 peaks at R157 on sm_90a, 192x128 spills).
-SM90_FP8_3WG_CONSUMER_REGS = 160
 
 
 def sm90_fp8_consumer_regs(spec: VariantSpec) -> int:
     """The consumers' setmaxnreg budget of an sm90 fp8 forward (the producer gets the rest of the
     CTA's launch allocation): with two consumers (168 x 384) 240 where the tile's estimate exceeds
     232 and the hoisted 32-bit transpose lets the producer give up 16 more registers (24 left), 232
-    otherwise (every default); with three (tile_m 192, 128 x 512) 160."""
+    otherwise (every default); with three (tile_m 192, 128 x 512 at launch) the 16-bit kernels'
+    three-consumer budget, 160 (the producer keeps 32: 32 * 128 + 160 * 384 = 128 * 512). 160 holds
+    O and S at hd128 with up to 96 keys (192x96 peaks at R157 on sm_90a, 192x128 spills)."""
     if spec.tile_m == 192:
-        return SM90_FP8_3WG_CONSUMER_REGS
+        return sm90_consumer_regs(spec)
     if spec.hoist_vt and not spec.wide_vt and _sm90_registers(spec) > SM90_FP8_CONSUMER_REGS:
         return SM90_FP8_CONSUMER_REGS_HOISTED
     return SM90_FP8_CONSUMER_REGS
@@ -927,7 +925,7 @@ def _sm90_fp8(spec: VariantSpec) -> str | None:
     if spec.tile_m == 192 and spec.head_dim != 128:
         return (
             f"tile_m=192 at head_dim {spec.head_dim}: three consumers get 160 registers each, which "
-            "holds O and S at head_dim 128 only (space.SM90_FP8_3WG_CONSUMER_REGS)"
+            "holds O and S at head_dim 128 only (space.sm90_fp8_consumer_regs)"
         )
     if spec.tile_n % SM90_FP8_MMA_K:
         return (
