@@ -1280,6 +1280,10 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
             # and with LSE2/D read ahead of the WGMMA waits (docs/perf-notes.md "LSE2 and D read
             # ahead of the waits")
             (Tile(128, 128, 2, 12), {"dq_bulk": True, "dq_warp": True, "row_prefetch": True}),
+            # FlashAttention-4's issue order (dV before the barrier, dK under dQ) with the dQ-writer
+            # warp, and with LSE2/D read ahead
+            (Tile(128, 128, 2, 12), {"overlap": True, "dq_bulk": True, "dq_warp": True}),
+            (Tile(128, 128, 2, 12), {"overlap": True, "dq_bulk": True, "dq_warp": True, "row_prefetch": True}),
         ),
         128: (
             (Tile(64, 128, 2, 12), {}),
@@ -1341,16 +1345,20 @@ BWD_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]]
 
 # Backward alternatives of other dtypes than BWD_ALTERNATIVE_DTYPES, per (arch, dtype): fp16 gets the
 # dQ-writer warp (dq_warp) on the tiles where bf16's tuned table runs it (hd64 and hd128, +1-4% in
-# bf16, docs/perf-notes.md "The dQ-writer warp measured"), and hd128's overlap schedule with and
-# without it, so that fp16's table can pick them too.
+# bf16, docs/perf-notes.md "The dQ-writer warp measured"), the overlap schedule with and
+# without it, and LSE2/D read ahead (row_prefetch) on the writer-warp tiles, so that fp16's table
+# can pick them too.
+_FP16_BWD_SCHEDULES: tuple[dict[str, bool], ...] = (
+    {"dq_bulk": True, "dq_warp": True},
+    {"overlap": True, "dq_bulk": True},
+    {"overlap": True, "dq_bulk": True, "dq_warp": True},
+    {"dq_bulk": True, "dq_warp": True, "row_prefetch": True},
+    {"overlap": True, "dq_bulk": True, "dq_warp": True, "row_prefetch": True},
+)
 BWD_DTYPE_ALTERNATIVES: dict[tuple[str, str], dict[int, tuple[tuple[Tile, dict[str, bool]], ...]]] = {
     ("sm90", "fp16"): {
-        64: ((Tile(128, 128, 2, 12), {"dq_bulk": True, "dq_warp": True}),),
-        128: (
-            (Tile(64, 128, 2, 12), {"dq_bulk": True, "dq_warp": True}),
-            (Tile(64, 128, 2, 12), {"overlap": True, "dq_bulk": True}),
-            (Tile(64, 128, 2, 12), {"overlap": True, "dq_bulk": True, "dq_warp": True}),
-        ),
+        hd: tuple((tile, flags) for flags in _FP16_BWD_SCHEDULES)
+        for hd, tile in ((64, Tile(128, 128, 2, 12)), (128, Tile(64, 128, 2, 12)))
     },
 }
 

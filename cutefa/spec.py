@@ -111,9 +111,10 @@ class VariantSpec:
     # barrier; the consumers only stage their piece in shared memory and arrive. Name token _dqw.
     dq_warp: bool = False
     # sm90 backward (templates/bwd_sm90.py.j2 only): each query block's LSE2 and D values of a
-    # thread's query columns are read from shared memory into registers before the WGMMA waits they
-    # follow (S^T/dP^T, then dP^T), so those loads' latency hides behind the MMAs instead of
-    # following the wait (FlashAttention-3 loads them before its waits). Name token _rpf.
+    # thread's query columns are read from shared memory into registers ahead of the WGMMA waits
+    # they follow: LSE2 before S^T/dP^T are issued (behind their operand reads it would return only
+    # as dP^T ends), D before the wait for dP^T (FlashAttention-3 loads them before its waits).
+    # Name token _rpf.
     row_prefetch: bool = False
     # sm90 backward, swapped-dK/dV partition (templates/bwd_sm90_swapkv.py.j2, head dim 192) with
     # dq_bulk: FlashAttention-4's shared-memory budget for that tile: a 2-stage Q ring and a 1-stage

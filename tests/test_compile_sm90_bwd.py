@@ -85,10 +85,17 @@ def test_sass_sm90a_bwd(cubins, spec):
     assert report.counts["USETMAXREG"] >= 2, report.summary()  # producer gives, consumers take
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
     # dS^T to shared memory by stmatrix: tile_m / 16 per consumer warpgroup (64 keys x tile_m
-    # queries, four 8x8 matrices per warp and instruction); 32-bit shared stores only for LSE2/D.
-    assert report.forms_of("STSM") == {"STSM.16.M88.4": spec.tile_m // 16}, report.forms_of("STSM")
+    # queries, four 8x8 matrices per warp and instruction), and dK, dV once per key block (64 keys x
+    # head_dim each: head_dim / 16); 32-bit shared stores only for LSE2/D.
+    stsm = spec.tile_m // 16 + 2 * spec.head_dim // 16
+    assert report.forms_of("STSM") == {"STSM.16.M88.4": stsm}, report.forms_of("STSM")
     assert report.forms.get("STS", 0) == 2, report.forms_of("STS")
     text = sass._cuobjdump(cubins[spec.name], "-sass")
+    # dK and dV leave through the K/V buffers by TMA store (the producer warp, two call sites: after
+    # each later key block's release and after the last): no per-thread global store.
+    main_forms = sass.opcode_forms(sass.kernel_text(text, "kernel"))
+    assert main_forms.get("UTMASTG.4D", 0) > 0 and main_forms["UTMASTG.4D"] % 4 == 0, main_forms
+    assert not [f for f in main_forms if f.startswith("STG")], main_forms
     # dQ into dq_accum: 8-byte vector reductions, one per two accumulator columns of each piece
     # (64 rows x its columns over 128 threads; one code path per consumer), each twice: unpredicated
     # for the query blocks whose rows are all in range, guarded row by row for the last one.
@@ -107,8 +114,8 @@ def test_sass_sm90a_bwd(cubins, spec):
 
 
 def test_alternatives_are_bf16_schedules_beside_the_defaults():
-    """BWD_ALTERNATIVES: bf16, at most 32, each a valid spec that differs from its head dim's
-    default; fp16 only the dQ-writer warp's and hd128's overlap (BWD_DTYPE_ALTERNATIVES); dispatch (backward.choose_bwd)
+    """BWD_ALTERNATIVES: bf16, at most 36, each a valid spec that differs from its head dim's
+    default; fp16 only the dQ-writer warp's and the overlap schedule's (BWD_DTYPE_ALTERNATIVES); dispatch (backward.choose_bwd)
     with no tuned table picks the default."""
     import torch
 
@@ -116,7 +123,7 @@ def test_alternatives_are_bf16_schedules_beside_the_defaults():
 
     bf16 = [s for s in ALTERNATIVES if s.dtype == "bf16"]
     fp16 = [s for s in ALTERNATIVES if s.dtype == "fp16"]
-    assert 0 < len(bf16) <= 32 and len(bf16) + len(fp16) == len(ALTERNATIVES)
+    assert 0 < len(bf16) <= 36 and len(bf16) + len(fp16) == len(ALTERNATIVES)
     assert fp16 and all(s.dq_bulk and (s.dq_warp or s.overlap) for s in fp16)
     assert {s.replace(dtype="bf16") for s in fp16} <= set(bf16)
     assert {s.head_dim for s in ALTERNATIVES} == {64, 128}

@@ -57,7 +57,7 @@ def _twin(spec: VariantSpec) -> VariantSpec:
 
 def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
     """dq_bulk is the sm90 backward default at head dims 64, 96, 128 (every dtype, both masks) and
-    with the overlap schedule a bf16 alternative at 64 and 128 (and an fp16 one at 128); on the head-dim split hd256's default
+    with the overlap schedule a bf16 and an fp16 alternative at 64 and 128; on the head-dim split hd256's default
     with the overlap schedule (every dtype) and a bf16 alternative without it, at hd192 bf16
     alternatives, plain and overlap; each has its per-thread-reduction twin committed (bf16) to be
     timed beside it; dispatch picks the default without a tuned table's entry."""
@@ -73,7 +73,7 @@ def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
         [("bf16", hd, causal, True) for hd in (64, 128) for causal in (False, True)]
         + [("bf16", hd, causal, ov) for hd in (192, 256) for causal in (False, True) for ov in (False, True)]
         + [("fp16", 256, causal, True) for causal in (False, True)]  # hd256's default, the overlap schedule
-        + [("fp16", 128, causal, True) for causal in (False, True)]  # space.BWD_DTYPE_ALTERNATIVES
+        + [("fp16", hd, causal, True) for hd in (64, 128) for causal in (False, True)]  # space.BWD_DTYPE_ALTERNATIVES
     )
     committed = set(space.default_variants("sm90", "bwd"))
     for spec in BULK:
@@ -156,12 +156,17 @@ def cubins(tmp_path_factory):
 
 def _check_ds_stmatrix(report, spec, text):
     """dS^T goes to shared memory by stmatrix (one instruction per four 8x8 matrices of a warp: 64 keys
-    x tile_m queries per warpgroup is tile_m / 16 of them), and the only 32-bit shared stores left
-    in the main kernel are the two of the LSE2/D staging (before the loop and in it, one predicated
-    store each; the postprocess has its own, counted in test_sass_pre_postprocess)."""
-    assert report.forms_of("STSM") == {"STSM.16.M88.4": spec.tile_m // 16}, report.forms_of("STSM")
+    x tile_m queries per warpgroup is tile_m / 16 of them; dK and dV, staged for their TMA stores
+    once per key block, head_dim / 16 each), and the only 32-bit shared stores left in the main
+    kernel are the two of the LSE2/D staging (before the loop and in it, one predicated store each;
+    the postprocess has its own, counted in test_sass_pre_postprocess). No per-thread global store:
+    dK and dV leave by TMA store."""
+    stsm = spec.tile_m // 16 + 2 * spec.head_dim // 16
+    assert report.forms_of("STSM") == {"STSM.16.M88.4": stsm}, report.forms_of("STSM")
     main = sass.opcode_forms(sass.kernel_text(text, "kernel"))
     assert main.get("STS", 0) == 2, {f: n for f, n in main.items() if f.startswith("STS")}
+    assert main.get("UTMASTG.4D", 0) > 0 and main["UTMASTG.4D"] % 4 == 0, main
+    assert not [f for f in main if f.startswith("STG")], main
 
 
 @pytest.mark.compile

@@ -37,7 +37,11 @@ which own 64 keys each and walk the query blocks that see their keys:
 LSE2 and D of a query block are staged in shared memory by the consumers one block ahead; dS has
 two shared-memory buffers, so one named barrier per query block orders the consumers. TMA
 zero-fills rows past the end of Q, dO, K and V; probabilities of keys past seqlen_k are set to 0, query rows past seqlen_q get LSE2 = +inf (P = 0).
-dK (times the softmax scale) and dV go from registers to global memory at the end of a key block.
+At the end of a key block each consumer writes dK (times the softmax scale) and dV into its 64
+rows of the K and V buffers (stmatrix, after the consumers' barrier: dQ reads all of K) and
+releases the K/V stage; the producer warp waits for that release, stores both buffers with one TMA
+store each (rows past seqlen_k clipped) and loads the next key block's K and V once the stores
+have read them.
 
 Overlap (FlashAttention-3's issue order): dV += P^T dO is issued as soon as P^T is in registers, so
 it runs while dS^T is formed and stored; after the barrier dQ = dS K and
@@ -194,6 +198,9 @@ class Kernel:
         v_tma, gV_tma = parts.tma_load_atom(parts.bshd_as_sdhb(mV), sK_layout, (TILE_N, HEAD_DIM))
         q_tma, gQ_tma = parts.tma_load_atom(parts.bshd_as_sdhb(mQ), sQ_layout, (TILE_M, HEAD_DIM))
         do_tma, gdO_tma = parts.tma_load_atom(parts.bshd_as_sdhb(mdO), sQ_layout, (TILE_M, HEAD_DIM))
+        # dK and dV leave through the K and V buffers: one TMA store of each per key block.
+        dk_tma, gdK_tma = parts.tma_store_atom(parts.bshd_as_sdhb(mdK), sK_layout, (TILE_N, HEAD_DIM))
+        dv_tma, gdV_tma = parts.tma_store_atom(parts.bshd_as_sdhb(mdV), sK_layout, (TILE_N, HEAD_DIM))
 
         @cute.struct
         class Storage:
@@ -212,8 +219,8 @@ class Kernel:
         splits = cute.size(mdQaccum.shape[0])
         grid_x = n_blocks + deterministic * (splits - n_blocks)
         self.kernel(
-            k_tma, gK_tma, v_tma, gV_tma, q_tma, gQ_tma, do_tma, gdO_tma,
-            mdK, mdV, mdQaccum, mLSE2, mDpsum, softmax_scale, softmax_scale * LOG2_E, deterministic,
+            k_tma, gK_tma, v_tma, gV_tma, q_tma, gQ_tma, do_tma, gdO_tma, dk_tma, gdK_tma, dv_tma, gdV_tma,
+            mdQaccum, mLSE2, mDpsum, softmax_scale, softmax_scale * LOG2_E, deterministic,
             mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
             sK_layout, sKt_layout, sQ_layout, sQt_layout, sdS_layout,
             bwd_parts.sdp_tiled_mma(DTYPE, TILE_M), bwd_parts.dkv_tiled_mma(DTYPE, HEAD_DIM),
@@ -286,8 +293,10 @@ class Kernel:
         gQ_tma: cute.Tensor,
         do_tma: cute.CopyAtom,
         gdO_tma: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
+        dk_tma: cute.CopyAtom,
+        gdK_tma: cute.Tensor,
+        dv_tma: cute.CopyAtom,
+        gdV_tma: cute.Tensor,
         mdQaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
@@ -375,12 +384,21 @@ class Kernel:
                     n_block = bx + it * grid_x
                     m_begin = 0
                     kv_handle = kv_producer.acquire_and_advance()
+                    if it > 0:
+                        # The consumers staged the previous key block's dK/dV in the K/V buffers.
+                        bwd_parts.store_kv_tiles(dk_tma, gdK_tma, sK, dv_tma, gdV_tma, sV, head, batch, n_block - grid_x, TILE_N, HEAD_DIM)
                     cute.copy(k_tma, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=kv_handle.barrier)
                     cute.copy(v_tma, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=kv_handle.barrier)
                     for m_block in cutlass.range(m_begin, m_blocks, unroll=1):
                         handle = qdo_producer.acquire_and_advance()
                         cute.copy(q_tma, tQgQ[None, m_block], tQsQ[None, handle.index], tma_bar_ptr=handle.barrier)
                         cute.copy(do_tma, tdOgdO[None, m_block], tdOsdO[None, handle.index], tma_bar_ptr=handle.barrier)
+                if my_blocks > 0:
+                    # The last key block's dK/dV, once the consumers have staged them.
+                    kv_producer.acquire_and_advance()
+                    bwd_parts.store_kv_tiles(
+                        dk_tma, gdK_tma, sK, dv_tma, gdV_tma, sV, head, batch, bx + (my_blocks - 1) * grid_x, TILE_N, HEAD_DIM
+                    )
             if warp == DQ_WRITER_WARP:
                 # The dQ-writer warp: every bulk reduce-add of the consumers' staged dQ pieces.
                 lane = tidx % 32
@@ -444,10 +462,6 @@ class Kernel:
             sdQ = storage.sdQ.get_tensor(cute.make_layout(TILE_M * HEAD_DIM))
             sdQ_addr0 = (sdQ.iterator + DQ_OFFSETS[0]).toint()
             sdQ_addr1 = (sdQ.iterator + DQ_OFFSETS[1]).toint()
-            # Global destinations of dK/dV by 64-key block.
-            tdKg = dkv_thr.partition_C(cute.local_tile(mdK[batch, None, head, None], (parts.WG_ROWS, HEAD_DIM), (None, 0)))
-            tdVg = dkv_thr.partition_C(cute.local_tile(mdV[batch, None, head, None], (parts.WG_ROWS, HEAD_DIM), (None, 0)))
-            tKVc = dkv_thr.partition_C(cute.make_identity_tensor((parts.WG_ROWS, HEAD_DIM)))
             # The LSE2/D row this thread stages per query block (threads that stage none: active False).
             row_g, row_s, row_off, row_fill, row_active = bwd_parts.row_slot(
                 mLSE2[batch, head, None], mDpsum[batch, head, None], sLSE, sD, ctid, TILE_M
@@ -513,6 +527,7 @@ class Kernel:
                     warpgroup.wait_group(1)  # dP^T done; dV may still run
                     bwd_parts.compute_dst(st_mn, dpt_mn, cS_mn, sD[None, buf])
                     rdS_acc.store(acc_dP.load().to(DTYPE))
+                    bwd_parts.pin_words(rdS)
 
                     # dS^T -> shared memory (this warpgroup's 64 keys of buffer buf) for dQ.
                     sdSt = bwd_parts.transposed(sdS_store[None, None, buf], TILE_M, TILE_N)
@@ -535,16 +550,25 @@ class Kernel:
                             dq_mma1, *dq1, dkv_mma, acc_dK, rdS, tdKrQt[None, None, None, handle.index], buf, handle,
                             sdQ_addr1, wtid, DQ_EMPTY_BARRIER + 1, DQ_FULL_BARRIER + 1,
                         )  # fmt: skip
-                kv_handle.release()
 
-                # dK (times the softmax scale) and dV of this warpgroup's keys -> global.
+                # dK (times the softmax scale) and dV of this warpgroup's keys -> global, through
+                # the K and V buffers once both consumers' last GEMMs have read them (dQ reads all of
+                # K): the producer warp, which waits for this release, stores each buffer with one
+                # TMA store (rows past seqlen_k are clipped) before it loads the next key block.
                 rdK = cute.make_rmem_tensor_like(acc_dK, DTYPE)
                 rdK.store((acc_dK.load() * softmax_scale).to(DTYPE))
                 rdV = cute.make_rmem_tensor_like(acc_dV, DTYPE)
                 rdV.store(acc_dV.load().to(DTYPE))
-                key_block = n_block * (TILE_N // parts.WG_ROWS) + c
-                bwd_parts.store_rows(rdK, tKVc, tdKg[None, None, None, key_block], seqlen_k - key0)
-                bwd_parts.store_rows(rdV, tKVc, tdVg[None, None, None, key_block], seqlen_k - key0)
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+                # (this warpgroup's 64 rows of the K and V buffers, by stmatrix)
+                r2s_kv = cute.make_tiled_copy_C(parts.o_store_atom(DTYPE), dkv_mma)
+                r2s_kv_thr = r2s_kv.get_slice(wtid)
+                tdKs = r2s_kv_thr.partition_D(cute.local_tile(sK[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0)))
+                tdVs = r2s_kv_thr.partition_D(cute.local_tile(sV[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0)))
+                cute.copy(r2s_kv, r2s_kv_thr.retile(rdK), tdKs)
+                cute.copy(r2s_kv, r2s_kv_thr.retile(rdV), tdVs)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                kv_handle.release()
 
             # The writer warp's last hand-back of this consumer's buffer (it arrives once more than
             # the loop syncs).

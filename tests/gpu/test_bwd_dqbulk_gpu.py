@@ -76,14 +76,14 @@ def target():
 def test_bulk_variants_committed():
     """The defaults at head dims 64/96/128 (both dtypes), the bf16 overlap alternatives there, the
     bf16 head-dim-split variants at 192/256 (plain and overlap), and hd256's default (the split with
-    the overlap schedule) and hd128's overlap alternative in fp16."""
+    the overlap schedule) and the hd64/hd128 overlap alternatives in fp16."""
     assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if not s.overlap) == sorted(
         [(dt, hd, causal) for dt in ("bf16", "fp16") for hd in (64, 96, 128) for causal in (False, True)]
         + [("bf16", hd, causal) for hd in (192, 256) for causal in (False, True)]
     )
     assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if s.overlap) == sorted(
         [("bf16", hd, causal) for hd in (64, 128, 192, 256) for causal in (False, True)]
-        + [("fp16", hd, causal) for hd in (128, 256) for causal in (False, True)]  # 128: BWD_DTYPE_ALTERNATIVES
+        + [("fp16", hd, causal) for hd in (64, 128, 256) for causal in (False, True)]  # 64, 128: BWD_DTYPE_ALTERNATIVES
     )
     assert all(space.sm90_bwd_head_split(s) == (s.head_dim >= 192) for s in BULK)
     assert all(space.sm90_bwd_dq_bulk_aliases(s) == (s.head_dim == 256) for s in BULK)
@@ -140,7 +140,7 @@ def test_bulk_deterministic(gen, target, spec):
 def test_dqw_variants_committed():
     for dtype in ("bf16", "fp16"):  # fp16: space.BWD_DTYPE_ALTERNATIVES
         assert sorted((s.head_dim, s.overlap, s.causal) for s in DQW if s.dtype == dtype) == sorted(
-            [(64, False, c) for c in (False, True)] + [(128, ov, c) for ov in (False, True) for c in (False, True)]
+            [(hd, ov, c) for hd in (64, 128) for ov in (False, True) for c in (False, True)]
         )
     assert all(s.dq_bulk and s.replace(dq_warp=False) in BULK for s in DQW)
 
@@ -185,9 +185,10 @@ def test_dqw_repeated_calls(gen, target, spec):
 
 
 def test_rpf_variants_committed():
-    assert sorted((s.head_dim, s.overlap, s.causal) for s in RPF) == sorted(
-        [(64, False, c) for c in (False, True)] + [(128, ov, c) for ov in (False, True) for c in (False, True)]
-    )
+    for dtype in ("bf16", "fp16"):  # fp16: space.BWD_DTYPE_ALTERNATIVES
+        assert sorted((s.head_dim, s.overlap, s.causal) for s in RPF if s.dtype == dtype) == sorted(
+            [(hd, ov, c) for hd in (64, 128) for ov in (False, True) for c in (False, True)]
+        )
     assert all(s.replace(row_prefetch=False) in DQW for s in RPF)
 
 

@@ -24,13 +24,15 @@ import cutlass.cute as cute
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cutefa.kernels.common.reduce import bulk_reduce_add_f32, red_add_pairs, st_shared_f32x4
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80.bwd_parts import warp_allreduce_sum
 from cutefa.kernels.sm90.descriptors import hoisted
-from cutefa.kernels.sm90.parts import WG_ROWS, WG_THREADS
+from cutefa.kernels.sm90.parts import WG_ROWS, WG_THREADS, tma_tiles
 
 
 def smem_layouts(dtype, tile_m: int, tile_n: int, head_dim: int, stages: int):
@@ -246,6 +248,50 @@ def compute_dst(
         d = sD[j] if cutlass.const_expr(by_column) else sD[c_mn[0, j][1]]
         for r in cutlass.range_constexpr(cute.size(dpt_mn, mode=[0])):
             dpt_mn[r, j] = pt_mn[r, j] * (dpt_mn[r, j] - d)
+
+
+@dsl_user_op
+def _pinned_word(word: Int32, *, loc=None, ip=None) -> Int32:
+    """``word`` through a ``mov.b32`` with side effects: computed before this point, once."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(word).ir_value(loc=loc, ip=ip)],
+            "mov.b32 $0, $1;",
+            "=r,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@cute.jit
+def pin_words(t: cute.Tensor):
+    """Every 32-bit word of the 16-bit register tensor ``t`` pinned where this is called: later
+    readers (a WGMMA register A operand in another branch) use these values instead of a second
+    conversion of the fp32 source, which the compiler otherwise repeats at the later use."""
+    words = cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Int32), cute.make_layout(cute.size(t) // 2))
+    for i in cutlass.range_constexpr(cute.size(t) // 2):
+        words[i] = _pinned_word(words[i])
+
+
+@cute.jit
+def store_kv_tiles(
+    dk_tma, gdK_tma: cute.Tensor, sK: cute.Tensor, dv_tma, gdV_tma: cute.Tensor, sV: cute.Tensor,
+    head: Int32, batch: Int32, n_block: Int32, tile_n: cutlass.Constexpr, head_dim: cutlass.Constexpr,
+):
+    """The producer warp: key block ``n_block``'s dK and dV tiles (staged in the K and V buffers)
+    to global memory by two TMA stores (rows past seqlen_k clipped by the TMA unit), waiting until
+    both have read shared memory, so that the buffers may be loaded again."""
+    tdKs, tdKg = tma_tiles(dk_tma, sK, cute.local_tile(gdK_tma[None, None, head, batch], (tile_n, head_dim), (None, 0)))
+    tdVs, tdVg = tma_tiles(dv_tma, sV, cute.local_tile(gdV_tma[None, None, head, batch], (tile_n, head_dim), (None, 0)))
+    cute.copy(dk_tma, tdKs[None, 0], tdKg[None, n_block])
+    cute.copy(dv_tma, tdVs[None, 0], tdVg[None, n_block])
+    cute.arch.cp_async_bulk_commit_group()
+    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 @cute.jit
