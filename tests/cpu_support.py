@@ -1,6 +1,7 @@
 """What the CPU test files share: seeded random inputs, a plain attention reference, tracing a
 flash_attn_func call under torch.compile on fake CUDA tensors, loading a script of tools/ as a
-module, and reading the branches of a kernel's SASS."""
+module, reading the branches of a kernel's SASS, and the sm90 backward's stmatrix / TMA-store
+checks."""
 
 from __future__ import annotations
 
@@ -88,3 +89,16 @@ def skipped_fmuls(sass_text: str) -> list[int]:
         if fmuls:
             found.append(fmuls)
     return found
+
+
+def assert_sm90_bwd_stores(report, main_forms: dict, spec) -> None:
+    """The sm90 backward (templates/bwd_sm90.py.j2) main kernel's stores: stmatrix for dS^T (64 keys
+    x tile_m queries per consumer warpgroup, four 8x8 matrices per warp and instruction: tile_m /
+    16) and for the dK/dV staging once per key block (64 keys x head_dim each: head_dim / 16 each),
+    then TMA stores of dK and dV (the producer warp, two call sites: after each later key block's
+    release and after the last) and no per-thread global store. ``report``: sass.analyze of the
+    cubin; ``main_forms``: sass.opcode_forms of the main kernel's SASS."""
+    stsm = spec.tile_m // 16 + 2 * spec.head_dim // 16
+    assert report.forms_of("STSM") == {"STSM.16.M88.4": stsm}, report.forms_of("STSM")
+    assert main_forms.get("UTMASTG.4D", 0) > 0 and main_forms["UTMASTG.4D"] % 4 == 0, main_forms
+    assert not [f for f in main_forms if f.startswith("STG")], main_forms

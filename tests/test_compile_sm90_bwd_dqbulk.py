@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpu_support import assert_sm90_bwd_stores
 
 from cutefa import sass, space
 from cutefa.spec import VariantSpec
@@ -155,18 +156,13 @@ def cubins(tmp_path_factory):
 
 
 def _check_ds_stmatrix(report, spec, text):
-    """dS^T goes to shared memory by stmatrix (one instruction per four 8x8 matrices of a warp: 64 keys
-    x tile_m queries per warpgroup is tile_m / 16 of them; dK and dV, staged for their TMA stores
-    once per key block, head_dim / 16 each), and the only 32-bit shared stores left in the main
-    kernel are the two of the LSE2/D staging (before the loop and in it, one predicated store each;
-    the postprocess has its own, counted in test_sass_pre_postprocess). No per-thread global store:
-    dK and dV leave by TMA store."""
-    stsm = spec.tile_m // 16 + 2 * spec.head_dim // 16
-    assert report.forms_of("STSM") == {"STSM.16.M88.4": stsm}, report.forms_of("STSM")
+    """dS^T and the dK/dV staging go to shared memory by stmatrix and dK/dV out by TMA store
+    (cpu_support.assert_sm90_bwd_stores), and the only 32-bit shared stores left in the main kernel
+    are the two of the LSE2/D staging (before the loop and in it, one predicated store each; the
+    postprocess has its own, counted in test_sass_pre_postprocess)."""
     main = sass.opcode_forms(sass.kernel_text(text, "kernel"))
+    assert_sm90_bwd_stores(report, main, spec)
     assert main.get("STS", 0) == 2, {f: n for f, n in main.items() if f.startswith("STS")}
-    assert main.get("UTMASTG.4D", 0) > 0 and main["UTMASTG.4D"] % 4 == 0, main
-    assert not [f for f in main if f.startswith("STG")], main
 
 
 @pytest.mark.compile
