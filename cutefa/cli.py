@@ -268,7 +268,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from cutefa.tune import tune
 
     path = tune(args.arch, out_dir=args.out, seqlens=tuple(args.seqlens), dtypes=tuple(args.dtype),
-                head_dims=tuple(args.hdim) if args.hdim else None, direction=args.direction)  # fmt: skip
+                head_dims=tuple(args.hdim) if args.hdim else None, direction=args.direction,
+                rounds=args.rounds)  # fmt: skip
     print(f"wrote {path}")
     return 0
 
@@ -415,6 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--hdim", type=_int_list, help="head dims (default: every one with a variant)")
     p.add_argument("--out", type=Path, default=TUNED_DIR, help="table folder (default: cutefa/tuned)")
+    p.add_argument(
+        "--rounds", type=_positive_int, default=1,
+        help="samples per variant, taken in turns with the problem's other variants; the median is kept "
+        "(default 1)",
+    )  # fmt: skip
     return parser
 
 

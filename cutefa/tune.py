@@ -13,6 +13,7 @@ import datetime
 import functools
 import json
 import math
+import statistics
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,9 +90,10 @@ def _sdpa(q: Any, k: Any, v: Any, causal: bool, scale: float) -> Any:
 
 
 def measure(
-    specs: list[VariantSpec], seqlens: tuple[int, ...], target: str, *, progress: bool = True
+    specs: list[VariantSpec], seqlens: tuple[int, ...], target: str, *, progress: bool = True, rounds: int = 1
 ) -> list[Measurement]:
-    """Check and time every spec at every seqlen (the specs share dtype, head_dim and causal)."""
+    """Check and time every spec at every seqlen (the specs share dtype, head_dim and causal); each
+    time the median of ``rounds`` samples taken in turns with the other specs."""
     import torch
 
     from cutefa.compile import get_kernel
@@ -110,15 +112,16 @@ def measure(
         flops = 4 * batch * heads * seqlen * seqlen * spec0.head_dim / (2 if spec0.causal else 1)
         # e4m3: the inputs quantized per head, the kernel's descales after its output and lse
         inputs, descales = _fp8_inputs(q, k, v) if fp8 else ((q, k, v), ())
+        candidates = []
         for spec in specs:
             kernel = get_kernel(spec, target)
             o = torch.full_like(q, math.nan)
             lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
             run = functools.partial(kernel, *inputs, o, lse, *descales, scale)
             run()
-            err = ((o.float() - expect).norm() / expect.norm()).item()
-            tol = FP8_CHECK_TOL if fp8 else CHECK_TOL
-            out.append(_timed_if_correct(spec, seqlen, err, tol, run, flops, timer, progress))
+            candidates.append((spec, run, ((o.float() - expect).norm() / expect.norm()).item()))
+        tol = FP8_CHECK_TOL if fp8 else CHECK_TOL
+        out += _timed_if_correct(candidates, seqlen, tol, flops, timer, rounds, progress)
     return out
 
 
@@ -131,27 +134,45 @@ def _fp8_inputs(q: Any, k: Any, v: Any) -> tuple[tuple[Any, ...], tuple[Any, ...
     return tuple(x for x, _ in quantized), tuple(d.contiguous() for _, d in quantized)
 
 
+def _time_in_rounds(
+    runs: list[Callable[[], Any]], rounds: int, timer: Callable[[Callable[[], Any]], float]
+) -> list[float]:
+    """Median milliseconds of each of ``runs``, each timed ``rounds`` times in turns (every run once
+    per round, in order): a drift of clock or power during the measurement falls on all candidates
+    alike instead of on whichever was timed last, and one unlucky sample does not pick the winner."""
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        for i, run in enumerate(runs):
+            times[i].append(timer(run))
+    return [statistics.median(t) for t in times]
+
+
 def _timed_if_correct(
-    spec: VariantSpec, seqlen: int, err: float, tol: float, run: Callable[[], Any], flops: float,
-    timer: Callable[[Callable[[], Any]], float], progress: bool,
-) -> Measurement:  # fmt: skip
-    """The measurement of ``spec`` at ``seqlen``: timed only when its relative error is within
-    ``tol`` (NaN is not), else recorded with no speed; printed when ``progress``."""
-    tflops = None
-    if err <= tol:
-        tflops = flops / (timer(run) * 1e-3) / 1e12
-    if progress:
-        shown = f"{tflops:7.1f} TFLOP/s" if tflops is not None else f"WRONG (rel err {err:.2e})"
-        print(f"  seqlen {seqlen:6d}  {spec.name:52s} {shown}", flush=True)
-    return Measurement(spec.dtype, spec.head_dim, spec.causal, seqlen, spec.name, tflops, err)
+    candidates: list[tuple[VariantSpec, Callable[[], Any], float]], seqlen: int, tol: float, flops: float,
+    timer: Callable[[Callable[[], Any]], float], rounds: int, progress: bool,
+) -> list[Measurement]:  # fmt: skip
+    """The measurements of the (spec, run, relative error) ``candidates`` at ``seqlen``: each timed
+    (:func:`_time_in_rounds`) only when its error is within ``tol`` (NaN is not), else recorded with
+    no speed; printed when ``progress``."""
+    correct = [i for i, (_, _, err) in enumerate(candidates) if err <= tol]
+    ms = dict(zip(correct, _time_in_rounds([candidates[i][1] for i in correct], rounds, timer)))
+    out = []
+    for i, (spec, _, err) in enumerate(candidates):
+        tflops = flops / (ms[i] * 1e-3) / 1e12 if i in ms else None
+        if progress:
+            shown = f"{tflops:7.1f} TFLOP/s" if tflops is not None else f"WRONG (rel err {err:.2e})"
+            print(f"  seqlen {seqlen:6d}  {spec.name:52s} {shown}", flush=True)
+        out.append(Measurement(spec.dtype, spec.head_dim, spec.causal, seqlen, spec.name, tflops, err))
+    return out
 
 
 def measure_backward(
-    specs: list[VariantSpec], seqlens: tuple[int, ...], target: str, *, progress: bool = True
+    specs: list[VariantSpec], seqlens: tuple[int, ...], target: str, *, progress: bool = True, rounds: int = 1
 ) -> list[Measurement]:
     """Check and time every backward spec at every seqlen (the specs share dtype, head_dim and
     causal). Inputs, dO and the forward's out/lse are shared; each variant's dQ, dK and dV are checked
-    against float32 attention's before it is timed. TFLOP/s counts 2.5x the forward's FLOPs."""
+    against float32 attention's before it is timed (the median of ``rounds`` samples taken in turns).
+    TFLOP/s counts 2.5x the forward's FLOPs."""
     import torch
     import torch.nn.functional as F
 
@@ -175,13 +196,16 @@ def measure_backward(
         del ref_in, ref_out
         out, lse = ops.flash_attn_func(q, k, v, causal=spec0.causal, return_lse=True)
         flops = 2.5 * 4 * batch * heads * seqlen * seqlen * spec0.head_dim / (2 if spec0.causal else 1)
+        candidates = []
         for spec in specs:
             run = functools.partial(
                 backward.gradients, dout, q, k, v, out, lse, None, spec0.causal, scale, False, spec=spec
             )
             grads = run()
             err = max(((g.float() - e).norm() / e.norm()).item() for g, e in zip(grads, expect))
-            out_list.append(_timed_if_correct(spec, seqlen, err, BWD_CHECK_TOL, run, flops, timer, progress))
+            candidates.append((spec, run, err))
+            del grads
+        out_list += _timed_if_correct(candidates, seqlen, BWD_CHECK_TOL, flops, timer, rounds, progress)
     return out_list
 
 
@@ -238,9 +262,13 @@ def tune(
     head_dims: tuple[int, ...] | None = None,
     progress: bool = True,
     direction: str = "fwd",
+    rounds: int = 1,
 ) -> Path:
     """Measure ``arch``'s default variants of ``direction`` on this GPU; write
-    ``<out_dir>/<arch>_<gpu>.json`` (backward: ``<arch>_bwd_<gpu>.json``)."""
+    ``<out_dir>/<arch>_<gpu>.json`` (backward: ``<arch>_bwd_<gpu>.json``). Each time is the median
+    of ``rounds`` samples, taken in turns with the other variants of its problem."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: at least one sample per variant")
     import torch
 
     from cutefa import __version__
@@ -268,7 +296,7 @@ def tune(
                 f"{len(group)} variant(s)"
             )
         timed = measure_backward if direction == "bwd" else measure
-        measurements += timed(group, seqlens, target, progress=progress)
+        measurements += timed(group, seqlens, target, progress=progress, rounds=rounds)
     name = torch.cuda.get_device_name()
     table = {
         "arch": arch,
@@ -279,6 +307,7 @@ def tune(
             f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, cutefa {__version__} "
             f"({_git_commit()}), {datetime.date.today().isoformat()}; layout batch*seqlen={TOKENS}, "
             f"heads*head_dim={HIDDEN}, median of timed runs"
+            + (f", median of {rounds} samples per variant taken in turns" if rounds > 1 else "")
         ),
         "entries": table_entries(measurements),
         "measurements": [m.__dict__ for m in measurements],

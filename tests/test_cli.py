@@ -164,6 +164,10 @@ def test_tune_needs_a_gpu(capsys, monkeypatch):
         cli.main(["tune", "--arch", "sm80", "--seqlens", "0"])
     assert exc.value.code == 2
     assert "not a comma-separated list of positive integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["tune", "--arch", "sm80", "--rounds", "0"])
+    assert exc.value.code == 2
+    assert "'0' is not a positive integer" in capsys.readouterr().err
 
 
 def test_tune_refuses_a_family_without_kernels(capsys, monkeypatch):

@@ -111,6 +111,13 @@ def _check(cubin, spec, vector_red: bool) -> None:
     else:
         expected = (0, 2 * (per_thread // 2), 0)
     assert _reductions(cubin) == expected, spec.name
+    # P and dS leave fp32 by packed conversions, two values per F2FP: P is read back for dS from
+    # its 16-bit words (bwd_parts.pin_words), so no value is converted alone (F2F, on the pipe of
+    # the exponentials).
+    main = sass.kernel_text(sass._cuobjdump(cubin, "-sass"), "kernel")
+    assert not re.search(r"\bF2F\.B?F16\.F32\b", main), f"{spec.name}: a 16-bit value converted alone"
+    packed = len(re.findall(r"\bF2FP(\.BF16)?(\.F16)?(\.F32)?\.PACK_AB\b", main))  # sm_80: F2FP[.BF16].PACK_AB
+    assert packed >= spec.tile_m * spec.tile_n // spec.threads, f"{spec.name}: {packed} F2FP"
 
 
 @pytest.mark.parametrize("spec", DEFAULTS, ids=lambda s: s.name)

@@ -1,6 +1,9 @@
-"""The tuner's table building (CPU: no timing, just the winner and bucket logic)."""
+"""The tuner's table building and timing order (CPU: a fake timer, no GPU)."""
 
-from cutefa.tune import Measurement, gpu_token, table_entries
+import math
+
+from cutefa.spec import parse_name
+from cutefa.tune import Measurement, _time_in_rounds, _timed_if_correct, gpu_token, table_entries
 
 
 def _m(seqlen, variant, tflops, causal=False, head_dim=128):
@@ -33,3 +36,34 @@ def test_non_power_of_two_lengths_round_up():
 
 def test_gpu_token():
     assert gpu_token("NVIDIA H200") == "H200"
+
+
+def test_rounds_are_taken_in_turns_and_the_median_kept():
+    """Every run is timed once per round, in order, round after round; each result is the median of
+    its own samples, so one outlier sample does not move it."""
+    order, samples = [], {"a": iter([5.0, 1.0, 1.2]), "b": iter([2.0, 2.2, 9.0])}
+
+    def timer(run):
+        order.append(run())
+        return next(samples[order[-1]])
+
+    ms = _time_in_rounds([lambda: "a", lambda: "b"], 3, timer)
+    assert order == ["a", "b", "a", "b", "a", "b"]
+    assert ms == [1.2, 2.2]
+
+
+def test_only_correct_candidates_are_timed():
+    """A candidate whose error is over the tolerance, or NaN, is recorded with no speed and never
+    timed; the others get TFLOP/s from their median time."""
+    spec = parse_name("cutefa_sm80_bwd_bf16_hd128_64x128_s1_w8_dqtile")
+    timed = []
+
+    def timer(run):
+        timed.append(run())
+        return 2.0  # ms
+
+    cands = [(spec, lambda: "ok", 1e-3), (spec, lambda: "wrong", 0.5), (spec, lambda: "nan", math.nan)]
+    out = _timed_if_correct(cands, 4096, 2e-2, 1e9, timer, 2, progress=False)
+    assert timed == ["ok", "ok"]
+    assert [m.tflops for m in out] == [0.5, None, None]
+    assert [m.error for m in out][:2] == [1e-3, 0.5] and math.isnan(out[2].error)

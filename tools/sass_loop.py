@@ -25,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cutefa.sass import _cuobjdump, disassemble, dump_cubins, setmaxnreg_regions
 from cutefa.spec import parse_name
 
+# Opcodes of the tensor-core MMAs whose loop is the main loop (HMMA: the sm80 family).
+_MMA_OPS = ("HGMMA", "QGMMA", "UTCHMMA", "HMMA")
+
 # One SASS instruction line of ``cuobjdump -sass``: address, predicate, opcode, operands.
 _INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
@@ -33,6 +36,7 @@ _INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*
 # fmt: off
 CLASSES = (
     ("HGMMA", ("HGMMA", "WARPGROUP", "QGMMA")),
+    ("HMMA", ("HMMA",)),
     ("fp32 math", ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FCHK", "FMAX", "FMIN")),
     ("MUFU", ("MUFU",)),
     ("conversion", ("F2FP", "F2F", "I2F", "F2I")),
@@ -77,9 +81,9 @@ def functions(sass: str) -> dict[str, list[tuple[int, str, str, str]]]:
 
 def main_loop(insns):
     """The innermost loop [head, back branch] holding every HGMMA of ``insns``."""
-    mma = [a for a, _, op, _ in insns if op.startswith(("HGMMA", "QGMMA", "UTCHMMA"))]
+    mma = [a for a, _, op, _ in insns if op.startswith(_MMA_OPS)]
     if not mma:
-        raise RuntimeError("no HGMMA in this function")
+        raise RuntimeError("no MMA in this function")
     lo, hi = min(mma), max(mma)
     best = None
     for addr, _, op, rest in insns:
@@ -98,9 +102,7 @@ def main_loop(insns):
 
 def loop_stats(sass: str) -> dict:
     funcs = functions(sass)
-    name = max(
-        funcs, key=lambda f: sum(op.startswith(("HGMMA", "QGMMA", "UTCHMMA")) for _, _, op, _ in funcs[f])
-    )
+    name = max(funcs, key=lambda f: sum(op.startswith(_MMA_OPS) for _, _, op, _ in funcs[f]))
     body = main_loop(funcs[name])
     by_class: dict[str, int] = {}
     by_op: dict[str, int] = {}

@@ -400,9 +400,11 @@ class Kernel:
                     apply_mask(s_mn, cS_mn, m0, n0, seqlen_q, seqlen_k, CAUSAL)
                 bwd_parts.recompute_p(s_mn, lse2, scale_log2)
                 # P leaves the fp32 registers at once (16-bit, as the dV GEMM reads it) to keep the
-                # register peak of the dP GEMM low; dS is computed from the same 16-bit P.
+                # register peak of the dP GEMM low; dS is computed from the same 16-bit P, read back
+                # from its pinned words: one packed conversion per pair (F2FP), not one F2F per value.
                 rP = cute.make_fragment_like(acc_S, DTYPE)
                 rP.store(acc_S.load().to(DTYPE))
+                bwd_parts.pin_words(rP)
                 cute.copy(r2s_sdp, r2s_sdp_thr.retile(rP), tPsP)
 
                 acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)

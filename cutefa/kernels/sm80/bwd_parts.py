@@ -11,9 +11,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import vector
+from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.nvgpu import warp
-from cutlass.cutlass_dsl import BaseDSL
+from cutlass.cutlass_dsl import BaseDSL, T, dsl_user_op
 
 from cutefa.kernels.common.reduce import red_add_pairs
 from cutefa.kernels.common.softmax import LOG2_E
@@ -241,6 +241,37 @@ def recompute_p(s_mn: cute.Tensor, lse2: cute.Tensor, scale_log2: Float32):
     for r in cutlass.range_constexpr(cute.size(lse2)):
         row = s_mn[r, None].load()
         s_mn[r, None].store(cute.math.exp2(row * scale_log2 - lse2[r], fastmath=True))
+
+
+@dsl_user_op
+def _pinned_word(word: Int32, *, loc=None, ip=None) -> Int32:
+    """``word`` through a ``mov.b32`` with side effects: computed before this point, once."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(word).ir_value(loc=loc, ip=ip)],
+            "mov.b32 $0, $1;",
+            "=r,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@cute.jit
+def pin_words(t: cute.Tensor):
+    """Every 32-bit word of the 16-bit register tensor ``t`` pinned where this is called, so that
+    the conversion that filled ``t`` stays one packed conversion per word (F2FP) and every later
+    reader uses these words. Without it the compiler converts again where a value is read in another
+    branch (the sm90 backward's WGMMA register operand), or, where the 16-bit values are also read
+    one by one (the sm80 backward's P, read back for dS), converts each value alone (F2F, on the
+    same quarter-rate pipe as the exponentials) and packs the pairs with PRMT."""
+    words = cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Int32), cute.make_layout(cute.size(t) // 2))
+    for i in cutlass.range_constexpr(cute.size(t) // 2):
+        words[i] = _pinned_word(words[i])
 
 
 @cute.jit

@@ -24,13 +24,11 @@ import cutlass.cute as cute
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cutefa.kernels.common.reduce import bulk_reduce_add_f32, red_add_pairs, st_shared_f32x4
 from cutefa.kernels.common.softmax import LOG2_E
-from cutefa.kernels.sm80.bwd_parts import warp_allreduce_sum
+from cutefa.kernels.sm80.bwd_parts import pin_words, warp_allreduce_sum  # noqa: F401 (pin_words: the template's)
 from cutefa.kernels.sm90.descriptors import hoisted
 from cutefa.kernels.sm90.parts import WG_ROWS, WG_THREADS, tma_tiles
 
@@ -248,34 +246,6 @@ def compute_dst(
         d = sD[j] if cutlass.const_expr(by_column) else sD[c_mn[0, j][1]]
         for r in cutlass.range_constexpr(cute.size(dpt_mn, mode=[0])):
             dpt_mn[r, j] = pt_mn[r, j] * (dpt_mn[r, j] - d)
-
-
-@dsl_user_op
-def _pinned_word(word: Int32, *, loc=None, ip=None) -> Int32:
-    """``word`` through a ``mov.b32`` with side effects: computed before this point, once."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int32(word).ir_value(loc=loc, ip=ip)],
-            "mov.b32 $0, $1;",
-            "=r,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@cute.jit
-def pin_words(t: cute.Tensor):
-    """Every 32-bit word of the 16-bit register tensor ``t`` pinned where this is called: later
-    readers (a WGMMA register A operand in another branch) use these values instead of a second
-    conversion of the fp32 source, which the compiler otherwise repeats at the later use."""
-    words = cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Int32), cute.make_layout(cute.size(t) // 2))
-    for i in cutlass.range_constexpr(cute.size(t) // 2):
-        words[i] = _pinned_word(words[i])
 
 
 @cute.jit
