@@ -27,3 +27,23 @@ def test_report_states_the_rounds():
     assert "median of 3 rounds in turns across backends" in bench.report_markdown(
         meta | {"rounds": 3}, [], ["cutefa"], []
     )
+
+
+def test_plot_panels_keep_the_passes_apart():
+    """With --pass both, the forward and the backward cell of one shape go to two panels, each titled
+    with its pass (a backward panel was once titled 'fwd')."""
+    bench = load_tool("bench")
+    rows = [
+        bench.Row(bench.Cell("bf16", 128, causal, seqlen, pass_))
+        for pass_ in ("fwd", "bwd")
+        for causal in (False, True)
+        for seqlen in (1024, 4096)
+    ]
+    panels = bench.plot_panels(rows)
+    assert list(panels) == [
+        ("fwd", "bf16", 128, False), ("fwd", "bf16", 128, True),
+        ("bwd", "bf16", 128, False), ("bwd", "bf16", 128, True),
+    ]  # fmt: skip
+    assert all(len(p) == 2 and len({r.cell.pass_ for r in p}) == 1 for p in panels.values())
+    assert bench.panel_title(("bwd", "fp16", 64, True)) == "bwd fp16 hd64 causal"
+    assert bench.panel_title(("fwd", "bf16", 256, False)) == "fwd bf16 hd256 non-causal"

@@ -374,8 +374,23 @@ def report_json(meta: dict, rows: list[Row], notes: list[str]) -> dict:
     return {"meta": meta, "cells": cells, "notes": notes}
 
 
+def plot_panels(rows: list[Row]) -> dict[tuple[str, str, int, bool], list[Row]]:
+    """The plot's panels: rows grouped by (pass, dtype, hdim, causal), in order of appearance, so that
+    a forward and a backward cell of one shape never share a panel."""
+    panels: dict[tuple[str, str, int, bool], list[Row]] = {}
+    for row in rows:
+        panels.setdefault((row.cell.pass_, row.cell.dtype, row.cell.hdim, row.cell.causal), []).append(row)
+    return panels
+
+
+def panel_title(key: tuple[str, str, int, bool]) -> str:
+    pass_, dtype, hdim, causal = key
+    return f"{pass_} {dtype} hd{hdim} {'causal' if causal else 'non-causal'}"
+
+
 def plot(rows: list[Row], backends: list[str], matmul: float | None, path: Path) -> str | None:
-    """Grouped bars per (dtype, hdim, causal) panel. Returns why not, or None when written."""
+    """Grouped bars per (pass, dtype, hdim, causal) panel, titled with the pass (fwd or bwd). Returns
+    why not, or None when written."""
     try:
         import matplotlib
 
@@ -383,9 +398,7 @@ def plot(rows: list[Row], backends: list[str], matmul: float | None, path: Path)
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib not installed: no plot"
-    panels: dict[tuple, list[Row]] = {}
-    for row in rows:
-        panels.setdefault((row.cell.dtype, row.cell.hdim, row.cell.causal), []).append(row)
+    panels = plot_panels(rows)
     if not panels:
         return "no cells: no plot"
     keys = list(panels)
@@ -394,7 +407,6 @@ def plot(rows: list[Row], backends: list[str], matmul: float | None, path: Path)
     fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, 3.6 * nrows), squeeze=False)
     width = 0.8 / max(1, len(backends))
     for ax, key in zip(axes.flat, keys):
-        dtype, hdim, causal = key
         prow = sorted(panels[key], key=lambda r: r.cell.seqlen)
         xs = range(len(prow))
         for i, b in enumerate(backends):
@@ -411,7 +423,7 @@ def plot(rows: list[Row], backends: list[str], matmul: float | None, path: Path)
         ax.set_xticklabels([str(r.cell.seqlen) for r in prow])
         ax.set_xlabel("seqlen")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"fwd {dtype} hd{hdim} {'causal' if causal else 'non-causal'}")
+        ax.set_title(panel_title(key))
         ax.grid(axis="y", alpha=0.3)
     for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
