@@ -136,10 +136,11 @@ def test_building_blocks_are_the_kernels_imports():
     """A kernel's building blocks: the cutefa/kernels files its imports reach, through theirs."""
     bwd = _rel(cc._kernel_closure(_generated("cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk")))
     # direct (sm90 parts, bwd_parts and descriptors, sm80's row helpers, softmax), the package's
-    # __init__, and through them (bwd_parts -> common/reduce, softmax -> common/exp2)
+    # __init__, and through them (bwd_parts -> common/reduce, softmax -> common/exp2, and the inline
+    # PTX helpers of reduce, exp2 and descriptors -> common/ptx)
     assert bwd == {
         "sm90/__init__.py", "sm90/parts.py", "sm90/bwd_parts.py", "sm90/descriptors.py", "sm80/bwd_parts.py",
-        "common/softmax.py", "common/exp2.py", "common/reduce.py",
+        "common/softmax.py", "common/exp2.py", "common/reduce.py", "common/ptx.py",
     }  # fmt: skip
     fwd80 = _rel(cc._kernel_closure(_generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8")))
     assert "sm80/parts.py" in fwd80 and "common/mask.py" in fwd80

@@ -3,8 +3,9 @@ where the special-function unit, not the tensor cores, bounds the schedule (Flas
 trick; plain PTX, so every family can use it)."""
 
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from cutefa.kernels.common.ptx import pure_asm
 
 
 @dsl_user_op
@@ -15,7 +16,7 @@ def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
     (masked scores are -inf) the result is exactly 0, as MUFU.EX2 gives: a row that sees no key
     must sum to 0."""
     return Float32(
-        llvm.inline_asm(
+        pure_asm(
             T.f32(),
             [Float32(x).ir_value(loc=loc, ip=ip)],
             "{\n"
@@ -38,9 +39,6 @@ def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
             "mov.b32 $0, pb;\n"
             "}",
             "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
             ip=ip,
         )

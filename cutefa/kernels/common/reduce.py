@@ -4,8 +4,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, vector
+from cutlass._mlir.dialects import vector
 from cutlass.cutlass_dsl import dsl_user_op
+
+from cutefa.kernels.common.ptx import effect_asm
 
 
 @cute.jit
@@ -62,14 +64,11 @@ def _red_add_guarded(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, r
 def st_shared_f32x4(addr: Int32, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
     """``st.shared.v4.f32 [addr], {a, b, c, d}``: one 16-byte store at the 32-bit shared-memory
     address ``addr`` (16-byte aligned)."""
-    llvm.inline_asm(
+    effect_asm(
         None,
         [Int32(addr).ir_value(loc=loc, ip=ip), *(Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d))],
         "st.shared.v4.f32 [$0], {$1, $2, $3, $4};",
         "r,f,f,f,f,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
         ip=ip,
     )
@@ -85,14 +84,11 @@ def bulk_reduce_add_f32(gaddr: Int64, saddr: Int32, nbytes: int, *, loc=None, ip
     written again."""
     if nbytes % 16:
         raise ValueError(f"nbytes={nbytes}: a bulk copy moves a multiple of 16 bytes")
-    llvm.inline_asm(
+    effect_asm(
         None,
         [Int64(gaddr).ir_value(loc=loc, ip=ip), Int32(saddr).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
         "l,r,r,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
         ip=ip,
     )

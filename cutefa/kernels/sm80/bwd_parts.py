@@ -11,10 +11,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, vector
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import warp
 from cutlass.cutlass_dsl import BaseDSL, T, dsl_user_op
 
+from cutefa.kernels.common.ptx import effect_asm
 from cutefa.kernels.common.reduce import red_add_pairs
 from cutefa.kernels.common.softmax import LOG2_E
 
@@ -246,19 +247,7 @@ def recompute_p(s_mn: cute.Tensor, lse2: cute.Tensor, scale_log2: Float32):
 @dsl_user_op
 def _pinned_word(word: Int32, *, loc=None, ip=None) -> Int32:
     """``word`` through a ``mov.b32`` with side effects: computed before this point, once."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int32(word).ir_value(loc=loc, ip=ip)],
-            "mov.b32 $0, $1;",
-            "=r,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return Int32(effect_asm(T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r", loc=loc, ip=ip))
 
 
 @cute.jit

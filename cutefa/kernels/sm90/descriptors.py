@@ -22,8 +22,10 @@ tiles where holding the descriptors across the loop makes ptxas give up its unif
 import cutlass
 import cutlass._mlir.dialects.cute_nvgpu as _nvgpu_ir
 import cutlass.cute as cute
-from cutlass._mlir.dialects import builtin, llvm
+from cutlass._mlir.dialects import builtin
 from cutlass.cutlass_dsl import dsl_user_op
+
+from cutefa.kernels.common.ptx import effect_asm
 
 
 @dsl_user_op
@@ -31,17 +33,7 @@ def _materialized(desc, *, loc=None, ip=None):
     """``desc`` (an MLIR smem-descriptor value) through a ``mov.b64`` with side effects: computed
     here, where this is called."""
     as_int = builtin.unrealized_conversion_cast([cutlass.Int64.mlir_type], [desc], loc=loc, ip=ip)
-    moved = llvm.inline_asm(
-        cutlass.Int64.mlir_type,
-        [as_int],
-        "mov.b64 $0, $1;",
-        "=l,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    moved = effect_asm(cutlass.Int64.mlir_type, [as_int], "mov.b64 $0, $1;", "=l,l", loc=loc, ip=ip)
     return builtin.unrealized_conversion_cast([_nvgpu_ir.SmemDescType.get()], [moved], loc=loc, ip=ip)
 
 
