@@ -277,8 +277,9 @@ class Kernel:
         Storage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        grid_x, _, _ = cute.arch.grid_dim()
+        # The longest key blocks of a wave of (batch, head) pairs launch first (bwd_parts.heavy_first;
+        # head_dim 192 only: elsewhere the remapped coordinates' registers spill, 8-56 bytes).
+        bx, head, batch, grid_x = bwd_parts.causal_launch_coords(deterministic)
         seqlen_q = mQ.shape[1]
         seqlen_k = mK.shape[1]
         head_kv = head // (mQ.shape[2] // mK.shape[2])

@@ -28,7 +28,12 @@ from cutlass.cute.nvgpu import warpgroup
 
 from cutefa.kernels.common.reduce import bulk_reduce_add_f32, red_add_pairs, st_shared_f32x4
 from cutefa.kernels.common.softmax import LOG2_E
-from cutefa.kernels.sm80.bwd_parts import pin_words, warp_allreduce_sum  # noqa: F401 (pin_words: the template's)
+from cutefa.kernels.sm80.bwd_parts import (  # noqa: F401 (causal_launch_coords, heavy_first, pin_words: the templates')
+    causal_launch_coords,
+    heavy_first,
+    pin_words,
+    warp_allreduce_sum,
+)
 from cutefa.kernels.sm90.descriptors import hoisted
 from cutefa.kernels.sm90.parts import WG_ROWS, WG_THREADS, tma_tiles
 
@@ -946,47 +951,3 @@ def split_dkv_tiled_mma(dtype, half: int):
     )  # fmt: skip
 
 
-# CTAs per wave on an H100/H200 SXM (one per SM): the causal launch order's chunk (a hint only: the
-# order is a bijection for any value).
-WAVE_CTAS = 132
-
-
-@cute.jit
-def heavy_first(
-    bx: Int32,
-    head: Int32,
-    batch: Int32,
-    n_blocks: Int32,
-    heads: Int32,
-    batches: Int32,
-    wave: cutlass.Constexpr,
-):
-    """Causal launch order (one key block per CTA): (n_block, head, batch) of the CTA with grid
-    coordinates (bx, head, batch), grid (n_blocks, heads, batches), so that the CTAs, in launch
-    order, go through chunks of g = max(wave // n_blocks, 1) (batch, head) pairs (about one wave of
-    ``wave`` CTAs) and within a chunk by key block, all pairs' block 0 first: with the bottom-right
-    diagonal key block n sees the fewest query blocks for the largest n, so each chunk starts its
-    longest CTAs first and the grid ends on short ones (the grid's own order, key blocks fastest,
-    leaves a long CTA of each pair for the last wave). A bijection of [0, n_blocks * heads * batches)."""
-    pairs = heads * batches
-    g = cutlass.max(Int32(wave) // n_blocks, Int32(1))
-    linear = bx + n_blocks * (head + heads * batch)
-    chunk = linear // (g * n_blocks)
-    within = linear - chunk * g * n_blocks
-    size = cutlass.min(g, pairs - chunk * g)
-    n_block = within // size
-    pair = chunk * g + within - n_block * size
-    return n_block, pair % heads, pair // heads
-
-
-@cute.jit
-def causal_launch_coords(deterministic: Int32):
-    """(key block, head, batch, grid_x) of this CTA in a causal backward's grid (key blocks, heads,
-    batches). deterministic=0 (one key block per CTA): :func:`heavy_first`'s order, the longest CTAs
-    (first key blocks) of a wave of (batch, head) pairs launch first and the grid ends on short ones;
-    deterministic=1: the grid's own coordinates (CTA x walks the key blocks x, x + grid_x, ...)."""
-    bx, head, batch = cute.arch.block_idx()
-    grid_x, n_heads, n_batch = cute.arch.grid_dim()
-    if deterministic == 0:
-        bx, head, batch = heavy_first(bx, head, batch, grid_x, n_heads, n_batch, WAVE_CTAS)
-    return bx, head, batch, grid_x
