@@ -296,7 +296,7 @@ def test_swap_dkv_store_fragment_order(tmp_path):
 _HEAVY_FIRST_CHECK = """
 import cutlass, cutlass.cute as cute
 from cutlass import Int32
-from cutefa.kernels.sm90 import bwd_parts
+from cutefa.kernels.sm80 import bwd_parts
 
 cases = []
 

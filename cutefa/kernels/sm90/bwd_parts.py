@@ -28,9 +28,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from cutefa.kernels.common.reduce import bulk_reduce_add_f32, red_add_pairs, st_shared_f32x4
 from cutefa.kernels.common.softmax import LOG2_E
-from cutefa.kernels.sm80.bwd_parts import (  # noqa: F401 (causal_launch_coords, heavy_first, pin_words: the templates')
+from cutefa.kernels.sm80.bwd_parts import (  # noqa: F401 (causal_launch_coords, pin_words: the templates')
     causal_launch_coords,
-    heavy_first,
     pin_words,
     warp_allreduce_sum,
 )
@@ -949,5 +948,3 @@ def split_dkv_tiled_mma(dtype, half: int):
         dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
         Float32, (1, 1, 1), (WG_ROWS, half),
     )  # fmt: skip
-
-
