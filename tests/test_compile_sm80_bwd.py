@@ -56,9 +56,8 @@ def cubins_sm80(tmp_path_factory):
     return sass.dump_cubins(A100_SUBSET, "sm_80", tmp_path_factory.mktemp("bwd_sm_80"))
 
 
-def _reductions(cubin) -> tuple[int, int, int]:
-    """(element-wise, 8-byte vector, 16-byte vector) fp32 reductions in the SASS."""
-    text = sass._cuobjdump(cubin, "-sass")
+def _reductions(text: str) -> tuple[int, int, int]:
+    """(element-wise, 8-byte vector, 16-byte vector) fp32 reductions in the SASS ``text``."""
     pairs = len(re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text))
     quads = len(re.findall(r"\bREDG?\.E\.ADD\.F32x4\b", text))
     return len(re.findall(r"\bREDG?\.E\.ADD\.F32\b(?!x)", text)), pairs, quads
@@ -89,6 +88,7 @@ def _ldmatrix_per_warp(spec) -> int:
 
 def _check(cubin, spec, vector_red: bool) -> None:
     report = sass.analyze(cubin)
+    text = sass.disassemble(cubin)
     assert report.missing("sm80") == [], f"{spec.name}: {report.summary()}"
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
     assert 0 < report.registers <= 255, f"{spec.name}: {report.summary()}"
@@ -110,11 +110,11 @@ def _check(cubin, spec, vector_red: bool) -> None:
         expected = (0, 0, 2 * (per_thread // 4))
     else:
         expected = (0, 2 * (per_thread // 2), 0)
-    assert _reductions(cubin) == expected, spec.name
+    assert _reductions(text) == expected, spec.name
     # P and dS leave fp32 by packed conversions, two values per F2FP: P is read back for dS from
     # its 16-bit words (bwd_parts.pin_words), so no value is converted alone (F2F, on the pipe of
     # the exponentials).
-    main = sass.kernel_text(sass._cuobjdump(cubin, "-sass"), "kernel")
+    main = sass.kernel_text(text, "kernel")
     assert not re.search(r"\bF2F\.B?F16\.F32\b", main), f"{spec.name}: a 16-bit value converted alone"
     packed = len(re.findall(r"\bF2FP(\.BF16)?(\.F16)?(\.F32)?\.PACK_AB\b", main))  # sm_80: F2FP[.BF16].PACK_AB
     assert packed >= spec.tile_m * spec.tile_n // spec.threads, f"{spec.name}: {packed} F2FP"
