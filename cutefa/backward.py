@@ -20,7 +20,14 @@ import torch
 
 from cutefa import dispatch
 from cutefa.compile import get_kernel
-from cutefa.space import DEFAULT_BWD_TILES, bwd_dq_accum_shape, default_extras, why_invalid
+from cutefa.space import (
+    bwd_dq_accum_shape,
+    default_bwd_tile,
+    default_extras,
+    fitting_variant,
+    why_invalid,
+    why_not_on,
+)
 from cutefa.spec import TORCH_DTYPE_NAMES, VariantSpec, families_for_target
 
 _ALIGN_BYTES = 16
@@ -31,7 +38,10 @@ def choose_bwd(
 ) -> VariantSpec:  # fmt: skip
     """The backward variant for a problem on compile target ``target``: per family, newest first,
     the entry of a tuned backward table measured for it (``cutefa tune --direction bwd``; needs
-    ``seqlen_k``), else the family's default backward tile."""
+    ``seqlen_k``), else the family's default backward tile for the target (``space.default_bwd_tile``:
+    the larger-shared-memory tile where the target's GPUs hold it, the largest committed tile that
+    they hold where the default is too large, ``space.fitting_variant``); a variant whose shared
+    memory the target's GPUs do not hold is passed over."""
     token = TORCH_DTYPE_NAMES[str(dtype).removeprefix("torch.")]
     reasons = []
     for family in families_for_target(target):
@@ -42,16 +52,17 @@ def choose_bwd(
             )  # fmt: skip
             if tuned is not None:
                 spec, how = tuned
-                why = how if spec is None else why_invalid(spec)
+                why = how if spec is None else why_invalid(spec) or why_not_on(spec, target)
                 if why is None:
                     return spec
                 reasons.append(f"{family} tuned backward entry: {why}")
-        tile = DEFAULT_BWD_TILES.get(family, {}).get(head_dim)
+        tile = default_bwd_tile(family, head_dim, target)
         if tile is None:
             reasons.append(f"{family}: no default backward tile for head_dim={head_dim}")
             continue
         spec = VariantSpec(family, "bwd", token, head_dim, *tile, causal=causal, **default_extras(family, "bwd", head_dim))
-        reason = why_invalid(spec)
+        spec = fitting_variant(spec, target) or spec  # where the default needs more shared memory
+        reason = why_invalid(spec) or why_not_on(spec, target)
         if reason is None:
             return spec
         reasons.append(f"{spec.name}: {reason}")

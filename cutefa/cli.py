@@ -143,7 +143,14 @@ def _compile_plan(arch: str | None, target: str | None) -> tuple[list[VariantSpe
     specs = [spec for family in families for spec in space.default_variants(family)]
     if not specs:
         raise UsageError(f"the default set has no {'/'.join(families)} variants yet: nothing to compile")
-    return specs, target
+    too_big = [spec for spec in specs if space.why_not_on(spec, target) is not None]
+    if too_big:
+        print(
+            f"leaving out {len(too_big)} variant(s) whose shared memory is over the "
+            f"{space.TARGET_SMEM_LIMITS[target] // 1024} KiB per-block limit of {target} GPUs",
+            file=sys.stderr,
+        )
+    return [spec for spec in specs if spec not in too_big], target
 
 
 def _compile_selection(specs: Sequence[VariantSpec], pattern: str | None, target: str) -> list[VariantSpec]:
@@ -159,6 +166,9 @@ def _compile_selection(specs: Sequence[VariantSpec], pattern: str | None, target
         raise UsageError(f"--kernels {spec.name}: {reason}")
     if not spec.runs_on(target):
         raise UsageError(f"--kernels {spec.name}: family {spec.arch} does not run on --target {target}")
+    too_big = space.why_not_on(spec, target)
+    if too_big is not None:
+        raise UsageError(f"--kernels {spec.name} cannot run on --target {target}: {too_big}")
     return [spec]
 
 
@@ -208,6 +218,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         ("smem_bytes", f"{space.smem_bytes(spec)} ({space.smem_bytes(spec) / 1024:.1f} KiB)"),
         ("est_registers", _regs_text(spec)),
         ("valid", "yes" if reason is None else f"no: {reason}"),
+        ("runs on", ", ".join(t for t in TARGETS if space.why_not_on(spec, t) is None) if reason is None else "-"),
         ("in default set", "yes" if spec in space.default_variants(spec.arch) else "no"),
         ("file", f"{path} ({'exists' if path.is_file() else 'not generated'})"),
     ]

@@ -49,7 +49,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from cutefa import profile
+from cutefa import profile, space
 from cutefa.spec import VariantSpec, parse_name, target_cc
 
 log = logging.getLogger("cutefa")
@@ -619,6 +619,9 @@ def _prepare(spec: VariantSpec, target: str) -> Callable[..., Any]:
     target_cc(target)  # raises ValueError naming the known targets
     if not spec.runs_on(target):
         raise ValueError(f"{spec.name}: kernel family {spec.arch} does not run on target {target!r}")
+    too_big = space.why_not_on(spec, target)
+    if too_big is not None:
+        raise ValueError(f"{spec.name} cannot run on target {target!r}: {too_big}")
     try:
         with profile.phase("kernel source fingerprint"):
             entry: _Entry | None = _entry(spec, target)

@@ -3,7 +3,9 @@
 For a compile target, every kernel family that runs there is tried, newest first. Within a family
 a tuned table measured on a real GPU (``cutefa/tuned/<arch>_<gpu>.json``, schema in
 ``cutefa/tuned/README.md``) is consulted first, then the heuristic default tiles
-(:data:`cutefa.space.DEFAULT_TILES`, or a dtype's own, :data:`cutefa.space.DEFAULT_DTYPE_TILES`). Each candidate must pass :func:`cutefa.space.why_invalid`;
+(:data:`cutefa.space.DEFAULT_TILES`, or a dtype's own, :data:`cutefa.space.DEFAULT_DTYPE_TILES`). Each candidate must pass :func:`cutefa.space.why_invalid`
+and fit the target's GPUs (:func:`cutefa.space.why_not_on`: its family runs there, its shared memory
+fits their per-block limit);
 rejected candidates keep their reason so :func:`explain_problem` can say why they lost.
 """
 
@@ -19,7 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cutefa.space import DEFAULT_TILES, default_extras, default_tile, why_invalid, why_no_kernel
+from cutefa.space import (
+    DEFAULT_TILES,
+    default_extras,
+    default_tile,
+    fitting_variant,
+    why_invalid,
+    why_no_kernel,
+    why_not_on,
+)
 from cutefa.spec import (
     ARCHS,
     DIRECTIONS,
@@ -292,6 +302,14 @@ def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpe
         f"heuristic: {table}{where}[{problem.head_dim}] = {spec.tile_m}x{spec.tile_n} tile, "
         f"{spec.stages} stage(s), {spec.warps} warps"
     )
+    fitting = fitting_variant(spec, problem.target)
+    if fitting is not None and fitting != spec:
+        rule += (
+            f", over the shared memory of {problem.target} GPUs ({why_not_on(spec, problem.target)}); the "
+            f"largest committed tile that fits: {fitting.tile_m}x{fitting.tile_n}, {fitting.stages} stage(s), "
+            f"{fitting.warps} warps"
+        )
+        spec = fitting
     return spec.name, spec, rule
 
 
@@ -315,7 +333,7 @@ def _search(problem: Problem) -> tuple[Choice | None, list[tuple[str, str]]]:
     rejected = [(f, f"family {f} does not run on {problem.target}") for f in reversed(ARCHS) if f not in runs]
     for family in runs:
         for label, spec, reason in _candidates(family, problem):
-            why_not = reason if spec is None else why_invalid(spec)
+            why_not = reason if spec is None else why_invalid(spec) or why_not_on(spec, problem.target)
             if why_not is None:
                 return Choice(spec, problem.target, reason, list(rejected)), rejected
             rejected.append((label, why_not))

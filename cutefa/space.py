@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from cutefa.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, VariantSpec
+from cutefa.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, TARGETS, VariantSpec
 
 # Kernel templates that exist, (arch, direction) -> dtypes they handle. Mirrors templates/.
 IMPLEMENTED: dict[tuple[str, str], tuple[str, ...]] = {
@@ -25,12 +25,27 @@ FP8_FAMILIES = ("sm90", "sm100")
 # Dtypes whose committed variants are the default tile and schedule only (no alternatives).
 DEFAULT_ONLY_DTYPES = ("e4m3",)
 
-SM80_SMEM_LIMIT = 163 * 1024  # A100 per-block opt-in limit; the sm80 family must fit the A100
+SM80_SMEM_LIMIT = 163 * 1024  # A100 per-block opt-in limit: the sm80 family's defaults fit the A100
 SMEM_RESERVE = 1024  # alignment slack of the shared-storage struct (1 KiB swizzle atoms)
 MAX_REGISTERS = 255  # per thread, on every family
 SM80_REG_OVERHEAD = 64  # row max/sum, Q/K/V operand fragments in flight, addresses, counters
 SM80_BWD_REG_OVERHEAD = 48  # backward: LSE/D rows, operand fragments in flight, addresses
 SM90_SMEM_LIMIT = 227 * 1024  # H100/H200 per-block opt-in limit
+# Per-block opt-in shared memory (cudaDevAttrMaxSharedMemoryPerBlockOptin) of the GPUs of each
+# compile target: a variant runs on a target only if its shared memory fits (:func:`why_not_on`).
+# The sm80 family runs on all of them, so its rule admits the largest (H100/H200/B200); tiles above
+# the A100's 163 KiB run on sm_90a and newer only, as FlashAttention-2 picks its hd256 backward
+# tile by the device's limit.
+TARGET_SMEM_LIMITS = {
+    "sm_80": SM80_SMEM_LIMIT,  # A100
+    "sm_86": 99 * 1024,  # RTX 30xx / A40 / A10
+    "sm_89": 99 * 1024,  # RTX 40xx / L40 / L4
+    "sm_90a": SM90_SMEM_LIMIT,  # H100 / H200
+    "sm_100a": 227 * 1024,  # B200
+    "sm_103a": 227 * 1024,  # B300
+}
+assert set(TARGET_SMEM_LIMITS) == set(TARGETS)
+SM80_FAMILY_SMEM_LIMIT = max(TARGET_SMEM_LIMITS.values())
 SM90_CONSUMER_REGS = 240  # setmaxnreg budget of a consumer warpgroup (producer keeps 24)
 SM90_CONSUMER_REGS_3WG = 160  # with three consumer warpgroups: 24 x 128 + 160 x 384 <= 64K registers
 SM90_REG_OVERHEAD = 48  # row max/sum, descriptors, pipeline state, addresses
@@ -281,10 +296,37 @@ DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {
     },
 }
 
+# Backward tiles that replace the default where the target's per-block shared memory holds them
+# (:data:`TARGET_SMEM_LIMITS`; :func:`default_bwd_tile`), FlashAttention-2's own rule. sm80 hd256:
+# Q double-buffered (182 KiB, sm_90a and newer; the A100 keeps the single buffer): the next query
+# block's Q lands during a whole step and the dQ reductions drain under the dK GEMM
+# (docs/perf-notes.md, "sm80 backward: hd256 double-buffered where the shared memory holds it").
+LARGE_SMEM_BWD_TILES: dict[str, dict[int, Tile]] = {"sm80": {256: Tile(64, 64, 2, 8)}}
+
+
+def default_bwd_tile(arch: str, head_dim: int, target: str | None = None) -> Tile | None:
+    """The default backward tile of ``arch`` at ``head_dim``: the :data:`LARGE_SMEM_BWD_TILES` one where
+    ``target``'s GPUs hold its shared memory, else :data:`DEFAULT_BWD_TILES`' (None without one)."""
+    large = LARGE_SMEM_BWD_TILES.get(arch, {}).get(head_dim)
+    if large is not None and target is not None:
+        spec = VariantSpec(arch, "bwd", "bf16", head_dim, *large, **default_extras(arch, "bwd", head_dim))
+        if why_not_on(spec, target) is None:
+            return large
+    return DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
+
+
+# Backward tiles committed for GPUs whose per-block shared memory holds none of the defaults (the
+# sm_86/sm_89 targets, 99 KiB), found by :func:`fitting_variant`. sm80 hd96 and hd128: 64 keys per
+# CTA (70 / 86 KiB; hd64 has its 64x128 alternative, 86 KiB). hd192 and hd256 have no sm80 tile
+# within 99 KiB (64x64 needs 118 / 150 KiB; FlashAttention-2 keeps V in registers there, which the
+# sm80 template does not), so their backward raises NotImplementedError on those GPUs. Tested on
+# the H200 like every committed variant; not timed on an sm_86/sm_89 GPU.
+SMALL_SMEM_BWD_TILES: dict[str, dict[int, Tile]] = {"sm80": {96: Tile(64, 64, 1, 8), 128: Tile(64, 64, 1, 8)}}
+
 # Backward tiles committed next to the default one so benchmarks can compare (dispatch runs the
 # default). sm80: a double-buffered Q tile (stages=2, FlashAttention-2's design): the next query
-# block's Q loads during a whole step, dO during the dQ and dK GEMMs; hd256 64x64 would need 182
-# KiB. hd64's default has 128 query rows per step (FA2's "slightly faster" hd64 tile: 0.45
+# block's Q loads during a whole step, dO during the dQ and dK GEMMs (hd256's is
+# LARGE_SMEM_BWD_TILES'). hd64's default has 128 query rows per step (FA2's "slightly faster" hd64 tile: 0.45
 # ldmatrix per mma.sync instead of 0.55 and half the barriers per FLOP; 255 registers, no spill on
 # sm_80 and sm_90a); 64 rows, single- and double-buffered, and 128 rows single-buffered stay beside it.
 BWD_TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
@@ -824,7 +866,37 @@ def _smem_limit(limit: int, where: str) -> Callable[[VariantSpec], str | None]:
     return rule
 
 
-_sm80_smem = _smem_limit(SM80_SMEM_LIMIT, "the A100 (sm80 family)")
+def why_not_on(spec: VariantSpec, target: str) -> str | None:
+    """Why a valid ``spec`` cannot run on compile target ``target`` (its family does not run there,
+    or its shared memory is over the per-block opt-in limit of the target's GPUs,
+    :data:`TARGET_SMEM_LIMITS`), or None when it can."""
+    if not spec.runs_on(target):
+        return f"family {spec.arch} does not run on {target}"
+    needed, limit = smem_bytes(spec), TARGET_SMEM_LIMITS[target]
+    if needed > limit:
+        return (
+            f"needs {needed / 1024:.1f} KiB of shared memory, over the {limit // 1024} KiB "
+            f"per-block opt-in limit of {target} GPUs"
+        )
+    return None
+
+
+def fitting_variant(spec: VariantSpec, target: str) -> VariantSpec | None:
+    """``spec`` where it runs on ``target`` (:func:`why_not_on`); else the committed variant like it
+    (same family, direction, dtype, head dim, mask and flags, another tile) with the most shared
+    memory among those that run there: the largest tile the target's GPUs hold (FlashAttention-2's
+    rule on GPUs with less shared memory). None when no committed variant like it runs there."""
+    if why_not_on(spec, target) is None:
+        return spec
+    tile = {"tile_m": spec.tile_m, "tile_n": spec.tile_n, "stages": spec.stages, "warps": spec.warps}
+    alike = [
+        s for s in default_variants(spec.arch, spec.direction)
+        if s.replace(**tile) == spec and why_not_on(s, target) is None
+    ]  # fmt: skip
+    return max(alike, key=smem_bytes, default=None)
+
+
+_sm80_smem = _smem_limit(SM80_FAMILY_SMEM_LIMIT, "the largest GPU that runs the sm80 family (H100/H200/B200)")
 _sm90_smem = _smem_limit(SM90_SMEM_LIMIT, "the H100/H200")
 
 
@@ -1812,6 +1884,11 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     ]
     for hd, alts in BWD_TUNING_ALTERNATIVES.get(arch, {}).items():
         entries += [("bwd", hd, tile, default_extras(arch, "bwd", hd), False) for tile in alts]
+    entries += [
+        ("bwd", hd, tile, default_extras(arch, "bwd", hd), False)
+        for tiles in (LARGE_SMEM_BWD_TILES, SMALL_SMEM_BWD_TILES)
+        for hd, tile in tiles.get(arch, {}).items()
+    ]
     bwd_alternatives = [
         ("bwd", hd, tile, extras, False) for hd, alts in BWD_ALTERNATIVES.get(arch, {}).items() for tile, extras in alts
     ]

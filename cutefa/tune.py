@@ -280,7 +280,7 @@ def tune(
     # block-quantization variants are not dispatched from the table (ops derives them from the pick)
     specs = [s for s in space.default_variants(arch, direction) if s.dtype in dtypes and not s.block_quant]
     specs = [s for s in specs if head_dims is None or s.head_dim in head_dims]
-    specs = [s for s in specs if s.runs_on(target)]
+    specs = [s for s in specs if space.why_not_on(s, target) is None]
     if not specs:
         raise ValueError(
             f"no default {arch} {direction} variant runs on {target} for dtypes {dtypes} and head dims {head_dims}"

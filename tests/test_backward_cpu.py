@@ -18,8 +18,8 @@ from cpu_support import reference
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
-from cutefa import backward, ops
-from cutefa.space import DEFAULT_BWD_TILES
+from cutefa import backward, ops, space
+from cutefa.space import DEFAULT_BWD_TILES, default_bwd_tile
 from cutefa.spec import HEAD_DIMS
 
 LOG2_E = math.log2(math.e)
@@ -184,9 +184,40 @@ def test_choose_bwd_uses_the_default_tiles():
         spec = backward.choose_bwd("sm_90a", torch.bfloat16, head_dim, True)
         family = "sm90" if head_dim in DEFAULT_BWD_TILES["sm90"] else "sm80"
         assert (spec.arch, spec.direction, spec.dtype, spec.causal) == (family, "bwd", "bf16", True), head_dim
-        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == DEFAULT_BWD_TILES[family][head_dim]
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == default_bwd_tile(family, head_dim, "sm_90a")
         spec = backward.choose_bwd("sm_80", torch.bfloat16, head_dim, True)
-        assert (spec.arch, spec.tile_m, spec.tile_n) == ("sm80", *DEFAULT_BWD_TILES["sm80"][head_dim][:2])
+        assert (spec.arch, spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (
+            "sm80", *DEFAULT_BWD_TILES["sm80"][head_dim]
+        )
+
+
+def test_choose_bwd_by_shared_memory():
+    """sm80 hd256: the double-buffered tile (182 KiB) where the target's GPUs hold it (sm_90a and
+    newer), the single-buffered one on the A100 (163 KiB). On sm_86/sm_89 (99 KiB) the defaults do
+    not fit: hd64-128 take the largest committed tile that does, hd192/256 have none, and the
+    error says so."""
+    assert space.LARGE_SMEM_BWD_TILES["sm80"][256] == (64, 64, 2, 8)
+    for target, stages in (("sm_80", 1), ("sm_90a", 2), ("sm_100a", 2), ("sm_103a", 2)):
+        assert default_bwd_tile("sm80", 256, target) == (64, 64, stages, 8), target
+    for target, stages in (("sm_80", 1), ("sm_100a", 2), ("sm_103a", 2)):  # sm_90a runs the sm90 family
+        spec = backward.choose_bwd(target, torch.bfloat16, 256, False)
+        assert (spec.arch, spec.tile_m, spec.tile_n, spec.stages) == ("sm80", 64, 64, stages), target
+        assert space.why_not_on(spec, target) is None
+    big = backward.choose_bwd("sm_100a", torch.bfloat16, 256, False)
+    assert space.why_not_on(big, "sm_80") == (
+        "needs 182.0 KiB of shared memory, over the 163 KiB per-block opt-in limit of sm_80 GPUs"
+    )
+    for target in ("sm_86", "sm_89"):
+        for head_dim, tile in ((64, (64, 128, 2, 8)), (96, (64, 64, 1, 8)), (128, (64, 64, 1, 8))):
+            spec = backward.choose_bwd(target, torch.bfloat16, head_dim, True)
+            assert (spec.arch, spec.tile_m, spec.tile_n, spec.stages, spec.warps) == ("sm80", *tile), head_dim
+            assert spec.dq_tile and spec.causal and space.why_not_on(spec, target) is None
+        for head_dim, kib in ((192, 118), (256, 150)):
+            with pytest.raises(
+                NotImplementedError, match=f"needs {kib}.0 KiB of shared memory, over the 99 KiB per-block opt-in "
+                f"limit of {target} GPUs",
+            ):  # fmt: skip
+                backward.choose_bwd(target, torch.bfloat16, head_dim, True)
 
 
 def test_choose_bwd_on_blackwell():
@@ -195,7 +226,7 @@ def test_choose_bwd_on_blackwell():
         spec = backward.choose_bwd("sm_100a", torch.float16, head_dim, False)
         family = "sm100" if head_dim in DEFAULT_BWD_TILES["sm100"] else "sm80"
         assert (spec.arch, spec.direction, spec.dtype) == (family, "bwd", "fp16"), head_dim
-        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == DEFAULT_BWD_TILES[family][head_dim]
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == default_bwd_tile(family, head_dim, "sm_100a")
 
 
 def test_deterministic_must_be_bool():

@@ -260,6 +260,22 @@ def test_compile_plan_and_summary(capsys, monkeypatch):
     assert calls[-1][1] == "sm_80" and all(s.head_dim == 64 for s in calls[-1][0])
 
 
+def test_compile_leaves_out_what_the_target_cannot_hold(capsys, monkeypatch):
+    calls = []
+    _fake_compile(monkeypatch, calls)
+    big = [s for s in space.default_variants("sm80") if space.why_not_on(s, "sm_80") is not None]
+    assert {(s.head_dim, s.tile_m, s.tile_n, s.stages) for s in big} == {(256, 64, 64, 2)}
+    cli.main(["compile", "--arch", "sm80"])
+    assert calls[-1][1] == "sm_80"
+    assert not set(big) & set(calls[-1][0])
+    assert len(calls[-1][0]) == len(space.default_variants("sm80")) - len(big)
+    assert f"leaving out {len(big)} variant(s) whose shared memory is over the 163 KiB" in capsys.readouterr().err
+    cli.main(["compile", "--target", "sm_90a", "--arch", "sm80"])
+    assert set(big) <= set(calls[-1][0])
+    assert cli.main(["compile", "--target", "sm_80", "--kernels", big[0].name]) == 2
+    assert "cannot run on --target sm_80: needs 182.0 KiB" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [

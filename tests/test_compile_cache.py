@@ -214,6 +214,12 @@ def test_entry_rejects_unknown_target_and_family_mismatch(sources, cache):
         cc._entry(sm90, "sm_80")
 
 
+def test_prepare_refuses_a_target_whose_shared_memory_is_too_small(sources, cache):
+    big = VariantSpec("sm80", "bwd", "bf16", 256, 64, 64, 2, 8, dq_tile=True)  # 182 KiB
+    with pytest.raises(ValueError, match="cannot run on target 'sm_80': needs 182.0 KiB of shared memory, over "):
+        cc._prepare(big, "sm_80")
+
+
 def test_meta_marker_semantics(sources, cache):
     entry = cc._entry(FP16, "sm_80")
     assert entry.read_meta() is None  # nothing there

@@ -36,7 +36,10 @@ A100_SUBSET = [
 
 
 def test_alternatives_are_committed():
-    assert {(s.head_dim, s.stages) for s in DEFAULTS if s.stages == 2} == {(64, 2), (128, 2), (192, 2)}
+    assert {(s.head_dim, s.stages) for s in DEFAULTS if s.stages == 2} == {(64, 2), (128, 2), (192, 2), (256, 2)}
+    # hd256's double-buffered tile runs where the shared memory holds it (sm_90a and newer), not on the A100
+    assert all(space.why_not_on(s, "sm_80") is None for s in A100_SUBSET)
+    assert all(space.why_not_on(s, "sm_90a") is None for s in DEFAULTS)
     assert {s.name for s in A100_SUBSET} >= {
         "cutefa_sm80_bwd_fp16_hd128_64x128_s2_w8_causal_dqtile",
         "cutefa_sm80_bwd_fp16_hd192_64x64_s2_w8_causal_dqtile",
@@ -63,12 +66,13 @@ def _reductions(text: str) -> tuple[int, int, int]:
     return len(re.findall(r"\bREDG?\.E\.ADD\.F32\b(?!x)", text)), pairs, quads
 
 
-def _grid(rows: int, cols: int, spec, dq: bool = False) -> tuple[int, int]:
-    """The warp grid the template uses for a dV/dK or (``dq``) dQ output of (rows, cols): (w/2, 2),
-    or (2, w/2) where valid and squarer per warp, except at head_dim 256 (where dq_tile's dQ grid
-    is the squarer one again)."""
+def _grid(rows: int, cols: int, spec, gemm: str) -> tuple[int, int]:
+    """The warp grid the template uses for the ``gemm`` ('dv', 'dk' or 'dq') output of (rows, cols):
+    (w/2, 2), or (2, w/2) where valid and squarer per warp, except at head_dim 256 (where dq_tile's
+    dQ and dV grids are the squarer one again, dK keeps the tall one)."""
     tall, wide = (spec.warps // 2, 2), (2, spec.warps // 2)
-    if (spec.head_dim == 256 and not (dq and spec.dq_tile)) or rows % (16 * wide[0]) or cols % (16 * wide[1]):
+    squarer_at_256 = spec.dq_tile and gemm in ("dq", "dv")
+    if (spec.head_dim == 256 and not squarer_at_256) or rows % (16 * wide[0]) or cols % (16 * wide[1]):
         return tall
     return wide if rows // wide[0] + cols // wide[1] < rows // tall[0] + cols // tall[1] else tall
 
@@ -83,7 +87,8 @@ def _ldmatrix_per_warp(spec) -> int:
 
     m, n, d = spec.tile_m, spec.tile_n, spec.head_dim
     sdp = gemm(m, n, d, (2, spec.warps // 2))
-    return 2 * sdp + 2 * gemm(n, d, m, _grid(n, d, spec)) + gemm(m, d, n, _grid(m, d, spec, dq=True))
+    dkv = gemm(n, d, m, _grid(n, d, spec, "dv")) + gemm(n, d, m, _grid(n, d, spec, "dk"))
+    return 2 * sdp + dkv + gemm(m, d, n, _grid(m, d, spec, "dq"))
 
 
 def _check(cubin, spec, vector_red: bool) -> None:
@@ -95,7 +100,7 @@ def _check(cubin, spec, vector_red: bool) -> None:
     # Five GEMMs per query block (S, dP, dV, dK, dQ), each tile_m * tile_n * head_dim MACs per CTA.
     per_warp = spec.tile_m * spec.tile_n * spec.head_dim // (16 * 8 * 16) // spec.warps
     assert report.counts["HMMA"] == 5 * per_warp, f"{spec.name}: {report.summary()}"
-    # The warp grids the template chose: ldmatrix traffic as the model says (hd128 64x128: 144).
+    # The warp grids the template chose: ldmatrix traffic as the model says (hd128 64x128: 144; hd256 dq_tile: 180).
     assert report.counts["LDSM"] == _ldmatrix_per_warp(spec), f"{spec.name}: {report.summary()}"
     # One fp32 reduction per dQ element a thread holds, or one per pair of adjacent columns, or
     # (dq_quad) one per quad of permuted columns; the vector ones twice in the code: unpredicated

@@ -234,6 +234,29 @@ def test_explain_reports_no_kernel():
         dispatch.choose(**problem(dtype="e4m3"))
 
 
+def test_a_tile_the_target_cannot_hold_falls_back_to_one_it_can():
+    """sm_86/sm_89 GPUs hold 99 KiB per block: the sm80 hd256 forward default (128x64, 129 KiB) does
+    not run there, so dispatch takes the largest committed tile that does (64x64, 97 KiB) and says
+    why; on sm_80 (163 KiB) the default runs."""
+    default = dispatch.choose(**problem(head_dim=256))
+    assert (default.spec.tile_m, default.spec.tile_n) == (128, 64)
+    for target in ("sm_86", "sm_89"):
+        small = dispatch.choose(**problem(head_dim=256, target=target))
+        assert (small.spec.tile_m, small.spec.tile_n, small.spec.warps) == (64, 64, 4)
+        assert space.why_not_on(small.spec, target) is None
+        assert f"over the shared memory of {target} GPUs (needs 129.0 KiB of shared memory" in small.reason
+        assert "the largest committed tile that fits: 64x64, 1 stage(s), 4 warps" in small.reason
+    assert dispatch.choose(**problem(head_dim=128, target="sm_89")).spec == dispatch.choose(**problem(head_dim=128)).spec
+
+
+def test_fitting_variant():
+    spec = dispatch.choose(**problem(head_dim=256)).spec
+    assert space.fitting_variant(spec, "sm_80") is spec
+    assert space.fitting_variant(spec, "sm_86") == spec.replace(tile_m=64, warps=4)
+    bwd = VariantSpec("sm80", "bwd", "bf16", 192, 64, 64, 1, 8, dq_tile=True)
+    assert space.fitting_variant(bwd, "sm_86") is None  # no committed hd192 backward tile within 99 KiB
+
+
 def test_unsupported_arch_names_gpu_and_what_is_supported():
     with pytest.raises(NotImplementedError) as err:
         dispatch.choose(**problem(target="sm_75", gpu_name="Tesla T4"))

@@ -109,8 +109,8 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             "stages=3: the sm80 backward loads K and V once per CTA and has 1 or 2 buffers for Q",
         ),
         (
-            SM80.replace(direction="bwd", head_dim=256, tile_m=64, tile_n=64, warps=8, stages=2),
-            "needs 182.0 KiB of shared memory, over the 163 KiB per-block opt-in limit of the A100",
+            SM80.replace(direction="bwd", head_dim=256, tile_m=64, tile_n=128, warps=8, stages=2),
+            "needs 262.0 KiB of shared memory, over the 227 KiB per-block opt-in limit of the largest GPU",
         ),
         (SM80.replace(direction="bwd", tile_m=64, tile_n=32, warps=8), "tile_n=32 is not a multiple of 64"),
         (SM80.replace(dtype="e4m3"), "e4m3 is only for sm90/sm100 forward kernels, not sm80 fwd"),
@@ -126,8 +126,8 @@ SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
             "the K/V tile (32x96) does not split into 128-bit copies over 256 threads",
         ),
         (
-            SM80.replace(head_dim=256, stages=2, warps=8),
-            "needs 193.0 KiB of shared memory, over the 163 KiB per-block opt-in limit of the A100",
+            SM80.replace(head_dim=256, stages=3, warps=8),
+            "needs 257.0 KiB of shared memory, over the 227 KiB per-block opt-in limit of the largest GPU",
         ),
         (SM80.replace(tile_n=128), "would spill registers (estimated 320 > 255 per thread)"),
     ],
@@ -231,13 +231,26 @@ def test_sm80_bwd_default_set():
     # the default and tuning tiles, both dtypes and masks, with dq_tile (the accumulator tiled by
     # query blocks in fragment order, the family's default backward flag)
     defaults = [s for s in committed if s.dq_tile]
+    # the larger-shared-memory tiles (sm_90a and newer), and every other tile within the A100's limit
     extra = space.BWD_TUNING_ALTERNATIVES["sm80"]
+    large, small = space.LARGE_SMEM_BWD_TILES["sm80"], space.SMALL_SMEM_BWD_TILES["sm80"]
     assert space.default_extras("sm80", "bwd", 128) == {"dq_tile": True}
-    assert len(defaults) == 2 * 2 * (len(HEAD_DIMS) + sum(len(tiles) for tiles in extra.values()))
+    tiles = len(HEAD_DIMS) + sum(len(tiles) for tiles in extra.values()) + len(large) + len(small)
+    assert len(defaults) == 2 * 2 * tiles
     for spec in defaults:
         tile = (spec.tile_m, spec.tile_n, spec.stages, spec.warps)
+        if tile == small.get(spec.head_dim):  # for the 99 KiB of sm_86/sm_89 GPUs
+            assert space.why_not_on(spec, "sm_86") is None and space.why_not_on(spec, "sm_89") is None
+            continue
+        if tile == large.get(spec.head_dim):
+            assert space.smem_bytes(spec) > space.SM80_SMEM_LIMIT
+            assert [t for t in space.TARGET_SMEM_LIMITS if space.why_not_on(spec, t) is None] == [
+                "sm_90a", "sm_100a", "sm_103a"
+            ]
+            continue
         assert tile == space.DEFAULT_BWD_TILES["sm80"][spec.head_dim] or tile in extra[spec.head_dim]
         assert space.smem_bytes(spec) <= space.SM80_SMEM_LIMIT
+        assert space.why_not_on(spec, "sm_80") is None
     # The BWD_ALTERNATIVES, bf16, causal and not, on the best tile of each head dim: dq_quad (16-byte
     # dQ reductions into a column-permuted accumulator) and the accumulator's natural layout, each
     # the twin of a committed dq_tile variant

@@ -35,7 +35,7 @@ in a fixed order, and the postprocess sums the splits in order: bitwise-reproduc
 
 Per query block: S = Q K^T, P, P -> smem, dP = dO V^T, dS, dS -> smem, barrier, then
 dV += P^T dO, barrier, the next block's dO load (cp.async), dQ = dS K and its reductions (issued
-before the dK GEMM, which covers their latency), dK += dS^T Q. Q has STAGES buffers: the next
+before the dK GEMM, which covers their latency; with dq_tile, a quarter of them after each of dK's k-blocks), dK += dS^T Q. Q has STAGES buffers: the next
 block's Q load is issued at the top of the step, right after the barrier, and has the whole step to
 land (FlashAttention-2's double-buffered Q).
 dq_tile: dq_accum is tiled by query blocks, each block's dQ in the MMA's fragment order
@@ -70,9 +70,9 @@ CAUSAL = False
 # dQ over (TILE_M, HEAD_DIM). dV, dK and dQ take the squarer of (warps/2, 2) and (2, warps/2) per
 # warp tile (bwd_parts.warp_grid), so that the warps read less of their operands from shared
 # memory; except at head_dim 256, where the fp32 dK and dV accumulators take half the registers
-# and the other grids spill (8-16 bytes, sm_80 and sm_90a).
+# and the squarer grid for both spills (8-16 bytes, sm_80 and sm_90a).
 SDP_WARPS = (2, 4)
-DKV_WARPS = bwd_parts.warp_grid(TILE_N, HEAD_DIM, WARPS)
+DV_WARPS = DK_WARPS = bwd_parts.warp_grid(TILE_N, HEAD_DIM, WARPS)
 DQ_WARPS = bwd_parts.warp_grid(TILE_M, HEAD_DIM, WARPS)
 # Pre/postprocess: one warp per query row, ROW_WARPS warps per CTA, ROWS_PER_WARP rows each.
 ROW_WARPS = 4
@@ -180,7 +180,8 @@ class Kernel:
             sKV_layout,
             sP_layout,
             bwd_parts.tiled_mma(DTYPE, *SDP_WARPS),
-            bwd_parts.tiled_mma(DTYPE, *DKV_WARPS),
+            bwd_parts.tiled_mma(DTYPE, *DV_WARPS),
+            bwd_parts.tiled_mma(DTYPE, *DK_WARPS),
             bwd_parts.tiled_mma(DTYPE, *DQ_WARPS),
             parts.g2s_tiled_copy(DTYPE, THREADS, HEAD_DIM),
             parts.vec_tiled_copy(DTYPE, THREADS, HEAD_DIM),
@@ -272,7 +273,8 @@ class Kernel:
         sKV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
         mma_sdp: cute.TiledMma,
-        mma_dkv: cute.TiledMma,
+        mma_dv: cute.TiledMma,
+        mma_dk: cute.TiledMma,
         mma_dq: cute.TiledMma,
         g2s: cute.TiledCopy,
         r2g: cute.TiledCopy,
@@ -353,24 +355,28 @@ class Kernel:
         tdSsdS = r2s_sdp_thr.partition_D(sdS)
 
         # dV += P^T dO and dK += dS^T Q: operands from shared memory, transposed views.
-        thr_dkv = mma_dkv.get_slice(tidx)
-        tdVrPt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sPt))
-        tdVrdOt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdOt))
-        tdKrdSt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sdSt))
-        tdKrQt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt[None, None, 0]))
-        _, dkv_at, _, dkv_bt = bwd_parts.ldmatrix_copies(DTYPE, mma_dkv)
-        dkv_at_thr = dkv_at.get_slice(tidx)
-        dkv_bt_thr = dkv_bt.get_slice(tidx)
-        tdVsPt = dkv_at_thr.partition_S(sPt)
-        tdVrPt_v = dkv_at_thr.retile(tdVrPt)
-        tdVsdOt = dkv_bt_thr.partition_S(sdOt)
-        tdVrdOt_v = dkv_bt_thr.retile(tdVrdOt)
-        tdKsdSt = dkv_at_thr.partition_S(sdSt)
-        tdKrdSt_v = dkv_at_thr.retile(tdKrdSt)
-        tdKsQt = dkv_bt_thr.partition_S(sQt)
-        tdKrQt_v = dkv_bt_thr.retile(tdKrQt)
-        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((TILE_N, HEAD_DIM)), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((TILE_N, HEAD_DIM)), Float32)
+        thr_dv = mma_dv.get_slice(tidx)
+        thr_dk = mma_dk.get_slice(tidx)
+        tdVrPt = thr_dv.make_fragment_A(thr_dv.partition_A(sPt))
+        tdVrdOt = thr_dv.make_fragment_B(thr_dv.partition_B(sdOt))
+        tdKrdSt = thr_dk.make_fragment_A(thr_dk.partition_A(sdSt))
+        tdKrQt = thr_dk.make_fragment_B(thr_dk.partition_B(sQt[None, None, 0]))
+        _, dv_at, _, dv_bt = bwd_parts.ldmatrix_copies(DTYPE, mma_dv)
+        _, dk_at, _, dk_bt = bwd_parts.ldmatrix_copies(DTYPE, mma_dk)
+        dv_at_thr = dv_at.get_slice(tidx)
+        dv_bt_thr = dv_bt.get_slice(tidx)
+        dk_at_thr = dk_at.get_slice(tidx)
+        dk_bt_thr = dk_bt.get_slice(tidx)
+        tdVsPt = dv_at_thr.partition_S(sPt)
+        tdVrPt_v = dv_at_thr.retile(tdVrPt)
+        tdVsdOt = dv_bt_thr.partition_S(sdOt)
+        tdVrdOt_v = dv_bt_thr.retile(tdVrdOt)
+        tdKsdSt = dk_at_thr.partition_S(sdSt)
+        tdKrdSt_v = dk_at_thr.retile(tdKrdSt)
+        tdKsQt = dk_bt_thr.partition_S(sQt)
+        tdKrQt_v = dk_bt_thr.retile(tdKrQt)
+        acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((TILE_N, HEAD_DIM)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((TILE_N, HEAD_DIM)), Float32)
 
         # dQ = dS K, added into the fp32 accumulator.
         thr_dq = mma_dq.get_slice(tidx)
@@ -387,8 +393,10 @@ class Kernel:
 
         lse2 = cute.make_rmem_tensor((cute.size(cS_mn, mode=[0]),), Float32)
         dpsum = cute.make_rmem_tensor((cute.size(cS_mn, mode=[0]),), Float32)
-        r2s_dkv = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE), mma_dkv)
-        r2s_dkv_thr = r2s_dkv.get_slice(tidx)
+        r2s_dv = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE), mma_dv)
+        r2s_dv_thr = r2s_dv.get_slice(tidx)
+        r2s_dk = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE), mma_dk)
+        r2s_dk_thr = r2s_dk.get_slice(tidx)
         r2g_thr = r2g.get_slice(tidx)
 
         # Key blocks bx, bx + grid_x, ...: one block per CTA unless deterministic.
@@ -454,7 +462,7 @@ class Kernel:
                 cute.copy(r2s_sdp, r2s_sdp_thr.retile(rdS), tdSsdS)
                 cute.arch.barrier()
 
-                parts.gemm_ss(mma_dkv, acc_dV, tdVrPt, tdVsPt, tdVrPt_v, dkv_at, tdVrdOt, tdVsdOt, tdVrdOt_v, dkv_bt)
+                parts.gemm_ss(mma_dv, acc_dV, tdVrPt, tdVsPt, tdVrPt_v, dv_at, tdVrdOt, tdVsdOt, tdVrdOt_v, dv_bt)
                 # Every warp is done with dO: prefetch the next block's under the dQ and dK GEMMs.
                 cute.arch.barrier()
                 if i + 1 < m_count:
@@ -466,12 +474,18 @@ class Kernel:
                 acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                 acc_dQ.fill(0.0)
                 parts.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)
-                dq_tile.red_add_fragment(acc_dQ, gdQacc[m_block, None], tidx, THREADS)
-                # dK after the dQ reductions are issued: its MMAs cover their latency.
-                parts.gemm_ss(
-                    mma_dkv, acc_dK, tdKrdSt, tdKsdSt, tdKrdSt_v, dkv_at,
-                    tdKrQt, tdKsQt[None, None, None, q_stage], tdKrQt_v, dkv_bt,
-                )  # fmt: skip
+                # dK += dS^T Q one k-block at a time with a share of the dQ reductions after each, so
+                # that the reductions leave in step with the dK MMAs rather than in one burst before
+                # them (where ptxas otherwise packs them into one run at some tiles).
+                k_blocks = cute.size(tdKrdSt, mode=[2])
+                cute.copy(dk_at, tdKsdSt[None, None, 0], tdKrdSt_v[None, None, 0])
+                cute.copy(dk_bt, tdKsQt[None, None, 0, q_stage], tdKrQt_v[None, None, 0])
+                for k in cutlass.range_constexpr(k_blocks):
+                    if cutlass.const_expr(k + 1 < k_blocks):
+                        cute.copy(dk_at, tdKsdSt[None, None, k + 1], tdKrdSt_v[None, None, k + 1])
+                        cute.copy(dk_bt, tdKsQt[None, None, k + 1, q_stage], tdKrQt_v[None, None, k + 1])
+                    cute.gemm(mma_dk, acc_dK, tdKrdSt[None, None, k], tdKrQt[None, None, k], acc_dK)
+                    dq_tile.red_add_fragment(acc_dQ, gdQacc[m_block, None], tidx, THREADS, k, k_blocks)
 
             # Epilogue: dK (scaled) and dV through shared memory (reusing sK, sV), 16-byte stores.
             cute.arch.cp_async_wait_group(0)
@@ -481,8 +495,8 @@ class Kernel:
             rdK.store(acc_dK.load().to(DTYPE))
             rdV = cute.make_fragment_like(acc_dV, DTYPE)
             rdV.store(acc_dV.load().to(DTYPE))
-            cute.copy(r2s_dkv, r2s_dkv_thr.retile(rdK), r2s_dkv_thr.partition_D(sK))
-            cute.copy(r2s_dkv, r2s_dkv_thr.retile(rdV), r2s_dkv_thr.partition_D(sV))
+            cute.copy(r2s_dk, r2s_dk_thr.retile(rdK), r2s_dk_thr.partition_D(sK))
+            cute.copy(r2s_dv, r2s_dv_thr.retile(rdV), r2s_dv_thr.partition_D(sV))
             cute.arch.barrier()
             tdKsdK = r2g_thr.partition_S(sK)
             tdKrdK = cute.make_fragment_like(tdKsdK, DTYPE)

@@ -253,10 +253,11 @@ def test_bwd_variant(gen, spec, deterministic):
     from cutefa.backward import dq_accum_workspace
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
+    from cutefa.space import why_not_on
 
     target = current_target()
-    if not spec.runs_on(target):
-        pytest.skip(f"{spec.arch} kernels do not run on {target}")
+    if why_not_on(spec, target) is not None:
+        pytest.skip(f"{spec.name} does not run on {target}: {why_not_on(spec, target)}")
     kernel = get_kernel(spec, target)
     dt = DTYPES[spec.dtype]
     scale = 1.0 / math.sqrt(spec.head_dim)
@@ -315,11 +316,12 @@ def test_bwd_dq_quad_matches_twin(gen, spec):
     from cutefa.backward import dq_accum_workspace
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
+    from cutefa.space import why_not_on
 
     target = current_target()
     twin = spec.replace(dq_quad=False, dq_tile=False)
-    if not spec.runs_on(target):
-        pytest.skip(f"{spec.arch} kernels do not run on {target}")
+    if why_not_on(spec, target) is not None:
+        pytest.skip(f"{spec.name} does not run on {target}: {why_not_on(spec, target)}")
     kernels = [get_kernel(s, target) for s in (spec, twin)]
     dt = DTYPES[spec.dtype]
     scale = 1.0 / math.sqrt(spec.head_dim)

@@ -39,10 +39,11 @@ FORWARDS = [
 def test_variant(gen, spec):
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
+    from cutefa.space import why_not_on
 
     target = current_target()
-    if not spec.runs_on(target):
-        pytest.skip(f"{spec.arch} kernels do not run on {target}")
+    if why_not_on(spec, target) is not None:
+        pytest.skip(f"{spec.name} does not run on {target}: {why_not_on(spec, target)}")
     kernel = get_kernel(spec, target)
     dtype = fwd.DTYPES[spec.dtype]
     for batch, sq, sk, hq, hkv in SHAPES:

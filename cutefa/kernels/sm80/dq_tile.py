@@ -29,20 +29,28 @@ def vec_width() -> int:
 
 
 @cute.jit
-def red_add_fragment(acc: cute.Tensor, chunk: cute.Tensor, thread: Int32, threads: cutlass.Constexpr):
+def red_add_fragment(
+    acc: cute.Tensor, chunk: cute.Tensor, thread: Int32, threads: cutlass.Constexpr,
+    part: cutlass.Constexpr = 0, parts: cutlass.Constexpr = 1,
+):  # fmt: skip
     """chunk += acc in fragment order: value v j + e of ``thread`` at word v (threads j + thread) + e
     (v = :func:`vec_width`), one 16-byte red.global.add.v4.f32 per four values (sm_90+) or one
     red.global.add.f32 per value. ``chunk`` is one query block's (tile_m * head_dim,) fp32 chunk,
-    16-byte aligned."""
+    16-byte aligned. With ``parts`` > 1 only the ``part``-th of ``parts`` equal shares of the
+    reductions (in order), so that a caller can spread them between other work."""
     vec = vec_width()
     base = chunk.iterator + vec * thread
+    groups = cute.size(acc) // vec
+    if cutlass.const_expr(groups % parts):
+        raise ValueError(f"{groups} reductions per thread do not split into {parts} equal parts")
+    share = groups // parts
     if cutlass.const_expr(vec == 4):
         quad_type = ir.VectorType.get([4], Float32.mlir_type)
-        for j in cutlass.range_constexpr(cute.size(acc) // 4):
+        for j in cutlass.range_constexpr(part * share, (part + 1) * share):
             quad = vector.from_elements(quad_type, [acc[4 * j + e].ir_value() for e in range(4)])
             cute.arch.red(base + 4 * threads * j, quad, op="add", dtype=Float32, sem="relaxed", scope="gpu")
     else:
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        for i in cutlass.range_constexpr(part * share, (part + 1) * share):
             cute.arch.red(base + threads * i, acc[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
 
 
