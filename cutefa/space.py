@@ -222,7 +222,8 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             # Three consumer warpgroups of 64 rows over 96 keys (512 threads, consumers at 160
             # registers: R157, no spill): three softmax chains per SM instead of two
             # (docs/perf-notes.md, "fp8 hd128 with three consumer warpgroups"), with and without
-            # lazy_rescale; non-causal only (the causal twins spill, _sm90_fp8).
+            # lazy_rescale; causal too since the causal mask is one select per score (R147, no
+            # spill; docs/perf-notes.md, "fp8 causal: the select mask").
             (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True}),
             (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True, "lazy_rescale": True}),
         ),
@@ -989,11 +990,6 @@ def _sm90_fp8(spec: VariantSpec) -> str | None:
         )
     if spec.tile_m == 192 and spec.pingpong:
         return "tile_m=192 with pingpong: the fp8 ping-pong hands the tensor core between two consumers"
-    if spec.tile_m == 192 and spec.causal:
-        return (
-            "tile_m=192 causal: the causal mask's registers do not fit the 160 three consumers get (hd128 "
-            "192x96 causal spills on sm_90a)"
-        )
     if spec.tile_m == 192 and spec.head_dim != 128:
         return (
             f"tile_m=192 at head_dim {spec.head_dim}: three consumers get 160 registers each, which "

@@ -418,7 +418,6 @@ def test_sm100_pair_candidates_and_defaults():
         (FP8.replace(head_dim=256), "would spill registers (estimated 256 > 232 per consumer thread"),
         # three consumer warpgroups (tile_m 192): hd128 only, no ping-pong, no causal mask
         (FP8.replace(tile_m=192, tile_n=96, warps=16, pingpong=True), "tile_m=192 with pingpong"),
-        (FP8.replace(tile_m=192, tile_n=96, warps=16, pingpong=False, causal=True), "tile_m=192 causal: the causal mask's registers"),
         (FP8.replace(tile_m=192, tile_n=64, warps=16, pingpong=False, head_dim=256), "tile_m=192 at head_dim 256"),
     ],
     ids=lambda x: x.name if isinstance(x, VariantSpec) else None,

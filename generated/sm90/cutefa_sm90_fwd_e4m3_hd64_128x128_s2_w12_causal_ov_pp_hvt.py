@@ -245,6 +245,11 @@ class Kernel:
             acc_O.fill(0.0)
             o_mn = parts.acc_mn_view(acc_O)
             cS_mn = parts.acc_mn_view(qk_thr.partition_C(cute.make_identity_tensor((parts.WG_ROWS, TILE_N))))
+            # The causal mask: one select per score against thread 0's (compile-time) columns, the
+            # key limit of each row from one per-thread value (common/mask.py), with the row taken
+            # from the thread index as in the 16-bit kernel (not from the warp-uniform c).
+            cS0_mn = parts.acc_mn_view(qk_mma.get_slice(0).partition_C(cute.make_identity_tensor((parts.WG_ROWS, TILE_N))))
+            mask_row0 = row0 + (tidx // parts.WG_THREADS - 1) * parts.WG_ROWS
             row_max, row_sum = softmax_state(cute.size(o_mn, mode=[0]))
             corr = cute.make_rmem_tensor((cute.size(row_max),), Float32)
             scale_log2 = scale_log2_base * mQd[batch, head_kv] * mKd[batch, head_kv]
@@ -272,7 +277,7 @@ class Kernel:
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
                 warpgroup.wait_group(0)
                 k_handle.release()
-                apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
+                apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
                 fp8.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr)
                 rP_acc.store(s_perm.load().to(fp8.FP8))
             masked_rest = cutlass.max(n_blocks - n_unmasked - 1, 0)
@@ -294,7 +299,7 @@ class Kernel:
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
                 warpgroup.wait_group(1)
                 k_handle.release()
-                apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
+                apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
                 fp8.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr)
                 warpgroup.wait_group(0)
                 v_handle.release()
