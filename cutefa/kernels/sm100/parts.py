@@ -26,11 +26,12 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm, nvvm
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import dsl_user_op
 
 from cutefa.kernels.common.exp2 import exp2_fma
+from cutefa.kernels.common.ptx import effect_asm
 
 TMEM_COLUMNS = 512  # per SM, 128 lanes x 512 columns x 32 bit
 ROWS_PER_Q_TILE = 128  # the M of one UMMA (cta_group::1), one TMEM lane per query row
@@ -251,13 +252,4 @@ def tcgen05_fence(kind: str, *, loc=None, ip=None) -> None:
     """``tcgen05.fence::before_thread_sync`` (kind "before") or ``::after_thread_sync`` ("after"):
     orders this thread's tcgen05 operations (UMMA issue, TMEM loads) against a thread
     synchronisation (bar.sync), as the PTX memory model asks of tcgen05 work handed across it."""
-    llvm.inline_asm(
-        res=None,
-        operands_=[],
-        asm_string=f"tcgen05.fence::{kind}_thread_sync;",
-        constraints="~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    effect_asm(None, [], f"tcgen05.fence::{kind}_thread_sync;", "~{memory}", loc=loc, ip=ip)

@@ -363,7 +363,6 @@ class TransposeV:
         vt0 = vt_base + vt_stage * self.vt_stage_bytes
         v_bases = [v0 + off for off in self.v_offsets]
         vt_bases = [vt0 + off for off in self.vt_offsets]
-        sa, sb, ha, hb = self.selectors
 
         def load(i):
             return [cutlass.Int32(self._word(v_bases, c, x, d)[0]) for c, x, d in self.v_plan[i]]
@@ -380,19 +379,10 @@ class TransposeV:
                     ahead = load(i + 1)
             else:
                 w = load(i)
-            a0 = cutlass.Int32(cute.arch.prmt(w[0], w[1], sa))
-            a1 = cutlass.Int32(cute.arch.prmt(w[0], w[1], sb))
-            a2 = cutlass.Int32(cute.arch.prmt(w[2], w[3], sa))
-            a3 = cutlass.Int32(cute.arch.prmt(w[2], w[3], sb))
-            outs = (
-                cute.arch.prmt(a0, a2, ha),
-                cute.arch.prmt(a0, a2, hb),
-                cute.arch.prmt(a1, a3, ha),
-                cute.arch.prmt(a1, a3, hb),
-            )
+            outs = transpose_4x4(*w, selectors=self.selectors)
             for e in range(4):
                 c, x, d = self.vt_plan[i][e]
-                self._word(vt_bases, c, x, d)[0] = cutlass.Uint32(outs[e])
+                self._word(vt_bases, c, x, d)[0] = outs[e]
 
 
 # --- The wide transpose (wide_vt variants): 64-bit shared-memory accesses, 8 keys x 8 head dims ---
@@ -516,18 +506,24 @@ def wide_transpose_plan(v_offset, vt_offset, tile_n: int, head_dim: int, v_span:
     )  # fmt: skip
 
 
-def transpose_4x4(w0, w1, w2, w3):
-    """The 4x4 byte transpose of :func:`transpose_v` (8 PRMT): words of key rows (0, 1, 8, 9)
-    (4 head dims each) to words of head dims 0..3 (keys 0, 1, 8, 9 each)."""
-    t0 = cutlass.Int32(cute.arch.prmt(w0, w1, PRMT_LO_PAIRS))
-    t1 = cutlass.Int32(cute.arch.prmt(w0, w1, PRMT_HI_PAIRS))
-    t2 = cutlass.Int32(cute.arch.prmt(w2, w3, PRMT_LO_PAIRS))
-    t3 = cutlass.Int32(cute.arch.prmt(w2, w3, PRMT_HI_PAIRS))
+CANONICAL_SELECTORS = (PRMT_LO_PAIRS, PRMT_HI_PAIRS, PRMT_LO_HALVES, PRMT_HI_HALVES)
+
+
+def transpose_4x4(w0, w1, w2, w3, selectors=CANONICAL_SELECTORS):
+    """The 4x4 byte transpose of the V transposes (8 PRMT): words of key rows (0, 1, 8, 9) (4 head
+    dims each) to words of head dims 0..3 (keys 0, 1, 8, 9 each). ``selectors`` (pairs low, pairs
+    high, halves low, halves high): the canonical ones, or a thread's own from
+    :func:`transpose_selectors` (:class:`TransposeV`, whose lanes load and store in permuted orders)."""
+    lo_pairs, hi_pairs, lo_halves, hi_halves = selectors
+    t0 = cutlass.Int32(cute.arch.prmt(w0, w1, lo_pairs))
+    t1 = cutlass.Int32(cute.arch.prmt(w0, w1, hi_pairs))
+    t2 = cutlass.Int32(cute.arch.prmt(w2, w3, lo_pairs))
+    t3 = cutlass.Int32(cute.arch.prmt(w2, w3, hi_pairs))
     return (
-        cutlass.Uint32(cute.arch.prmt(t0, t2, PRMT_LO_HALVES)),
-        cutlass.Uint32(cute.arch.prmt(t0, t2, PRMT_HI_HALVES)),
-        cutlass.Uint32(cute.arch.prmt(t1, t3, PRMT_LO_HALVES)),
-        cutlass.Uint32(cute.arch.prmt(t1, t3, PRMT_HI_HALVES)),
+        cutlass.Uint32(cute.arch.prmt(t0, t2, lo_halves)),
+        cutlass.Uint32(cute.arch.prmt(t0, t2, hi_halves)),
+        cutlass.Uint32(cute.arch.prmt(t1, t3, lo_halves)),
+        cutlass.Uint32(cute.arch.prmt(t1, t3, hi_halves)),
     )
 
 
