@@ -279,7 +279,7 @@ def fp8_alternative_specs(arch: str = "sm90") -> list[VariantSpec]:
         for tile, extras in alts
         for causal in (False, True)
     )
-    # less the mask twins the family's own rules refuse (sm90: three consumers are non-causal only)
+    # less any mask twin the family's own rules refuse (_sm90_fp8)
     return sorted(s for s in specs if arch != "sm90" or _sm90_fp8(s) is None)
 
 

@@ -205,7 +205,7 @@ def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, c
 
     for spec in specs:
         if why_invalid(spec.replace(causal=causal)) is not None:
-            row.append("-")  # a variant without this mask (hd128 192x96 is non-causal only)
+            row.append("-")  # a variant without this mask
             continue
         try:
             kernel = get_kernel(spec.replace(causal=causal), target)
