@@ -318,7 +318,7 @@ def default_bwd_tile(arch: str, head_dim: int, target: str | None = None) -> Til
 
 # Backward tiles committed for GPUs whose per-block shared memory holds none of the defaults (the
 # sm_86/sm_89 targets, 99 KiB), found by :func:`fitting_variant`. sm80 hd96 and hd128: 64 keys per
-# CTA (70 / 86 KiB; hd64 has its 64x128 alternative, 86 KiB). hd192 and hd256 have no sm80 tile
+# CTA (70 / 86 KiB; hd64 takes its 64x128 double-buffered alternative, 94 KiB). hd192 and hd256 have no sm80 tile
 # within 99 KiB (64x64 needs 118 / 150 KiB; FlashAttention-2 keeps V in registers there, which the
 # sm80 template does not), so their backward raises NotImplementedError on those GPUs. Tested on
 # the H200 like every committed variant; not timed on an sm_86/sm_89 GPU.
@@ -326,9 +326,9 @@ SMALL_SMEM_BWD_TILES: dict[str, dict[int, Tile]] = {"sm80": {96: Tile(64, 64, 1,
 
 # Backward tiles committed next to the default one so benchmarks can compare (dispatch runs the
 # default). sm80: a double-buffered Q tile (stages=2, FlashAttention-2's design): the next query
-# block's Q loads during a whole step, dO during the dQ and dK GEMMs (hd256's is
-# LARGE_SMEM_BWD_TILES'). hd64's default has 128 query rows per step (FA2's "slightly faster" hd64 tile: 0.45
-# ldmatrix per mma.sync instead of 0.55 and half the barriers per FLOP; 255 registers, no spill on
+# block's Q loads during a whole step, dO during the dQ and dK GEMMs (hd256's is in
+# LARGE_SMEM_BWD_TILES). hd64's default has 128 query rows per step (FA2's "slightly faster" hd64
+# tile: 0.45 ldmatrix per mma.sync instead of 0.55 and half the barriers per FLOP; 255 registers, no spill on
 # sm_80 and sm_90a); 64 rows, single- and double-buffered, and 128 rows single-buffered stay beside it.
 BWD_TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
     "sm80": {
