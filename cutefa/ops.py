@@ -423,13 +423,23 @@ def _flash_fwd_fp8(
     blocks) block descales for any of them (:func:`_fp8_kernel_args`); returns (out bf16, lse
     float32 (batch, heads_q, seqlen_q)) of the dequantized problem."""
     validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    out, lse, _ = _fp8_forward(q, k, v, (q_descale, k_descale, v_descale), causal, softmax_scale)
+    return out, lse
+
+
+def _fp8_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    causal: bool, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[dispatch.Choice, Callable[..., Any]] | None]:  # fmt: skip
+    """:func:`_flash_fwd_fp8` on validated inputs, plus what ran: (the dispatch choice, the kernel),
+    or None when nothing was launched (an empty problem, no keys, or block descales)."""
     out, lse = _fp8_outputs(q)
     if out.numel() == 0:
-        return out, lse
+        return out, lse, None
     if k.shape[1] == 0:  # no keys: every row attends nothing
-        return out.zero_(), lse.fill_(-math.inf)
-    _launch_fp8(q, k, v, out, lse, (q_descale, k_descale, v_descale), causal, softmax_scale)
-    return out, lse
+        return out.zero_(), lse.fill_(-math.inf), None
+    launched = _launch_fp8(q, k, v, out, lse, descales, causal, softmax_scale)
+    return out, lse, launched
 
 
 def _launch_fp8(
@@ -437,7 +447,8 @@ def _launch_fp8(
     descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor], causal: bool, softmax_scale: float,
 ) -> None:  # fmt: skip
     """Dispatch (an e4m3 variant; its block-quantization variant for 3-D descales) and run the fp8
-    kernel on the current stream of q's device."""
+    kernel on the current stream of q's device. Returns what ran, (the dispatch choice, the kernel),
+    for per-head descales (the call path a plan can repeat); None for block descales."""
     choice, args = _fp8_kernel_args(q, k, descales, _choose(q, k, causal))
     kernel = get_kernel(choice.spec, choice.target)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
@@ -448,6 +459,7 @@ def _launch_fp8(
             with torch.cuda.device(q.device):
                 kernel(q, k, v, out, lse, *args, softmax_scale)
     dispatch.log_run(choice, q.shape, k.shape, causal)
+    return (choice, kernel) if all(d.dim() == 2 for d in descales) else None
 
 
 flash_fwd_fp8 = torch.library.custom_op("cutefa::flash_fwd_fp8", _flash_fwd_fp8, mutates_args=())
@@ -475,9 +487,11 @@ torch.library.register_autograd("cutefa::flash_fwd_fp8", _fp8_backward)
 def _fp8_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: object, softmax_scale: object, return_lse: bool,
     deterministic: object, q_descale: object, k_descale: object, v_descale: object, out_dtype: object,
+    key: tuple[Any, ...] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """flash_attn_func for a call with fp8 inputs or fp8 options: validate, normalise the descales,
-    run ``cutefa::flash_fwd_fp8`` (directly when nothing traces or differentiates)."""
+    run ``cutefa::flash_fwd_fp8`` (directly when nothing traces or differentiates). A plain call
+    that launched a kernel leaves its plan under ``key`` (:func:`_make_fp8_plan`)."""
     if q.dtype not in FP8_DTYPES:
         given = [n for n, d in zip(_DESCALE_NAMES, (q_descale, k_descale, v_descale)) if d is not None]
         given += ["out_dtype"] if out_dtype is not None else []
@@ -496,7 +510,15 @@ def _fp8_call(
     tensors = (q, k, v, *descales)
     plain = all(type(t) is _Tensor for t in tensors) and not _is_compiling() and not _dispatch_modes()
     if plain and not (_grad_enabled() and any(t.requires_grad for t in tensors)):
-        out, lse = _flash_fwd_fp8(q, k, v, *descales, causal, scale)  # type: ignore[arg-type]
+        out, lse, launched = _fp8_forward(q, k, v, tuple(descales), causal, scale)  # type: ignore[arg-type]
+        # No plan while a CUDA graph is being captured (its allocations would come from the graph's pool).
+        if launched is not None and key is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            given = (q_descale, k_descale, v_descale)
+            plan = _make_fp8_plan(*launched, q, k, causal, softmax_scale, scale, out_dtype, given)  # type: ignore[arg-type]
+            with _PLAN_LOCK:
+                while len(_FP8_PLANS) >= MAX_PLANS:
+                    _FP8_PLANS.pop(next(iter(_FP8_PLANS)))
+                _FP8_PLANS[key] = plan
     else:
         out, lse = flash_fwd_fp8(q, k, v, *descales, causal, scale)
     return (out, lse) if return_lse else out
@@ -519,11 +541,86 @@ MAX_SCRATCH_ELEMENTS = 1 << 22  # 16 MiB of lse; larger problems allocate their 
 # Per (device, dtype): a one-element tensor; expanded views of it are allocation templates.
 _PROTOS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 _PLAN_LOCK = threading.Lock()
+# fp8 calls: (the 16-bit key, the kind of each descale (_descale_kind), out_dtype) -> plan(q, k, v,
+# q_descale, k_descale, v_descale, return_lse). Calls with block descales (3-D) have no plan.
+_FP8_PLANS: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
 def clear_plans() -> None:
     """Forget the memoized call plans (:func:`cutefa.dispatch.clear_caches` does it too)."""
     _PLANS.clear()
+    _FP8_PLANS.clear()
+
+
+def _descale_kind(d: object) -> tuple[Any, ...] | None:
+    """What an fp8 plan's key records of a descale: None, or a tensor's shape, dtype, device and
+    contiguity (anything else keeps its type: validation refuses it, so no plan has such a key)."""
+    if d is None:
+        return None
+    if d.__class__ is not _Tensor:
+        return (d.__class__,)
+    return (d.shape, d.dtype, d.is_cuda, d.get_device(), d.is_contiguous())
+
+
+def _make_fp8_plan(
+    choice: dispatch.Choice, kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, causal: bool,
+    softmax_scale: object, scale: float, out_dtype: object, descales: tuple[object, object, object],
+) -> Callable[..., Any]:  # fmt: skip
+    """The call path of one validated fp8 call signature (:func:`_make_plan` for e4m3 inputs):
+    allocate, normalise the descales, launch, return.
+
+    The key holds q's and k's shapes, q's dtype and device, causal, the scale, out_dtype and each
+    descale's kind (None, or shape, dtype, device and contiguity), so each descale is one the
+    validating way accepted: None (a ones tensor made here, which the kernel only reads), a
+    one-element per-tensor descale (broadcast per call, as there) or a contiguous (batch, heads_kv)
+    one (passed as it is). What the key does not fix (k's and v's dtypes, v's shape, devices,
+    alignment and strides) the kernel's TVM-FFI entry checks before it launches; when it refuses,
+    the call goes the validating way, which names the problem or copies misaligned inputs.
+    """
+    batch, seqlen_q, heads_q, _ = q.shape
+    heads_kv = k.shape[2]
+    lse_shape = (batch, heads_q, seqlen_q)
+    out_proto = _proto(q.device, FP8_OUT_DTYPES[0], q.shape)
+    lse_proto = _proto(q.device, torch.float32, lse_shape)
+    scratch = _scratch_lse(q.device, lse_shape)
+    q_shape, k_shape = tuple(q.shape), tuple(k.shape)
+    empty_like = torch.empty_like
+    ones = torch.ones((batch, heads_kv), dtype=torch.float32, device=q.device)
+    # Per descale, as _fp8_descale: None -> the ones; a contiguous (batch, heads_kv) one -> itself;
+    # any other (batch, heads_kv) one -> a contiguous copy; one element (per tensor) -> broadcast.
+    forms = tuple(
+        "ones" if d is None else "as is" if d.shape == (batch, heads_kv) and d.is_contiguous()  # type: ignore[union-attr]
+        else "copy" if d.shape == (batch, heads_kv) else "broadcast"  # type: ignore[union-attr]
+        for d in descales
+    )  # fmt: skip
+
+    def descale(d: torch.Tensor | None, form: str) -> torch.Tensor:
+        if form == "as is":
+            return d  # type: ignore[return-value]
+        if form == "ones":
+            return ones
+        if form == "copy":
+            return d.contiguous()  # type: ignore[union-attr]
+        return d.reshape(1, 1).expand(batch, heads_kv).clone(memory_format=torch.contiguous_format)  # type: ignore[union-attr]
+
+    def plan(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor | None,
+        k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, return_lse: bool,
+    ) -> Any:  # fmt: skip
+        out = empty_like(out_proto)
+        lse = scratch if scratch is not None and not return_lse else empty_like(lse_proto)
+        qd, kd, vd = (descale(d, f) for d, f in zip((q_descale, k_descale, v_descale), forms))
+        try:
+            kernel(q, k, v, out, lse, qd, kd, vd, scale)
+        except (ValueError, TypeError):  # refused before launching: see above
+            return _fp8_call(
+                q, k, v, causal, softmax_scale, return_lse, False, q_descale, k_descale, v_descale, out_dtype
+            )
+        if dispatch._LOG_RUNS:
+            dispatch.log_run(choice, q_shape, k_shape, causal)
+        return (out, lse) if return_lse else out
+
+    return plan
 
 
 def _proto(device: torch.device, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -637,7 +734,8 @@ def _eager(
     fp8 inputs or options (q_descale, k_descale, v_descale, out_dtype) go to :func:`_fp8_call`."""
     q, k, v = _check_tensors((q, k, v))
     if q.dtype in FP8_DTYPES or any(o is not None for o in fp8_options):
-        return _fp8_call(q, k, v, causal, softmax_scale, return_lse, deterministic, *fp8_options)
+        fp8_key = key if q.dtype in FP8_DTYPES else None  # (flash_attn_func made it the fp8 plan key)
+        return _fp8_call(q, k, v, causal, softmax_scale, return_lse, deterministic, *fp8_options, fp8_key)
     _check_options(causal, softmax_scale)
     _check_deterministic(deterministic)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -701,19 +799,24 @@ def flash_attn_func(
             plan = _PLANS.get(key)
         except TypeError:  # an unhashable softmax_scale: validation names it
             plan = key = None
-        # A key equal to a validated one can still hold causal=1 or softmax_scale=True: not plans.
-        # fp8 inputs never have a plan (the dtype is in the key); fp8 options go the validating way.
+        # fp8 inputs never have a plan here (the dtype is in the key): theirs are in _FP8_PLANS.
         if (
             plan is not None
-            and causal.__class__ is bool
-            and softmax_scale.__class__ is not bool
-            and deterministic.__class__ is bool
+            and _plan_options(causal, softmax_scale, deterministic)
             and q_descale is None
             and k_descale is None
             and v_descale is None
             and out_dtype is None
         ):
             return plan(q, k, v, return_lse)
+        if key is not None and q.dtype in FP8_DTYPES:
+            key = (key, _descale_kind(q_descale), _descale_kind(k_descale), _descale_kind(v_descale), out_dtype)
+            try:
+                plan = _FP8_PLANS.get(key)
+            except TypeError:  # an unhashable out_dtype: validation names it
+                plan = key = None
+            if plan is not None and _plan_options(causal, softmax_scale, deterministic):
+                return plan(q, k, v, q_descale, k_descale, v_descale, return_lse)
         return _eager(
             q, k, v, causal, softmax_scale, return_lse, deterministic, key, q_descale, k_descale, v_descale, out_dtype
         )
@@ -739,6 +842,12 @@ _is_compiling = torch.compiler.is_compiling
 _dispatch_modes: Callable[[], Any] = getattr(torch._C, "_len_torch_dispatch_stack", None) or (
     lambda: _get_current_dispatch_mode() is not None
 )
+
+
+def _plan_options(causal: object, softmax_scale: object, deterministic: object) -> bool:
+    """Whether options that equal a plan key's are also of the types validation accepts (a key
+    equal to a validated one can still hold causal=1 or softmax_scale=True: those are no plans')."""
+    return causal.__class__ is bool and softmax_scale.__class__ is not bool and deterministic.__class__ is bool
 
 
 def _plain_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
 """What the CPU test files share: seeded random inputs, a plain attention reference, tracing a
 flash_attn_func call under torch.compile on fake CUDA tensors, loading a script of tools/ as a
-module, reading the branches of a kernel's SASS, and the sm90 backward's stmatrix / TMA-store
-checks."""
+module, reading the branches of a kernel's SASS, the sm90 backward's stmatrix / TMA-store
+checks, and an H200 pretended for the call plans on CPU tensors."""
 
 from __future__ import annotations
 
@@ -102,3 +102,17 @@ def assert_sm90_bwd_stores(report, main_forms: dict, spec) -> None:
     assert report.forms_of("STSM") == {"STSM.16.M88.4": stsm}, report.forms_of("STSM")
     assert main_forms.get("UTMASTG.4D", 0) > 0 and main_forms["UTMASTG.4D"] % 4 == 0, main_forms
     assert not [f for f in main_forms if f.startswith("STG")], main_forms
+
+
+def pretend_h200(monkeypatch, ops, **replaced):
+    """flash_attn_func as on an H200 for CPU tensors: CPU accepted, the sm_90a target and the H200's
+    tuned table, no device switch; ``replaced`` names more attributes of ``ops`` to replace (the
+    kernel getter, a validation counter, an empty plan table). Dispatch caches are cleared."""
+    from cutefa import dispatch
+
+    monkeypatch.setattr(ops, "DEVICE_TYPES", ("cuda", "cpu"))
+    for name, value in replaced.items():
+        monkeypatch.setattr(ops, name, value)
+    monkeypatch.setattr(dispatch, "device_target", lambda device=None: ("sm_90a", "NVIDIA H200"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    dispatch.clear_caches()

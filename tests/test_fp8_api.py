@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from cpu_support import rand, reference, trace_attention_block
+from cpu_support import pretend_h200, rand, reference, trace_attention_block
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
@@ -278,3 +278,132 @@ def test_explain_names_the_e4m3_variant():
     _, ((qq, _), (kq, _), (vq, _)) = fp8_inputs(d=128)
     text = cutefa.explain(qq, kq, vq, causal=True, target="sm_90a")
     assert "cutefa_sm90_fwd_e4m3_hd128_" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The fp8 call plan: a repeated plain call skips validation and dispatch
+
+
+class FakeFp8Kernel:
+    """Stands in for a compiled e4m3 forward: refuses what its TVM-FFI entry would refuse (dtypes
+    of k and v, v's shape) and otherwise writes the dequantized reference. Records the descales."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, out, lse, qd, kd, vd, scale):
+        if not q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn:
+            raise TypeError("the kernel takes float8_e4m3fn q, k and v")
+        if v.shape != k.shape:
+            raise ValueError("v must have k's shape")
+        self.calls.append((qd, kd, vd))
+        if qd.dim() != 2:  # the block-quantization kernel's arguments: not modelled here
+            return
+        group = q.shape[2] // k.shape[2]
+        dq, dk, dv = (d.repeat_interleave(g, 1)[:, None, :, None] for d, g in zip((qd, kd, vd), (group, 1, 1)))
+        o, l = reference(q.float() * dq, k.float() * dk, v.float() * dv, False, scale)
+        out.copy_(o.to(out.dtype))
+        lse.copy_(l)
+
+
+@pytest.fixture
+def fp8_plans(monkeypatch):
+    """Plans on CPU tensors: CPU accepted, an H200 pretended, the kernel a FakeFp8Kernel; counts
+    the validations."""
+    kernel = FakeFp8Kernel()
+    validations = []
+    real_validate = ops.validate_fp8_inputs
+
+    def validate(*args, **kwargs):
+        validations.append(args[0].shape)
+        return real_validate(*args, **kwargs)
+
+    pretend_h200(
+        monkeypatch, ops, get_kernel=lambda spec, target: kernel, validate_fp8_inputs=validate, _FP8_PLANS={}
+    )
+    return kernel, validations
+
+
+def test_fp8_second_call_takes_the_plan(fp8_plans):
+    kernel, validations = fp8_plans
+    _, ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
+    vd_scalar = vd.reshape(())  # per tensor: broadcast to (batch, heads_kv) per call
+    first = cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd_scalar)
+    assert len(ops._FP8_PLANS) == 1 and len(validations) == 1
+    second, lse = cutefa.flash_attn_func(
+        qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd_scalar, return_lse=True
+    )
+    assert len(validations) == 1 and len(kernel.calls) == 2  # the plan's way: no validation
+    assert torch.equal(first, second) and first.data_ptr() != second.data_ptr()
+    assert second.dtype == torch.bfloat16 and lse.shape == (2, 4, 16) and lse.dtype == torch.float32
+    qd_sent, kd_sent, vd_sent = kernel.calls[-1]
+    assert qd_sent is qd and kd_sent is kd  # contiguous (batch, heads_kv) descales as they are
+    assert vd_sent.shape == (2, 2) and vd_sent.is_contiguous() and torch.all(vd_sent == vd_scalar)
+    # new descale values take effect through the same plan
+    third = cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=2 * vd_scalar)
+    assert len(validations) == 1 and torch.all(kernel.calls[-1][2] == 2 * vd_scalar)
+    torch.testing.assert_close(third.float(), 2 * first.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_plans_follow_the_descale_kinds(fp8_plans):
+    kernel, validations = fp8_plans
+    _, ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
+    for _ in range(2):
+        cutefa.flash_attn_func(qq, kq, vq)  # no descales: ones
+        cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
+        cutefa.flash_attn_func(qq, kq, vq, q_descale=qd.t().contiguous().t(), k_descale=kd, v_descale=vd)
+        cutefa.flash_attn_func(qq, kq, vq, out_dtype=torch.bfloat16)
+    assert len(ops._FP8_PLANS) == 4 and len(validations) == 4
+    assert all(torch.all(d == 1.0) for d in kernel.calls[4])  # the planned call without descales
+    assert kernel.calls[6][0].is_contiguous() and torch.equal(kernel.calls[6][0], qd)  # a copy of the strided one
+
+
+def test_fp8_block_descales_have_no_plan(fp8_plans):
+    _, validations = fp8_plans
+    q, k, v = rand(1, 256, 2, 64, seed=1), rand(1, 256, 2, 64, seed=2), rand(1, 256, 2, 64, seed=3)
+    q_block, kv_block = cutefa.fp8_block_sizes(q, k)
+    (qq, qd), (kq, kd), (vq, vd) = (
+        cutefa.quantize_fp8(x, "block", block=b) for x, b in ((q, q_block), (k, kv_block), (v, kv_block))
+    )
+    for _ in range(2):
+        cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert not ops._FP8_PLANS and len(validations) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda t: {**t, "k": t["k"].to(torch.bfloat16)}, TypeError, "k has dtype torch.bfloat16; an fp8 call"),
+        (lambda t: {**t, "v": t["v"][:, :8]}, ValueError, "k and v must have the same shape"),
+        (lambda t: {**t, "causal": 1}, TypeError, "causal must be a bool"),
+        (lambda t: {**t, "k_descale": t["k_descale"].double()}, TypeError, "k_descale must be float32"),
+    ],
+)
+def test_an_fp8_plan_never_accepts_what_validation_refuses(fp8_plans, change, error, match):
+    _, ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
+    args = {"q": qq, "k": kq, "v": vq, "q_descale": qd, "k_descale": kd, "v_descale": vd}
+    for _ in range(2):
+        cutefa.flash_attn_func(**args)
+    assert len(ops._FP8_PLANS) == 1
+    args = change(args)
+    with pytest.raises(error, match=match):
+        cutefa.flash_attn_func(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_fp8_planned_call_host_overhead_is_small(fp8_plans):
+    """Pure Python cost of a planned fp8 call with a no-op kernel (the GPU adds the launch)."""
+    import timeit
+
+    _, ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
+    cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    (key,) = ops._FP8_PLANS
+    choice = ops._choose(qq, kq, True)
+    given = (qd, kd, vd)
+    ops._FP8_PLANS[key] = ops._make_fp8_plan(choice, lambda *args: None, qq, kq, True, None, 0.125, None, given)
+    n = 2000
+
+    def call():
+        return cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+
+    seconds = min(timeit.repeat(call, number=n, repeat=5)) / n
+    assert seconds < 30e-6, f"{seconds * 1e6:.1f} us per planned fp8 call on the host"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_support import pretend_h200
 
 import cutefa
 from cutefa import cli, codegen, dispatch, ops, pack, space
@@ -610,13 +611,7 @@ def fake_gpu(monkeypatch):
         validations.append(args[0].shape)
         return real_validate(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(ops, "get_kernel", get_kernel)
-    monkeypatch.setattr(ops, "validate_inputs", validate)
-    monkeypatch.setattr(ops, "_PLANS", {})
-    monkeypatch.setattr(dispatch, "device_target", lambda device=None: ("sm_90a", "NVIDIA H200"))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
-    dispatch.clear_caches()
+    pretend_h200(monkeypatch, ops, get_kernel=get_kernel, validate_inputs=validate, _PLANS={})
     return kernels, validations
 
 
