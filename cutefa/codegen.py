@@ -24,6 +24,7 @@ from cutefa.space import (
     sm90_bwd_swapped,
     sm90_fp8_consumer_regs,
     sm90_fp8_producer_regs,
+    sm90_fp8_ptxas_options,
     smem_bytes,
     why_invalid,
     why_no_kernel,
@@ -60,6 +61,7 @@ def derived(spec: VariantSpec) -> dict[str, object]:
     if (spec.arch, spec.direction, spec.dtype) == ("sm90", "fwd", "e4m3"):
         values["consumer_regs"] = sm90_fp8_consumer_regs(spec)
         values["producer_regs"] = sm90_fp8_producer_regs(spec)
+        values["ptxas_options"] = sm90_fp8_ptxas_options(spec)
     if (spec.arch, spec.direction) == ("sm90", "bwd"):
         values["dq_pieces"] = sm90_bwd_dq_pieces(spec)
         values["dq_alias"] = sm90_bwd_dq_bulk_aliases(spec)

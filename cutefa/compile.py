@@ -570,8 +570,9 @@ def get_kernel(spec: VariantSpec, target: str) -> Callable[..., Any]:
 
 
 def _with_sm_count(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn(q, k, v, o, lse, softmax_scale)`` for a persistent kernel, whose compiled entry also
-    takes the number of CTAs to launch: the SM count of q's GPU (looked up once per device)."""
+    """``fn(q, k, v, o, lse, softmax_scale)`` (the fp8 forward: with its three descales before the
+    scale) for a persistent kernel, whose compiled entry also takes the number of CTAs to launch:
+    the SM count of q's GPU (looked up once per device)."""
     return _WithSmCount(fn)
 
 
@@ -592,8 +593,10 @@ class _WithSmCount:
             self._counts[device] = sms
         return sms
 
-    def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, softmax_scale: float) -> Any:
-        return self.fn(q, k, v, o, lse, softmax_scale, self.sms(q.get_device()))
+    def __call__(self, *args: Any) -> Any:
+        # (q, k, v, o, lse, softmax_scale) or the fp8 forward's (q, k, v, o, lse, q_descale,
+        # k_descale, v_descale, softmax_scale): the SM count goes last either way.
+        return self.fn(*args, self.sms(args[0].get_device()))
 
     def bind(self, args: Sequence[Any], tensor_slots: Sequence[int]) -> Any:
         """:meth:`cutefa.ffi.Function.bind` of the kernel with the SM count appended (AttributeError

@@ -226,6 +226,11 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             # spill; docs/perf-notes.md, "fp8 causal: the select mask").
             (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True}),
             (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True, "lazy_rescale": True}),
+            # The tuned tiles (this one and hd256's 128x96 `_lres`) on the persistent scheduler: one
+            # CTA per SM walks the tiles longest-first, and the producer loads the next tile's first
+            # K/V block and Q while the consumers finish the last P V and store O
+            # (docs/perf-notes.md, "fp8: the persistent scheduler").
+            (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True, "lazy_rescale": True, "persistent": True}),
         ),
         256: (
             # The default tile and schedule without lazy_rescale (the default before it), with 2
@@ -244,6 +249,10 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             (Tile(128, 96, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             (Tile(128, 96, 2, 12), {"overlap": True, "hoist_vt": True}),
             (Tile(128, 96, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True}),
+            (
+                Tile(128, 96, 2, 12),
+                {"overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True, "persistent": True},
+            ),
         ),
     },
 }
@@ -979,6 +988,24 @@ def _sm90_regs(spec: VariantSpec) -> str | None:
     return None
 
 
+def sm90_fp8_ptxas_options(spec: VariantSpec) -> str:
+    """Extra ptxas options of an sm90 e4m3 forward (templates/fwd_sm90_fp8.py.j2 renders them as
+    PTXAS_OPTIONS): ``-regUsageLevel 3`` for the tiles on which ptxas, at its default level, gives
+    up the uniform datapath since P is converted a register at a time (fp8.convert_p): WGMMA
+    descriptors and pipeline state in regular registers, 150-290 R2UR, ~450 more instructions,
+    and spills in some (hd256 128x64 causal, hd192 causal with block quantization, hd128 128x128
+    non-causal with 3 stages without the hoisted or with the wide transpose). Level 3 keeps them
+    uniform; on the other tiles it costs instructions (hd256 128x96: +10 per key block), so it is
+    not the rule. tests/test_compile_sm90_fp8.py bounds every variant's R2UR count."""
+    narrow_causal = spec.causal and spec.head_dim == 256 and spec.tile_n == 64
+    block_causal = spec.causal and spec.block_quant and spec.head_dim == 192
+    wide_s3 = (
+        not spec.causal and spec.head_dim == 128 and (spec.tile_m, spec.tile_n, spec.stages) == (128, 128, 3)
+        and (spec.wide_vt or not spec.hoist_vt)
+    )  # fmt: skip
+    return "-regUsageLevel 3" if narrow_causal or block_causal or wide_s3 else ""
+
+
 def _sm90_fp8(spec: VariantSpec) -> str | None:
     """The fp8 forward's own limits (templates/fwd_sm90_fp8.py.j2)."""
     if spec.dtype != "e4m3":
@@ -1000,8 +1027,8 @@ def _sm90_fp8(spec: VariantSpec) -> str | None:
             f"tile_n={spec.tile_n} is not a multiple of {SM90_FP8_MMA_K} (the k of an fp8 WGMMA, and the "
             "32-key blocks in which V is transposed and permuted)"
         )
-    if spec.persistent:
-        return "persistent: the sm90 fp8 forward has no persistent scheduler"
+    if spec.persistent and spec.block_quant:
+        return "persistent with block_quant: the block-quantization path has no persistent scheduler"
     return None
 
 

@@ -88,6 +88,21 @@ def test_in_place_conversion_puts_key_of_a_column_at_each_operand_column(tile_n)
     assert len(seen) == ROWS * tile_n  # every operand element written exactly once
 
 
+@pytest.mark.parametrize("tile_n", [64, 96, 128, 160])
+def test_register_conversion_places_each_score_as_the_in_place_store(tile_n):
+    """``fp8.convert_p`` builds each 32-bit A register from four scores (p_register_sources):
+    score v_c = j + 2 r + 4 b of the accumulator must land at _p_offset(j, r, b), each once."""
+    kblocks = tile_n // 32
+    placed = {}
+    for w, sources in enumerate(fp8.p_register_sources(kblocks)):
+        for byte, v_c in enumerate(sources):
+            assert v_c not in placed, v_c
+            placed[v_c] = 4 * w + byte
+    blocks = range(tile_n // 8)
+    assert placed == {j + 2 * r + 4 * b: _p_offset(j, r, b) for b in blocks for r in range(2) for j in range(2)}
+    assert sorted(placed.values()) == list(range(tile_n // 2))  # every byte of every register written
+
+
 def _transpose(v_tile: np.ndarray) -> np.ndarray:
     """The producer warpgroup's transpose, modelled word by word with fp8.transpose_unit."""
     tile_n, head_dim = v_tile.shape

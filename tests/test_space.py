@@ -411,7 +411,7 @@ def test_sm100_pair_candidates_and_defaults():
     [
         (FP8.replace(tile_m=64, warps=8, pingpong=False), "tile_m=64: the sm90 fp8 forward runs two or three consumer"),
         (FP8.replace(tile_n=80), "tile_n=80 is not a multiple of 32 (the k of an fp8 WGMMA"),
-        (FP8.replace(persistent=True), "persistent: the sm90 fp8 forward has no persistent scheduler"),
+        (FP8.replace(persistent=True, block_quant=True), "persistent with block_quant: the block-quantization path"),
         # Q 32 KiB + 2 stages x (K, V, Vt) of 32 KiB each = 224 KiB, with 3 stages over the limit.
         (FP8.replace(head_dim=256, stages=3), "needs 321.0 KiB of shared memory, over the 227 KiB"),
         # O 128 + S 64 + P 16 + 48 = 256 registers per consumer thread.
@@ -452,7 +452,7 @@ def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
     committed = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
     alternatives = space.fp8_alternative_specs("sm90")
     assert set(alternatives) <= set(committed)
-    assert len(alternatives) <= 36  # a short list for one GPU run, not a sweep (hoist_vt, wide_vt and lazy_rescale twins included)
+    assert len(alternatives) <= 38  # a short list for one GPU run, not a sweep (hoist_vt, wide_vt, lazy_rescale and persistent twins included)
     fp8 = [s for s in committed if s not in alternatives and not s.block_quant]
     assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
     assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not, on the default tile and schedule

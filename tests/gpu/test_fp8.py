@@ -27,7 +27,7 @@ from gpu_support import load_sibling as _load
 from gpu_support import sm90_kernel_skip_reason
 
 import cutefa
-from cutefa import fp8, space
+from cutefa import fp8, ops, space
 
 ref = _load("reference")
 
@@ -264,7 +264,8 @@ def test_flag_variants_are_tested(flag):
     its twin without the flag."""
     flagged = [s for s in FP8_VARIANTS if getattr(s, flag)]
     assert {(s.head_dim, s.causal) for s in flagged} == {(128, False), (128, True), (256, False), (256, True)}
-    assert all(s.replace(**{flag: False}) in FP8_VARIANTS for s in flagged)
+    # (a persistent variant's twin is the one-CTA-per-tile one: test_persistent_matches_its_twin)
+    assert all(s.replace(**{flag: False}, persistent=False) in FP8_VARIANTS for s in flagged)
 
 
 @pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
@@ -274,6 +275,44 @@ def test_wide_transpose_matches_its_twin(gen, spec):
     bitwise equal. (test_variant and test_v_transpose_places_every_byte take the _wvt variants too:
     they run every committed e4m3 variant.)"""
     _assert_bitwise_equal_to_twin(gen, spec, spec.replace(wide_vt=False))
+
+
+# The persistent scheduler (_persist): committed on the tuned hd128 192x96 and hd256 128x96 tiles.
+PERSISTENT = [s for s in FP8_VARIANTS if s.persistent]
+
+
+def test_persistent_variants_are_tested():
+    assert {(s.head_dim, s.causal) for s in PERSISTENT} == {(128, False), (128, True), (256, False), (256, True)}
+    assert all(s.replace(persistent=False) in FP8_VARIANTS for s in PERSISTENT)
+
+
+@pytest.mark.parametrize("spec", PERSISTENT, ids=lambda s: s.name)
+def test_persistent_matches_its_twin(gen, spec):
+    """A _persist variant computes every tile as its one-CTA-per-tile twin does: outputs and LSEs
+    bitwise equal on the ragged SHAPES, with the grid the GPU's SM count and also 1 and 7 CTAs, so
+    that each CTA walks many tiles (both directions of the boustrophedon order, the pipelines'
+    state carried from tile to tile, causal tiles of every length, partial last tiles)."""
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+
+    persistent, twin = get_kernel(spec, current_target()), get_kernel(spec.replace(persistent=False), current_target())
+    scale = ref.default_scale(spec.head_dim)
+    for batch, sq, sk, hq, hkv in SHAPES:
+        q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
+        fp8s, descales = quantize(q, k, v)
+        args = (*kv_head_descales(descales, batch, hkv), scale)
+        expect_out = torch.full((batch, sq, hq, spec.head_dim), math.nan, dtype=torch.bfloat16, device="cuda")
+        expect_lse = torch.full((batch, hq, sq), math.nan, device="cuda")
+        twin(*fp8s, expect_out, expect_lse, *args)
+        for grid in (None, 1, 7):
+            out, lse = torch.full_like(expect_out, math.nan), torch.full_like(expect_lse, math.nan)
+            if grid is None:
+                persistent(*fp8s, out, lse, *args)  # the SM count
+            else:
+                persistent.fn(*fp8s, out, lse, *args, grid)
+            what = f"{spec.name} grid {grid} {(batch, sq, sk, hq, hkv)}"
+            assert torch.equal(out.view(torch.int16), expect_out.view(torch.int16)), what
+            assert torch.equal(lse.view(torch.int32), expect_lse.view(torch.int32)), what
 
 
 # lazy_rescale (_lres): committed beside the hd128 and hd256 defaults (and hd256's 128x96 tile).
@@ -292,7 +331,9 @@ def test_lazy_rescale_on_rising_maxes(gen, spec):
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
 
-    kernels = (get_kernel(spec, current_target()), get_kernel(spec.replace(lazy_rescale=False), current_target()))
+    # the twin without the flag (of a persistent variant: the committed one-CTA-per-tile twin)
+    twin = spec.replace(lazy_rescale=False, persistent=False)
+    kernels = (get_kernel(spec, current_target()), get_kernel(twin, current_target()))
     d = spec.head_dim
     scale = ref.default_scale(d)
     for batch, sq, sk, hq, hkv in ((1, 4097, 4097, 2, 1), (2, 1000, 1000, 2, 2), (1, 300, 2500, 4, 2)):
@@ -351,6 +392,18 @@ def test_api(gen, head_dim, causal, granularity):
     exact, exact_lse = ref.attention_ref(q, k, v, causal=causal)
     emul, emul_lse = emulate(fp8s, descales, causal=causal, scale=ref.default_scale(head_dim))
     check(out, lse, exact, exact_lse, emul, emul_lse, what=f"api hd{head_dim} {granularity}")
+    # The same call again takes its plan (no validation or dispatch): the same result, bitwise,
+    # on new NaN-poisoned outputs; new descale values of the same kind go through the plan too.
+    ops.clear_plans()
+    kwargs = {"causal": causal, "q_descale": descales[0], "k_descale": descales[1], "return_lse": True}
+    first = cutefa.flash_attn_func(*fp8s, v_descale=descales[2], **kwargs)
+    assert len(ops._FP8_PLANS) == 1
+    again = cutefa.flash_attn_func(*fp8s, v_descale=descales[2], **kwargs)
+    for a, b in zip(first, again):
+        assert a.data_ptr() != b.data_ptr() and torch.equal(a, b), f"api hd{head_dim} {granularity} plan"
+    doubled, _ = cutefa.flash_attn_func(*fp8s, v_descale=2 * descales[2], **kwargs)
+    assert len(ops._FP8_PLANS) == 1
+    torch.testing.assert_close(doubled.float(), 2 * first[0].float(), rtol=1e-2, atol=1e-2)
 
 
 def test_backward_is_refused(gen):

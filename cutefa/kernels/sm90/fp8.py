@@ -18,11 +18,13 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cutefa.kernels.common.exp2 import exp2_fma
 from cutefa.kernels.common.lazy_rescale import block_row_maxes, warp_moves_max
+from cutefa.kernels.common.ptx import pure_asm
 from cutefa.kernels.common.softmax import LN_2, quad_allreduce_max, quad_allreduce_sum
 from cutefa.kernels.sm90.parts import WG_ROWS, WG_THREADS
 
@@ -129,6 +131,63 @@ def p_views(acc_S: cute.Tensor):
 # Offsets in the A-operand fragment of accumulator value (j, r, b1, h, kb): column pair j, row half
 # r, and 8-key block b = 4 kb + 2 h + b1 (the fragment is ((4, 2, 2), 1, kblocks) : ((1, 4, 8), 0, 16)).
 P_STRIDES = (1, 4, 2, 8, 16)
+
+# Offsets of accumulator value (j, r, b1, h, kb) in the fp32 S fragment (the acc_view of p_views).
+ACC_STRIDES = (1, 2, 4, 8, 16)
+
+
+def p_register_sources(kblocks: int) -> list[tuple[int, int, int, int]]:
+    """Per 32-bit register w of the e4m3 P fragment (``p_views``' rP, 4 x ``kblocks`` registers),
+    the S accumulator offsets of its bytes 0..3: the same placement as ``rP_acc.store(acc_view...)``
+    (value (j, r, b1, h, kb) at rP offset P_STRIDES . (j, r, b1, h, kb)), one register at a time.
+    Plain integers (the CPU tests check it against p_views' strides)."""
+    sources = [[-1] * 4 for _ in range(4 * kblocks)]
+    for kb in range(kblocks):
+        for h in range(2):
+            for b1 in range(2):
+                for r in range(2):
+                    for j in range(2):
+                        index = (j, r, b1, h, kb)
+                        offset = sum(i * s for i, s in zip(index, P_STRIDES))
+                        sources[offset // 4][offset % 4] = sum(i * s for i, s in zip(index, ACC_STRIDES))
+    return [tuple(w) for w in sources]
+
+
+@dsl_user_op
+def cvt_e4m3_quad(b0: Float32, b1: Float32, b2: Float32, b3: Float32, *, loc=None, ip=None) -> Int32:
+    """``b0``..``b3`` rounded to nearest even e4m3 (saturating to +-448, NaN kept), packed into one
+    32-bit word, ``b0`` in the lowest byte: two ``cvt.rn.satfinite.e4m3x2.f32`` and a ``mov.b32``
+    of the halves (two F2FP and a PRMT in SASS). Every byte of the word is written here, so the
+    compiler sees no dependence on the register's previous value."""
+    operands = [Float32(x).ir_value(loc=loc, ip=ip) for x in (b1, b0, b3, b2)]
+    return Int32(
+        pure_asm(
+            T.i32(),
+            operands,
+            # In each cvt the first source goes to the upper byte of the 16-bit result.
+            "{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, $1, $2;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $3, $4;\nmov.b32 $0, {lo, hi};\n}",
+            "=r,f,f,f,f",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@cute.jit
+def convert_p(acc_S: cute.Tensor, rP: cute.Tensor):
+    """P (the fp32 S fragment after the softmax) to e4m3 into ``rP`` (``p_views``), one 32-bit A
+    register at a time from its four scores (:func:`cvt_e4m3_quad`):
+    the values and places of ``rP_acc.store(acc_view.load().to(FP8))``, but no register is built
+    from byte inserts into its previous contents (the DSL's lowering of that store left ~19 PRMT
+    per key block, and a dependence of each key block's first P register on the last one)."""
+    kblocks = cute.size(acc_S.layout.shape[0][2]) // 4
+    sources = p_register_sources(kblocks)
+    acc = cute.make_tensor(acc_S.iterator, cute.make_layout(cute.size(acc_S)))
+    words = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=Int32), cute.make_layout(4 * kblocks))
+    for w in cutlass.range_constexpr(4 * kblocks):
+        b0, b1, b2, b3 = sources[w]
+        words[w] = cvt_e4m3_quad(acc[b0], acc[b1], acc[b2], acc[b3])
 
 
 def transpose_unit(tid, i, head_dim: int):
