@@ -553,13 +553,17 @@ def clear_plans() -> None:
 
 
 def _descale_kind(d: object) -> tuple[Any, ...] | None:
-    """What an fp8 plan's key records of a descale: None, or a tensor's shape, dtype, device and
-    contiguity (anything else keeps its type: validation refuses it, so no plan has such a key)."""
+    """What an fp8 plan's key records of a descale: None, or a plain tensor's shape, dtype, device
+    and contiguity. Anything else (not a tensor, or a tensor subclass) gives _NO_PLAN: such a call
+    goes the validating way and leaves no plan."""
     if d is None:
         return None
     if d.__class__ is not _Tensor:
-        return (d.__class__,)
+        return _NO_PLAN
     return (d.shape, d.dtype, d.is_cuda, d.get_device(), d.is_contiguous())
+
+
+_NO_PLAN = ("no plan",)
 
 
 def _make_fp8_plan(
@@ -810,7 +814,8 @@ def flash_attn_func(
         ):
             return plan(q, k, v, return_lse)
         if key is not None and q.dtype in FP8_DTYPES:
-            key = (key, _descale_kind(q_descale), _descale_kind(k_descale), _descale_kind(v_descale), out_dtype)
+            kinds = (_descale_kind(q_descale), _descale_kind(k_descale), _descale_kind(v_descale))
+            key = None if _NO_PLAN in kinds else (key, *kinds, out_dtype)
             try:
                 plan = _FP8_PLANS.get(key)
             except TypeError:  # an unhashable out_dtype: validation names it

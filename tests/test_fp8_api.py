@@ -358,6 +358,16 @@ def test_fp8_plans_follow_the_descale_kinds(fp8_plans):
     assert kernel.calls[6][0].is_contiguous() and torch.equal(kernel.calls[6][0], qd)  # a copy of the strided one
 
 
+def test_fp8_descale_subclasses_have_no_plan(fp8_plans):
+    _, validations = fp8_plans
+    _, ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
+    qd = torch.nn.Parameter(qd, requires_grad=False)  # a tensor subclass: the key cannot vouch for it
+    cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
+    first = len(validations)
+    cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert not ops._FP8_PLANS and first > 0 and len(validations) == 2 * first  # validated again
+
+
 def test_fp8_block_descales_have_no_plan(fp8_plans):
     _, validations = fp8_plans
     q, k, v = rand(1, 256, 2, 64, seed=1), rand(1, 256, 2, 64, seed=2), rand(1, 256, 2, 64, seed=3)
