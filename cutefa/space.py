@@ -229,7 +229,7 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             # The tuned tiles (this one and hd256's 128x96 `_lres`) on the persistent scheduler: one
             # CTA per SM walks the tiles longest-first, and the producer loads the next tile's first
             # K/V block and Q while the consumers finish the last P V and store O
-            # (docs/perf-notes.md, "fp8: the persistent scheduler").
+            # (docs/perf-notes.md, "fp8: where the fixed cost goes; ... the persistent scheduler").
             (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True, "lazy_rescale": True, "persistent": True}),
         ),
         256: (

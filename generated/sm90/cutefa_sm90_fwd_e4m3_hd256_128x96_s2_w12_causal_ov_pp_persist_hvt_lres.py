@@ -190,7 +190,9 @@ class Kernel:
         # pipeline's state carries on from one tile to the next.
         pairs = heads_q * batch_size
         tile_count = num_m * pairs
-        lpt_group = parts.lpt_group(seqlen_k, HEAD_DIM, 1)
+        # One section of all (head, batch) pairs: the rounds then run down one longest-first order
+        # (sections restart it, and a round across a section boundary pairs long tiles with long).
+        lpt_group = pairs
         last_round = cute.ceil_div(tile_count, grid_x) - 1
         last_slot = bx + (last_round & 1) * (grid_x - 1 - 2 * bx)
         # Every round before the last is full; the last holds this CTA's slot or not.
