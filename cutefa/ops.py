@@ -283,7 +283,7 @@ def _fp8_descale(name: str, d: object, q: torch.Tensor, k: torch.Tensor) -> torc
     if d.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}; got {d.device}")
     if d.numel() == 1 and d.dim() <= 2:
-        return d.reshape(1, 1).expand(batch, heads_kv).clone(memory_format=torch.contiguous_format)
+        return _per_tensor(d, batch, heads_kv)
     if tuple(d.shape) != (batch, heads_kv) and not (d.dim() == 3 and tuple(d.shape[:2]) == (batch, heads_kv)):
         raise ValueError(
             f"{name} must have shape () or (batch, heads_kv) = {(batch, heads_kv)}, or (batch, heads_kv, blocks) "
@@ -291,6 +291,11 @@ def _fp8_descale(name: str, d: object, q: torch.Tensor, k: torch.Tensor) -> torc
             "attention q's descale is per kv head too: quantize q with group=heads_q // heads_kv)"
         )
     return d if d.is_contiguous() else d.clone(memory_format=torch.contiguous_format)
+
+
+def _per_tensor(d: torch.Tensor, batch: int, heads_kv: int) -> torch.Tensor:
+    """A one-element (per-tensor) descale as the kernel's contiguous (batch, heads_kv) one."""
+    return d.reshape(1, 1).expand(batch, heads_kv).clone(memory_format=torch.contiguous_format)
 
 
 def _block_choice(choice: dispatch.Choice) -> dispatch.Choice:
@@ -515,10 +520,7 @@ def _fp8_call(
         if launched is not None and key is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             given = (q_descale, k_descale, v_descale)
             plan = _make_fp8_plan(*launched, q, k, causal, softmax_scale, scale, out_dtype, given)  # type: ignore[arg-type]
-            with _PLAN_LOCK:
-                while len(_FP8_PLANS) >= MAX_PLANS:
-                    _FP8_PLANS.pop(next(iter(_FP8_PLANS)))
-                _FP8_PLANS[key] = plan
+            _remember(_FP8_PLANS, key, plan)
     else:
         out, lse = flash_fwd_fp8(q, k, v, *descales, causal, scale)
     return (out, lse) if return_lse else out
@@ -550,6 +552,14 @@ def clear_plans() -> None:
     """Forget the memoized call plans (:func:`cutefa.dispatch.clear_caches` does it too)."""
     _PLANS.clear()
     _FP8_PLANS.clear()
+
+
+def _remember(plans: dict[tuple[Any, ...], Callable[..., Any]], key: tuple[Any, ...], plan: Callable[..., Any]) -> None:
+    """``plans[key] = plan``, dropping the oldest plans beyond :data:`MAX_PLANS`."""
+    with _PLAN_LOCK:
+        while len(plans) >= MAX_PLANS:
+            plans.pop(next(iter(plans)))
+        plans[key] = plan
 
 
 def _descale_kind(d: object) -> tuple[Any, ...] | None:
@@ -605,7 +615,7 @@ def _make_fp8_plan(
             return ones
         if form == "copy":
             return d.contiguous()  # type: ignore[union-attr]
-        return d.reshape(1, 1).expand(batch, heads_kv).clone(memory_format=torch.contiguous_format)  # type: ignore[union-attr]
+        return _per_tensor(d, batch, heads_kv)  # type: ignore[arg-type]
 
     def plan(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor | None,
@@ -748,11 +758,7 @@ def _eager(
     # graph's private pool (warm up before capturing; then the plan exists already).
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     if launched is not None and key is not None and not capturing:
-        plan = _make_plan(*launched, q, k, causal, scale)
-        with _PLAN_LOCK:
-            while len(_PLANS) >= MAX_PLANS:
-                _PLANS.pop(next(iter(_PLANS)))
-            _PLANS[key] = plan
+        _remember(_PLANS, key, _make_plan(*launched, q, k, causal, scale))
     return (out, lse) if return_lse else out
 
 
@@ -851,7 +857,7 @@ _dispatch_modes: Callable[[], Any] = getattr(torch._C, "_len_torch_dispatch_stac
 
 def _plan_options(causal: object, softmax_scale: object, deterministic: object) -> bool:
     """Whether options that equal a plan key's are also of the types validation accepts (a key
-    equal to a validated one can still hold causal=1 or softmax_scale=True: those are no plans')."""
+    equal to a validated one can still hold causal=1 or softmax_scale=True, which no plan takes)."""
     return causal.__class__ is bool and softmax_scale.__class__ is not bool and deterministic.__class__ is bool
 
 
