@@ -4,7 +4,7 @@ The kernel converts the fp32 accumulator of S = Q K^T in place into the e4m3 reg
 O += P Vt, which puts the probability of key ``key_of_a_column(k)`` at operand column k, and its
 producer warpgroup writes Vt with the same key permutation. Here both are modelled with the WGMMA
 register layouts (thread, value) -> (row, col) that the DSL's atom reports (checked against the DSL
-in tests/test_compile_sm90_fp8.py), the in-place conversion layout of ``fp8.p_views`` and the
+in tests/test_compile_sm90_fp8.py), the in-place conversion layout of ``fp8.convert_p`` and the
 transpose's own index function ``fp8.transpose_unit``, and the product is compared with P V.
 """
 
@@ -46,7 +46,7 @@ TV_C = _layout(fp8.TV_LAYOUT_C_N128)
 
 
 def _p_offset(j: int, r: int, b: int) -> int:
-    """Where ``fp8.p_views`` stores accumulator value (j, r, b) in the A-operand fragment
+    """Where ``fp8.convert_p`` stores accumulator value (j, r, b) in the A-operand fragment
     (strides ((1, 4, (2, 8, 16)))): column pair j, row half r, 8-key block b = 4 kb + 2 h + b1."""
     b1, h, kb = b % 2, (b // 2) % 2, b // 4
     strides = fp8.P_STRIDES

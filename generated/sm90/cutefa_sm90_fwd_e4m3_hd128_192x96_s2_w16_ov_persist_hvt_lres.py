@@ -270,7 +270,7 @@ class Kernel:
             corr = cute.make_rmem_tensor((cute.size(o_mn, mode=[0]),), Float32)
             acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((parts.WG_ROWS, TILE_N)), Float32)
             s_mn = parts.acc_mn_view(acc_S)
-            rP, _, _ = fp8.p_views(acc_S)  # P's e4m3 register fragment (fp8.convert_p fills it)
+            rP = fp8.p_fragment(acc_S)  # P's e4m3 register fragment (fp8.convert_p fills it)
             for rnd in cutlass.range(my_tiles, unroll=1):
                 t = rnd * grid_x + bx + (rnd & 1) * (grid_x - 1 - 2 * bx)  # this CTA's slot of round rnd
                 m_block, head, batch = parts.lpt_tile(t, num_m, heads_q, pairs, lpt_group)

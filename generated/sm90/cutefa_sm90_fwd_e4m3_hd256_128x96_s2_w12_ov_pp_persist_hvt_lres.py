@@ -270,7 +270,7 @@ class Kernel:
             corr = cute.make_rmem_tensor((cute.size(o_mn, mode=[0]),), Float32)
             acc_S = cute.make_rmem_tensor(qk_thr.partition_shape_C((parts.WG_ROWS, TILE_N)), Float32)
             s_mn = parts.acc_mn_view(acc_S)
-            rP, _, _ = fp8.p_views(acc_S)  # P's e4m3 register fragment (fp8.convert_p fills it)
+            rP = fp8.p_fragment(acc_S)  # P's e4m3 register fragment (fp8.convert_p fills it)
             # The ping-pong turn passes on across tiles: both warpgroups issue as many GEMMs per tile
             # (each tile's last hand-over, to warpgroup 0, opens the next tile's first issue), so
             # warpgroup 1 lets warpgroup 0 issue first once, and warpgroup 0 takes the last hand-over

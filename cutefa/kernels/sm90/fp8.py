@@ -111,36 +111,27 @@ def smem_layouts(tile_n: int, head_dim: int, q_slabs: int, stages: int):
     return sq, sk, sk, svt
 
 
-def p_views(acc_S: cute.Tensor):
-    """(rP, acc_view, rP_acc): rP is the e4m3 A-operand fragment ((4,2,2), 1, tile_n/32) of P; acc_view
-    and rP_acc view acc_S and rP with one shape, so that ``rP_acc.store(acc_view.load().to(FP8))``
-    converts S in place (see :func:`key_of_a_column`).
-
-    The accumulator value (j, r, b) (column pair j, row half r, 8-key block b = 4 kb + 2 h + b1)
-    lands at A register j + 2 b1 + 4 r + 8 h of k-block kb."""
-    n_blocks = cute.size(acc_S.layout.shape[0][2])
-    kblocks = n_blocks // 4
-    rP = cute.make_rmem_tensor(cute.make_layout(((4, 2, 2), 1, kblocks), stride=((1, 4, 8), 0, 16)), FP8)
-    shape = ((2, 2, (2, 2, kblocks)), 1, 1)
-    acc_view = cute.make_tensor(acc_S.iterator, cute.make_layout(shape, stride=((1, 2, (4, 8, 16)), 0, 0)))
-    j, r, b1, h, kb = P_STRIDES
-    rP_acc = cute.make_tensor(rP.iterator, cute.make_layout(shape, stride=((j, r, (b1, h, kb)), 0, 0)))
-    return rP, acc_view, rP_acc
+def p_fragment(acc_S: cute.Tensor):
+    """The e4m3 A-operand fragment ((4,2,2), 1, tile_n/32) of P for the S accumulator ``acc_S``,
+    which :func:`convert_p` fills from it in place (see :func:`key_of_a_column`): accumulator value
+    (j, r, b) (column pair j, row half r, 8-key block b = 4 kb + 2 h + b1) lands at A register
+    j + 2 b1 + 4 r + 8 h of k-block kb (:data:`P_STRIDES`)."""
+    kblocks = cute.size(acc_S.layout.shape[0][2]) // 4
+    return cute.make_rmem_tensor(cute.make_layout(((4, 2, 2), 1, kblocks), stride=((1, 4, 8), 0, 16)), FP8)
 
 
 # Offsets in the A-operand fragment of accumulator value (j, r, b1, h, kb): column pair j, row half
 # r, and 8-key block b = 4 kb + 2 h + b1 (the fragment is ((4, 2, 2), 1, kblocks) : ((1, 4, 8), 0, 16)).
 P_STRIDES = (1, 4, 2, 8, 16)
 
-# Offsets of accumulator value (j, r, b1, h, kb) in the fp32 S fragment (the acc_view of p_views).
+# Offsets of accumulator value (j, r, b1, h, kb) in the fp32 S fragment (its register order).
 ACC_STRIDES = (1, 2, 4, 8, 16)
 
 
 def p_register_sources(kblocks: int) -> list[tuple[int, int, int, int]]:
-    """Per 32-bit register w of the e4m3 P fragment (``p_views``' rP, 4 x ``kblocks`` registers),
-    the S accumulator offsets of its bytes 0..3: the same placement as ``rP_acc.store(acc_view...)``
-    (value (j, r, b1, h, kb) at rP offset P_STRIDES . (j, r, b1, h, kb)), one register at a time.
-    Plain integers (the CPU tests check it against p_views' strides)."""
+    """Per 32-bit register w of the e4m3 P fragment (:func:`p_fragment`, 4 x ``kblocks`` registers),
+    the S accumulator offsets (ACC_STRIDES) of its bytes 0..3: value (j, r, b1, h, kb) at rP offset
+    P_STRIDES . (j, r, b1, h, kb). Plain integers (the CPU tests check the placement)."""
     sources = [[-1] * 4 for _ in range(4 * kblocks)]
     for kb in range(kblocks):
         for h in range(2):
@@ -176,11 +167,11 @@ def cvt_e4m3_quad(b0: Float32, b1: Float32, b2: Float32, b3: Float32, *, loc=Non
 
 @cute.jit
 def convert_p(acc_S: cute.Tensor, rP: cute.Tensor):
-    """P (the fp32 S fragment after the softmax) to e4m3 into ``rP`` (``p_views``), one 32-bit A
-    register at a time from its four scores (:func:`cvt_e4m3_quad`):
-    the values and places of ``rP_acc.store(acc_view.load().to(FP8))``, but no register is built
-    from byte inserts into its previous contents (the DSL's lowering of that store left ~19 PRMT
-    per key block, and a dependence of each key block's first P register on the last one)."""
+    """P (the fp32 S fragment after the softmax) to e4m3 into ``rP`` (:func:`p_fragment`), one 32-bit
+    A register at a time from its four scores (:func:`cvt_e4m3_quad`), so that no register is built
+    from byte inserts into its previous contents (the DSL's lowering of a tensor store through a
+    view with P_STRIDES left ~19 PRMT per key block, and a dependence of each key block's first P
+    register on the last one)."""
     kblocks = cute.size(acc_S.layout.shape[0][2]) // 4
     sources = p_register_sources(kblocks)
     acc = cute.make_tensor(acc_S.iterator, cute.make_layout(cute.size(acc_S)))
@@ -822,8 +813,8 @@ __all__ = [
     "lane_masks",
     "online_softmax_step",
     "online_softmax_step_block",
+    "p_fragment",
     "p_offset_log2",
-    "p_views",
     "pv_tiled_mma",
     "qk_tiled_mma",
     "rescale_rows",
