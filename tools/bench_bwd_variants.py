@@ -10,6 +10,17 @@ one dQ split (deterministic=0), as dispatch runs it.
 
     python3 tools/bench_bwd_variants.py                          # hd 64,128,192,256, bf16
     python3 tools/bench_bwd_variants.py --hdim 128 --seqlen 2048,8192 --causal 1 --dtype fp16
+
+``--variants`` A/B-tests named sm80 backward variants instead (committed or not: a name the space
+accepts is rendered and compiled, or taken from a kernel pack): one row per (causal, seqlen), one
+column per variant (a name's causal twin runs the causal rows), the variants and FlashAttention-2's
+backward (torch SDPA's flash backend, autograd of its forward) timed in turns for ``--rounds``
+rounds, each cell the mean TFLOP/s and its ratio to FA2. Before timing, every variant's dQ, dK and
+dV (outputs poisoned with NaN first) are compared with the first variant's; a variant more than 2%
+apart (relative L2), or NaN, is marked in its row.
+
+    python3 tools/bench_bwd_variants.py --variants cutefa_sm80_bwd_bf16_hd192_64x64_s1_w8_dqtile,\
+        cutefa_sm80_bwd_bf16_hd192_64x64_s2_w8_dqtile --seqlen 2048,16384 --rounds 3
 """
 
 from __future__ import annotations
@@ -37,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--variants", help="comma-separated sm80 backward variant names to A/B beside FA2")
+    p.add_argument("--rounds", type=int, default=2, help="with --variants: timing rounds, taken in turns")
     args = p.parse_args(argv)
+    if args.variants:
+        return _ab(args)
 
     import torch
 
@@ -102,6 +117,97 @@ def main(argv: list[str] | None = None) -> int:
                         f"| {spec.name} | {mark} | {int(causal)} | {seqlen} | {ms:.3f} | {flops / ms / 1e9:.0f} |",
                         flush=True,
                     )
+    return 0
+
+
+def _problem(torch, cutefa, dt, hd: int, seqlen: int, causal: bool):
+    """Random q, k, v, dout of the grid's shape, and out / lse from cutefa's forward."""
+    batch, heads = max(1, TOKENS // seqlen), max(1, MODEL_DIM // hd)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, hd, generator=gen, device="cuda", dtype=dt) for _ in range(4))
+    out, lse = cutefa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    return q, k, v, dout, out, lse.float().contiguous()
+
+
+def _ab(args) -> int:
+    """--variants: the named variants and FA2's backward, timed in turns (see the module docs)."""
+    import torch
+
+    import cutefa
+    from cutefa import space
+    from cutefa.backward import dq_accum_workspace
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+    from cutefa.spec import parse_name
+
+    specs = [parse_name(n).replace(causal=False) for n in args.variants.split(",") if n]
+    for spec in specs:
+        if (spec.arch, spec.direction) != ("sm80", "bwd"):
+            raise SystemExit(f"--variants: {spec.name} is not an sm80 backward variant")
+        why = space.why_invalid(spec)
+        if why is not None:
+            raise SystemExit(f"--variants: {spec.name}: {why}")
+    if len({(s.dtype, s.head_dim) for s in specs}) != 1:
+        raise SystemExit("--variants: give variants of one dtype and head dim")
+    dtype, hd = specs[0].dtype, specs[0].head_dim
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    def tflops(flops: float, fn) -> float:
+        return flops / float(do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")) / 1e9
+
+    target = current_target()
+    causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+    labels = [s.name.removeprefix(f"cutefa_sm80_bwd_{dtype}_hd{hd}_") for s in specs]
+    print(f"{dtype} hd{hd}: TFLOP/s (x FA2), mean of {args.rounds} rounds taken in turns")
+    print("| causal | seqlen | FA2 | " + " | ".join(labels) + " |")
+    print("|---|---|---|" + "---|" * len(specs))
+    for causal in causals:
+        for seqlen in args.seqlen:
+            q, k, v, dout, out, lse = _problem(torch, cutefa, dt, hd, seqlen, causal)
+            batch, heads = q.shape[0], q.shape[2]
+            flops = 2.5 * 4.0 * batch * heads * seqlen**2 * hd / (2 if causal else 1)
+            f32 = {"dtype": torch.float32, "device": "cuda"}
+            runs, grads = [], []
+            for spec in specs:
+                spec = spec.replace(causal=causal)
+                kernel = get_kernel(spec, target)
+                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                lse_log2, dpsum = torch.empty((batch, heads, seqlen), **f32), torch.empty((batch, heads, seqlen), **f32)
+                dq_accum = dq_accum_workspace(spec, 1, batch, seqlen, heads, q.device)
+                call = functools.partial(
+                    kernel, q, k, v, out, dout, lse, torch.zeros_like(lse_log2), dq, dk, dv, dq_accum, lse_log2,
+                    dpsum, 1.0 / math.sqrt(hd), 0,
+                )  # fmt: skip
+                for t in (dq, dk, dv):
+                    t.fill_(float("nan"))
+                call()
+                grads.append([t.float() for t in (dq, dk, dv)])
+                runs.append(call)
+            marks = []
+            for i, g in enumerate(grads[1:], 1):
+                for name, x, ref in zip(("dq", "dk", "dv"), g, grads[0]):
+                    err = ((x - ref).norm() / ref.norm()).item()
+                    if not err <= 0.02:  # NaN fails too
+                        marks.append(f"{labels[i]} {name} {err:.3g} from {labels[0]}")
+            qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o_fa2 = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            do_fa2 = dout.transpose(1, 2).contiguous()
+
+            def fa2(o=o_fa2, xs=(qt, kt, vt), g=do_fa2):
+                return torch.autograd.grad(o, xs, g, retain_graph=True)
+
+            fa2_t, ours = [], [[] for _ in runs]
+            for _ in range(args.rounds):
+                fa2_t.append(tflops(flops, fa2))
+                for i, run in enumerate(runs):
+                    ours[i].append(tflops(flops, run))
+            base = sum(fa2_t) / len(fa2_t)
+            cells = [f"{sum(t) / len(t):.0f} ({sum(t) / len(t) / base:.3f})" for t in ours]
+            note = f" MISMATCH: {'; '.join(marks)}" if marks else ""
+            print(f"| {int(causal)} | {seqlen} | {base:.0f} | " + " | ".join(cells) + " |" + note, flush=True)
     return 0
 
 
