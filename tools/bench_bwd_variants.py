@@ -16,8 +16,8 @@ accepts is rendered and compiled, or taken from a kernel pack): one row per (cau
 column per variant (a name's causal twin runs the causal rows), the variants and FlashAttention-2's
 backward (torch SDPA's flash backend, autograd of its forward) timed in turns for ``--rounds``
 rounds, each cell the mean TFLOP/s and its ratio to FA2. Before timing, every variant's dQ, dK and
-dV (outputs poisoned with NaN first) are compared with the first variant's; a variant more than 2%
-apart (relative L2), or NaN, is marked in its row.
+dV (outputs poisoned with NaN first) are compared with the first variant's (which must be finite):
+a variant more than 2% apart (relative L2), or NaN, is marked in its row.
 
     python3 tools/bench_bwd_variants.py --variants cutefa_sm80_bwd_bf16_hd192_64x64_s1_w8_dqtile,\
         cutefa_sm80_bwd_bf16_hd192_64x64_s2_w8_dqtile --seqlen 2048,16384 --rounds 3
@@ -94,18 +94,13 @@ def main(argv: list[str] | None = None) -> int:
             # the default: the default tile with the family's default flags (dq_tile)
             default = tile and VariantSpec("sm80", "bwd", args.dtype, hd, *tile, causal=causal, **extras)
             for seqlen in args.seqlen:
-                batch, heads = max(1, TOKENS // seqlen), max(1, MODEL_DIM // hd)
-                gen = torch.Generator(device="cuda").manual_seed(0)
-                q, k, v, dout = (
-                    torch.randn(batch, seqlen, heads, hd, generator=gen, device="cuda", dtype=dt) for _ in range(4)
-                )
-                out, lse = cutefa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                q, k, v, dout, out, lse = _problem(torch, cutefa, dt, hd, seqlen, causal)
+                batch, heads = q.shape[0], q.shape[2]
                 scale = 1.0 / math.sqrt(hd)
                 f32 = {"dtype": torch.float32, "device": "cuda"}
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
                 lse_log2, dpsum = torch.empty((batch, heads, seqlen), **f32), torch.empty((batch, heads, seqlen), **f32)
                 dlse = torch.zeros_like(lse_log2)
-                lse = lse.float().contiguous()
                 flops = 2.5 * 4.0 * batch * heads * seqlen**2 * hd / (2 if causal else 1)
                 for spec in (s for s in variants if s.head_dim == hd and s.causal == causal):
                     kernel = get_kernel(spec, target)
@@ -185,7 +180,11 @@ def _ab(args) -> int:
                 call()
                 grads.append([t.float() for t in (dq, dk, dv)])
                 runs.append(call)
-            marks = []
+            marks = [
+                f"{labels[0]} {name} not finite"
+                for name, x in zip(("dq", "dk", "dv"), grads[0])
+                if not x.isfinite().all()
+            ]
             for i, g in enumerate(grads[1:], 1):
                 for name, x, ref in zip(("dq", "dk", "dv"), g, grads[0]):
                     err = ((x - ref).norm() / ref.norm()).item()
