@@ -115,6 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _load_bench():
+    """tools/bench.py (its timer, FA2 backend, backward closure and error measure)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cutefa_tools_bench", Path(__file__).with_name("bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _problem(torch, cutefa, dt, hd: int, seqlen: int, causal: bool):
     """Random q, k, v, dout of the grid's shape, and out / lse from cutefa's forward."""
     batch, heads = max(1, TOKENS // seqlen), max(1, MODEL_DIM // hd)
@@ -146,11 +156,9 @@ def _ab(args) -> int:
         raise SystemExit("--variants: give variants of one dtype and head dim")
     dtype, hd = specs[0].dtype, specs[0].head_dim
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
-
-    def tflops(flops: float, fn) -> float:
-        return flops / float(do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")) / 1e9
+    bench = _load_bench()
+    _, time_ms = bench.make_timer(args.warmup, args.rep)
+    (fa2_backend,) = bench.load_backends(["FA2"])
 
     target = current_target()
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
@@ -187,22 +195,17 @@ def _ab(args) -> int:
             ]
             for i, g in enumerate(grads[1:], 1):
                 for name, x, ref in zip(("dq", "dk", "dv"), g, grads[0]):
-                    err = ((x - ref).norm() / ref.norm()).item()
-                    if not err <= 0.02:  # NaN fails too
+                    err = bench.rel_err(x, ref)  # NaN reads as inf
+                    if not err <= 0.02:
                         marks.append(f"{labels[i]} {name} {err:.3g} from {labels[0]}")
-            qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                o_fa2 = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-            do_fa2 = dout.transpose(1, 2).contiguous()
-
-            def fa2(o=o_fa2, xs=(qt, kt, vt), g=do_fa2):
-                return torch.autograd.grad(o, xs, g, retain_graph=True)
+            with fa2_backend.context():
+                fa2 = bench._backward(fa2_backend.make, q, k, v, causal, dout)
 
             fa2_t, ours = [], [[] for _ in runs]
             for _ in range(args.rounds):
-                fa2_t.append(tflops(flops, fa2))
+                fa2_t.append(flops / time_ms(fa2) / 1e9)
                 for i, run in enumerate(runs):
-                    ours[i].append(tflops(flops, run))
+                    ours[i].append(flops / time_ms(run) / 1e9)
             base = sum(fa2_t) / len(fa2_t)
             cells = [f"{sum(t) / len(t):.0f} ({sum(t) / len(t) / base:.3f})" for t in ours]
             note = f" MISMATCH: {'; '.join(marks)}" if marks else ""
