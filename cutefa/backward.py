@@ -25,6 +25,7 @@ from cutefa.space import (
     default_bwd_tile,
     default_extras,
     fitting_variant,
+    smem_bytes,
     why_invalid,
     why_not_on,
 )
@@ -88,6 +89,64 @@ def dq_splits(
         return 1
     n_blocks = max(1, math.ceil(seqlen_k / tile_n))
     return max(1, min(n_blocks, math.ceil(sm_count / max(1, batch * heads_q))))
+
+
+# The stream-K tail of the sm80 non-causal backward (cutefa/kernels/sm80/tail.py) spreads the
+# grid's last wave over this many CTA slots; None: the GPU's own (SMs x CTAs per SM). Tests and
+# benchmarks set a number to exercise or compare it (0: off).
+TAIL_SLOTS: int | None = None
+
+# Registers per thread the sm80 backward kernels compile to (253-255 on sm_80 and sm_90a): with
+# the register file of 64K words, an SM holds one 256-thread CTA.
+_SM80_BWD_REGISTERS = 255
+
+
+def _sm80_ctas_per_sm(spec: VariantSpec, props) -> int:
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (spec.threads * _SM80_BWD_REGISTERS)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0)
+    by_smem = smem // max(1, smem_bytes(spec)) if smem else by_regs
+    return max(1, min(by_regs, by_smem))
+
+
+def tail_slots(
+    spec: VariantSpec, deterministic: bool, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int,
+    slots: int,
+) -> int:  # fmt: skip
+    """The stream-K tail's slot count for a launch of ``spec`` on a GPU with ``slots`` resident CTA
+    slots (:data:`TAIL_SLOTS` instead where set), or 0 where the tail does not apply: other than
+    an sm80 non-causal backward, deterministic mode (its CTAs own fixed key blocks), no query rows,
+    a grid of whole waves (nothing to spread) or of less than one wave and a part (no full wave to
+    take into the region), or a region whose step arithmetic would leave 32 bits."""
+    if spec.arch != "sm80" or spec.direction != "bwd" or spec.causal or deterministic:
+        return 0
+    slots = TAIL_SLOTS if TAIL_SLOTS is not None else slots
+    if slots <= 0:
+        return 0
+    m_blocks = math.ceil(seqlen_q / spec.tile_m)
+    units = math.ceil(seqlen_k / spec.tile_n) * heads_q * batch
+    rem = units % slots
+    if m_blocks == 0 or rem == 0 or units < rem + slots or (rem + slots) * m_blocks * slots >= 2**31:
+        return 0
+    return slots
+
+
+def device_tail_slots(
+    spec: VariantSpec, device: torch.device, deterministic: bool, batch: int, heads_q: int, seqlen_q: int,
+    seqlen_k: int,
+) -> int:  # fmt: skip
+    """:func:`tail_slots` with the resident CTA slots of ``device`` (SMs x CTAs per SM)."""
+    if spec.arch != "sm80" or spec.causal or deterministic:
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    slots = props.multi_processor_count * _sm80_ctas_per_sm(spec, props)
+    return tail_slots(spec, deterministic, batch, heads_q, seqlen_q, seqlen_k, slots)
+
+
+def sm80_tail_workspaces(spec: VariantSpec, slots: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dkv_part, tail_count): the sm80 backward's stream-K workspaces for ``slots`` (0: the
+    smallest, unused), left uninitialized (the preprocess zeroes the counters)."""
+    part = torch.empty((max(slots, 1), 2, 2, spec.tile_n * spec.head_dim), dtype=torch.float32, device=device)
+    return part, torch.empty((max(2 * slots, 1),), dtype=torch.int32, device=device)
 
 
 def dq_accum_workspace(
@@ -165,8 +224,8 @@ def _launch_bwd(
     if spec is None:
         spec = choose_bwd(target, q.dtype, head_dim, causal, seqlen_k=seqlen_k, gpu_name=gpu_name)
     kernel = get_kernel(spec, target)
-    sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count if deterministic else 0
-    splits = dq_splits(deterministic, batch, heads_q, seqlen_k, spec.tile_n, sm_count)
+    props = torch.cuda.get_device_properties(q.device)
+    splits = dq_splits(deterministic, batch, heads_q, seqlen_k, spec.tile_n, props.multi_processor_count)
     f32 = {"dtype": torch.float32, "device": q.device}
     dq_accum = dq_accum_workspace(spec, splits, batch, seqlen_q, heads_q, q.device)
     lse_log2 = torch.empty((batch, heads_q, seqlen_q), **f32)
@@ -174,8 +233,13 @@ def _launch_bwd(
     dlse = torch.zeros_like(lse_log2) if dlse is None else dlse.float().contiguous()
     args = (
         _aligned(q), _aligned(k), _aligned(v), _aligned(out), _aligned(dout), lse.float().contiguous(), dlse,
-        dq, dk_heads, dv_heads, dq_accum, lse_log2, dpsum, float(softmax_scale), int(deterministic),
+        dq, dk_heads, dv_heads, dq_accum, lse_log2, dpsum,
     )  # fmt: skip
+    if spec.arch == "sm80":
+        slots = device_tail_slots(spec, q.device, deterministic, batch, heads_q, seqlen_q, seqlen_k)
+        args += (*sm80_tail_workspaces(spec, slots, q.device), float(softmax_scale), int(deterministic), slots)
+    else:
+        args += (float(softmax_scale), int(deterministic))
     if q.device.index == torch.cuda.current_device():
         kernel(*args)
     else:

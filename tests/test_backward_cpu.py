@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
 from cutefa import backward, ops, space
+from cutefa.kernels.sm80 import tail
 from cutefa.space import DEFAULT_BWD_TILES, default_bwd_tile
 from cutefa.spec import HEAD_DIMS
 
@@ -30,8 +31,9 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def emulate_kernel(dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal, scale, deterministic,
-                   tile_m=64, tile_n=128, splits=3):  # fmt: skip
-    """What the three kernels of templates/bwd_sm80.py.j2 compute, block by block."""
+                   tile_m=64, tile_n=128, splits=3, slots=0):  # fmt: skip
+    """What the three kernels of templates/bwd_sm80.py.j2 compute, block by block (``slots``: the
+    stream-K tail's, 0 for none)."""
     dtype = q.dtype
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -52,42 +54,80 @@ def emulate_kernel(dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal
         tile[: part.shape[0]] = part
         return tile.float()
 
+    def key_block(b, h, n_block, split, m_lo=None, m_hi=None):
+        """dK (scaled) and dV of one key block over query blocks [m_lo, m_hi), its dQ added."""
+        n0 = n_block * tile_n
+        m_begin = max(n0 + sq - sk, 0) // tile_m if causal else 0
+        m_lo = m_begin if m_lo is None else m_lo
+        m_hi = m_blocks if m_hi is None else m_hi
+        kt, vt = rows_of(k, b, h // group, n0, tile_n), rows_of(v, b, h // group, n0, tile_n)
+        dk_acc, dv_acc = torch.zeros(tile_n, d), torch.zeros(tile_n, d)
+        for m_block in range(m_lo, m_hi):
+            m0 = m_block * tile_m
+            rows = torch.arange(m0, m0 + tile_m)
+            inside = rows < sq
+            l2 = torch.full((tile_m,), math.inf)
+            dps = torch.zeros(tile_m)
+            l2[inside] = lse2[b, h, rows[inside]]
+            dps[inside] = dpsum[b, h, rows[inside]]
+            qt, dot = rows_of(q, b, h, m0, tile_m), rows_of(dout, b, h, m0, tile_m)
+            s = qt @ kt.T
+            masked = n0 + tile_n > sk or (causal and n0 + tile_n - 1 > m0 + sk - sq)
+            if masked:
+                cols = torch.arange(n0, n0 + tile_n)
+                limit = torch.full((tile_m,), sk)
+                if causal:
+                    limit = torch.minimum(limit, rows + 1 + sk - sq)
+                s = s.masked_fill(cols[None, :] >= limit[:, None], -math.inf)
+            p = torch.exp2(s * scale * LOG2_E - l2[:, None]).to(dtype)
+            dp = dot @ vt.T
+            ds = (p.float() * (dp - dps[:, None])).to(dtype)
+            dv_acc += p.float().T @ dot
+            dk_acc += ds.float().T @ qt
+            dq_tile = ds.float() @ kt
+            acc[split, b, rows[inside], h] += dq_tile[inside]
+        return dk_acc * scale, dv_acc
+
+    def write(b, h, n_block, dk_acc, dv_acc):
+        n0 = n_block * tile_n
+        valid = min(tile_n, sk - n0)
+        dk_heads[b, n0 : n0 + valid, h] = dk_acc[:valid].to(dtype)
+        dv_heads[b, n0 : n0 + valid, h] = dv_acc[:valid].to(dtype)
+
+    # The stream-K tail (cutefa/kernels/sm80/tail.py): the units of the grid's order from `region`
+    # on are cut into the stream CTAs' ranges; a cut unit's parts are summed in CTA order.
+    units = n_blocks * hq * batch
+    ctas = tail.plan(units, m_blocks, slots) if slots and not causal and not deterministic else []
+    region = units - units % slots - slots if ctas else units
     for b in range(batch):
         for h in range(hq):
             for bx in range(grid_x):
+                if bx + n_blocks * (h + hq * b) >= region and not deterministic:
+                    continue
                 for it in range(ceil_div(n_blocks - bx, grid_x)):
                     n_block = bx + it * grid_x
-                    n0 = n_block * tile_n
-                    m_begin = max(n0 + sq - sk, 0) // tile_m if causal else 0
-                    kt, vt = rows_of(k, b, h // group, n0, tile_n), rows_of(v, b, h // group, n0, tile_n)
-                    dk_acc, dv_acc = torch.zeros(tile_n, d), torch.zeros(tile_n, d)
-                    for m_block in range(m_begin, m_blocks):
-                        m0 = m_block * tile_m
-                        rows = torch.arange(m0, m0 + tile_m)
-                        inside = rows < sq
-                        l2 = torch.full((tile_m,), math.inf)
-                        dps = torch.zeros(tile_m)
-                        l2[inside] = lse2[b, h, rows[inside]]
-                        dps[inside] = dpsum[b, h, rows[inside]]
-                        qt, dot = rows_of(q, b, h, m0, tile_m), rows_of(dout, b, h, m0, tile_m)
-                        s = qt @ kt.T
-                        masked = n0 + tile_n > sk or (causal and n0 + tile_n - 1 > m0 + sk - sq)
-                        if masked:
-                            cols = torch.arange(n0, n0 + tile_n)
-                            limit = torch.full((tile_m,), sk)
-                            if causal:
-                                limit = torch.minimum(limit, rows + 1 + sk - sq)
-                            s = s.masked_fill(cols[None, :] >= limit[:, None], -math.inf)
-                        p = torch.exp2(s * scale * LOG2_E - l2[:, None]).to(dtype)
-                        dp = dot @ vt.T
-                        ds = (p.float() * (dp - dps[:, None])).to(dtype)
-                        dv_acc += p.float().T @ dot
-                        dk_acc += ds.float().T @ qt
-                        dq_tile = ds.float() @ kt
-                        acc[bx if deterministic else 0, b, rows[inside], h] += dq_tile[inside]
-                    valid = min(tile_n, sk - n0)
-                    dk_heads[b, n0 : n0 + valid, h] = (dk_acc[:valid] * scale).to(dtype)
-                    dv_heads[b, n0 : n0 + valid, h] = dv_acc[:valid].to(dtype)
+                    write(b, h, n_block, *key_block(b, h, n_block, bx if deterministic else 0))
+    parts = {}
+    for c, segments in enumerate(ctas):
+        for unit, m_lo, m_hi, slot in segments:
+            u = region + unit
+            n_block, h, b = u % n_blocks, u // n_blocks % hq, u // (n_blocks * hq)
+            dk_acc, dv_acc = key_block(b, h, n_block, 0, m_lo, m_hi)
+            if slot < 0:
+                write(b, h, n_block, dk_acc, dv_acc)
+            else:
+                parts[c, slot] = (dk_acc, dv_acc)
+    steps = (units % slots + slots) * m_blocks if ctas else 0
+    for unit in range(units - region):
+        order = tail.part_slots(unit, m_blocks, steps, slots)
+        if len(order) > 1:
+            u = region + unit
+            got = [parts.pop(key) for key in order]  # KeyError: a part the plan did not make
+            dk_acc, dv_acc = got[0]
+            for dk_part, dv_part in got[1:]:
+                dk_acc, dv_acc = dk_acc + dk_part, dv_acc + dv_part
+            write(u // (n_blocks * hq), u // n_blocks % hq, u % n_blocks, dk_acc, dv_acc)
+    assert not parts, f"parts never summed: {sorted(parts)}"
     # postprocess
     dq.copy_((acc.sum(0) * scale).to(dtype))
 
@@ -153,6 +193,95 @@ def test_kernel_schedule_matches_autograd(on_cpu, shape, causal, deterministic):
         assert got.shape == want.shape and got.dtype == torch.float16, name
         err = (got.float() - want).norm() / max(want.norm(), 1e-6)
         assert err < 2e-2, f"{name}: relative error {err:.3g}"
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv) and a slot count that gives it a stream-K tail
+TAIL_CASES = [((1, 130, 1600, 1, 1), n) for n in (2, 3, 5, 7)] + [
+    ((1, 200, 2053, 1, 1), 3),
+    ((1, 200, 2053, 1, 1), 7),
+    ((2, 70, 300, 2, 1), 5),
+    ((2, 70, 300, 2, 1), 7),
+    ((3, 100, 260, 2, 2), 4),
+]
+
+
+@pytest.mark.parametrize(("shape", "slots"), TAIL_CASES, ids=str)
+def test_stream_tail_matches_autograd(shape, slots):
+    """The emulated kernel with the stream-K tail on a few slots (CTAs covering parts of key blocks
+    and several key blocks of different heads and batches) against autograd of the reference."""
+    batch, sq, sk, hq, hkv = shape
+    assert backward.tail_slots(space.VariantSpec("sm80", "bwd", "fp16", 64, 64, 128, 1, 8), False, batch, hq, sq, sk, slots)
+    q, k, v = qkv(batch, sq, sk, hq, hkv, 64, seed=slots)
+    scale = 0.3
+    with torch.no_grad():
+        out, lse = reference(q.float(), k.float(), v.float(), False, scale)
+    g = torch.Generator().manual_seed(2)
+    dout = torch.randn(out.shape, generator=g).to(q.dtype)
+    dq, dk_heads, dv_heads = torch.full_like(q, math.nan), *(torch.full((batch, sk, hq, 64), math.nan, dtype=q.dtype) for _ in range(2))
+    emulate_kernel(dout, q.detach(), k.detach(), v.detach(), out.to(q.dtype), lse, None, dq, dk_heads, dv_heads, False,
+                   scale, False, slots=slots)  # fmt: skip
+    dk = dk_heads.float().view(batch, sk, hkv, hq // hkv, 64).sum(3)
+    dv = dv_heads.float().view(batch, sk, hkv, hq // hkv, 64).sum(3)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o_ref, _ = reference(q32, k32, v32, False, scale)
+    o_ref.backward(dout.float())
+    for name, got, want in (("dq", dq, q32.grad), ("dk", dk, k32.grad), ("dv", dv, v32.grad)):
+        err = (got.float() - want).norm() / max(want.norm(), 1e-6)
+        assert err < 2e-2, f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 5, 7, 132, 264])
+@pytest.mark.parametrize("m_blocks", [1, 2, 3, 16, 33])
+@pytest.mark.parametrize("units", [1, 7, 64, 200, 2048, 4097])
+def test_stream_tail_plan(units, m_blocks, slots):
+    """The tail's plan: the region (the partial wave and one full wave before it) is covered step by
+    step exactly once, in order, by ranges of equal length (to one step); no CTA has more than 3
+    segments; a unit is cut exactly when more than one CTA covers it, and the reading side's
+    (CTA, slot) order of its parts is the writers' own."""
+    ctas = tail.plan(units, m_blocks, slots)
+    rem = units % slots
+    if rem == 0 or units < rem + slots:
+        assert ctas == []
+        return
+    assert len(ctas) == slots
+    steps = (rem + slots) * m_blocks
+    covered = [(u * m_blocks + m) for segs in ctas for u, lo, hi, _ in segs for m in range(lo, hi)]
+    assert covered == list(range(steps))
+    lengths = [sum(hi - lo for _, lo, hi, _ in segs) for segs in ctas]
+    assert max(lengths) - min(lengths) <= 1 and min(lengths) >= m_blocks
+    assert max(len(segs) for segs in ctas) <= 3
+    writers = {}
+    for c, segs in enumerate(ctas):
+        for u, lo, hi, slot in segs:
+            assert (slot >= 0) == (lo > 0 or hi < m_blocks)
+            if slot >= 0:
+                writers.setdefault(u, []).append((c, slot))
+    for u in range(rem + slots):
+        order = tail.part_slots(u, m_blocks, steps, slots)
+        assert order == writers.get(u, order[:1] if len(order) == 1 else None), u
+        assert u < 2 * slots  # the counters the host allocates
+
+
+def test_stream_tail_slots():
+    """When the host turns the tail on: sm80 non-causal backward, not deterministic, a grid that
+    ends on a partial wave after at least one full one, and the region's step products in 32 bits."""
+    spec = space.VariantSpec("sm80", "bwd", "bf16", 64, 128, 128, 2, 8, dq_tile=True)
+    # the bench grid at head dim 64: 2048 heads x dim / 64 = 32 heads, 16384 tokens: 4096 key blocks
+    assert backward.tail_slots(spec, False, 2, 32, 8192, 8192, 132) == 132  # 4096 = 31 x 132 + 4
+    assert backward.tail_slots(spec, True, 2, 32, 8192, 8192, 132) == 0  # deterministic
+    assert backward.tail_slots(spec.replace(causal=True), False, 2, 32, 8192, 8192, 132) == 0
+    assert backward.tail_slots(spec, False, 2, 33, 8192, 8192, 132) == 0  # 4224 = 32 x 132: whole waves
+    assert backward.tail_slots(spec, False, 1, 1, 8192, 8192, 132) == 0  # 64 key blocks: under a wave
+    assert backward.tail_slots(spec, False, 1, 1, 8192, 8192, 0) == 0
+    assert backward.tail_slots(spec, False, 1, 1, 1 << 20, 128 * 150, 100) == 100  # 150 key blocks: 50 + 100
+    assert backward.tail_slots(spec, False, 1, 1, 1 << 26, 128 * 150, 100) == 0  # steps x slots past 32 bits
+    sm90 = space.VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12)
+    assert backward.tail_slots(sm90, False, 2, 16, 8192, 8192, 132) == 0
+    try:
+        backward.TAIL_SLOTS = 5
+        assert backward.tail_slots(spec, False, 2, 32, 8192, 8192, 132) == 5  # the override: 4096 = 819 x 5 + 1
+    finally:
+        backward.TAIL_SLOTS = None
 
 
 def test_deterministic_splits():

@@ -97,11 +97,14 @@ def _check(cubin, spec, vector_red: bool) -> None:
     assert report.missing("sm80") == [], f"{spec.name}: {report.summary()}"
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
     assert 0 < report.registers <= 255, f"{spec.name}: {report.summary()}"
+    # A non-causal kernel has the key-block loop twice: for its own key blocks and for the stream-K
+    # tail's segments (cutefa/kernels/sm80/tail.py); the counts below are per copy.
+    copies = 1 if spec.causal else 2
     # Five GEMMs per query block (S, dP, dV, dK, dQ), each tile_m * tile_n * head_dim MACs per CTA.
     per_warp = spec.tile_m * spec.tile_n * spec.head_dim // (16 * 8 * 16) // spec.warps
-    assert report.counts["HMMA"] == 5 * per_warp, f"{spec.name}: {report.summary()}"
+    assert report.counts["HMMA"] == 5 * per_warp * copies, f"{spec.name}: {report.summary()}"
     # The warp grids the template chose: ldmatrix traffic as the model says (hd128 64x128: 144; hd256 dq_tile: 180).
-    assert report.counts["LDSM"] == _ldmatrix_per_warp(spec), f"{spec.name}: {report.summary()}"
+    assert report.counts["LDSM"] == _ldmatrix_per_warp(spec) * copies, f"{spec.name}: {report.summary()}"
     # One fp32 reduction per dQ element a thread holds, or one per pair of adjacent columns, or
     # (dq_quad) one per quad of permuted columns; the vector ones twice in the code: unpredicated
     # for full query blocks, guarded for the last one. dq_tile: one per quad of the fragment order,
@@ -115,7 +118,13 @@ def _check(cubin, spec, vector_red: bool) -> None:
         expected = (0, 0, 2 * (per_thread // 4))
     else:
         expected = (0, 2 * (per_thread // 2), 0)
-    assert _reductions(text) == expected, spec.name
+    assert _reductions(text) == tuple(n * copies for n in expected), spec.name
+    # The stream-K tail (non-causal): one counter increment per part, and the parts of dK and dV read
+    # back through L2 (ld.global.cg), 16 bytes per load.
+    main_text = sass.kernel_text(text, "kernel")
+    assert len(re.findall(r"\bATOMG\.E\.ADD\b", main_text)) == copies - 1, spec.name
+    part_loads = len(re.findall(r"\bLDG\.E\.128\.STRONG\.GPU\b", main_text))
+    assert part_loads == (copies - 1) * 2 * spec.tile_n * spec.head_dim // spec.threads // 4, spec.name
     # P and dS leave fp32 by packed conversions, two values per F2FP: P is read back for dS from
     # its 16-bit words (bwd_parts.pin_words), so no value is converted alone (F2F, on the pipe of
     # the exponentials).

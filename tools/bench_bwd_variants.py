@@ -17,7 +17,9 @@ column per variant (a name's causal twin runs the causal rows), the variants and
 backward (torch SDPA's flash backend, autograd of its forward) timed in turns for ``--rounds``
 rounds, each cell the mean TFLOP/s and its ratio to FA2. Before timing, every variant's dQ, dK and
 dV (outputs poisoned with NaN first) are compared with the first variant's (which must be finite):
-a variant more than 2% apart (relative L2), or NaN, is marked in its row.
+a variant more than 2% apart (relative L2), or NaN, is marked in its row. The non-causal kernels
+run with the stream-K tail as dispatch runs them; ``--tail off`` without it, ``--tail both`` each
+variant both ways (a column each).
 
     python3 tools/bench_bwd_variants.py --variants cutefa_sm80_bwd_bf16_hd192_64x64_s1_w8_dqtile,\
         cutefa_sm80_bwd_bf16_hd192_64x64_s2_w8_dqtile --seqlen 2048,16384 --rounds 3
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--variants", help="comma-separated sm80 backward variant names to A/B beside FA2")
     p.add_argument("--rounds", type=int, default=2, help="with --variants: timing rounds, taken in turns")
+    p.add_argument(
+        "--tail", choices=("on", "off", "both"), default="on",
+        help="with --variants: the stream-K tail of the non-causal kernels on (as dispatch runs them), off, or both",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.variants:
         return _ab(args)
@@ -58,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import cutefa
     from cutefa import space
-    from cutefa.backward import dq_accum_workspace
+    from cutefa.backward import device_tail_slots, dq_accum_workspace, sm80_tail_workspaces
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
     from cutefa.spec import VariantSpec
@@ -105,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                 for spec in (s for s in variants if s.head_dim == hd and s.causal == causal):
                     kernel = get_kernel(spec, target)
                     dq_accum = dq_accum_workspace(spec, 1, batch, seqlen, heads, q.device)
-                    args_ = (q, k, v, out, dout, lse, dlse, dq, dk, dv, dq_accum, lse_log2, dpsum, scale, 0)
+                    slots = device_tail_slots(spec, q.device, False, batch, heads, seqlen, seqlen)
+                    tail = sm80_tail_workspaces(spec, slots, q.device)
+                    args_ = (q, k, v, out, dout, lse, dlse, dq, dk, dv, dq_accum, lse_log2, dpsum, *tail, scale, 0, slots)
                     ms = bench_ms(functools.partial(kernel, *args_))
                     mark = "yes" if spec == default else ""
                     print(
@@ -140,7 +148,7 @@ def _ab(args) -> int:
 
     import cutefa
     from cutefa import space
-    from cutefa.backward import dq_accum_workspace
+    from cutefa.backward import device_tail_slots, dq_accum_workspace, sm80_tail_workspaces
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
     from cutefa.spec import parse_name
@@ -162,7 +170,14 @@ def _ab(args) -> int:
 
     target = current_target()
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
-    labels = [s.name.removeprefix(f"cutefa_sm80_bwd_{dtype}_hd{hd}_") for s in specs]
+    # each variant with the stream-K tail as dispatch runs it (on), without it (off), or both
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.tail]
+    labels = [
+        s.name.removeprefix(f"cutefa_sm80_bwd_{dtype}_hd{hd}_") + ("" if args.tail != "both" else " +tail" if on else "")
+        for s in specs
+        for on in modes
+    ]
+    specs = [(s, on) for s in specs for on in modes]
     print(f"{dtype} hd{hd}: TFLOP/s (x FA2), mean of {args.rounds} rounds taken in turns")
     print("| causal | seqlen | FA2 | " + " | ".join(labels) + " |")
     print("|---|---|---|" + "---|" * len(specs))
@@ -173,15 +188,16 @@ def _ab(args) -> int:
             flops = 2.5 * 4.0 * batch * heads * seqlen**2 * hd / (2 if causal else 1)
             f32 = {"dtype": torch.float32, "device": "cuda"}
             runs, grads = [], []
-            for spec in specs:
+            for spec, tail_on in specs:
                 spec = spec.replace(causal=causal)
                 kernel = get_kernel(spec, target)
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
                 lse_log2, dpsum = torch.empty((batch, heads, seqlen), **f32), torch.empty((batch, heads, seqlen), **f32)
                 dq_accum = dq_accum_workspace(spec, 1, batch, seqlen, heads, q.device)
+                slots = device_tail_slots(spec, q.device, False, batch, heads, seqlen, seqlen) if tail_on else 0
                 call = functools.partial(
                     kernel, q, k, v, out, dout, lse, torch.zeros_like(lse_log2), dq, dk, dv, dq_accum, lse_log2,
-                    dpsum, 1.0 / math.sqrt(hd), 0,
+                    dpsum, *sm80_tail_workspaces(spec, slots, q.device), 1.0 / math.sqrt(hd), 0, slots,
                 )  # fmt: skip
                 for t in (dq, dk, dv):
                     t.fill_(float("nan"))

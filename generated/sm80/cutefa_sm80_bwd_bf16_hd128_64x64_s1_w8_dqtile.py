@@ -19,7 +19,11 @@ Calling convention (``Kernel.__call__``; :func:`fake_arguments` builds the same 
                                                          of 4: one chunk per query block, in the dQ
                                                          MMA's fragment order (dq_tile)
     lse_log2, dpsum  (batch, heads_q, seqlen_q)          float32 workspaces
-    softmax_scale float; deterministic int (0 or 1); the stream is the caller's current one
+    dkv_part      (max(slots, 1), 2, 2, 64 * head_dim) float32, contiguous: the stream-K
+                                                         tail's parts of dK and dV (no zeroing needed)
+    tail_count    (max(2 * slots, 1),) int32             the tail's per-unit counters (the
+                                                         preprocess zeroes them)
+    softmax_scale float; deterministic int (0 or 1); slots int (0: no stream-K tail); the stream is the caller's current one
 
 Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units, dq_accum
 zeroed: whole chunks, 16-byte stores), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
@@ -32,6 +36,10 @@ its own warp grid. With deterministic=0 there is one dq_accum split and one CTA 
 order of the reductions varies); with deterministic=1 CTA x of the grid (x < splits) walks the key
 blocks x, x + splits, ... and owns split x alone, so every dq_accum element is summed by one thread
 in a fixed order, and the postprocess sums the splits in order: bitwise-reproducible gradients.
+Stream-K tail (slots > 0, deterministic=0; cutefa/kernels/sm80/tail.py): the last units % slots + slots
+key blocks of the grid's order are spread over slots CTAs in equal ranges of query-block steps; a
+key block cut between CTAs has its fp32 dK and dV parts summed, in a fixed order, by the CTA that
+finishes it last.
 
 Per query block: S = Q K^T, P, P -> smem, dP = dO V^T, dS, dS -> smem, barrier, then
 dV += P^T dO, dK += dS^T Q, barrier, the next block's Q and dO loads (cp.async, under the dQ GEMM),
@@ -54,6 +62,7 @@ from cutefa.kernels.common.mask import apply_mask
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts, parts
 from cutefa.kernels.sm80 import dq_tile
+from cutefa.kernels.sm80 import tail
 
 SPEC_NAME = "cutefa_sm80_bwd_bf16_hd128_64x64_s1_w8_dqtile"
 DTYPE = cutlass.BFloat16
@@ -100,13 +109,19 @@ def fake_arguments(spec, cutlass, cute):
     dq_accum = cute.runtime.make_fake_tensor(
         cutlass.Float32, (splits, batch, heads_q, cute.sym_int(symbol="mb"), chunk), accum_strides, assumed_align=16
     )
+    chunk_kv = spec.tile_n * spec.head_dim
+    dkv_part = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (cute.sym_int(symbol="sl"), 2, 2, chunk_kv), (4 * chunk_kv, 2 * chunk_kv, chunk_kv, 1),
+        assumed_align=16,
+    )  # fmt: skip
+    tail_count = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(symbol="tc"),), (1,), assumed_align=4)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     q, do, o, dq = (bshd(seqlen_q, heads_q) for _ in range(4))
     k, v = bshd(seqlen_k, heads_kv), bshd(seqlen_k, heads_kv)
     dk, dv = bshd(seqlen_k, heads_q), bshd(seqlen_k, heads_q)
     return (
-        q, k, v, o, do, rows(), rows(), dq, dk, dv, dq_accum, rows(), rows(),
-        cutlass.Float32(1.0), cutlass.Int32(0), stream,
+        q, k, v, o, do, rows(), rows(), dq, dk, dv, dq_accum, rows(), rows(), dkv_part, tail_count,
+        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream,
     )  # fmt: skip
 
 
@@ -130,8 +145,11 @@ class Kernel:
         mdQaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
+        mdKVpart: cute.Tensor,
+        mTailCount: cute.Tensor,
         softmax_scale: Float32,
         deterministic: Int32,
+        tail_slots: Int32,
         stream: cuda.CUstream,
     ):
         row_grid = (cute.ceil_div(mQ.shape[1], ROWS_PER_CTA), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
@@ -139,7 +157,7 @@ class Kernel:
         pre_grid = (
             cute.ceil_div(mQ.shape[1], TILE_M) * (TILE_M // ROWS_PER_CTA), cute.size(mQ.shape[2]), cute.size(mQ.shape[0])
         )
-        self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum).launch(
+        self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum, mTailCount).launch(
             grid=pre_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
         )
 
@@ -156,6 +174,9 @@ class Kernel:
             sV: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sKV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sP_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sP_layout)], 1024]
+            # the stream-K tail's plan: its flag, scalars and segments; its segments' base addresses
+            flag: cute.struct.MemRange[Int32, 24]
+            bases: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 27], 8]
 
         n_blocks = cute.ceil_div(mK.shape[1], TILE_N)
         splits = cute.size(mdQaccum.shape[0])
@@ -170,9 +191,12 @@ class Kernel:
             mdQaccum,
             mLSE2,
             mDpsum,
+            mdKVpart,
+            mTailCount,
             softmax_scale,
             softmax_scale * LOG2_E,
             deterministic,
+            tail_slots,
             sQ_layout,
             sdO_layout,
             sKV_layout,
@@ -208,10 +232,17 @@ class Kernel:
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mTailCount: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
+        if bx == 0 and head == 0 and batch == 0:
+            # the stream-K tail's counters
+            counters = cute.size(mTailCount)
+            for j in cutlass.range(cute.ceil_div(counters, ROW_WARPS * 32), unroll=1):
+                if j * ROW_WARPS * 32 + tidx < counters:
+                    mTailCount[j * ROW_WARPS * 32 + tidx] = Int32(0)
         first = bx * ROWS_PER_CTA + (tidx // 32) * ROWS_PER_WARP
         for i in cutlass.range_constexpr(ROWS_PER_WARP):
             if first + i < mO.shape[1]:
@@ -263,9 +294,12 @@ class Kernel:
         mdQaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
+        mdKVpart: cute.Tensor,
+        mTailCount: cute.Tensor,
         softmax_scale: Float32,
         scale_log2: Float32,
         deterministic: Int32,
+        tail_slots: Int32,
         sQ_layout: cute.ComposedLayout,
         sdO_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -283,20 +317,8 @@ class Kernel:
         grid_x, _, _ = cute.arch.grid_dim()
         seqlen_q = mQ.shape[1]
         seqlen_k = mK.shape[1]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
         n_blocks = cute.ceil_div(seqlen_k, TILE_N)
         m_blocks = cute.ceil_div(seqlen_q, TILE_M)
-
-        gQ = cute.local_tile(mQ[batch, None, head, None], (TILE_M, HEAD_DIM), (None, 0))
-        gdO = cute.local_tile(mdO[batch, None, head, None], (TILE_M, HEAD_DIM), (None, 0))
-        gK = cute.local_tile(mK[batch, None, head_kv, None], (TILE_N, HEAD_DIM), (None, 0))
-        gV = cute.local_tile(mV[batch, None, head_kv, None], (TILE_N, HEAD_DIM), (None, 0))
-        gdK = cute.local_tile(mdK[batch, None, head, None], (TILE_N, HEAD_DIM), (None, 0))
-        gdV = cute.local_tile(mdV[batch, None, head, None], (TILE_N, HEAD_DIM), (None, 0))
-        # This CTA's dQ split: its own in deterministic mode, the shared one otherwise.
-        gdQacc = mdQaccum[bx * deterministic, batch, head, None, None]
-        lse2_row = mLSE2[batch, head, None]
-        dpsum_row = mDpsum[batch, head, None]
 
         storage = cutlass.utils.SmemAllocator().allocate(Storage)
         sQ = storage.sQ.get_tensor(sQ_layout)
@@ -316,14 +338,11 @@ class Kernel:
 
         # Global -> shared (cp.async) partitions, with tile-local coordinates for row predicates.
         g2s_thr = g2s.get_slice(tidx)
-        tQgQ = g2s_thr.partition_S(gQ)
         tQsQ = g2s_thr.partition_D(sQ)
-        tdOgdO = g2s_thr.partition_S(gdO)
         tdOsdO = g2s_thr.partition_D(sdO)
-        tKgK = g2s_thr.partition_S(gK)
         tKsK = g2s_thr.partition_D(sK)
-        tVgV = g2s_thr.partition_S(gV)
         tVsV = g2s_thr.partition_D(sV)
+
         tQc = g2s_thr.partition_S(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
         tKVc = g2s_thr.partition_S(cute.make_identity_tensor((TILE_N, HEAD_DIM)))
 
@@ -396,106 +415,354 @@ class Kernel:
         r2s_dk = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE), mma_dk)
         r2s_dk_thr = r2s_dk.get_slice(tidx)
         r2g_thr = r2g.get_slice(tidx)
+        # This CTA's work: key block bx of (batch, head) (deterministic: bx, bx + grid_x, ...), or
+        # with the stream-K tail (cutefa/kernels/sm80/tail.py) the steps [step_begin, step_end) of
+        # the stream region, the units region, region + 1, ... in the grid's order; a CTA of the
+        # region's partial wave has none.
+        _, n_heads, n_batch = cute.arch.grid_dim()
+        units = n_blocks * n_heads * n_batch
+        role = Int32(0)  # 0: key block bx (deterministic: bx, bx + grid_x, ...); 1: stream CTA; 2: none
+        if tail_slots > 0 and deterministic == 0:
+            rem = units % tail_slots
+            region = units - rem - tail_slots
+            if rem > 0 and region >= 0:
+                linear = bx + n_blocks * (head + n_heads * batch)
+                if linear >= units - rem:
+                    role = Int32(2)
+                elif linear >= region:
+                    role = Int32(1)
+        flag = storage.flag.get_tensor(cute.make_layout(24))
+        bases = storage.bases.get_tensor(cute.make_layout(27))
 
-        # Key blocks bx, bx + grid_x, ...: one block per CTA unless deterministic.
-        for it in cutlass.range(cute.ceil_div(n_blocks - bx, grid_x), unroll=1):
-            n_block = bx + it * grid_x
-            n0 = n_block * TILE_N
-            # Query blocks that see any of these keys.
-            m_begin = 0
-            m_count = cutlass.max(m_blocks - m_begin, 0)
+        if role == 0:
+            # The CTA's own key block(s) of (batch, head).
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            gQ = cute.local_tile(mQ[batch, None, head, None], (TILE_M, HEAD_DIM), (None, 0))
+            gdO = cute.local_tile(mdO[batch, None, head, None], (TILE_M, HEAD_DIM), (None, 0))
+            gK = cute.local_tile(mK[batch, None, head_kv, None], (TILE_N, HEAD_DIM), (None, 0))
+            gV = cute.local_tile(mV[batch, None, head_kv, None], (TILE_N, HEAD_DIM), (None, 0))
+            gdK = cute.local_tile(mdK[batch, None, head, None], (TILE_N, HEAD_DIM), (None, 0))
+            gdV = cute.local_tile(mdV[batch, None, head, None], (TILE_N, HEAD_DIM), (None, 0))
+            # This CTA's dQ split: its own in deterministic mode, the shared one otherwise.
+            gdQacc = mdQaccum[bx * deterministic, batch, head, None, None]
+            lse2_row = mLSE2[batch, head, None]
+            dpsum_row = mDpsum[batch, head, None]
+            tQgQ = g2s_thr.partition_S(gQ)
+            tdOgdO = g2s_thr.partition_S(gdO)
+            tKgK = g2s_thr.partition_S(gK)
+            tVgV = g2s_thr.partition_S(gV)
+            for it in cutlass.range(cute.ceil_div(n_blocks - bx, grid_x), unroll=1):
+                n_block = bx + it * grid_x
+                n0 = n_block * TILE_N
+                m_count = m_blocks
+                m_first = 0
+                q_rows = seqlen_q
 
-            parts.copy_rows(g2s, tKgK[None, None, None, n_block], tKsK, tKVc, seqlen_k - n0, True)
-            parts.copy_rows(g2s, tVgV[None, None, None, n_block], tVsV, tKVc, seqlen_k - n0, True)
-            if m_count > 0:
-                m0 = m_begin * TILE_M
-                parts.copy_rows(g2s, tQgQ[None, None, None, m_begin], tQsQ[None, None, None, 0], tQc, seqlen_q - m0, True)
-                parts.copy_rows(g2s, tdOgdO[None, None, None, m_begin], tdOsdO, tQc, seqlen_q - m0, True)
-            cute.arch.cp_async_commit_group()
-            acc_dK.fill(0.0)
-            acc_dV.fill(0.0)
+                parts.copy_rows(g2s, tKgK[None, None, None, n_block], tKsK, tKVc, seqlen_k - n0, True)
+                parts.copy_rows(g2s, tVgV[None, None, None, n_block], tVsV, tKVc, seqlen_k - n0, True)
+                if m_count > 0:
+                    m0 = m_first * TILE_M
+                    parts.copy_rows(g2s, tQgQ[None, None, None, m_first], tQsQ[None, None, None, 0], tQc, q_rows - m0, True)
+                    parts.copy_rows(g2s, tdOgdO[None, None, None, m_first], tdOsdO, tQc, q_rows - m0, True)
+                cute.arch.cp_async_commit_group()
+                acc_dK.fill(0.0)
+                acc_dV.fill(0.0)
 
-            for i in cutlass.range(m_count, unroll=1):
-                m_block = m_begin + i
-                m0 = m_block * TILE_M
-                q_stage = 0
-                bwd_parts.load_row_values(lse2, lse2_row, cS_mn, m0, seqlen_q, Float32.inf)
-                bwd_parts.load_row_values(dpsum, dpsum_row, cS_mn, m0, seqlen_q, Float32(0.0))
-                # Q and dO of this block (and K, V on the first step) landed; every warp is done
-                # with the previous block's dS in shared memory.
+                for i in cutlass.range(m_count, unroll=1):
+                    m_block = m_first + i
+                    m0 = m_block * TILE_M
+                    q_stage = 0
+                    bwd_parts.load_row_values(lse2, lse2_row, cS_mn, m0, q_rows, Float32.inf)
+                    bwd_parts.load_row_values(dpsum, dpsum_row, cS_mn, m0, q_rows, Float32(0.0))
+                    # Q and dO of this block (and K, V on the first step) landed; every warp is done
+                    # with the previous block's dS in shared memory.
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier()
+
+                    acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+                    acc_S.fill(0.0)
+                    parts.gemm_ss(
+                        mma_sdp, acc_S, tSrQ, tSsQ[None, None, None, q_stage], tSrQ_v, sdp_a, tSrK, tSsK, tSrK_v, sdp_b
+                    )
+                    s_mn = parts.acc_mn_view(acc_S)
+                    # Keys past seqlen_k, and (causal) keys after a row's diagonal, are masked.
+                    if n0 + TILE_N > seqlen_k:
+                        apply_mask(s_mn, cS_mn, m0, n0, seqlen_q, seqlen_k, CAUSAL)
+                    bwd_parts.recompute_p(s_mn, lse2, scale_log2)
+                    # P leaves the fp32 registers at once (16-bit, as the dV GEMM reads it) to keep the
+                    # register peak of the dP GEMM low; dS is computed from the same 16-bit P, read back
+                    # from its pinned words: one packed conversion per pair (F2FP), not one F2F per value.
+                    rP = cute.make_fragment_like(acc_S, DTYPE)
+                    rP.store(acc_S.load().to(DTYPE))
+                    bwd_parts.pin_words(rP)
+                    cute.copy(r2s_sdp, r2s_sdp_thr.retile(rP), tPsP)
+
+                    acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+                    acc_dP.fill(0.0)
+                    parts.gemm_ss(mma_sdp, acc_dP, tdPrdO, tdPsdO, tdPrdO_v, sdp_a, tdPrV, tdPsV, tdPrV_v, sdp_b)
+                    bwd_parts.compute_ds(parts.acc_mn_view(rP), parts.acc_mn_view(acc_dP), dpsum)
+                    rdS = cute.make_fragment_like(acc_dP, DTYPE)
+                    rdS.store(acc_dP.load().to(DTYPE))
+                    cute.copy(r2s_sdp, r2s_sdp_thr.retile(rdS), tdSsdS)
+                    cute.arch.barrier()
+
+                    parts.gemm_ss(mma_dv, acc_dV, tdVrPt, tdVsPt, tdVrPt_v, dv_at, tdVrdOt, tdVsdOt, tdVrdOt_v, dv_bt)
+                    parts.gemm_ss(
+                        mma_dk, acc_dK, tdKrdSt, tdKsdSt, tdKrdSt_v, dk_at,
+                        tdKrQt, tdKsQt[None, None, None, q_stage], tdKrQt_v, dk_bt,
+                    )  # fmt: skip
+                    # Every warp is done with Q and dO: prefetch the next block's under the dQ GEMM.
+                    cute.arch.barrier()
+                    if i + 1 < m_count:
+                        m_next = m0 + TILE_M
+                        parts.copy_rows(
+                            g2s, tQgQ[None, None, None, m_block + 1], tQsQ[None, None, None, 0], tQc, q_rows - m_next, True
+                        )
+                        parts.copy_rows(g2s, tdOgdO[None, None, None, m_block + 1], tdOsdO, tQc, q_rows - m_next, True)
+                    cute.arch.cp_async_commit_group()
+
+                    acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
+                    acc_dQ.fill(0.0)
+                    parts.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)
+                    dq_tile.red_add_fragment(acc_dQ, gdQacc[m_block, None], tidx, THREADS)
+
+                # Epilogue: dK (scaled) and dV through shared memory (reusing sK, sV), 16-byte stores.
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
-
-                acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
-                acc_S.fill(0.0)
-                parts.gemm_ss(
-                    mma_sdp, acc_S, tSrQ, tSsQ[None, None, None, q_stage], tSrQ_v, sdp_a, tSrK, tSsK, tSrK_v, sdp_b
+                acc_dK.store(acc_dK.load() * softmax_scale)
+                rdK = cute.make_fragment_like(acc_dK, DTYPE)
+                rdK.store(acc_dK.load().to(DTYPE))
+                rdV = cute.make_fragment_like(acc_dV, DTYPE)
+                rdV.store(acc_dV.load().to(DTYPE))
+                cute.copy(r2s_dk, r2s_dk_thr.retile(rdK), r2s_dk_thr.partition_D(sK))
+                cute.copy(r2s_dv, r2s_dv_thr.retile(rdV), r2s_dv_thr.partition_D(sV))
+                cute.arch.barrier()
+                tdKsdK = r2g_thr.partition_S(sK)
+                tdKrdK = cute.make_fragment_like(tdKsdK, DTYPE)
+                cute.copy(r2g, tdKsdK, tdKrdK)
+                tdVsdV = r2g_thr.partition_S(sV)
+                tdVrdV = cute.make_fragment_like(tdVsdV, DTYPE)
+                cute.copy(r2g, tdVsdV, tdVrdV)
+                tKVc_out = r2g_thr.partition_D(cute.make_identity_tensor((TILE_N, HEAD_DIM)))
+                parts.copy_rows(
+                    r2g, tdKrdK, r2g_thr.partition_D(gdK[None, None, n_block]), tKVc_out, seqlen_k - n0, False
                 )
-                s_mn = parts.acc_mn_view(acc_S)
-                # Keys past seqlen_k, and (causal) keys after a row's diagonal, are masked.
-                if n0 + TILE_N > seqlen_k:
-                    apply_mask(s_mn, cS_mn, m0, n0, seqlen_q, seqlen_k, CAUSAL)
-                bwd_parts.recompute_p(s_mn, lse2, scale_log2)
-                # P leaves the fp32 registers at once (16-bit, as the dV GEMM reads it) to keep the
-                # register peak of the dP GEMM low; dS is computed from the same 16-bit P, read back
-                # from its pinned words: one packed conversion per pair (F2FP), not one F2F per value.
-                rP = cute.make_fragment_like(acc_S, DTYPE)
-                rP.store(acc_S.load().to(DTYPE))
-                bwd_parts.pin_words(rP)
-                cute.copy(r2s_sdp, r2s_sdp_thr.retile(rP), tPsP)
-
-                acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
-                acc_dP.fill(0.0)
-                parts.gemm_ss(mma_sdp, acc_dP, tdPrdO, tdPsdO, tdPrdO_v, sdp_a, tdPrV, tdPsV, tdPrV_v, sdp_b)
-                bwd_parts.compute_ds(parts.acc_mn_view(rP), parts.acc_mn_view(acc_dP), dpsum)
-                rdS = cute.make_fragment_like(acc_dP, DTYPE)
-                rdS.store(acc_dP.load().to(DTYPE))
-                cute.copy(r2s_sdp, r2s_sdp_thr.retile(rdS), tdSsdS)
+                parts.copy_rows(
+                    r2g, tdVrdV, r2g_thr.partition_D(gdV[None, None, n_block]), tKVc_out, seqlen_k - n0, False
+                )
+                # The next key block's loads overwrite sK and sV.
                 cute.arch.barrier()
-
-                parts.gemm_ss(mma_dv, acc_dV, tdVrPt, tdVsPt, tdVrPt_v, dv_at, tdVrdOt, tdVsdOt, tdVrdOt_v, dv_bt)
-                parts.gemm_ss(
-                    mma_dk, acc_dK, tdKrdSt, tdKsdSt, tdKrdSt_v, dk_at,
-                    tdKrQt, tdKsQt[None, None, None, q_stage], tdKrQt_v, dk_bt,
-                )  # fmt: skip
-                # Every warp is done with Q and dO: prefetch the next block's under the dQ GEMM.
-                cute.arch.barrier()
-                if i + 1 < m_count:
-                    m_next = m0 + TILE_M
-                    parts.copy_rows(
-                        g2s, tQgQ[None, None, None, m_block + 1], tQsQ[None, None, None, 0], tQc, seqlen_q - m_next, True
-                    )
-                    parts.copy_rows(g2s, tdOgdO[None, None, None, m_block + 1], tdOsdO, tQc, seqlen_q - m_next, True)
-                cute.arch.cp_async_commit_group()
-
-                acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
-                acc_dQ.fill(0.0)
-                parts.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)
-                dq_tile.red_add_fragment(acc_dQ, gdQacc[m_block, None], tidx, THREADS)
-
-            # Epilogue: dK (scaled) and dV through shared memory (reusing sK, sV), 16-byte stores.
-            cute.arch.cp_async_wait_group(0)
+        elif role == 1:
+            rem = units % tail_slots
+            region = units - rem - tail_slots
+            steps = (rem + tail_slots) * m_blocks
+            stream_cta = bx + n_blocks * (head + n_heads * batch) - region
+            step_begin = stream_cta * steps // tail_slots
+            step_end = (stream_cta + 1) * steps // tail_slots
+            n_seg = (step_end - 1) // m_blocks - step_begin // m_blocks + 1
+            # The plan to shared memory: each segment's key block, query blocks, unit and whether
+            # it is a part of its key block, and the base addresses of its (batch, head)'s tensors
+            # (thread s: segment s, at most 3). The segment loop reads them back, so that none of
+            # the batch and head strides, base pointers or plan values stays live in registers
+            # across a segment.
+            if tidx == 0:
+                flag[1] = steps
+                flag[2] = stream_cta
+                flag[3] = m_blocks
+                flag[4] = tail_slots
+                flag[5] = n_seg
+            if tidx < n_seg:
+                s_unit = step_begin // m_blocks + tidx
+                s_n_block = (region + s_unit) % n_blocks
+                s_head = (region + s_unit) // n_blocks % n_heads
+                s_batch = (region + s_unit) // (n_blocks * n_heads)
+                flag[8 + 4 * tidx] = s_n_block
+                flag[9 + 4 * tidx] = cutlass.max(step_begin - s_unit * m_blocks, 0)
+                flag[10 + 4 * tidx] = cutlass.min(step_end - s_unit * m_blocks, m_blocks)
+                flag[11 + 4 * tidx] = s_unit
+                # a part of a key block (its dK and dV summed with the other parts') or a whole one
+                flag[20 + tidx] = Int32(0)
+                if step_begin > s_unit * m_blocks or step_end < (s_unit + 1) * m_blocks:
+                    flag[20 + tidx] = Int32(1)
+                s_kv = s_head // (mQ.shape[2] // mK.shape[2])
+                bases[9 * tidx] = mQ[s_batch, None, s_head, None].iterator.toint()
+                bases[9 * tidx + 1] = mdO[s_batch, None, s_head, None].iterator.toint()
+                bases[9 * tidx + 2] = mK[s_batch, None, s_kv, None].iterator.toint()
+                bases[9 * tidx + 3] = mV[s_batch, None, s_kv, None].iterator.toint()
+                bases[9 * tidx + 4] = mdK[s_batch, None, s_head, None].iterator.toint()
+                bases[9 * tidx + 5] = mdV[s_batch, None, s_head, None].iterator.toint()
+                bases[9 * tidx + 6] = mdQaccum[0, s_batch, s_head, None, None].iterator.toint()
+                bases[9 * tidx + 7] = mLSE2[s_batch, s_head, None].iterator.toint()
+                bases[9 * tidx + 8] = mDpsum[s_batch, s_head, None].iterator.toint()
             cute.arch.barrier()
-            acc_dK.store(acc_dK.load() * softmax_scale)
-            rdK = cute.make_fragment_like(acc_dK, DTYPE)
-            rdK.store(acc_dK.load().to(DTYPE))
-            rdV = cute.make_fragment_like(acc_dV, DTYPE)
-            rdV.store(acc_dV.load().to(DTYPE))
-            cute.copy(r2s_dk, r2s_dk_thr.retile(rdK), r2s_dk_thr.partition_D(sK))
-            cute.copy(r2s_dv, r2s_dv_thr.retile(rdV), r2s_dv_thr.partition_D(sV))
-            cute.arch.barrier()
-            tdKsdK = r2g_thr.partition_S(sK)
-            tdKrdK = cute.make_fragment_like(tdKsdK, DTYPE)
-            cute.copy(r2g, tdKsdK, tdKrdK)
-            tdVsdV = r2g_thr.partition_S(sV)
-            tdVrdV = cute.make_fragment_like(tdVsdV, DTYPE)
-            cute.copy(r2g, tdVsdV, tdVrdV)
-            tKVc_out = r2g_thr.partition_D(cute.make_identity_tensor((TILE_N, HEAD_DIM)))
-            parts.copy_rows(
-                r2g, tdKrdK, r2g_thr.partition_D(gdK[None, None, n_block]), tKVc_out, seqlen_k - n0, False
-            )
-            parts.copy_rows(
-                r2g, tdVrdV, r2g_thr.partition_D(gdV[None, None, n_block]), tKVc_out, seqlen_k - n0, False
-            )
-            # The next key block's loads overwrite sK and sV.
-            cute.arch.barrier()
+            # at most 3 segments (a range of fewer than 2 m_blocks steps); the count from shared
+            # memory, as the rest of the plan
+            for it in cutlass.range(3, unroll=1):
+                if it < flag[5]:
+                    t_n_block = flag[8 + 4 * it]
+                    t_m_begin = flag[9 + 4 * it]
+                    t_m_end = flag[10 + 4 * it]
+                    t_n0 = t_n_block * TILE_N
+                    t_m_count = t_m_end - t_m_begin
+                    # The segment's query rows start at t_row0: its tensors are offset there, so that
+                    # the loop below walks blocks 0, 1, ... of them with t_q_rows rows in range.
+                    t_row0 = t_m_begin * TILE_M
+                    t_q_rows = seqlen_q - t_row0
+                    t_m_first = 0
+                    t_gQ = cute.local_tile(
+                        cute.domain_offset((t_row0, 0), tail.rebuild(bases[9 * it], mQ[0, None, 0, None], 16)),
+                        (TILE_M, HEAD_DIM), (None, 0),
+                    )  # fmt: skip
+                    t_gdO = cute.local_tile(
+                        cute.domain_offset((t_row0, 0), tail.rebuild(bases[9 * it + 1], mdO[0, None, 0, None], 16)),
+                        (TILE_M, HEAD_DIM), (None, 0),
+                    )  # fmt: skip
+                    t_gK = cute.local_tile(tail.rebuild(bases[9 * it + 2], mK[0, None, 0, None], 16), (TILE_N, HEAD_DIM), (None, 0))
+                    t_gV = cute.local_tile(tail.rebuild(bases[9 * it + 3], mV[0, None, 0, None], 16), (TILE_N, HEAD_DIM), (None, 0))
+                    t_lse2_row = cute.domain_offset((t_row0,), tail.rebuild(bases[9 * it + 7], mLSE2[0, 0, None], 4))
+                    t_dpsum_row = cute.domain_offset((t_row0,), tail.rebuild(bases[9 * it + 8], mDpsum[0, 0, None], 4))
+                    t_seg_g2s = g2s.get_slice(tail.thread_index())
+                    t_tQgQ = t_seg_g2s.partition_S(t_gQ)
+                    t_tdOgdO = t_seg_g2s.partition_S(t_gdO)
+                    t_tKgK = t_seg_g2s.partition_S(t_gK)
+                    t_tVgV = t_seg_g2s.partition_S(t_gV)
+
+                    parts.copy_rows(g2s, t_tKgK[None, None, None, t_n_block], tKsK, tKVc, seqlen_k - t_n0, True)
+                    parts.copy_rows(g2s, t_tVgV[None, None, None, t_n_block], tVsV, tKVc, seqlen_k - t_n0, True)
+                    if t_m_count > 0:
+                        t_m0 = t_m_first * TILE_M
+                        parts.copy_rows(g2s, t_tQgQ[None, None, None, t_m_first], tQsQ[None, None, None, 0], tQc, t_q_rows - t_m0, True)
+                        parts.copy_rows(g2s, t_tdOgdO[None, None, None, t_m_first], tdOsdO, tQc, t_q_rows - t_m0, True)
+                    cute.arch.cp_async_commit_group()
+                    acc_dK.fill(0.0)
+                    acc_dV.fill(0.0)
+
+                    for i in cutlass.range(t_m_count, unroll=1):
+                        t_m_block = t_m_first + i
+                        t_m0 = t_m_block * TILE_M
+                        t_q_stage = 0
+                        bwd_parts.load_row_values(lse2, t_lse2_row, cS_mn, t_m0, t_q_rows, Float32.inf)
+                        bwd_parts.load_row_values(dpsum, t_dpsum_row, cS_mn, t_m0, t_q_rows, Float32(0.0))
+                        # Q and dO of this block (and K, V on the first step) landed; every warp is done
+                        # with the previous block's dS in shared memory.
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.barrier()
+
+                        t_acc_S = cute.make_rmem_tensor(acc_S_shape, Float32)
+                        t_acc_S.fill(0.0)
+                        parts.gemm_ss(
+                            mma_sdp, t_acc_S, tSrQ, tSsQ[None, None, None, t_q_stage], tSrQ_v, sdp_a, tSrK, tSsK, tSrK_v, sdp_b
+                        )
+                        t_s_mn = parts.acc_mn_view(t_acc_S)
+                        # Keys past seqlen_k, and (causal) keys after a row's diagonal, are masked.
+                        if t_n0 + TILE_N > seqlen_k:
+                            apply_mask(t_s_mn, cS_mn, t_m0, t_n0, seqlen_q, seqlen_k, CAUSAL)
+                        bwd_parts.recompute_p(t_s_mn, lse2, scale_log2)
+                        # P leaves the fp32 registers at once (16-bit, as the dV GEMM reads it) to keep the
+                        # register peak of the dP GEMM low; dS is computed from the same 16-bit P, read back
+                        # from its pinned words: one packed conversion per pair (F2FP), not one F2F per value.
+                        t_rP = cute.make_fragment_like(t_acc_S, DTYPE)
+                        t_rP.store(t_acc_S.load().to(DTYPE))
+                        bwd_parts.pin_words(t_rP)
+                        cute.copy(r2s_sdp, r2s_sdp_thr.retile(t_rP), tPsP)
+
+                        t_acc_dP = cute.make_rmem_tensor(acc_S_shape, Float32)
+                        t_acc_dP.fill(0.0)
+                        parts.gemm_ss(mma_sdp, t_acc_dP, tdPrdO, tdPsdO, tdPrdO_v, sdp_a, tdPrV, tdPsV, tdPrV_v, sdp_b)
+                        bwd_parts.compute_ds(parts.acc_mn_view(t_rP), parts.acc_mn_view(t_acc_dP), dpsum)
+                        t_rdS = cute.make_fragment_like(t_acc_dP, DTYPE)
+                        t_rdS.store(t_acc_dP.load().to(DTYPE))
+                        cute.copy(r2s_sdp, r2s_sdp_thr.retile(t_rdS), tdSsdS)
+                        cute.arch.barrier()
+
+                        parts.gemm_ss(mma_dv, acc_dV, tdVrPt, tdVsPt, tdVrPt_v, dv_at, tdVrdOt, tdVsdOt, tdVrdOt_v, dv_bt)
+                        parts.gemm_ss(
+                            mma_dk, acc_dK, tdKrdSt, tdKsdSt, tdKrdSt_v, dk_at,
+                            tdKrQt, tdKsQt[None, None, None, t_q_stage], tdKrQt_v, dk_bt,
+                        )  # fmt: skip
+                        # Every warp is done with Q and dO: prefetch the next block's under the dQ GEMM.
+                        cute.arch.barrier()
+                        if i + 1 < t_m_count:
+                            t_m_next = t_m0 + TILE_M
+                            parts.copy_rows(
+                                g2s, t_tQgQ[None, None, None, t_m_block + 1], tQsQ[None, None, None, 0], tQc, t_q_rows - t_m_next, True
+                            )
+                            parts.copy_rows(g2s, t_tdOgdO[None, None, None, t_m_block + 1], tdOsdO, tQc, t_q_rows - t_m_next, True)
+                        cute.arch.cp_async_commit_group()
+
+                        t_acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
+                        t_acc_dQ.fill(0.0)
+                        parts.gemm_ss(mma_dq, t_acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)
+                        # (the chunk's base address read from shared memory at each step: held in registers
+                        # across the step, it spilled at head_dim 256)
+                        dq_tile.red_add_fragment(t_acc_dQ, tail.rebuild(bases[9 * it + 6], mdQaccum[0, 0, 0, None, None], 16)[t_m_begin + t_m_block, None], tidx, THREADS)
+
+                    # Epilogue: dK (scaled) and dV through shared memory (reusing sK, sV), 16-byte stores.
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier()
+                    acc_dK.store(acc_dK.load() * softmax_scale)
+                    t_write = Int32(1)
+                    if flag[20 + it] == 1:
+                        # This CTA's part of the key block to its t_slot; the CTA that counts the block's
+                        # last part sums them all, in the order of the CTAs that made them, and writes it.
+                        t_e_steps = flag[1]
+                        t_e_cta = flag[2]
+                        t_e_mb = flag[3]
+                        t_e_slots = flag[4]
+                        t_e_unit = flag[11 + 4 * it]
+                        t_slot = cutlass.min(it, 1)
+                        tail.store_fragment(acc_dK, mdKVpart[t_e_cta, t_slot, 0, None], tidx, THREADS)
+                        tail.store_fragment(acc_dV, mdKVpart[t_e_cta, t_slot, 1, None], tidx, THREADS)
+                        cute.arch.fence_acq_rel_gpu()
+                        cute.arch.barrier()
+                        t_first_cta = tail.cta_of(t_e_unit * t_e_mb, t_e_steps, t_e_slots)
+                        t_last_cta = tail.cta_of(t_e_unit * t_e_mb + t_e_mb - 1, t_e_steps, t_e_slots)
+                        if tidx == 0:
+                            t_arrived = cute.arch.atomic_add(mTailCount.iterator + t_e_unit, Int32(1), sem="acq_rel", scope="gpu")
+                            flag[0] = Int32(0)
+                            if t_arrived == t_last_cta - t_first_cta:
+                                flag[0] = Int32(1)
+                        cute.arch.barrier()
+                        t_write = flag[0]
+                        if t_write == 1:
+                            # dK's parts summed, then dV's (so that the registers of one sum and its loads
+                            # are live at a time); t_slot 0 where the block is a CTA's first one, else t_slot 1
+                            cute.arch.fence_acq_rel_gpu()
+                            for kv in cutlass.range_constexpr(2):
+                                t_acc = acc_dK if kv == 0 else acc_dV
+                                t_acc.fill(0.0)
+                                for c in cutlass.range(t_first_cta, t_last_cta + 1, unroll=1):
+                                    t_c_slot = Int32(1)
+                                    if c * t_e_steps // t_e_slots >= t_e_unit * t_e_mb:
+                                        t_c_slot = Int32(0)
+                                    tail.add_fragment(t_acc, mdKVpart[c, t_c_slot, kv, None], tidx, THREADS)
+                    if t_write == 1:
+                        # dK and dV of the segment's (batch, head), from its base addresses; the epilogue's
+                        # partitions from a thread index read here (held from the prologue, they spilled)
+                        t_r2s_dk_thr = r2s_dk.get_slice(tail.thread_index())
+                        t_r2s_dv_thr = r2s_dv.get_slice(tail.thread_index())
+                        t_r2g_thr = r2g.get_slice(tail.thread_index())
+                        t_gdK = cute.local_tile(tail.rebuild(bases[9 * it + 4], mdK[0, None, 0, None], 16), (TILE_N, HEAD_DIM), (None, 0))
+                        t_gdV = cute.local_tile(tail.rebuild(bases[9 * it + 5], mdV[0, None, 0, None], 16), (TILE_N, HEAD_DIM), (None, 0))
+                        t_rdK = cute.make_fragment_like(acc_dK, DTYPE)
+                        t_rdK.store(acc_dK.load().to(DTYPE))
+                        t_rdV = cute.make_fragment_like(acc_dV, DTYPE)
+                        t_rdV.store(acc_dV.load().to(DTYPE))
+                        cute.copy(r2s_dk, t_r2s_dk_thr.retile(t_rdK), t_r2s_dk_thr.partition_D(sK))
+                        cute.copy(r2s_dv, t_r2s_dv_thr.retile(t_rdV), t_r2s_dv_thr.partition_D(sV))
+                        cute.arch.barrier()
+                        t_tdKsdK = t_r2g_thr.partition_S(sK)
+                        t_tdKrdK = cute.make_fragment_like(t_tdKsdK, DTYPE)
+                        cute.copy(r2g, t_tdKsdK, t_tdKrdK)
+                        t_tdVsdV = t_r2g_thr.partition_S(sV)
+                        t_tdVrdV = cute.make_fragment_like(t_tdVsdV, DTYPE)
+                        cute.copy(r2g, t_tdVsdV, t_tdVrdV)
+                        t_tKVc_out = t_r2g_thr.partition_D(cute.make_identity_tensor((TILE_N, HEAD_DIM)))
+                        parts.copy_rows(
+                            r2g, t_tdKrdK, t_r2g_thr.partition_D(t_gdK[None, None, t_n_block]), t_tKVc_out, seqlen_k - t_n0, False
+                        )
+                        parts.copy_rows(
+                            r2g, t_tdVrdV, t_r2g_thr.partition_D(t_gdV[None, None, t_n_block]), t_tKVc_out, seqlen_k - t_n0, False
+                        )
+                    # The next key block's loads overwrite sK and sV.
+                    cute.arch.barrier()

@@ -18,7 +18,12 @@ Calling convention (``Kernel.__call__``; :func:`fake_arguments` builds the same 
                                                          every stride even (sm_90+ adds column pairs
                                                          with 8-byte vector reductions)
     lse_log2, dpsum  (batch, heads_q, seqlen_q)          float32 workspaces
-    softmax_scale float; deterministic int (0 or 1); the stream is the caller's current one
+    dkv_part      (max(slots, 1), 2, 2, 128 * head_dim) float32, contiguous: the stream-K
+                                                         tail's parts of dK and dV (no zeroing needed)
+    tail_count    (max(2 * slots, 1),) int32             the tail's per-unit counters (the
+                                                         preprocess zeroes them)
+    softmax_scale float; deterministic int (0 or 1); slots int (0: no stream-K tail; a causal
+    variant ignores it); the stream is the caller's current one
 
 Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units, dq_accum
 zeroed), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
@@ -93,13 +98,19 @@ def fake_arguments(spec, cutlass, cute):
     dq_accum = cute.runtime.make_fake_tensor(
         cutlass.Float32, (splits, batch, seqlen_q, heads_q, spec.head_dim), accum_strides, assumed_align=8
     )
+    chunk_kv = spec.tile_n * spec.head_dim
+    dkv_part = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (cute.sym_int(symbol="sl"), 2, 2, chunk_kv), (4 * chunk_kv, 2 * chunk_kv, chunk_kv, 1),
+        assumed_align=16,
+    )  # fmt: skip
+    tail_count = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(symbol="tc"),), (1,), assumed_align=4)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     q, do, o, dq = (bshd(seqlen_q, heads_q) for _ in range(4))
     k, v = bshd(seqlen_k, heads_kv), bshd(seqlen_k, heads_kv)
     dk, dv = bshd(seqlen_k, heads_q), bshd(seqlen_k, heads_q)
     return (
-        q, k, v, o, do, rows(), rows(), dq, dk, dv, dq_accum, rows(), rows(),
-        cutlass.Float32(1.0), cutlass.Int32(0), stream,
+        q, k, v, o, do, rows(), rows(), dq, dk, dv, dq_accum, rows(), rows(), dkv_part, tail_count,
+        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), stream,
     )  # fmt: skip
 
 
@@ -123,12 +134,15 @@ class Kernel:
         mdQaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
+        mdKVpart: cute.Tensor,
+        mTailCount: cute.Tensor,
         softmax_scale: Float32,
         deterministic: Int32,
+        tail_slots: Int32,
         stream: cuda.CUstream,
     ):
         row_grid = (cute.ceil_div(mQ.shape[1], ROWS_PER_CTA), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
-        self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum).launch(
+        self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum, mTailCount).launch(
             grid=row_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
         )
 
@@ -159,9 +173,12 @@ class Kernel:
             mdQaccum,
             mLSE2,
             mDpsum,
+            mdKVpart,
+            mTailCount,
             softmax_scale,
             softmax_scale * LOG2_E,
             deterministic,
+            tail_slots,
             sQ_layout,
             sdO_layout,
             sKV_layout,
@@ -189,10 +206,17 @@ class Kernel:
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mTailCount: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
+        if bx == 0 and head == 0 and batch == 0:
+            # the stream-K tail's counters
+            counters = cute.size(mTailCount)
+            for j in cutlass.range(cute.ceil_div(counters, ROW_WARPS * 32), unroll=1):
+                if j * ROW_WARPS * 32 + tidx < counters:
+                    mTailCount[j * ROW_WARPS * 32 + tidx] = Int32(0)
         first = bx * ROWS_PER_CTA + (tidx // 32) * ROWS_PER_WARP
         for i in cutlass.range_constexpr(ROWS_PER_WARP):
             if first + i < mO.shape[1]:
@@ -222,9 +246,12 @@ class Kernel:
         mdQaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
+        mdKVpart: cute.Tensor,
+        mTailCount: cute.Tensor,
         softmax_scale: Float32,
         scale_log2: Float32,
         deterministic: Int32,
+        tail_slots: Int32,
         sQ_layout: cute.ComposedLayout,
         sdO_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -285,6 +312,7 @@ class Kernel:
         tKsK = g2s_thr.partition_D(sK)
         tVgV = g2s_thr.partition_S(gV)
         tVsV = g2s_thr.partition_D(sV)
+
         tQc = g2s_thr.partition_S(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
         tKVc = g2s_thr.partition_S(cute.make_identity_tensor((TILE_N, HEAD_DIM)))
 
@@ -359,32 +387,32 @@ class Kernel:
         r2s_dk = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), DTYPE), mma_dk)
         r2s_dk_thr = r2s_dk.get_slice(tidx)
         r2g_thr = r2g.get_slice(tidx)
-
         # Key blocks bx, bx + grid_x, ...: one block per CTA unless deterministic.
         for it in cutlass.range(cute.ceil_div(n_blocks - bx, grid_x), unroll=1):
             n_block = bx + it * grid_x
             n0 = n_block * TILE_N
             # Query blocks that see any of these keys.
-            m_begin = 0
             m_begin = cutlass.max(n0 + seqlen_q - seqlen_k, 0) // TILE_M
             m_count = cutlass.max(m_blocks - m_begin, 0)
+            m_first = m_begin
+            q_rows = seqlen_q
 
             parts.copy_rows(g2s, tKgK[None, None, None, n_block], tKsK, tKVc, seqlen_k - n0, True)
             parts.copy_rows(g2s, tVgV[None, None, None, n_block], tVsV, tKVc, seqlen_k - n0, True)
             if m_count > 0:
-                m0 = m_begin * TILE_M
-                parts.copy_rows(g2s, tQgQ[None, None, None, m_begin], tQsQ[None, None, None, 0], tQc, seqlen_q - m0, True)
-                parts.copy_rows(g2s, tdOgdO[None, None, None, m_begin], tdOsdO, tQc, seqlen_q - m0, True)
+                m0 = m_first * TILE_M
+                parts.copy_rows(g2s, tQgQ[None, None, None, m_first], tQsQ[None, None, None, 0], tQc, q_rows - m0, True)
+                parts.copy_rows(g2s, tdOgdO[None, None, None, m_first], tdOsdO, tQc, q_rows - m0, True)
             cute.arch.cp_async_commit_group()
             acc_dK.fill(0.0)
             acc_dV.fill(0.0)
 
             for i in cutlass.range(m_count, unroll=1):
-                m_block = m_begin + i
+                m_block = m_first + i
                 m0 = m_block * TILE_M
                 q_stage = i % STAGES
-                bwd_parts.load_row_values(lse2, lse2_row, cS_mn, m0, seqlen_q, Float32.inf)
-                bwd_parts.load_row_values(dpsum, dpsum_row, cS_mn, m0, seqlen_q, Float32(0.0))
+                bwd_parts.load_row_values(lse2, lse2_row, cS_mn, m0, q_rows, Float32.inf)
+                bwd_parts.load_row_values(dpsum, dpsum_row, cS_mn, m0, q_rows, Float32(0.0))
                 # Q and dO of this block (and K, V on the first step) landed; every warp is done
                 # with the previous block's dS in shared memory and with its Q buffer.
                 cute.arch.cp_async_wait_group(0)
@@ -393,7 +421,7 @@ class Kernel:
                 if i + 1 < m_count:
                     parts.copy_rows(
                         g2s, tQgQ[None, None, None, m_block + 1], tQsQ[None, None, None, (i + 1) % STAGES], tQc,
-                        seqlen_q - m0 - TILE_M, True,
+                        q_rows - m0 - TILE_M, True,
                     )
                 cute.arch.cp_async_commit_group()
 
@@ -429,14 +457,14 @@ class Kernel:
                 cute.arch.barrier()
                 if i + 1 < m_count:
                     parts.copy_rows(
-                        g2s, tdOgdO[None, None, None, m_block + 1], tdOsdO, tQc, seqlen_q - m0 - TILE_M, True
+                        g2s, tdOgdO[None, None, None, m_block + 1], tdOsdO, tQc, q_rows - m0 - TILE_M, True
                     )
                 cute.arch.cp_async_commit_group()
 
                 acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                 acc_dQ.fill(0.0)
                 parts.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)
-                bwd_parts.add_rows(acc_dQ, tdQc, tdQgdQ[None, None, None, m_block], seqlen_q - m0, TILE_M)
+                bwd_parts.add_rows(acc_dQ, tdQc, tdQgdQ[None, None, None, m_block], q_rows - m0, TILE_M)
                 # dK after the dQ reductions are issued: its MMAs cover their latency.
                 parts.gemm_ss(
                     mma_dk, acc_dK, tdKrdSt, tdKsdSt, tdKrdSt_v, dk_at,

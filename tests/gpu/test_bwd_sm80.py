@@ -243,14 +243,32 @@ def _variants():
     return space.default_variants("sm80", "bwd")
 
 
-@pytest.mark.parametrize("deterministic", [0, 1], ids=["atomic", "deterministic"])
-@pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
-def test_bwd_variant(gen, spec, deterministic):
+def _variant_modes():
+    """(variant, mode): every committed variant in atomic and deterministic mode, the non-causal
+    ones also with the stream-K tail on a few CTA slots (so that small grids have a tail)."""
+    return [
+        (spec, mode)
+        for spec in _variants()
+        for mode in ("atomic", "deterministic", "stream")
+        if mode != "stream" or not spec.causal
+    ]
+
+
+# Slot counts tried per shape in "stream" mode: the first that gives the shape a stream-K tail.
+STREAM_SLOTS = (5, 3, 7, 2)
+
+
+@pytest.mark.parametrize(("spec", "mode"), _variant_modes(), ids=lambda x: x if isinstance(x, str) else x.name)
+def test_bwd_variant(gen, spec, mode):
     """dq, dk and dv of one variant against float32 autograd of the exact reference, with every
     output and the dQ accumulator poisoned with NaN beforehand (an element the kernel does not
     write, or a split the preprocess does not clear, fails). Deterministic mode with up to 3
-    splits makes each CTA walk several key blocks (the Q buffers restart at each)."""
-    from cutefa.backward import dq_accum_workspace
+    splits makes each CTA walk several key blocks (the Q buffers restart at each). Stream mode runs
+    the stream-K tail on 2-7 slots, so that CTAs cover parts of key blocks and several key blocks
+    of different heads and batches: its parts workspace is poisoned with NaN and its counters with
+    garbage (the preprocess must zero them), and most shapes must have a tail."""
+    from cutefa import backward
+    from cutefa.backward import dq_accum_workspace, sm80_tail_workspaces
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
     from cutefa.space import why_not_on
@@ -261,10 +279,17 @@ def test_bwd_variant(gen, spec, deterministic):
     kernel = get_kernel(spec, target)
     dt = DTYPES[spec.dtype]
     scale = 1.0 / math.sqrt(spec.head_dim)
+    deterministic = int(mode == "deterministic")
+    tails = 0
     for batch, sq, sk, hq, hkv in VARIANT_SHAPES:
         q, k, v, dout, out, lse = _variant_inputs(gen, spec, batch, sq, sk, hq, hkv)
         # as backward.dq_splits: never more splits than key blocks
         splits = min(3, math.ceil(sk / spec.tile_n)) if deterministic else 1
+        slots = 0
+        if mode == "stream":
+            dims = (batch, hq, sq, sk)
+            slots = next((n for n in STREAM_SLOTS if backward.tail_slots(spec, False, *dims, n)), 0)
+            tails += slots > 0
         nan = {"device": "cuda"}
         dq = torch.full(q.shape, math.nan, dtype=dt, **nan)
         dk_heads = torch.full((batch, sk, hq, spec.head_dim), math.nan, dtype=dt, **nan)
@@ -273,9 +298,12 @@ def test_bwd_variant(gen, spec, deterministic):
         lse_log2 = torch.full((batch, hq, sq), math.nan, **nan)
         dpsum = torch.full_like(lse_log2, math.nan)
         dlse = torch.zeros_like(lse_log2)
+        dkv_part, tail_count = sm80_tail_workspaces(spec, slots, q.device)
+        dkv_part.fill_(math.nan)
+        tail_count.fill_(7)
         kernel(
             q, k, v, out, dout, lse.float().contiguous(), dlse, dq, dk_heads, dv_heads, dq_accum, lse_log2,
-            dpsum, scale, deterministic,
+            dpsum, dkv_part, tail_count, scale, deterministic, slots,
         )  # fmt: skip
         torch.cuda.synchronize()
         group = hq // hkv
@@ -285,11 +313,38 @@ def test_bwd_variant(gen, spec, deterministic):
             lambda a, b, c: attention(a, b, c, spec.causal, scale), q.float(), k.float(), v.float(), dout.float()
         )
         base = grads(lambda a, b, c: attention(a, b, c, spec.causal, scale), q, k, v, dout)
-        shape = f"b{batch} sq{sq} sk{sk} hq{hq} hkv{hkv}"
+        shape = f"b{batch} sq{sq} sk{sk} hq{hq} hkv{hkv} slots={slots}"
         for name, g, e, b in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, base):
             assert torch.isfinite(g).all(), f"{spec.name} {shape}: {name} has non-finite values"
             err, err_base = rel(g, e), rel(b, e)
             assert err <= 3 * err_base + 1e-3, f"{spec.name} {shape}: {name} rel err {err:.3g} vs SDPA {err_base:.3g}"
+    if mode == "stream":
+        assert tails >= 3, f"{spec.name}: only {tails} of the shapes had a stream-K tail"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_stream_tail_through_the_launch(gen, dtype, monkeypatch):
+    """flash_attn_func's backward with the sm80 family's head-dim-192 variant (chosen in place of
+    dispatch's, which on sm_90a GPUs is the sm90 family's) on a grid that ends on a partial wave
+    (2 x 10 heads x 32 key blocks = 640 CTAs), so that the launch path turns the stream-K tail on
+    with the GPU's own slots: the gradients against the float32 reference."""
+    from cutefa import backward, space
+    from cutefa.spec import VariantSpec
+
+    dt = DTYPES[dtype]
+    tile = space.DEFAULT_BWD_TILES["sm80"][192]
+    spec = VariantSpec("sm80", "bwd", dtype, 192, *tile, **space.default_extras("sm80", "bwd", 192))
+    monkeypatch.setattr(backward, "choose_bwd", lambda *args, **kwargs: spec)
+    q, k, v, dout = random_inputs(gen, dt, 192, 2, 2048, 2048, 10, 10)
+    assert backward.device_tail_slots(spec, q.device, False, 2, 10, 2048, 2048) > 0
+    scale = 1.0 / math.sqrt(192)
+    got = grads(lambda a, b, c: cutefa.flash_attn_func(a, b, c), q, k, v, dout)
+    exact = grads(lambda a, b, c: attention(a, b, c, False, scale), q.float(), k.float(), v.float(), dout.float())
+    base = grads(lambda a, b, c: attention(a, b, c, False, scale), q, k, v, dout)
+    for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+        err, err_base = rel(g, e), rel(b, e)
+        assert err <= 3 * err_base + 1e-3, f"{name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
 
 
 def _quad_variants():
@@ -312,8 +367,9 @@ def test_bwd_dq_quad_matches_twin(gen, spec):
     moves every value to its fragment-order place in a per-query-block chunk: in deterministic mode
     (each accumulator element summed by one thread in a fixed order, the splits in order) dq, dk and
     dv are bitwise those of the same tile without the flag; in atomic mode they agree to fp32
-    reordering. Each kernel's accumulator is poisoned with NaN in its own layout."""
-    from cutefa.backward import dq_accum_workspace
+    reordering. Each kernel's accumulator is poisoned with NaN in its own layout (no stream-K tail:
+    it sums the parts of a key block's dK and dV, which moves their rounding)."""
+    from cutefa.backward import dq_accum_workspace, sm80_tail_workspaces
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
     from cutefa.space import why_not_on
@@ -339,7 +395,7 @@ def test_bwd_dq_quad_matches_twin(gen, spec):
                 dpsum = torch.full_like(lse_log2, math.nan)
                 kernel(
                     q, k, v, out, dout, lse.float().contiguous(), torch.zeros_like(lse_log2), dq, dk, dv,
-                    dq_accum, lse_log2, dpsum, scale, deterministic,
+                    dq_accum, lse_log2, dpsum, *sm80_tail_workspaces(variant, 0, q.device), scale, deterministic, 0,
                 )  # fmt: skip
                 torch.cuda.synchronize()
                 results.append((dq, dk, dv))
