@@ -135,8 +135,6 @@ def device_tail_slots(
     seqlen_k: int,
 ) -> int:  # fmt: skip
     """:func:`tail_slots` with the resident CTA slots of ``device`` (SMs x CTAs per SM)."""
-    if spec.arch != "sm80" or spec.causal or deterministic:
-        return 0
     props = torch.cuda.get_device_properties(device)
     slots = props.multi_processor_count * _sm80_ctas_per_sm(spec, props)
     return tail_slots(spec, deterministic, batch, heads_q, seqlen_q, seqlen_k, slots)

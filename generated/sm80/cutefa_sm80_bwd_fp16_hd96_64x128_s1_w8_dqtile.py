@@ -703,7 +703,7 @@ class Kernel:
                     acc_dK.store(acc_dK.load() * softmax_scale)
                     t_write = Int32(1)
                     if flag[20 + it] == 1:
-                        # This CTA's part of the key block to its t_slot; the CTA that counts the block's
+                        # This CTA's part of the key block to its slot; the CTA that counts the block's
                         # last part sums them all, in the order of the CTAs that made them, and writes it.
                         t_e_steps = flag[1]
                         t_e_cta = flag[2]
@@ -726,7 +726,7 @@ class Kernel:
                         t_write = flag[0]
                         if t_write == 1:
                             # dK's parts summed, then dV's (so that the registers of one sum and its loads
-                            # are live at a time); t_slot 0 where the block is a CTA's first one, else t_slot 1
+                            # are live at a time); slot 0 where the block is a CTA's first one, else slot 1
                             cute.arch.fence_acq_rel_gpu()
                             for kv in cutlass.range_constexpr(2):
                                 t_acc = acc_dK if kv == 0 else acc_dV

@@ -335,16 +335,9 @@ def test_stream_tail_through_the_launch(gen, dtype, monkeypatch):
     tile = space.DEFAULT_BWD_TILES["sm80"][192]
     spec = VariantSpec("sm80", "bwd", dtype, 192, *tile, **space.default_extras("sm80", "bwd", 192))
     monkeypatch.setattr(backward, "choose_bwd", lambda *args, **kwargs: spec)
-    q, k, v, dout = random_inputs(gen, dt, 192, 2, 2048, 2048, 10, 10)
+    q, k, v, _ = random_inputs(gen, dt, 192, 2, 2048, 2048, 10, 10)
     assert backward.device_tail_slots(spec, q.device, False, 2, 10, 2048, 2048) > 0
-    scale = 1.0 / math.sqrt(192)
-    got = grads(lambda a, b, c: cutefa.flash_attn_func(a, b, c), q, k, v, dout)
-    exact = grads(lambda a, b, c: attention(a, b, c, False, scale), q.float(), k.float(), v.float(), dout.float())
-    base = grads(lambda a, b, c: attention(a, b, c, False, scale), q, k, v, dout)
-    for name, g, e, b in zip(("dq", "dk", "dv"), got, exact, base):
-        assert torch.isfinite(g).all(), f"{name} has non-finite values"
-        err, err_base = rel(g, e), rel(b, e)
-        assert err <= 3 * err_base + 1e-3, f"{name}: rel err {err:.3g} vs SDPA {err_base:.3g}"
+    check(q, k, v, False, gen)
 
 
 def _quad_variants():
