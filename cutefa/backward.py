@@ -61,7 +61,8 @@ def choose_bwd(
         if tile is None:
             reasons.append(f"{family}: no default backward tile for head_dim={head_dim}")
             continue
-        spec = VariantSpec(family, "bwd", token, head_dim, *tile, causal=causal, **default_extras(family, "bwd", head_dim))
+        extras = default_extras(family, "bwd", head_dim, stages=tile.stages)
+        spec = VariantSpec(family, "bwd", token, head_dim, *tile, causal=causal, **extras)
         spec = fitting_variant(spec, target) or spec  # where the default needs more shared memory
         reason = why_invalid(spec) or why_not_on(spec, target)
         if reason is None:

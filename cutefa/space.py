@@ -319,7 +319,8 @@ def default_bwd_tile(arch: str, head_dim: int, target: str | None = None) -> Til
     ``target``'s GPUs hold its shared memory, else :data:`DEFAULT_BWD_TILES`' (None without one)."""
     large = LARGE_SMEM_BWD_TILES.get(arch, {}).get(head_dim)
     if large is not None and target is not None:
-        spec = VariantSpec(arch, "bwd", "bf16", head_dim, *large, **default_extras(arch, "bwd", head_dim))
+        extras = default_extras(arch, "bwd", head_dim, stages=large.stages)
+        spec = VariantSpec(arch, "bwd", "bf16", head_dim, *large, **extras)
         if why_not_on(spec, target) is None:
             return large
     return DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
@@ -790,6 +791,19 @@ def _dq_tile_rule(spec: VariantSpec) -> str | None:
     return None
 
 
+def _dq_pipe_rule(spec: VariantSpec) -> str | None:
+    if not spec.dq_pipe:
+        return None
+    if not spec.dq_tile:
+        return "dq_pipe without dq_tile: the dQ chunks add into dq_tile's fragment-order accumulator"
+    if spec.stages != 1:
+        return (
+            "dq_pipe with stages > 1: the double-buffered order already spreads its dQ reductions "
+            "between the dK MMAs"
+        )
+    return None
+
+
 def _head_dim_rule(spec: VariantSpec) -> str | None:
     if spec.head_dim not in HEAD_DIMS:
         return f"head_dim={spec.head_dim} is not one of {HEAD_DIMS}"
@@ -1052,6 +1066,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _dq_stage_rule,
     _dq_quad_rule,
     _dq_tile_rule,
+    _dq_pipe_rule,
     _head_dim_rule,
     why_no_kernel,
 )
@@ -1336,8 +1351,10 @@ _FLAG_SETS[("sm90", "bwd")] = (
     {"dq_bulk": True, "dq_stage": True},
 )
 # sm80 backward: dQ reductions in the accumulator's natural layout, or 16-byte ones into a
-# column-permuted one (dq_quad), or into one tiled by query blocks in fragment order (dq_tile).
-_FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True}, {"dq_tile": True})
+# column-permuted one (dq_quad), or into one tiled by query blocks in fragment order (dq_tile), that
+# one also with the dQ GEMM by column chunks, each chunk's reductions between the next one's MMAs
+# (dq_pipe).
+_FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True}, {"dq_tile": True}, {"dq_tile": True, "dq_pipe": True})
 
 # Flags of the sm90 backward default where the default tile is not the head-dim split (head dims
 # 64, 96, 128): dq_bulk, FlashAttention-3's dQ path (measured +9-19% over per-thread reductions at
@@ -1347,6 +1364,15 @@ _FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True}, {"dq_tile": True})
 # "sm80 backward: the dQ accumulator in fragment order"), the layout FlashAttention-2 itself uses on
 # every sm8x GPU.
 DEFAULT_BWD_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"dq_bulk": True}, "sm80": {"dq_tile": True}}
+# Flags a family's default backward adds at one head dim, on single-buffered tiles (the default
+# tile and any other one-stage tile of that head dim). sm80 hd192 and hd256: dq_pipe, the dQ GEMM by
+# column chunks with each chunk's reductions issued between the next chunk's MMAs (on the H200:
+# +3-5% at hd192 and +5-7% on hd256's single-buffered tile, at every length and mask; hd128 gains
+# 0-2.5% but spills on sm_80; docs/perf-notes.md "sm80 backward: the dQ reductions between the dQ
+# MMAs").
+DEFAULT_BWD_HEAD_DIM_FLAGS: dict[str, dict[int, dict[str, bool]]] = {
+    "sm80": {192: {"dq_pipe": True}, 256: {"dq_pipe": True}}
+}
 # Flags of the sm90 backward default where the default tile is the swapped partition (head dim 192).
 DEFAULT_BWD_SWAP_FLAGS: dict[str, bool] = {"dq_bulk": True, "dq_stage": True}
 # Flags of the sm90 backward default where the default tile is the head-dim split (head dim 256):
@@ -1843,11 +1869,14 @@ def valid_variants(arch: str, direction: str = "fwd") -> list[VariantSpec]:
     return [spec for spec in candidates(arch, direction) if why_invalid(spec) is None]
 
 
-def default_extras(arch: str, direction: str, head_dim: int, dtype: str | None = None) -> dict[str, object]:
+def default_extras(
+    arch: str, direction: str, head_dim: int, dtype: str | None = None, stages: int = 1
+) -> dict[str, object]:
     """Spec fields beyond the tile that a family's default variant sets: schedule flags (sm90)
     and the exp2 emulation share (sm100) of the forward, plus, when ``dtype`` is given, its own
     forward flags and schedule (:data:`DEFAULT_DTYPE_FLAGS`, :data:`DEFAULT_DTYPE_SCHEDULES`); the sm90 backward's flags (dq_bulk; dq_stage
-    on the swapped partition, overlap on the head-dim split) and the sm80 backward's (dq_tile).
+    on the swapped partition, overlap on the head-dim split) and the sm80 backward's (dq_tile, and
+    where ``stages`` (the backward tile's) is 1 the head dim's :data:`DEFAULT_BWD_HEAD_DIM_FLAGS`).
     Dispatch's heuristics use the same."""
     if direction != "fwd":
         tile = DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
@@ -1858,7 +1887,10 @@ def default_extras(arch: str, direction: str, head_dim: int, dtype: str | None =
             return dict(DEFAULT_BWD_SPLIT_FLAGS)
         if sm90_bwd_swapped(default):
             return dict(DEFAULT_BWD_SWAP_FLAGS)
-        return dict(DEFAULT_BWD_FLAGS.get(arch, {}))
+        flags = dict(DEFAULT_BWD_FLAGS.get(arch, {}))
+        if stages == 1:
+            flags.update(DEFAULT_BWD_HEAD_DIM_FLAGS.get(arch, {}).get(head_dim, {}))
+        return flags
     extras: dict[str, object] = dict(DEFAULT_FLAGS.get(arch, {}))
     emu = DEFAULT_EXP_EMU.get(arch, {}).get(head_dim, 0)
     if emu:
@@ -1903,12 +1935,13 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
     for hd, alts in PAIR_ALTERNATIVES.get(arch, {}).items():
         entries += [("fwd", hd, tile, {**default_extras(arch, "fwd", hd), "cta_pair": True}, False) for tile in alts]
     entries += [
-        ("bwd", hd, tile, default_extras(arch, "bwd", hd), True) for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()
+        ("bwd", hd, tile, default_extras(arch, "bwd", hd, stages=tile.stages), True)
+        for hd, tile in DEFAULT_BWD_TILES.get(arch, {}).items()
     ]
     for hd, alts in BWD_TUNING_ALTERNATIVES.get(arch, {}).items():
-        entries += [("bwd", hd, tile, default_extras(arch, "bwd", hd), False) for tile in alts]
+        entries += [("bwd", hd, tile, default_extras(arch, "bwd", hd, stages=tile.stages), False) for tile in alts]
     entries += [
-        ("bwd", hd, tile, default_extras(arch, "bwd", hd), False)
+        ("bwd", hd, tile, default_extras(arch, "bwd", hd, stages=tile.stages), False)
         for tiles in (LARGE_SMEM_BWD_TILES, SMALL_SMEM_BWD_TILES)
         for hd, tile in tiles.get(arch, {}).items()
     ]

@@ -130,6 +130,7 @@ def test_manifest(out):
         "wide_vt": False,
         "lazy_rescale": False,
         "dq_tile": False,
+        "dq_pipe": False,
         "exp_emu": 0,
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),

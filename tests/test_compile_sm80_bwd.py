@@ -23,7 +23,7 @@ pytestmark = pytest.mark.compile
 
 DEFAULTS = space.default_variants("sm80", "bwd")
 # fp16 causal (dq_tile, the family's default: element-wise reductions in fragment order on sm_80):
-# the default tiles at hd128 and hd256, the double-buffered Q tiles at hd128 and hd192, and hd64's
+# the default tiles at hd128, hd192 and hd256 (those two with dq_pipe), the double-buffered Q tiles at hd128 and hd192, and hd64's
 # 128x128 double-buffered tile (255 registers on sm_80); and the bf16 causal alternatives at hd64
 # and hd128 (dq_quad, which keeps the natural layout on sm_80, and the natural layout itself).
 A100_SUBSET = [
@@ -31,7 +31,7 @@ A100_SUBSET = [
     for s in DEFAULTS
     if s.dtype == "fp16"
     and s.causal
-    and (s.head_dim, s.tile_m, s.stages) in ((128, 64, 1), (256, 64, 1), (128, 64, 2), (192, 64, 2), (64, 128, 2))
+    and (s.head_dim, s.tile_m, s.stages) in ((128, 64, 1), (256, 64, 1), (128, 64, 2), (192, 64, 1), (192, 64, 2), (64, 128, 2))
 ] + [s for s in DEFAULTS if not s.dq_tile and s.causal and s.head_dim in (64, 128)]
 
 
@@ -119,6 +119,16 @@ def _check(cubin, spec, vector_red: bool) -> None:
     else:
         expected = (0, 2 * (per_thread // 2), 0)
     assert _reductions(text) == tuple(n * copies for n in expected), spec.name
+    if spec.dq_pipe:
+        # dQ by column chunks, each chunk's reductions between the next chunk's MMAs: no run of
+        # reductions without an MMA between them is longer than one chunk's (dq_tile without
+        # dq_pipe: 9-12 of a thread's 12 in one burst after the last MMA of the step, sm_90a).
+        main = sass.kernel_text(text, "kernel")
+        red = r"\bREDG?\.E\.ADD\.F32(?:x4)?\b"
+        runs = [len(re.findall(red, run)) for run in re.split(r"\bHMMA\b", main)]
+        chunks = spec.head_dim // (16 * _grid(spec.tile_m, spec.head_dim, spec, "dq")[1])
+        per_chunk = sum(expected) // chunks
+        assert max(runs) <= per_chunk, f"{spec.name}: runs of {sorted(runs)[-4:]} dQ reductions"
     # The stream-K tail (non-causal): one counter increment per part, and the parts of dK and dV read
     # back through L2 (ld.global.cg), 16 bytes per load.
     main_text = sass.kernel_text(text, "kernel")
@@ -163,12 +173,59 @@ def test_dq_tile_committed():
     assert {s.dtype for s in tiles} == {"fp16", "bf16"}
     plain = {s for s in DEFAULTS if not (s.dq_tile or s.dq_quad)}
     assert plain == {s.replace(dq_quad=False) for s in DEFAULTS if s.dq_quad}
-    assert {s.replace(dq_tile=True) for s in plain} <= tiles
+    assert {s.replace(**space.default_extras("sm80", "bwd", s.head_dim, stages=s.stages)) for s in plain} <= tiles
     assert all(space.why_invalid(s) is None for s in tiles)
     spec = next(s for s in tiles if s.head_dim == 128 and s.tile_m == 64 and s.stages == 1 and not s.causal)
     assert space.bwd_dq_accum_shape(spec, 2, 3, 1000, 5) == (2, 3, 5, -(-1000 // 64), 64 * 128)
     assert "dq_quad" in space.why_invalid(spec.replace(dq_quad=True))
     assert "sm80 backward" in space.why_invalid(space.VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_tile=True))
+
+
+@cute.jit
+def _trace_chunks(
+    tile_m: cutlass.Constexpr, head_dim: cutlass.Constexpr, wm: cutlass.Constexpr, wn: cutlass.Constexpr, out: cutlass.Constexpr
+):
+    """Trace time only: for every thread of a (wm, wn) dQ tiled MMA, the coordinates of its values of
+    each dq_pipe column chunk (one tile of the MMA, 16 * wn columns, partitioned on its own) against
+    its values c * n ... (c + 1) * n - 1 of the whole tile, where red_add_fragment's ``value0`` puts
+    them; the (row, column) of every chunk value into ``out``."""
+    mma = bwd_parts.tiled_mma(cutlass.BFloat16, wm, wn)
+    whole = cute.make_identity_tensor((tile_m, head_dim))
+    cols = 16 * wn
+    chunks = head_dim // cols
+    for t in cutlass.range_constexpr(32 * wm * wn):
+        full = mma.get_slice(t).partition_C(whole)
+        n = cute.size(full) // chunks
+        for c in cutlass.range_constexpr(chunks):
+            part = mma.get_slice(t).partition_C(cute.local_tile(whole, (tile_m, cols), (0, c)))
+            assert cute.size(part) == n, f"thread {t}: chunk of {cute.size(part)} values, not {n}"
+            for i in cutlass.range_constexpr(n):
+                got = tuple(int(x) for x in part[i])
+                assert got == tuple(int(x) for x in full[c * n + i]), f"thread {t}: chunk {c} value {i} at {got}"
+                out.append(got)
+
+
+@pytest.mark.parametrize("tile_m, head_dim, warps_m, warps_n", [(64, 192, 2, 4), (64, 128, 2, 4), (64, 256, 4, 2)])
+def test_dq_pipe_chunks(tile_m, head_dim, warps_m, warps_n):
+    """dq_pipe's column chunks are a partition of the dQ fragment in its own order: chunk c of every
+    thread holds the whole fragment's values c * n on (so dq_tile's fragment-order words take them
+    unchanged), and the chunks of all threads cover the tile once."""
+    out: list[tuple[int, int]] = []
+    cute.compile(_trace_chunks, tile_m, head_dim, warps_m, warps_n, out)
+    assert len(out) == tile_m * head_dim
+    assert set(out) == {(r, x) for r in range(tile_m) for x in range(head_dim)}
+
+
+def test_dq_pipe_committed():
+    """dq_pipe on the hd192 and hd256 single-buffered defaults only (both dtypes and masks); refused
+    without dq_tile and on double-buffered tiles."""
+    pipes = {s for s in DEFAULTS if s.dq_pipe}
+    assert {(s.head_dim, s.tile_m, s.tile_n, s.stages) for s in pipes} == {(192, 64, 64, 1), (256, 64, 64, 1)}
+    assert {(s.dtype, s.causal) for s in pipes} == {(d, c) for d in ("fp16", "bf16") for c in (False, True)}
+    assert len(pipes) == 8
+    spec = next(iter(pipes))
+    assert "dq_tile" in space.why_invalid(spec.replace(dq_tile=False))
+    assert "stages > 1" in space.why_invalid(spec.replace(stages=2))
 
 
 @cute.jit

@@ -235,6 +235,12 @@ def test_sm80_bwd_default_set():
     extra = space.BWD_TUNING_ALTERNATIVES["sm80"]
     large, small = space.LARGE_SMEM_BWD_TILES["sm80"], space.SMALL_SMEM_BWD_TILES["sm80"]
     assert space.default_extras("sm80", "bwd", 128) == {"dq_tile": True}
+    # hd192 and hd256: the dQ reductions between the dQ MMAs (dq_pipe) on their single-buffered tiles only
+    for hd in (192, 256):
+        assert space.default_extras("sm80", "bwd", hd) == {"dq_tile": True, "dq_pipe": True}
+        assert space.default_extras("sm80", "bwd", hd, stages=2) == {"dq_tile": True}
+        assert {(s.stages, s.dq_pipe) for s in defaults if s.head_dim == hd} == {(1, True), (2, False)}
+    assert not any(s.dq_pipe for s in committed if s.head_dim not in (192, 256))
     tiles = len(HEAD_DIMS) + sum(len(tiles) for tiles in extra.values()) + len(large) + len(small)
     assert len(defaults) == 2 * 2 * tiles
     for spec in defaults:
@@ -259,7 +265,9 @@ def test_sm80_bwd_default_set():
     assert len(others) == 2 * sum(len(a) for a in alts.values())
     assert {s.dtype for s in others} == {"bf16"}
     assert all(
-        s.replace(dq_quad=False, dq_tile=True) in defaults and space.why_invalid(s) is None for s in others
+        s.replace(dq_quad=False, **space.default_extras("sm80", "bwd", s.head_dim, stages=s.stages)) in defaults
+        and space.why_invalid(s) is None
+        for s in others
     )
     assert sum(s.dq_quad for s in others) == len(others) // 2
     assert "dq_quad" in space.why_invalid(

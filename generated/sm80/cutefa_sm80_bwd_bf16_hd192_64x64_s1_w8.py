@@ -481,7 +481,6 @@ class Kernel:
                         )
                         parts.copy_rows(g2s, tdOgdO[None, None, None, m_block + 1], tdOsdO, tQc, q_rows - m_next, True)
                     cute.arch.cp_async_commit_group()
-
                     acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                     acc_dQ.fill(0.0)
                     parts.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)
@@ -650,7 +649,6 @@ class Kernel:
                             )
                             parts.copy_rows(g2s, t_tdOgdO[None, None, None, t_m_block + 1], tdOsdO, tQc, (seqlen_q - flag[9 + 4 * it] * TILE_M) - t_m_next, True)
                         cute.arch.cp_async_commit_group()
-
                         t_acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                         t_acc_dQ.fill(0.0)
                         parts.gemm_ss(mma_dq, t_acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)

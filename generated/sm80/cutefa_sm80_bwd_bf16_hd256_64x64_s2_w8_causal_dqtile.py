@@ -504,7 +504,6 @@ class Kernel:
                         g2s, tdOgdO[None, None, None, m_block + 1], tdOsdO, tQc, q_rows - m0 - TILE_M, True
                     )
                 cute.arch.cp_async_commit_group()
-
                 acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                 acc_dQ.fill(0.0)
                 parts.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)

@@ -528,7 +528,6 @@ class Kernel:
                             g2s, tdOgdO[None, None, None, m_block + 1], tdOsdO, tQc, q_rows - m0 - TILE_M, True
                         )
                     cute.arch.cp_async_commit_group()
-
                     acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                     acc_dQ.fill(0.0)
                     parts.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)
@@ -709,7 +708,6 @@ class Kernel:
                                 g2s, t_tdOgdO[None, None, None, t_m_block + 1], tdOsdO, tQc, t_q_rows - t_m0 - TILE_M, True
                             )
                         cute.arch.cp_async_commit_group()
-
                         t_acc_dQ = cute.make_rmem_tensor(acc_dQ_shape, Float32)
                         t_acc_dQ.fill(0.0)
                         parts.gemm_ss(mma_dq, t_acc_dQ, tdQrdS, tdQsdS, tdQrdS_v, dq_a, tdQrKt, tdQsKt, tdQrKt_v, dq_bt)

@@ -346,7 +346,11 @@ def _quad_variants():
     committed = space.default_variants("sm80", "bwd")
     plain = [s for s in committed if not (s.dq_quad or s.dq_tile)]
     # every variant whose natural-layout twin (the same tile and dtype) is committed
-    return [s for s in committed if (s.dq_quad or s.dq_tile) and s.replace(dq_quad=False, dq_tile=False) in plain]
+    return [
+        s
+        for s in committed
+        if (s.dq_quad or s.dq_tile) and s.replace(dq_quad=False, dq_tile=False, dq_pipe=False) in plain
+    ]
 
 
 # Longer shapes for the dq_quad and dq_tile twins: whole and partial query blocks over several key blocks,
@@ -357,7 +361,9 @@ QUAD_SHAPES = ((1, 4097, 4097, 2, 1), (2, 1000, 4097, 4, 2), (1, 4097, 128, 2, 2
 @pytest.mark.parametrize("spec", _quad_variants(), ids=lambda s: s.name)
 def test_bwd_dq_quad_matches_twin(gen, spec):
     """dq_quad only moves dQ's columns in the fp32 accumulator and adds four per reduction, dq_tile
-    moves every value to its fragment-order place in a per-query-block chunk: in deterministic mode
+    moves every value to its fragment-order place in a per-query-block chunk, dq_pipe computes dQ by
+    column chunks (each value's k-blocks in the same order) and adds each chunk between the next
+    one's MMAs: in deterministic mode
     (each accumulator element summed by one thread in a fixed order, the splits in order) dq, dk and
     dv are bitwise those of the same tile without the flag; in atomic mode they agree to fp32
     reordering. Each kernel's accumulator is poisoned with NaN in its own layout (no stream-K tail:
@@ -368,7 +374,7 @@ def test_bwd_dq_quad_matches_twin(gen, spec):
     from cutefa.space import why_not_on
 
     target = current_target()
-    twin = spec.replace(dq_quad=False, dq_tile=False)
+    twin = spec.replace(dq_quad=False, dq_tile=False, dq_pipe=False)
     if why_not_on(spec, target) is not None:
         pytest.skip(f"{spec.name} does not run on {target}: {why_not_on(spec, target)}")
     kernels = [get_kernel(s, target) for s in (spec, twin)]

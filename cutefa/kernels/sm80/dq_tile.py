@@ -31,15 +31,17 @@ def vec_width() -> int:
 @cute.jit
 def red_add_fragment(
     acc: cute.Tensor, chunk: cute.Tensor, thread: Int32, threads: cutlass.Constexpr,
-    part: cutlass.Constexpr = 0, parts: cutlass.Constexpr = 1,
+    part: cutlass.Constexpr = 0, parts: cutlass.Constexpr = 1, value0=0,
 ):  # fmt: skip
     """chunk += acc in fragment order: value v j + e of ``thread`` at word v (threads j + thread) + e
     (v = :func:`vec_width`), one 16-byte red.global.add.v4.f32 per four values (sm_90+) or one
     red.global.add.f32 per value. ``chunk`` is one query block's (tile_m * head_dim,) fp32 chunk,
     16-byte aligned. With ``parts`` > 1 only the ``part``-th of ``parts`` equal shares of the
-    reductions (in order), so that a caller can spread them between other work."""
+    reductions (in order), so that a caller can spread them between other work. ``value0``: ``acc``
+    is the part of a larger fragment that starts at its value ``value0`` (a multiple of vec; a
+    column chunk of the dQ GEMM, ``VariantSpec.dq_pipe``), possibly known only at run time."""
     vec = vec_width()
-    base = chunk.iterator + vec * thread
+    base = chunk.iterator + vec * thread + threads * value0
     groups = cute.size(acc) // vec
     if cutlass.const_expr(groups % parts):
         raise ValueError(f"{groups} reductions per thread do not split into {parts} equal parts")
