@@ -21,8 +21,8 @@ import torch
 from cutefa import dispatch
 from cutefa.compile import get_kernel
 from cutefa.space import (
+    DEFAULT_BWD_TILES,
     bwd_dq_accum_shape,
-    default_bwd_tile,
     default_extras,
     fitting_variant,
     smem_bytes,
@@ -39,10 +39,10 @@ def choose_bwd(
 ) -> VariantSpec:  # fmt: skip
     """The backward variant for a problem on compile target ``target``: per family, newest first,
     the entry of a tuned backward table measured for it (``cutefa tune --direction bwd``; needs
-    ``seqlen_k``), else the family's default backward tile for the target (``space.default_bwd_tile``:
-    the larger-shared-memory tile where the target's GPUs hold it, the largest committed tile that
-    they hold where the default is too large, ``space.fitting_variant``); a variant whose shared
-    memory the target's GPUs do not hold is passed over."""
+    ``seqlen_k``), else the family's default backward tile (``space.DEFAULT_BWD_TILES``; where the
+    target's GPUs do not hold its shared memory, the largest committed tile that they hold,
+    ``space.fitting_variant``); a variant whose shared memory the target's GPUs do not hold is
+    passed over."""
     token = TORCH_DTYPE_NAMES[str(dtype).removeprefix("torch.")]
     reasons = []
     for family in families_for_target(target):
@@ -57,7 +57,7 @@ def choose_bwd(
                 if why is None:
                     return spec
                 reasons.append(f"{family} tuned backward entry: {why}")
-        tile = default_bwd_tile(family, head_dim, target)
+        tile = DEFAULT_BWD_TILES.get(family, {}).get(head_dim)
         if tile is None:
             reasons.append(f"{family}: no default backward tile for head_dim={head_dim}")
             continue

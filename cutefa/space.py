@@ -306,24 +306,11 @@ DEFAULT_BWD_TILES: dict[str, dict[int, Tile]] = {
     },
 }
 
-# Backward tiles that replace the default where the target's per-block shared memory holds them
-# (:data:`TARGET_SMEM_LIMITS`; :func:`default_bwd_tile`), FlashAttention-2's own rule. sm80 hd256:
-# Q double-buffered (182 KiB, sm_90a and newer; the A100 keeps the single buffer): the next query
-# block's Q lands during a whole step and the dQ reductions drain under the dK GEMM
-# (docs/perf-notes.md, "sm80 backward: hd256 double-buffered where the shared memory holds it").
-LARGE_SMEM_BWD_TILES: dict[str, dict[int, Tile]] = {"sm80": {256: Tile(64, 64, 2, 8)}}
-
-
-def default_bwd_tile(arch: str, head_dim: int, target: str | None = None) -> Tile | None:
-    """The default backward tile of ``arch`` at ``head_dim``: the :data:`LARGE_SMEM_BWD_TILES` one where
-    ``target``'s GPUs hold its shared memory, else :data:`DEFAULT_BWD_TILES`' (None without one)."""
-    large = LARGE_SMEM_BWD_TILES.get(arch, {}).get(head_dim)
-    if large is not None and target is not None:
-        extras = default_extras(arch, "bwd", head_dim, stages=large.stages)
-        spec = VariantSpec(arch, "bwd", "bf16", head_dim, *large, **extras)
-        if why_not_on(spec, target) is None:
-            return large
-    return DEFAULT_BWD_TILES.get(arch, {}).get(head_dim)
+# Backward tiles committed as alternatives that need more shared memory than the A100's 163 KiB
+# (they run on sm_90a and newer). sm80 hd256: Q double-buffered (182 KiB), FlashAttention-2's tile
+# on the H100; the default there until the single-buffered tile with dq_pipe measured 3-6% ahead
+# of it on the H200 (docs/perf-notes.md, "sm80 backward: the dQ reductions between the dQ MMAs").
+LARGE_SMEM_BWD_ALTERNATIVES: dict[str, dict[int, Tile]] = {"sm80": {256: Tile(64, 64, 2, 8)}}
 
 
 # Backward tiles committed for GPUs whose per-block shared memory holds none of the defaults (the
@@ -337,7 +324,7 @@ SMALL_SMEM_BWD_TILES: dict[str, dict[int, Tile]] = {"sm80": {96: Tile(64, 64, 1,
 # Backward tiles committed next to the default one so benchmarks can compare (dispatch runs the
 # default). sm80: a double-buffered Q tile (stages=2, FlashAttention-2's design): the next query
 # block's Q loads during a whole step, dO during the dQ and dK GEMMs (hd256's is in
-# LARGE_SMEM_BWD_TILES). hd64's default has 128 query rows per step (FA2's "slightly faster" hd64
+# LARGE_SMEM_BWD_ALTERNATIVES). hd64's default has 128 query rows per step (FA2's "slightly faster" hd64
 # tile: 0.45 ldmatrix per mma.sync instead of 0.55 and half the barriers per FLOP; 255 registers, no spill on
 # sm_80 and sm_90a); 64 rows, single- and double-buffered, and 128 rows single-buffered stay beside it.
 BWD_TUNING_ALTERNATIVES: dict[str, dict[int, tuple[Tile, ...]]] = {
@@ -1365,13 +1352,14 @@ _FLAG_SETS[("sm80", "bwd")] = ({}, {"dq_quad": True}, {"dq_tile": True}, {"dq_ti
 # every sm8x GPU.
 DEFAULT_BWD_FLAGS: dict[str, dict[str, bool]] = {"sm90": {"dq_bulk": True}, "sm80": {"dq_tile": True}}
 # Flags a family's default backward adds at one head dim, on single-buffered tiles (the default
-# tile and any other one-stage tile of that head dim). sm80 hd192 and hd256: dq_pipe, the dQ GEMM by
-# column chunks with each chunk's reductions issued between the next chunk's MMAs (on the H200:
-# +3-5% at hd192 and +5-7% on hd256's single-buffered tile, at every length and mask; hd128 gains
-# 0-2.5% but spills on sm_80; docs/perf-notes.md "sm80 backward: the dQ reductions between the dQ
-# MMAs").
+# tile and any other one-stage tile of that head dim). sm80 hd96, hd192 and hd256: dq_pipe, the dQ
+# GEMM by column chunks with each chunk's reductions issued between the next chunk's MMAs and the
+# last chunk's during the next step's S GEMM (on the H200, against dq_tile alone: hd192 +8-11%,
+# hd256 +9-11% (+3-6% over its double-buffered tile), hd96 +2.5-4%, at every length and mask;
+# hd128 +3-7% non-causal but -1 to -3% causal, so not there; docs/perf-notes.md "sm80 backward:
+# the dQ reductions between the dQ MMAs").
 DEFAULT_BWD_HEAD_DIM_FLAGS: dict[str, dict[int, dict[str, bool]]] = {
-    "sm80": {192: {"dq_pipe": True}, 256: {"dq_pipe": True}}
+    "sm80": {96: {"dq_pipe": True}, 192: {"dq_pipe": True}, 256: {"dq_pipe": True}}
 }
 # Flags of the sm90 backward default where the default tile is the swapped partition (head dim 192).
 DEFAULT_BWD_SWAP_FLAGS: dict[str, bool] = {"dq_bulk": True, "dq_stage": True}
@@ -1942,7 +1930,7 @@ def default_variants(arch: str, direction: str | None = None) -> list[VariantSpe
         entries += [("bwd", hd, tile, default_extras(arch, "bwd", hd, stages=tile.stages), False) for tile in alts]
     entries += [
         ("bwd", hd, tile, default_extras(arch, "bwd", hd, stages=tile.stages), False)
-        for tiles in (LARGE_SMEM_BWD_TILES, SMALL_SMEM_BWD_TILES)
+        for tiles in (LARGE_SMEM_BWD_ALTERNATIVES, SMALL_SMEM_BWD_TILES)
         for hd, tile in tiles.get(arch, {}).items()
     ]
     bwd_alternatives = [

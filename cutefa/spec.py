@@ -161,9 +161,10 @@ class VariantSpec:
     dq_tile: bool = False
     # sm80 backward with dq_tile and one Q buffer: dQ = dS K computed by column chunks (one tile
     # of the dQ MMA's warp grid, 16 x warps_n columns), chunk c - 1's 16-byte reductions issued
-    # between the two halves of chunk c's k-blocks and fenced by warp syncs, so that they leave
-    # while MMAs run instead of in one burst at the end of the step (where ptxas puts them when
-    # the GEMM is one block). Name token _dqpipe.
+    # between the two halves of chunk c's k-blocks and fenced by warp syncs, the last chunk's
+    # after the next step's S MMAs are issued (the last step's after the loop), so that they
+    # leave while MMAs run instead of in one burst at the end of the step (where ptxas puts them
+    # when the GEMM is one block). Name token _dqpipe.
     dq_pipe: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cutefa
 from cutefa import backward, ops, space
 from cutefa.kernels.sm80 import tail
-from cutefa.space import DEFAULT_BWD_TILES, default_bwd_tile
+from cutefa.space import DEFAULT_BWD_TILES
 from cutefa.spec import HEAD_DIMS
 
 LOG2_E = math.log2(math.e)
@@ -313,7 +313,7 @@ def test_choose_bwd_uses_the_default_tiles():
         spec = backward.choose_bwd("sm_90a", torch.bfloat16, head_dim, True)
         family = "sm90" if head_dim in DEFAULT_BWD_TILES["sm90"] else "sm80"
         assert (spec.arch, spec.direction, spec.dtype, spec.causal) == (family, "bwd", "bf16", True), head_dim
-        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == default_bwd_tile(family, head_dim, "sm_90a")
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == DEFAULT_BWD_TILES[family][head_dim]
         spec = backward.choose_bwd("sm_80", torch.bfloat16, head_dim, True)
         assert (spec.arch, spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (
             "sm80", *DEFAULT_BWD_TILES["sm80"][head_dim]
@@ -321,19 +321,19 @@ def test_choose_bwd_uses_the_default_tiles():
 
 
 def test_choose_bwd_by_shared_memory():
-    """sm80 hd256: the double-buffered tile (182 KiB) where the target's GPUs hold it (sm_90a and
-    newer), the single-buffered one on the A100 (163 KiB). On sm_86/sm_89 (99 KiB) the defaults do
-    not fit: hd64-128 take the largest committed tile that does, hd192/256 have none, and the
-    error says so."""
-    assert space.LARGE_SMEM_BWD_TILES["sm80"][256] == (64, 64, 2, 8)
-    for target, stages in (("sm_80", 1), ("sm_90a", 2), ("sm_100a", 2), ("sm_103a", 2)):
-        assert default_bwd_tile("sm80", 256, target) == (64, 64, stages, 8), target
-    for target, stages in (("sm_80", 1), ("sm_100a", 2), ("sm_103a", 2)):  # sm_90a runs the sm90 family
+    """sm80 hd256: the single-buffered tile with dq_pipe (163 KiB) on every target from the A100
+    on; the double-buffered one (182 KiB) is a committed alternative that only sm_90a and newer
+    hold. On sm_86/sm_89 (99 KiB) the defaults do not fit: hd64-128 take the largest committed tile
+    that does, hd192/256 have none, and the error says so."""
+    for target in ("sm_80", "sm_100a", "sm_103a"):  # sm_90a runs the sm90 family
         spec = backward.choose_bwd(target, torch.bfloat16, 256, False)
-        assert (spec.arch, spec.tile_m, spec.tile_n, spec.stages) == ("sm80", 64, 64, stages), target
+        assert (spec.arch, spec.tile_m, spec.tile_n, spec.stages, spec.dq_pipe) == ("sm80", 64, 64, 1, True), target
         assert space.why_not_on(spec, target) is None
-    big = backward.choose_bwd("sm_100a", torch.bfloat16, 256, False)
-    assert space.why_not_on(big, "sm_80") == (
+    big = space.LARGE_SMEM_BWD_ALTERNATIVES["sm80"][256]
+    assert big == (64, 64, 2, 8)
+    big_spec = next(s for s in space.default_variants("sm80", "bwd") if s.head_dim == 256 and s.stages == 2)
+    assert space.why_not_on(big_spec, "sm_90a") is None
+    assert space.why_not_on(big_spec, "sm_80") == (
         "needs 182.0 KiB of shared memory, over the 163 KiB per-block opt-in limit of sm_80 GPUs"
     )
     for target in ("sm_86", "sm_89"):
@@ -355,7 +355,7 @@ def test_choose_bwd_on_blackwell():
         spec = backward.choose_bwd("sm_100a", torch.float16, head_dim, False)
         family = "sm100" if head_dim in DEFAULT_BWD_TILES["sm100"] else "sm80"
         assert (spec.arch, spec.direction, spec.dtype) == (family, "bwd", "fp16"), head_dim
-        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == default_bwd_tile(family, head_dim, "sm_100a")
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == DEFAULT_BWD_TILES[family][head_dim]
 
 
 def test_deterministic_must_be_bool():

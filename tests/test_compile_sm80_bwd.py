@@ -23,7 +23,7 @@ pytestmark = pytest.mark.compile
 
 DEFAULTS = space.default_variants("sm80", "bwd")
 # fp16 causal (dq_tile, the family's default: element-wise reductions in fragment order on sm_80):
-# the default tiles at hd128, hd192 and hd256 (those two with dq_pipe), the double-buffered Q tiles at hd128 and hd192, and hd64's
+# the default tiles at hd128, hd192 and hd256 (those two with dq_pipe), hd96's (dq_pipe), the double-buffered Q tiles at hd128 and hd192, and hd64's
 # 128x128 double-buffered tile (255 registers on sm_80); and the bf16 causal alternatives at hd64
 # and hd128 (dq_quad, which keeps the natural layout on sm_80, and the natural layout itself).
 A100_SUBSET = [
@@ -31,7 +31,8 @@ A100_SUBSET = [
     for s in DEFAULTS
     if s.dtype == "fp16"
     and s.causal
-    and (s.head_dim, s.tile_m, s.stages) in ((128, 64, 1), (256, 64, 1), (128, 64, 2), (192, 64, 1), (192, 64, 2), (64, 128, 2))
+    and (s.head_dim, s.tile_m, s.tile_n, s.stages)
+    in ((128, 64, 128, 1), (256, 64, 64, 1), (128, 64, 128, 2), (192, 64, 64, 1), (192, 64, 64, 2), (64, 128, 128, 2), (96, 64, 128, 1))
 ] + [s for s in DEFAULTS if not s.dq_tile and s.causal and s.head_dim in (64, 128)]
 
 
@@ -118,6 +119,12 @@ def _check(cubin, spec, vector_red: bool) -> None:
         expected = (0, 0, 2 * (per_thread // 4))
     else:
         expected = (0, 2 * (per_thread // 2), 0)
+    chunks = spec.head_dim // (16 * _grid(spec.tile_m, spec.head_dim, spec, "dq")[1])
+    per_chunk = sum(expected) // chunks
+    if spec.dq_pipe:
+        # the last chunk's reductions twice in the code: in the next step (after its S MMAs) and
+        # after the loop for the last step
+        expected = tuple(n + n // chunks for n in expected)
     assert _reductions(text) == tuple(n * copies for n in expected), spec.name
     if spec.dq_pipe:
         # dQ by column chunks, each chunk's reductions between the next chunk's MMAs: no run of
@@ -126,8 +133,6 @@ def _check(cubin, spec, vector_red: bool) -> None:
         main = sass.kernel_text(text, "kernel")
         red = r"\bREDG?\.E\.ADD\.F32(?:x4)?\b"
         runs = [len(re.findall(red, run)) for run in re.split(r"\bHMMA\b", main)]
-        chunks = spec.head_dim // (16 * _grid(spec.tile_m, spec.head_dim, spec, "dq")[1])
-        per_chunk = sum(expected) // chunks
         assert max(runs) <= per_chunk, f"{spec.name}: runs of {sorted(runs)[-4:]} dQ reductions"
     # The stream-K tail (non-causal): one counter increment per part, and the parts of dK and dV read
     # back through L2 (ld.global.cg), 16 bytes per load.
@@ -217,12 +222,14 @@ def test_dq_pipe_chunks(tile_m, head_dim, warps_m, warps_n):
 
 
 def test_dq_pipe_committed():
-    """dq_pipe on the hd192 and hd256 single-buffered defaults only (both dtypes and masks); refused
-    without dq_tile and on double-buffered tiles."""
+    """dq_pipe on the single-buffered tiles of hd96 (the default and the 99 KiB one), hd192 and
+    hd256 (the defaults), both dtypes and masks; refused without dq_tile and on double-buffered
+    tiles."""
     pipes = {s for s in DEFAULTS if s.dq_pipe}
-    assert {(s.head_dim, s.tile_m, s.tile_n, s.stages) for s in pipes} == {(192, 64, 64, 1), (256, 64, 64, 1)}
+    tiles = {(96, 64, 128, 1), (96, 64, 64, 1), (192, 64, 64, 1), (256, 64, 64, 1)}
+    assert {(s.head_dim, s.tile_m, s.tile_n, s.stages) for s in pipes} == tiles
     assert {(s.dtype, s.causal) for s in pipes} == {(d, c) for d in ("fp16", "bf16") for c in (False, True)}
-    assert len(pipes) == 8
+    assert len(pipes) == 4 * len(tiles)
     spec = next(iter(pipes))
     assert "dq_tile" in space.why_invalid(spec.replace(dq_tile=False))
     assert "stages > 1" in space.why_invalid(spec.replace(stages=2))

@@ -233,14 +233,15 @@ def test_sm80_bwd_default_set():
     defaults = [s for s in committed if s.dq_tile]
     # the larger-shared-memory tiles (sm_90a and newer), and every other tile within the A100's limit
     extra = space.BWD_TUNING_ALTERNATIVES["sm80"]
-    large, small = space.LARGE_SMEM_BWD_TILES["sm80"], space.SMALL_SMEM_BWD_TILES["sm80"]
+    large, small = space.LARGE_SMEM_BWD_ALTERNATIVES["sm80"], space.SMALL_SMEM_BWD_TILES["sm80"]
     assert space.default_extras("sm80", "bwd", 128) == {"dq_tile": True}
-    # hd192 and hd256: the dQ reductions between the dQ MMAs (dq_pipe) on their single-buffered tiles only
-    for hd in (192, 256):
+    # hd96, hd192 and hd256: the dQ reductions between the dQ MMAs (dq_pipe) on their single-buffered tiles only
+    for hd in (96, 192, 256):
         assert space.default_extras("sm80", "bwd", hd) == {"dq_tile": True, "dq_pipe": True}
         assert space.default_extras("sm80", "bwd", hd, stages=2) == {"dq_tile": True}
-        assert {(s.stages, s.dq_pipe) for s in defaults if s.head_dim == hd} == {(1, True), (2, False)}
-    assert not any(s.dq_pipe for s in committed if s.head_dim not in (192, 256))
+        stages = {1, 2} if hd != 96 else {1}
+        assert {(s.stages, s.dq_pipe) for s in defaults if s.head_dim == hd} == {(n, n == 1) for n in stages}
+    assert not any(s.dq_pipe for s in committed if s.head_dim not in (96, 192, 256))
     tiles = len(HEAD_DIMS) + sum(len(tiles) for tiles in extra.values()) + len(large) + len(small)
     assert len(defaults) == 2 * 2 * tiles
     for spec in defaults:

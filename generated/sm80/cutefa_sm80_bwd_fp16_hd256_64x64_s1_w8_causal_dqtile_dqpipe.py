@@ -40,7 +40,7 @@ in a fixed order, and the postprocess sums the splits in order: bitwise-reproduc
 
 Per query block: S = Q K^T, P, P -> smem, dP = dO V^T, dS, dS -> smem, barrier, then
 dV += P^T dO, dK += dS^T Q, barrier, the next block's Q and dO loads (cp.async, under the dQ GEMM),
-dQ = dS K and its reductions (dq_pipe: by column chunks of 16 x warps_n columns, each chunk's reductions between the two halves of the next chunk's MMAs, the last chunk's at the end).
+dQ = dS K and its reductions (dq_pipe: by column chunks of 16 x warps_n columns, each chunk's reductions between the two halves of the next chunk's MMAs, the last chunk's after the next step's S MMAs are issued).
 dq_tile: dq_accum is tiled by query blocks, each block's dQ in the MMA's fragment order
 (cutefa/kernels/sm80/dq_tile.py): where the target is sm_90 or newer a thread's values 4j..4j+3 go
 out as one 16-byte red.global.add.v4.f32 to word 4 (THREADS j + thread), so that a warp's reduction
@@ -459,6 +459,9 @@ class Kernel:
             cute.arch.cp_async_commit_group()
             acc_dK.fill(0.0)
             acc_dV.fill(0.0)
+            # dq_pipe: the last dQ chunk of a step, added after the next step's S MMAs are issued
+            # (the last step's after the loop), so that no reduction ends a step
+            dq_last = cute.make_rmem_tensor(acc_dQc_shape, Float32)
 
             for i in cutlass.range(m_count, unroll=1):
                 m_block = m_first + i
@@ -476,6 +479,8 @@ class Kernel:
                 parts.gemm_ss(
                     mma_sdp, acc_S, tSrQ, tSsQ[None, None, None, q_stage], tSrQ_v, sdp_a, tSrK, tSsK, tSrK_v, sdp_b
                 )
+                if i > 0:
+                    dq_tile.red_add_fragment(dq_last, gdQacc[m_block - 1, None], tidx, THREADS, value0=(DQ_CHUNKS - 1) * DQ_CHUNK_VALUES)
                 s_mn = parts.acc_mn_view(acc_S)
                 # Keys past seqlen_k, and (causal) keys after a row's diagonal, are masked.
                 if n0 + TILE_N > seqlen_k or n0 + TILE_N - 1 > m0 + seqlen_k - seqlen_q:
@@ -516,15 +521,16 @@ class Kernel:
                 # c's k-blocks, chunk c - 1's reductions, fenced on both sides by warp syncs (across
                 # which ptxas moves no memory operation; the second half's K^T fragments are loaded
                 # after them, so its MMAs stay after them too), so that the reductions leave while
-                # MMAs run (without the syncs ptxas sinks all of them below the last MMA). dS's
-                # fragments for every k-block first.
+                # MMAs run (without the syncs ptxas sinks all of them below the last MMA); the last
+                # chunk stays in dq_last for the next step (above). dS's fragments for every
+                # k-block first.
                 cute.copy(dq_a, tdQsdS, tdQrdS_v)
                 dq_accs = []
                 for c in cutlass.range_constexpr(DQ_CHUNKS):
                     rKt_c = cute.make_fragment_like(tdQrKt_c)
                     rKt_c_v = dq_bt_thr.retile(rKt_c)
                     sKt_c = dq_bt_thr.partition_S(cute.local_tile(sKt, (DQ_CHUNK_COLS, TILE_N), (c, 0)))
-                    acc_dQc = cute.make_rmem_tensor(acc_dQc_shape, Float32)
+                    acc_dQc = dq_last if c == DQ_CHUNKS - 1 else cute.make_rmem_tensor(acc_dQc_shape, Float32)
                     acc_dQc.fill(0.0)
                     dq_accs.append(acc_dQc)
                     for half in cutlass.range_constexpr(2):
@@ -536,7 +542,8 @@ class Kernel:
                             cute.copy(dq_bt, sKt_c[None, None, k], rKt_c_v[None, None, k])
                         for k in cutlass.range_constexpr(half * DQ_K_BLOCKS // 2, (half + 1) * DQ_K_BLOCKS // 2):
                             cute.gemm(mma_dq, acc_dQc, tdQrdS[None, None, k], rKt_c[None, None, k], acc_dQc)
-                dq_tile.red_add_fragment(dq_accs[DQ_CHUNKS - 1], gdQacc[m_block, None], tidx, THREADS, value0=(DQ_CHUNKS - 1) * DQ_CHUNK_VALUES)
+            if m_count > 0:
+                dq_tile.red_add_fragment(dq_last, gdQacc[m_first + m_count - 1, None], tidx, THREADS, value0=(DQ_CHUNKS - 1) * DQ_CHUNK_VALUES)
 
             # Epilogue: dK (scaled) and dV through shared memory (reusing sK, sV), 16-byte stores.
             cute.arch.cp_async_wait_group(0)
