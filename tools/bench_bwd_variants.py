@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         tile = space.DEFAULT_BWD_TILES["sm80"].get(hd)
         extras = space.default_extras("sm80", "bwd", hd, stages=tile.stages) if tile else {}
         for causal in causals:
-            # the default: the default tile with the family's default flags (dq_tile; dq_pipe at hd192)
+            # the default: the default tile with the family's default flags (dq_tile; dq_pipe at hd96/192/256)
             default = tile and VariantSpec("sm80", "bwd", args.dtype, hd, *tile, causal=causal, **extras)
             for seqlen in args.seqlen:
                 q, k, v, dout, out, lse = _problem(torch, cutefa, dt, hd, seqlen, causal)
