@@ -231,6 +231,23 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             # K/V block and Q while the consumers finish the last P V and store O
             # (docs/perf-notes.md, "fp8: where the fixed cost goes; ... the persistent scheduler").
             (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True, "lazy_rescale": True, "persistent": True}),
+            # The tuned tile with the row sums by a WGMMA against ones (sum_mma): one P x ones
+            # product per key block instead of a floating-point add per probability (-44 of 383
+            # instructions per key block and consumer warp; docs/perf-notes.md, "fp8: the row sums
+            # on the tensor cores"). On the persistent scheduler it measured no gain: not committed.
+            (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True, "lazy_rescale": True, "sum_mma": True}),
+            # The tuned tile with O accumulated in two levels (two_level: the tensor cores sum
+            # fp8.PROMOTE_BLOCKS key blocks, then fp32 in shared memory, 96 KiB more), with and
+            # without sum_mma (docs/perf-notes.md, "fp8: O accumulated in two levels").
+            (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True, "lazy_rescale": True, "two_level": True}),
+            (
+                Tile(192, 96, 2, 16),
+                {"overlap": True, "hoist_vt": True, "lazy_rescale": True, "persistent": True, "two_level": True},
+            ),
+            (
+                Tile(192, 96, 2, 16),
+                {"overlap": True, "hoist_vt": True, "lazy_rescale": True, "sum_mma": True, "two_level": True},
+            ),
         ),
         256: (
             # The default tile and schedule without lazy_rescale (the default before it), with 2
@@ -252,6 +269,12 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             (
                 Tile(128, 96, 2, 12),
                 {"overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True, "persistent": True},
+            ),
+            # hd256's 128x96 tile with sum_mma (-42 of 464 instructions per key block; measured -3
+            # to +3% against it, kept as the measured alternative).
+            (
+                Tile(128, 96, 2, 12),
+                {"overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True, "sum_mma": True},
             ),
         ),
     },
@@ -503,6 +526,10 @@ def smem_bytes(spec: VariantSpec) -> int:
     and of the transposed V that the P V WGMMA reads)."""
     if (spec.arch, spec.direction, spec.dtype) == ("sm90", "fwd", "e4m3"):
         elements = (spec.tile_m + 3 * spec.stages * spec.tile_n) * spec.head_dim
+        if spec.sum_mma:  # the ones operand of the row-sum WGMMA (8 x tile_n), 1 KiB-aligned
+            elements += -(-8 * spec.tile_n // 1024) * 1024
+        if spec.two_level:  # the fp32 copy of O (4 bytes per value)
+            elements += 4 * spec.tile_m * spec.head_dim
         return elements * spec.elem_bytes + SMEM_RESERVE
     if spec.direction == "bwd" and spec.arch == "sm80":
         return _sm80_bwd_smem_bytes(spec)
@@ -665,6 +692,32 @@ def _lazy_rescale_rule(spec: VariantSpec) -> str | None:
         return "lazy_rescale: the sm90 16-bit forward rescales lazily in the overlap schedule only (its deferred softmax step)"
     if spec.exp_emu:
         return "lazy_rescale with exp_emu: the lazy softmax step keeps every exp2 on MUFU"
+    return None
+
+
+def _sum_mma_rule(spec: VariantSpec) -> str | None:
+    if not spec.sum_mma:
+        return None
+    wrong_family = _sm90_e4m3_forward_flag(spec, "sum_mma", "row sums by a WGMMA against ones")
+    if wrong_family:
+        return wrong_family
+    if not spec.overlap:
+        return "sum_mma needs overlap: the block sums are added with the rescale after each step's P V wait"
+    if spec.block_quant:
+        return "sum_mma with block_quant: the block path's row sums undo each key tile's V ratio, which P carries"
+    return None
+
+
+def _two_level_rule(spec: VariantSpec) -> str | None:
+    if not spec.two_level:
+        return None
+    wrong_family = _sm90_e4m3_forward_flag(spec, "two_level", "O accumulated in two levels")
+    if wrong_family:
+        return wrong_family
+    if not spec.overlap:
+        return "two_level needs overlap: O is promoted after each step's P V wait"
+    if spec.block_quant:
+        return "two_level with block_quant: not built for the block path"
     return None
 
 
@@ -1044,6 +1097,8 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _hoist_vt_rule,
     _wide_vt_rule,
     _lazy_rescale_rule,
+    _sum_mma_rule,
+    _two_level_rule,
     _lpt_grid_rule,
     _cta_pair_rule,
     _block_quant_rule,

@@ -56,6 +56,8 @@ _FLAG_TOKENS = (
     ("lazy_rescale", "lres"),
     ("dq_tile", "dqtile"),
     ("dq_pipe", "dqpipe"),
+    ("sum_mma", "smma"),
+    ("two_level", "tlacc"),
 )
 
 
@@ -166,6 +168,17 @@ class VariantSpec:
     # leave while MMAs run instead of in one burst at the end of the step (where ptxas puts them
     # when the GEMM is one block). Name token _dqpipe.
     dq_pipe: bool = False
+    # sm90 e4m3 forward, overlap schedule: the row sums of P taken by one more WGMMA per key block,
+    # P (the P V product's register operand) times a constant block of e4m3 ones in shared memory
+    # (N = 8) into a fresh accumulator, added to the fp32 running sums once the block's P V is
+    # done, instead of a floating-point add per probability (fp8.sum_tiled_mma). Name token _smma.
+    sum_mma: bool = False
+    # sm90 e4m3 forward, overlap schedule: two-level accumulation of O. The e4m3 tensor cores add
+    # into their accumulator with fewer mantissa bits than fp32, which over thousands of keys
+    # loses a share of O that grows with the key count (where V's columns carry a mean); every
+    # fp8.PROMOTE_BLOCKS key blocks each consumer thread adds its O accumulator into an fp32 copy
+    # in shared memory and restarts it from zero (fp8.promote_o). Name token _tlacc.
+    two_level: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0

@@ -1,6 +1,6 @@
 """What the CPU test files share: seeded random inputs, a plain attention reference, tracing a
 flash_attn_func call under torch.compile on fake CUDA tensors, loading a script of tools/ as a
-module, reading the branches of a kernel's SASS, the sm90 backward's stmatrix / TMA-store
+module, reading the branches and loops of a kernel's SASS, the sm90 backward's stmatrix / TMA-store
 checks, and an H200 pretended for the call plans on CPU tensors."""
 
 from __future__ import annotations
@@ -89,6 +89,33 @@ def skipped_fmuls(sass_text: str) -> list[int]:
         if fmuls:
             found.append(fmuls)
     return found
+
+
+# One SASS instruction of ``cuobjdump -sass``: address, opcode (after any predicate), operands.
+_INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def step_loop(text: str, issues: int) -> list[str]:
+    """The shortest back-branch loop of the SASS text whose body holds at least ``issues`` WGMMA
+    instructions (HGMMA or QGMMA), as "OPCODE operands" strings."""
+    ins = [
+        (int(m.group(1), 16), m.group(2), m.group(3))
+        for line in text.splitlines()
+        if (m := _INSN.match(line))
+    ]
+    at = {addr: i for i, (addr, _, _) in enumerate(ins)}
+    best = None
+    for i, (addr, op, rest) in enumerate(ins):
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target is None or int(target.group(1), 16) >= addr or int(target.group(1), 16) not in at:
+            continue
+        body = ins[at[int(target.group(1), 16)] : i + 1]
+        if sum(o.startswith(("HGMMA", "QGMMA")) for _, o, _ in body) >= issues and (
+            best is None or len(body) < len(best)
+        ):
+            best = body
+    assert best is not None, f"no loop issues {issues} WGMMAs"
+    return [f"{op}{rest}" for _, op, rest in best]
 
 
 def assert_sm90_bwd_stores(report, main_forms: dict, spec) -> None:

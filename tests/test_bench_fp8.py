@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from cutefa import space
 
@@ -52,3 +53,30 @@ def test_named_variants_get_the_default_beside_them():
 def test_bad_variant_names_raise(name, match):
     with pytest.raises(ValueError, match=match):
         _bench().variant_columns([name], None)
+
+
+def test_fp8_accuracy_reference_is_plain_attention():
+    """tools/fp8_accuracy.py's float32 reference is plain attention (causal bottom-right, sq < sk
+    too), and its emulation rounds P to e4m3 only: within e4m3's rounding of the reference."""
+    from cpu_support import rand, reference
+
+    tool = load_tool_fp8_accuracy()
+    q, k, v = rand(1, 5, 2, 16, seed=1), rand(1, 9, 2, 16, seed=2), rand(1, 9, 2, 16, seed=3) + 1.0
+    for causal in (False, True):
+        expect, _ = reference(q, k, v, causal, 0.25)
+        got = tool._reference(q, k, v, causal, 0.25, p_e4m3=False)
+        assert torch.allclose(got, expect, atol=1e-5), causal
+        emul = tool._reference(q, k, v, causal, 0.25, p_e4m3=True)
+        assert 0 < tool._rel_l2(emul, expect) < 2.0**-4, causal
+
+
+def test_fp8_accuracy_takes_e4m3_forwards_only():
+    tool = load_tool_fp8_accuracy()
+    with pytest.raises(SystemExit):
+        tool.main(["--variants", "cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_ov_pp"])
+
+
+def load_tool_fp8_accuracy():
+    from cpu_support import load_tool
+
+    return load_tool("fp8_accuracy")

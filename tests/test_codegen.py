@@ -131,6 +131,8 @@ def test_manifest(out):
         "lazy_rescale": False,
         "dq_tile": False,
         "dq_pipe": False,
+        "sum_mma": False,
+        "two_level": False,
         "exp_emu": 0,
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from cpu_support import step_loop
 
 from cutefa import sass
 from cutefa.compile import kernel_source_path
@@ -33,31 +34,8 @@ KEPT = [
     "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_pp_erescale_pcvt_lres",
     "cutefa_sm90_fwd_fp16_hd128_128x176_s2_w12_causal_ov_pp_pcvt",
 ]
-_INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 # the descriptor's start-address field taken from a shared-memory address (bits 4..17, 1 KiB aligned)
 _ADDRESS_MASK = re.compile(r"ULOP3\.LUT\s+UR\d+,\s*UR\d+,\s*0x3fc0,")
-
-
-def step_loop(text: str, issues: int) -> list[str]:
-    """The shortest back-branch loop whose body holds at least ``issues`` WGMMA instructions."""
-    ins = [
-        (int(m.group(1), 16), m.group(2), m.group(3))
-        for line in text.splitlines()
-        if (m := _INSN.match(line))
-    ]
-    at = {addr: i for i, (addr, _, _) in enumerate(ins)}
-    best = None
-    for i, (addr, op, rest) in enumerate(ins):
-        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-        if target is None or int(target.group(1), 16) >= addr or int(target.group(1), 16) not in at:
-            continue
-        body = ins[at[int(target.group(1), 16)] : i + 1]
-        if sum(o.startswith(("HGMMA", "QGMMA")) for _, o, _ in body) >= issues and (
-            best is None or len(body) < len(best)
-        ):
-            best = body
-    assert best is not None, f"no loop issues {issues} WGMMAs"
-    return [f"{op}{rest}" for _, op, rest in best]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from cpu_support import skipped_fmuls
+from cpu_support import skipped_fmuls, step_loop
 
 from cutefa import sass, space
 from cutefa.kernels.sm90 import fp8
@@ -158,8 +158,10 @@ def test_alternative_sass(alternative_cubins, spec):
     assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0, summary
     assert report.counts["HGMMA"] == 0, summary
     per_block = spec.head_dim // fp8.MMA_K + spec.tile_n // fp8.MMA_K
-    # two loop bodies (masked, unmasked); the overlap schedule adds its prologue S and epilogue P V
-    assert report.counts["QGMMA"] == (3 if spec.overlap else 2) * per_block, summary
+    # two loop bodies (masked, unmasked); the overlap schedule adds its prologue S and epilogue P V;
+    # sum_mma a P x ones product beside each P V (the loop bodies' and the epilogue's)
+    sums = 3 * spec.tile_n // fp8.MMA_K if spec.sum_mma else 0
+    assert report.counts["QGMMA"] == (3 if spec.overlap else 2) * per_block + sums, summary
     assert f"QGMMA.64x{spec.tile_n}x32.F32.E4M3.E4M3" in text, summary
     if spec.pingpong:
         assert report.counts["BAR.SYNC"] > 2, summary
@@ -167,7 +169,10 @@ def test_alternative_sass(alternative_cubins, spec):
     # share, plus one rescale factor per row (2); the same bodies as the QGMMA count.
     bodies = 3 if spec.overlap else 2
     exps = spec.tile_n // 2 * (100 - spec.exp_emu) // 100 + 2
-    assert report.counts["MUFU.EX2"] >= bodies * exps, summary
+    # (sum_mma: the overlap prologue's rescale factors have no use, its row sums come with the next
+    # step's P V, so ptxas drops them)
+    unused = 2 if spec.sum_mma else 0
+    assert report.counts["MUFU.EX2"] >= bodies * exps - unused, summary
     if spec.exp_emu:
         assert report.counts["MUFU.EX2"] < bodies * (spec.tile_n // 2 + 2), summary
     regions = sass.setmaxnreg_regions(text)
@@ -398,8 +403,9 @@ def test_lazy_variants_are_committed():
         (128, 128, False), (128, 128, True), (128, 96, False), (128, 96, True),
         (256, 64, False), (256, 64, True), (256, 96, False), (256, 96, True),
     }  # fmt: skip
-    # (a persistent variant's twin: its one-CTA-per-tile twin without the flag)
-    twins = {s.replace(lazy_rescale=False, persistent=False) for s in committed}
+    # (a persistent variant's twin: its one-CTA-per-tile twin without the flag; sum_mma and
+    # two_level are committed with lazy_rescale only, so a twin has neither)
+    twins = {s.replace(lazy_rescale=False, persistent=False, sum_mma=False, two_level=False) for s in committed}
     assert twins <= set(FP8_DEFAULTS) | set(FP8_ALTERNATIVES)
     assert {s.head_dim for s in FP8_DEFAULTS if s.lazy_rescale} == {256}
     assert any(s.lazy_rescale for s in CHECKED)
@@ -414,10 +420,67 @@ def test_lazy_rescale_sass(cubins, alternative_cubins, spec):
     report = sass.analyze(_cubin(spec, cubins, alternative_cubins))
     bodies = 3 if spec.overlap else 2
     assert text.count("VOTE.ANY") == bodies, report.summary()
-    rescales = [n for n in skipped_fmuls(text) if n == spec.head_dim // 2]
+    # (two_level: the fp32 copy's two row scales follow O's rescale behind the same branch)
+    rescales = [n for n in skipped_fmuls(text) if n == spec.head_dim // 2 + (2 if spec.two_level else 0)]
     assert len(rescales) == 2, skipped_fmuls(text)
     assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0, report.summary()
     assert report.counts["HGMMA"] == 0 and report.missing("sm90", "e4m3") == [], report.summary()
     regions = sass.setmaxnreg_regions(text)
     assert [budget for budget, _ in regions] == _budgets(spec), regions
     assert all(used < budget for budget, used in regions), regions
+
+
+# The row sums by a P x ones WGMMA (_smma) and O accumulated in two levels (_tlacc): committed on
+# the tuned tiles (hd128 192x96, hd256 128x96; two_level at hd128 only, where its fp32 copy of O fits).
+SUM_MMA = [s for s in FP8_ALTERNATIVES if s.sum_mma]
+TWO_LEVEL = [s for s in FP8_ALTERNATIVES if s.two_level]
+
+
+def test_sum_mma_and_two_level_are_committed():
+    assert {(s.head_dim, s.causal) for s in SUM_MMA} == {(128, False), (128, True), (256, False), (256, True)}
+    assert {(s.head_dim, s.causal) for s in TWO_LEVEL} == {(128, False), (128, True)}
+    alternatives = set(FP8_ALTERNATIVES)
+    assert all(s.replace(sum_mma=False) in alternatives for s in SUM_MMA)
+    assert all(s.replace(two_level=False) in alternatives for s in TWO_LEVEL)
+
+
+def _step(spec, text):
+    """The unmasked key step's loop: the shortest loop that issues S, P V and, with sum_mma, the
+    row sums."""
+    issues = spec.head_dim // fp8.MMA_K + (2 if spec.sum_mma else 1) * spec.tile_n // fp8.MMA_K
+    return step_loop(text, issues)
+
+
+@pytest.mark.parametrize("spec", SUM_MMA, ids=lambda s: s.name)
+def test_sum_mma_sass(alternative_cubins, spec):
+    """A _smma variant's key step: the P x ones product (QGMMA with N = 8, one per 32 keys) and no
+    floating-point add per probability: its twin's step adds tile_n / 2 - 2 per thread for the row
+    sums, this one at most 8 (the block sums, the lazy vote's and the rescale's arithmetic)."""
+    text = sass.disassemble(alternative_cubins[spec.name])
+    twin = sass.disassemble(alternative_cubins[spec.replace(sum_mma=False).name])
+    step, twin_step = _step(spec, text), _step(spec.replace(sum_mma=False), twin)
+    sums = [ins for ins in step if ins.startswith("QGMMA.64x8x32.F32.E4M3.E4M3")]
+    assert len(sums) == spec.tile_n // fp8.MMA_K, step
+    fadds = sum(ins.startswith("FADD") for ins in step)
+    twin_fadds = sum(ins.startswith("FADD") for ins in twin_step)
+    assert twin_fadds >= spec.tile_n // 2 - 2 and fadds <= 8, (fadds, twin_fadds)
+    assert len(step) < len(twin_step) - spec.tile_n // 4, (len(step), len(twin_step))
+
+
+@pytest.mark.parametrize("spec", TWO_LEVEL, ids=lambda s: s.name)
+def test_two_level_sass(alternative_cubins, spec):
+    """A _tlacc variant's key step: the promotion of O behind one branch, a thread's head_dim / 2
+    accumulator values through its fp32 copy in shared memory in 16-byte accesses (head_dim / 8
+    LDS.128 and STS.128, no other shared-memory access: the consumers read nothing else from shared
+    memory themselves) and one FFMA each; no spill, budgets kept."""
+    text = sass.disassemble(alternative_cubins[spec.name])
+    step = _step(spec, text)
+    chunks = spec.head_dim // 2 // fp8.O32_CHUNK
+    assert sum(ins.startswith("LDS.128") for ins in step) == chunks, step
+    assert sum(ins.startswith("STS.128") for ins in step) == chunks, step
+    assert not [ins for ins in step if ins.startswith(("LDS", "STS")) and not ins.startswith(("LDS.128", "STS.128"))]
+    twin = _step(spec.replace(two_level=False), sass.disassemble(alternative_cubins[spec.replace(two_level=False).name]))
+    ffmas = sum(ins.startswith("FFMA") for ins in step) - sum(ins.startswith("FFMA") for ins in twin)
+    assert ffmas >= spec.head_dim // 2, ffmas
+    report = sass.analyze(alternative_cubins[spec.name])
+    assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0, report.summary()

@@ -461,7 +461,7 @@ def test_fp8_defaults_are_the_default_schedule_plus_the_explicit_alternatives():
     committed = [s for s in space.default_variants("sm90") if s.dtype == "e4m3"]
     alternatives = space.fp8_alternative_specs("sm90")
     assert set(alternatives) <= set(committed)
-    assert len(alternatives) <= 38  # a short list for one GPU run, not a sweep (hoist_vt, wide_vt, lazy_rescale and persistent twins included)
+    assert len(alternatives) <= 48  # a short list for one GPU run, not a sweep (hoist_vt, wide_vt, lazy_rescale, sum_mma, two_level and persistent twins included)
     fp8 = [s for s in committed if s not in alternatives and not s.block_quant]
     assert {s.head_dim for s in fp8} == set(HEAD_DIMS)
     assert len(fp8) == 2 * len(HEAD_DIMS)  # causal and not, on the default tile and schedule
@@ -744,3 +744,29 @@ def test_sm90_fp8_consumer_registers():
     assert all(space.sm90_fp8_producer_regs(s) == 40 for s in defaults)
     assert "would spill registers" in space.why_invalid(long.replace(hoist_vt=False))
     assert "would spill registers" in space.why_invalid(long.replace(tile_n=128))  # 256 > 240
+
+
+TUNED_FP8 = VariantSpec(
+    "sm90", "fwd", "e4m3", 128, 192, 96, 2, 16, overlap=True, hoist_vt=True, lazy_rescale=True
+)  # the tuned hd128 e4m3 tile
+
+
+@pytest.mark.parametrize("flag", ["sum_mma", "two_level"])
+def test_sum_mma_and_two_level_rules(flag):
+    """The row sums by WGMMA and the two-level accumulation of O: sm90 e4m3 forward flags of the
+    overlap schedule, not with block quantization; two_level's fp32 copy of O counts in the shared
+    memory (4 bytes per value of the CTA's tile: 96 KiB at hd128 192x96), so hd256's tiles cannot
+    hold it."""
+    spec = TUNED_FP8.replace(**{flag: True})
+    assert space.why_invalid(spec) is None
+    bf16 = space.why_invalid(spec.replace(dtype="bf16", hoist_vt=False))
+    assert f"{flag} (" in bf16 and "is an sm90 e4m3 forward flag" in bf16
+    assert f"{flag} needs overlap" in space.why_invalid(spec.replace(overlap=False))
+    assert f"{flag} with block_quant" in space.why_invalid(spec.replace(block_quant=True))
+    extra = 96 * 1024 if flag == "two_level" else 1024
+    assert space.smem_bytes(spec) == space.smem_bytes(TUNED_FP8) + extra
+    hd256 = VariantSpec("sm90", "fwd", "e4m3", 256, 128, 96, 2, 12, overlap=True, pingpong=True, hoist_vt=True)
+    if flag == "two_level":
+        assert "shared memory" in space.why_invalid(hd256.replace(two_level=True))
+    else:
+        assert space.smem_bytes(hd256.replace(sum_mma=True)) <= space.SM90_SMEM_LIMIT

@@ -67,3 +67,21 @@ def test_only_correct_candidates_are_timed():
     assert timed == ["ok", "ok"]
     assert [m.tflops for m in out] == [0.5, None, None]
     assert [m.error for m in out][:2] == [1e-3, 0.5] and math.isnan(out[2].error)
+
+
+def test_e4m3_candidates_accumulate_in_two_levels_where_they_can():
+    """cutefa tune times, for e4m3, only the two-level variants of a head dim and mask that has
+    them (hd128 on sm90); the rest as committed."""
+    from cutefa import space, tune
+
+    fp8 = tune.tuning_candidates("sm90", "fwd", ("e4m3",), None, "sm_90a")
+    hd128 = [s for s in fp8 if s.head_dim == 128]
+    assert hd128 and all(s.two_level for s in hd128)
+    assert {s.causal for s in hd128} == {False, True}
+    committed = {
+        s for s in space.default_variants("sm90", "fwd")
+        if s.dtype == "e4m3" and s.head_dim == 256 and not s.block_quant
+    }  # fmt: skip
+    assert {s for s in fp8 if s.head_dim == 256} == committed
+    bf16 = tune.tuning_candidates("sm90", "fwd", ("bf16",), (128,), "sm_90a")
+    assert bf16 and not any(s.two_level for s in bf16)

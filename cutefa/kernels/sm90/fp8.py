@@ -101,6 +101,115 @@ def pv_tiled_mma(head_dim: int):
     )  # fmt: skip
 
 
+# sum_mma variants: the row sums of P come from one more WGMMA per key block, P (64 x tile_n, e4m3,
+# the same register A operand as for P V) times a constant tile_n x SUM_COLS block of e4m3 ones in
+# shared memory (the smallest WGMMA N), into a fresh fp32 accumulator; every column of a row holds
+# the row's sum, which the caller adds to its fp32 running sum (so the tensor core's accumulation
+# precision applies within one key block only).
+SUM_COLS = 8
+E4M3_ONE_WORD = 0x38383838  # four e4m3 1.0 bytes
+
+
+def sum_tiled_mma():
+    """Row sums of P for one warpgroup: P (64 x keys, e4m3) from registers times a SUM_COLS x keys
+    block of ones (K-major in shared memory); see :data:`SUM_COLS`."""
+    return pv_tiled_mma(SUM_COLS)
+
+
+def ones_layout(tile_n: int):
+    """The shared-memory layout of the ones operand of :func:`sum_tiled_mma` (SUM_COLS x tile_n,
+    K-major, one stage). Every byte is e4m3 1.0, so its swizzle does not matter to its contents."""
+    row = utils.LayoutEnum.ROW_MAJOR
+    return sm90_utils.make_smem_layout_b(row, (WG_ROWS, SUM_COLS, tile_n), FP8, 1)
+
+
+@cute.jit
+def fill_ones(words: cute.Tensor, tid, threads: cutlass.Constexpr):
+    """Every 32-bit word of ``words`` (a flat view of the ones operand) set to four e4m3 1.0 bytes
+    by ``threads`` threads (thread ``tid`` takes words tid, tid + threads, ...)."""
+    count = cute.size(words)
+    for i in cutlass.range_constexpr((count + threads - 1) // threads):
+        w = tid + i * threads
+        if w < count:
+            words[w] = cutlass.Uint32(E4M3_ONE_WORD)
+
+
+@cute.jit
+def add_block_sums(row_sum: cute.Tensor, acc_L: cute.Tensor, corr: cute.Tensor):
+    """row_sum = (row_sum + the block's sums) * corr, per row (sum_mma, overlap schedule: the block
+    summed is the one whose P V just finished, taken at the running max before this step's
+    softmax, which ``corr`` moves to the new one). ``acc_L`` is the 64 x SUM_COLS accumulator of
+    :func:`sum_tiled_mma`: a thread's values (column pair, row half), row half r first at 2 r."""
+    for r in cutlass.range_constexpr(cute.size(row_sum)):
+        row_sum[r] = (row_sum[r] + acc_L[2 * r]) * corr[r]
+
+
+@cute.jit
+def add_last_sums(row_sum: cute.Tensor, acc_L: cute.Tensor):
+    """row_sum += the last key block's sums (sum_mma, after the loop; see :func:`add_block_sums`)."""
+    for r in cutlass.range_constexpr(cute.size(row_sum)):
+        row_sum[r] = row_sum[r] + acc_L[2 * r]
+
+
+# two_level variants: the e4m3 tensor cores accumulate with fewer mantissa bits than fp32 (each
+# product aligned to the accumulator and cut short), so O accumulated over n keys in one WGMMA
+# accumulator loses about n * 2^-16 of itself where V's columns carry a mean (25% at 16k keys;
+# docs/perf-notes.md). Every PROMOTE_BLOCKS key blocks each consumer thread adds its O accumulator
+# into an fp32 copy in shared memory (its own slots) and restarts it from zero, so that the tensor
+# cores sum at most PROMOTE_BLOCKS blocks.
+PROMOTE_BLOCKS = 4
+O32_CHUNK = 4  # fp32 values of one 16-byte access
+
+
+def o32_layout(head_dim: int, consumers: int):
+    """The fp32 shared-memory copy of O (two_level): a consumer thread's head_dim / 2 accumulator
+    values in 16-byte chunks, chunk j of the warpgroup's 128 threads side by side (a warp's access is
+    512 contiguous bytes): (O32_CHUNK, threads, chunks, consumers)."""
+    chunks = head_dim // 2 // O32_CHUNK
+    return cute.make_layout(
+        (O32_CHUNK, WG_THREADS, chunks, consumers),
+        stride=(1, O32_CHUNK, O32_CHUNK * WG_THREADS, O32_CHUNK * WG_THREADS * chunks),
+    )
+
+
+@cute.jit
+def zero_o32(o32: cute.Tensor):
+    """A thread's fp32 O slots (``o32``: (O32_CHUNK, chunks)) set to zero."""
+    zeros = cute.make_rmem_tensor((O32_CHUNK,), Float32)
+    zeros.fill(0.0)
+    for j in cutlass.range_constexpr(cute.size(o32, mode=[1])):
+        cute.autovec_copy(zeros, o32[None, j])
+
+
+@cute.jit
+def promote_o(acc_O: cute.Tensor, o32: cute.Tensor, o32_scale: cute.Tensor, merge: cutlass.Constexpr = False):
+    """o32 = o32 * o32_scale[row] + acc_O per value, and o32_scale = 1 (two_level; the caller's
+    next P V then overwrites acc_O: its first k-block's scale-d is 0). With ``merge`` (the
+    epilogue) the sum goes to acc_O instead. Accumulator value v (flat index of the ((2, 2, n), 1,
+    1) fragment: column pair, row half, 8-column block) sits in chunk v // 4 at v % 4, so row half
+    (v % 4) // 2."""
+    for j in cutlass.range_constexpr(cute.size(o32, mode=[1])):
+        part = cute.make_rmem_tensor((O32_CHUNK,), Float32)
+        cute.autovec_copy(o32[None, j], part)
+        for e in cutlass.range_constexpr(O32_CHUNK):
+            v = j * O32_CHUNK + e
+            part[e] = part[e] * o32_scale[e // 2] + acc_O[v]
+            if cutlass.const_expr(merge):
+                acc_O[v] = part[e]
+        if cutlass.const_expr(not merge):
+            cute.autovec_copy(part, o32[None, j])
+    if cutlass.const_expr(not merge):
+        for r in cutlass.range_constexpr(cute.size(o32_scale)):
+            o32_scale[r] = Float32(1.0)
+
+
+@cute.jit
+def scale_rows(o32_scale: cute.Tensor, corr: cute.Tensor):
+    """o32_scale[r] *= corr[r]: the shared-memory copy of O follows the rescales of the registers'."""
+    for r in cutlass.range_constexpr(cute.size(corr)):
+        o32_scale[r] = o32_scale[r] * corr[r]
+
+
 def smem_layouts(tile_n: int, head_dim: int, q_slabs: int, stages: int):
     """Swizzled staged layouts: Q (64, d, q_slabs); K and V as TMA lands them (tile_n, d, stages);
     Vt (d, tile_n, stages), the K-major B operand of P V."""
@@ -658,6 +767,7 @@ def online_softmax_step(
     corr: cute.Tensor,
     emu_per_16: cutlass.Constexpr = 0,
     lazy: cutlass.Constexpr = False,
+    sums: cutlass.Constexpr = True,
 ):
     """Scores ``s_mn`` (rows x cols, fp32) to probabilities scaled by 2^P_OFFSET_LOG2, in place;
     the per-row rescale factors of O go to ``corr`` (applied by the caller once no MMA reads O).
@@ -669,7 +779,10 @@ def online_softmax_step(
 
     ``lazy`` (lazy_rescale variants): the warp's maxes move only when ``warp_moves_max``
     (cutefa/kernels/common/lazy_rescale.py) says so, P is shifted by LAZY_P_OFFSET_LOG2; returns that warp-uniform flag (the caller rescales O
-    only where it is set; ``corr`` is 1 elsewhere). Without ``lazy`` returns True."""
+    only where it is set; ``corr`` is 1 elsewhere). Without ``lazy`` returns True.
+
+    ``sums=False`` (sum_mma variants) leaves ``row_sum`` alone: the caller takes the row sums from
+    the P x ones WGMMA (:func:`add_block_sums`)."""
     moved = True
     if cutlass.const_expr(lazy):
         blk = block_row_maxes(s_mn, Float32(1.0))
@@ -696,7 +809,8 @@ def online_softmax_step(
                     s_mn[r, j] = cute.math.exp2(s_mn[r, j], fastmath=True)
             p = s_mn[r, None].load()
         corr[r] = cute.math.exp2(prev_max * scale_log2 - offset, fastmath=True)
-        row_sum[r] = row_sum[r] * corr[r] + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+        if cutlass.const_expr(sums):
+            row_sum[r] = row_sum[r] * corr[r] + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
         row_max[r] = new_max
         s_mn[r, None].store(p)
     return moved
@@ -767,13 +881,15 @@ def softmax_finalize(
     v_descale: Float32,
     lse: cute.Tensor,
     lazy: cutlass.Constexpr = False,
+    full_sums: cutlass.Constexpr = False,
 ):
     """O = O * v_descale / row_sum and the natural-log LSE of the dequantized scores per row.
     Rows with no unmasked key get O = 0 and LSE = -inf. ``row_max`` times ``scale_log2`` is the
     row max in log2 units (block_quant variants keep it scaled already and pass 1); ``lazy``: P
-    was shifted by LAZY_P_OFFSET_LOG2 (lazy_rescale)."""
+    was shifted by LAZY_P_OFFSET_LOG2 (lazy_rescale). ``row_sum`` holds a thread's share of each
+    row (summed over the row's four threads here), or with ``full_sums`` (sum_mma) the whole row."""
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        total = quad_allreduce_sum(row_sum[r])
+        total = row_sum[r] if cutlass.const_expr(full_sums) else quad_allreduce_sum(row_sum[r])
         empty = total == 0.0 or total != total  # noqa: PLR0124 -- the NaN test
         inv = 0.0 if empty else cute.arch.rcp_approx(total) * v_descale
         o_mn[r, None].store(o_mn[r, None].load() * inv)
@@ -796,9 +912,12 @@ __all__ = [
     "LAZY_RESCALE_LOG2",
     "MMA_K",
     "NO_LANE_MASKS",
+    "O32_CHUNK",
+    "PROMOTE_BLOCKS",
     "P_OFFSET_LOG2",
     "P_STRIDES",
     "SMEM_LAYOUTS_V_VT",
+    "SUM_COLS",
     "TRANSPOSE_LANE_MASKS",
     "TV_LAYOUT_A_FP8",
     "TV_LAYOUT_C_N128",
@@ -808,18 +927,26 @@ __all__ = [
     "WIDE_UNIT_BYTES",
     "TransposeV",
     "WideTransposeV",
+    "add_block_sums",
+    "add_last_sums",
     "composed_offset",
+    "fill_ones",
     "key_of_a_column",
     "lane_masks",
+    "o32_layout",
+    "ones_layout",
     "online_softmax_step",
     "online_softmax_step_block",
     "p_fragment",
     "p_offset_log2",
+    "promote_o",
     "pv_tiled_mma",
     "qk_tiled_mma",
     "rescale_rows",
+    "scale_rows",
     "smem_layouts",
     "softmax_finalize",
+    "sum_tiled_mma",
     "swizzle_atom_bytes",
     "swizzle_bytes",
     "transpose_4x4",
@@ -835,4 +962,5 @@ __all__ = [
     "wide_transpose_unit",
     "wide_transpose_words",
     "xor_hoisted_plan",
+    "zero_o32",
 ]

@@ -118,6 +118,15 @@ def gemm_ss_zero(mma, acc, tCrA, tCrB):
 
 
 @cute.jit
+def gemm_acc_from(mma, acc, tCrA, tCrB, accumulate):
+    """acc = A @ B + (acc if ``accumulate`` else 0), over all k-blocks: ``accumulate`` (a run-time
+    Boolean) is the first k-block's scale-d, the rest accumulate."""
+    for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        mma.set(warpgroup.Field.ACCUMULATE, accumulate if k == 0 else True)
+        cute.gemm(mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@cute.jit
 def gemm_acc(mma, acc, tCrA, tCrB):
     """acc += A @ B over all k-blocks."""
     mma.set(warpgroup.Field.ACCUMULATE, True)
