@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cutefa.fp8 import quantize_fp8
+    from cutefa.fp8 import center_v, quantize_fp8
     from cutefa.ops import explain, flash_attn_func, fp8_block_sizes
 
-__all__ = ["__version__", "explain", "flash_attn_func", "fp8_block_sizes", "quantize_fp8"]
+__all__ = ["__version__", "center_v", "explain", "flash_attn_func", "fp8_block_sizes", "quantize_fp8"]
 
 __version__ = "0.1.0"  # keep equal to pyproject.toml's version (a test checks)
 
@@ -20,11 +20,12 @@ _LAZY = {"flash_attn_func", "explain", "fp8_block_sizes"}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "quantize_fp8":
-        from cutefa.fp8 import quantize_fp8
+    if name in ("quantize_fp8", "center_v"):
+        from cutefa import fp8
 
-        globals()[name] = quantize_fp8
-        return quantize_fp8
+        value = getattr(fp8, name)
+        globals()[name] = value
+        return value
     if name in _LAZY:
         import sys
 

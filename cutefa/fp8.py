@@ -120,6 +120,40 @@ def quantize_fp8(
     return q, descale.contiguous()
 
 
+def center_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(v - mean, mean)``: ``v`` (batch, seqlen, heads, head_dim) less its mean over seqlen per
+    (batch, head, column), in float32, and that mean, float32 (batch, heads, head_dim).
+
+    For the fp8 forward: quantize the centered v and pass the mean as ``flash_attn_func(...,
+    v_mean=mean)``, which adds it to the output of every row that attends a key (each row's
+    softmax weights sum to 1, so the result is the same attention). Hopper's e4m3 tensor cores
+    accumulate P V with fewer mantissa bits than fp32, and an output summed over many keys comes
+    out low by about (keys x 2^-16) of the part V's column means carry (13% at 16k keys on
+    V = 1 + noise); with the mean taken out, what they sum is centered and the output keeps the
+    e4m3 rounding's own error (0.17% there; docs/perf-notes.md)."""
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"v must be a torch.Tensor; got {type(v).__name__}")
+    if not v.is_floating_point() or v.dtype in _FP8:
+        raise TypeError(f"v must be a float16, bfloat16 or float32 tensor (before quantization); got dtype {v.dtype}")
+    if v.dim() != 4 or v.shape[1] == 0:
+        raise ValueError(f"v must be 4-D (batch, seqlen, heads, head_dim) with seqlen >= 1; got shape {tuple(v.shape)}")
+    vf = v.float()
+    mean = vf.mean(dim=1)
+    return vf - mean[:, None], mean.contiguous()
+
+
+def add_v_mean(out: torch.Tensor, lse: torch.Tensor, v_mean: torch.Tensor) -> torch.Tensor:
+    """``out`` (batch, seqlen_q, heads_q, head_dim) plus ``v_mean`` (batch, heads_kv, head_dim;
+    each kv head's mean to its group of query heads) on the rows whose ``lse`` (batch, heads_q,
+    seqlen_q) is finite, i.e. that attend a key; the other rows stay as they are (0). In ``out``'s
+    dtype, the sum taken in float32."""
+    group = out.shape[2] // v_mean.shape[1]
+    mean = v_mean.float().repeat_interleave(group, 1)[:, None]
+    attends = torch.isfinite(lse).transpose(1, 2)[..., None]
+    o = out.float()
+    return torch.where(attends, o + mean, o).to(out.dtype)
+
+
 def expand_descale(
     descale: torch.Tensor, shape: tuple[int, ...] | torch.Size, block: int | None = None
 ) -> torch.Tensor:

@@ -784,6 +784,7 @@ def flash_attn_func(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on CUDA tensors of shape (batch, seqlen, heads, head_dim).
 
@@ -801,8 +802,21 @@ def flash_attn_func(
     (batch, heads_kv, blocks), one per block of rows along seqlen (``quantize_fp8(x, "block",
     block=...)``); q's blocks are the dispatched kernel's tile_m rows and k's and v's its tile_n
     rows, which :func:`cutefa.fp8_block_sizes` returns (another block count is a ValueError);
-    block descales must be positive.
+    block descales must be positive. ``v_mean`` (fp8 only): float32 (batch, heads_kv, head_dim),
+    the mean over seqlen that v had taken out before quantization (:func:`cutefa.center_v`), added
+    back to the output of every row that attends a key: on long rows this keeps the e4m3 tensor
+    cores' accumulation from losing the part of the output that V's column means carry.
     """
+    if v_mean is not None:
+        _check_v_mean(v_mean, q, k, v)
+        out, lse = flash_attn_func(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, deterministic=deterministic,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
+        )  # fmt: skip
+        from cutefa.fp8 import add_v_mean
+
+        out = add_v_mean(out, lse, v_mean)
+        return (out, lse) if return_lse else out
     if _plain_eager(q, k, v):
         key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)
         try:
@@ -841,6 +855,25 @@ def flash_attn_func(
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = flash_fwd(q, k, v, causal, scale, deterministic)
     return (out, lse) if return_lse else out
+
+
+def _check_v_mean(v_mean: object, q: object, k: object, v: object) -> None:
+    """``v_mean`` fits an fp8 call: a float32 tensor (batch, heads_kv, head_dim) on v's device."""
+    _check_tensors((q, k, v))
+    if q.dtype not in FP8_DTYPES:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"v_mean applies to fp8 (torch.float8_e4m3fn) inputs only; got q with dtype {q.dtype}"  # type: ignore[attr-defined]
+        )
+    if not isinstance(v_mean, torch.Tensor):
+        raise TypeError(f"v_mean must be a torch.Tensor or None; got {type(v_mean).__name__}")
+    batch, _, heads_kv, head_dim = v.shape  # type: ignore[attr-defined]
+    if v_mean.dtype != torch.float32 or tuple(v_mean.shape) != (batch, heads_kv, head_dim):
+        raise ValueError(
+            f"v_mean must be float32 of shape (batch, heads_kv, head_dim) = {(batch, heads_kv, head_dim)}; "
+            f"got {v_mean.dtype} {tuple(v_mean.shape)} (cutefa.center_v returns it)"
+        )
+    if v_mean.device != v.device:  # type: ignore[attr-defined]
+        raise ValueError(f"v_mean is on {v_mean.device}, v on {v.device}")  # type: ignore[attr-defined]
 
 
 _Tensor = torch.Tensor

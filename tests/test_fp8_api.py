@@ -417,3 +417,42 @@ def test_fp8_planned_call_host_overhead_is_small(fp8_plans):
 
     seconds = min(timeit.repeat(call, number=n, repeat=5)) / n
     assert seconds < 30e-6, f"{seconds * 1e6:.1f} us per planned fp8 call on the host"
+
+
+def test_center_v_and_add_v_mean():
+    """cutefa.center_v takes out v's mean over seqlen per (batch, head, column); add_v_mean puts it
+    back on the rows that attend a key (finite lse), each kv head's mean on its group of query heads,
+    and leaves the others (0) alone."""
+    from cutefa.fp8 import add_v_mean
+
+    v = torch.randn(2, 7, 2, 16, generator=torch.Generator().manual_seed(0)) + 3.0
+    centered, mean = cutefa.center_v(v.to(torch.bfloat16))
+    assert centered.dtype == mean.dtype == torch.float32 and mean.shape == (2, 2, 16)
+    assert torch.allclose(centered + mean[:, None], v.to(torch.bfloat16).float(), atol=1e-5)
+    assert centered.mean(dim=1).abs().max() < 1e-5
+    out = torch.zeros(2, 5, 4, 16, dtype=torch.bfloat16)  # 4 query heads, 2 kv heads
+    lse = torch.zeros(2, 4, 5)
+    lse[:, :, :2] = -math.inf  # the first two rows attend no key
+    got = add_v_mean(out, lse, mean)
+    assert got.dtype == torch.bfloat16
+    assert torch.all(got[:, :2] == 0)
+    expect = mean.repeat_interleave(2, 1)[:, None].expand(2, 3, 4, 16).to(torch.bfloat16)
+    assert torch.equal(got[:, 2:], expect)
+    with pytest.raises(TypeError, match="before quantization"):
+        cutefa.center_v(v.to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="4-D"):
+        cutefa.center_v(v[0])
+
+
+def test_v_mean_is_validated():
+    """v_mean: fp8 calls only, float32 (batch, heads_kv, head_dim) on v's device; named in the error."""
+    q = torch.randn(1, 8, 4, 64)
+    k = v = torch.randn(1, 8, 2, 64)
+    with pytest.raises(ValueError, match="v_mean applies to fp8"):
+        cutefa.flash_attn_func(q, k, v, v_mean=torch.zeros(1, 2, 64))
+    q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+    for bad in (torch.zeros(1, 4, 64), torch.zeros(1, 2, 64, dtype=torch.float16), torch.zeros(2, 64)):
+        with pytest.raises(ValueError, match=r"v_mean must be float32 of shape \(batch, heads_kv, head_dim\)"):
+            cutefa.flash_attn_func(q8, k8, v8, v_mean=bad)
+    with pytest.raises(TypeError, match="v_mean must be a torch.Tensor"):
+        cutefa.flash_attn_func(q8, k8, v8, v_mean=[0.0])
