@@ -36,6 +36,7 @@ from cutefa import backward as _backward_pass
 from cutefa import dispatch, space
 from cutefa import profile as _profile
 from cutefa.compile import get_kernel
+from cutefa.fp8 import add_v_mean
 from cutefa.space import why_invalid
 from cutefa.spec import HEAD_DIMS
 
@@ -813,8 +814,6 @@ def flash_attn_func(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, deterministic=deterministic,
             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
         )  # fmt: skip
-        from cutefa.fp8 import add_v_mean
-
         out = add_v_mean(out, lse, v_mean)
         return (out, lse) if return_lse else out
     if _plain_eager(q, k, v):

@@ -695,30 +695,35 @@ def _lazy_rescale_rule(spec: VariantSpec) -> str | None:
     return None
 
 
-def _sum_mma_rule(spec: VariantSpec) -> str | None:
-    if not spec.sum_mma:
+def _overlap_e4m3_flag(spec: VariantSpec, flag: str, what: str, why_overlap: str, why_not_block: str) -> str | None:
+    """Why ``spec`` may not set ``flag``, a flag of the sm90 e4m3 forward's overlap schedule that
+    the block-quantization path does not take (``what`` names it; ``why_overlap`` and
+    ``why_not_block`` say why): None where it is unset or allowed."""
+    if not getattr(spec, flag):
         return None
-    wrong_family = _sm90_e4m3_forward_flag(spec, "sum_mma", "row sums by a WGMMA against ones")
+    wrong_family = _sm90_e4m3_forward_flag(spec, flag, what)
     if wrong_family:
         return wrong_family
     if not spec.overlap:
-        return "sum_mma needs overlap: the block sums are added with the rescale after each step's P V wait"
+        return f"{flag} needs overlap: {why_overlap}"
     if spec.block_quant:
-        return "sum_mma with block_quant: the block path's row sums undo each key tile's V ratio, which P carries"
+        return f"{flag} with block_quant: {why_not_block}"
     return None
+
+
+def _sum_mma_rule(spec: VariantSpec) -> str | None:
+    return _overlap_e4m3_flag(
+        spec, "sum_mma", "row sums by a WGMMA against ones",
+        "the block sums are added with the rescale after each step's P V wait",
+        "the block path's row sums undo each key tile's V ratio, which P carries",
+    )  # fmt: skip
 
 
 def _two_level_rule(spec: VariantSpec) -> str | None:
-    if not spec.two_level:
-        return None
-    wrong_family = _sm90_e4m3_forward_flag(spec, "two_level", "O accumulated in two levels")
-    if wrong_family:
-        return wrong_family
-    if not spec.overlap:
-        return "two_level needs overlap: O is promoted after each step's P V wait"
-    if spec.block_quant:
-        return "two_level with block_quant: not built for the block path"
-    return None
+    return _overlap_e4m3_flag(
+        spec, "two_level", "O accumulated in two levels",
+        "O is promoted after each step's P V wait", "not built for the block path",
+    )  # fmt: skip
 
 
 def _lpt_grid_rule(spec: VariantSpec) -> str | None:
