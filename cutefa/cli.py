@@ -247,7 +247,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from cutefa.dispatch import explain_problem
 
     try:
-        text = explain_problem(target=target, dtype=args.dtype, causal=args.causal, **args.shape)
+        text = explain_problem(
+            target=target, dtype=args.dtype, causal=args.causal, v_centered=args.v_centered, **args.shape
+        )
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     print(text)
@@ -411,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", type=_shape, required=True, metavar="B,SQ,SK,HQ,HKV,D", help="problem shape")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="(default: bf16)")
     p.add_argument("--causal", action="store_true")
+    p.add_argument(
+        "--v-centered", action="store_true",
+        help="e4m3: v was centered before quantization (cutefa.center_v, flash_attn_func(v_mean=))",
+    )  # fmt: skip
     p.add_argument("--gpu", choices=TARGETS, help="compile target of the GPU (default: this machine's GPU)")
 
     made["bench"].add_argument("args", nargs=argparse.REMAINDER, help="arguments for tools/bench.py")

@@ -63,6 +63,9 @@ class Problem:
     heads_q: int
     heads_kv: int
     gpu_name: str | None = None
+    # fp8: v was centered before quantization (cutefa.center_v; the mean is added back after the
+    # kernel), so the tensor cores sum no mean share of O and a table's v_centered entries apply.
+    v_centered: bool = False
 
     @property
     def bucket(self) -> int | None:
@@ -74,7 +77,7 @@ class Problem:
         return (
             f"q=({self.batch}, {self.seqlen_q}, {self.heads_q}, {self.head_dim}) "
             f"k=({self.batch}, {self.seqlen_k}, {self.heads_kv}, {self.head_dim}) "
-            f"{self.dtype} causal={self.causal} on {where}"
+            f"{self.dtype} causal={self.causal}{' v centered' if self.v_centered else ''} on {where}"
         )
 
 
@@ -97,9 +100,13 @@ class TunedEntry:
     causal: bool
     max_seqlen_k: int | None
     variant: str
+    # For fp8 problems whose v was centered (Problem.v_centered) only; they fall back to the others.
+    v_centered: bool = False
 
     def matches(self, problem: Problem) -> bool:
         if (self.dtype, self.head_dim, self.causal) != (problem.dtype, problem.head_dim, problem.causal):
+            return False
+        if self.v_centered and not problem.v_centered:
             return False
         return self.max_seqlen_k is None or (
             problem.bucket is not None and problem.bucket <= self.max_seqlen_k
@@ -108,7 +115,7 @@ class TunedEntry:
     def describe(self) -> str:
         return (
             f"dtype={self.dtype} head_dim={self.head_dim} causal={self.causal} "
-            f"max_seqlen_k={self.max_seqlen_k}"
+            f"max_seqlen_k={self.max_seqlen_k}{' v_centered=True' if self.v_centered else ''}"
         )
 
 
@@ -125,8 +132,11 @@ class TunedTable:
     direction: str = "fwd"  # the pass its variants compute: fwd, or bwd (files <arch>_bwd_<gpu>.json)
 
     def lookup(self, problem: Problem) -> TunedEntry | None:
-        """The matching entry with the tightest ``max_seqlen_k``."""
+        """The matching entry with the tightest ``max_seqlen_k``; for a problem with centered v, among
+        the ``v_centered`` entries when it has one, else among the others."""
         hits = [e for e in self.entries if e.matches(problem)]
+        if problem.v_centered and any(e.v_centered for e in hits):
+            hits = [e for e in hits if e.v_centered]
         return min(hits, key=lambda e: (e.max_seqlen_k is None, e.max_seqlen_k or 0), default=None)
 
 
@@ -191,7 +201,12 @@ def _parse_entry(raw: dict[str, Any]) -> TunedEntry:
     max_seqlen_k = raw["max_seqlen_k"]
     if max_seqlen_k is not None and (max_seqlen_k > MAX_SEQLEN_BUCKET or max_seqlen_k & (max_seqlen_k - 1)):
         raise ValueError(f"max_seqlen_k={max_seqlen_k} is not null or a power of two <= {MAX_SEQLEN_BUCKET}")
-    return TunedEntry(raw["dtype"], int(raw["head_dim"]), bool(raw["causal"]), max_seqlen_k, raw["variant"])
+    v_centered = raw.get("v_centered", False)
+    if not isinstance(v_centered, bool) or (v_centered and raw["dtype"] != "e4m3"):
+        raise ValueError(f"v_centered={v_centered!r}: a bool, true only on e4m3 entries")
+    return TunedEntry(
+        raw["dtype"], int(raw["head_dim"]), bool(raw["causal"]), max_seqlen_k, raw["variant"], v_centered
+    )
 
 
 def load_table(path: Path) -> TunedTable:
@@ -255,6 +270,15 @@ def _dtype_token(dtype: Any) -> str:
     if token not in TORCH_DTYPE_NAMES.values():
         raise ValueError(f"dtype={dtype!r} is not one of {tuple(TORCH_DTYPE_NAMES.values())}")
     return token
+
+
+def _v_centered(v_centered: object, dtype: Any) -> bool:
+    """``v_centered``, checked: a bool, true only for e4m3 problems."""
+    if not isinstance(v_centered, bool):
+        raise TypeError(f"v_centered must be a bool; got {v_centered!r}")
+    if v_centered and _dtype_token(dtype) != "e4m3":
+        raise ValueError(f"v_centered applies to e4m3 (fp8) problems only; got dtype {dtype}")
+    return v_centered
 
 
 def _table_candidate(
@@ -355,17 +379,22 @@ def choose(
     heads_q: int,
     heads_kv: int,
     gpu_name: str | None = None,
+    v_centered: bool = False,
 ) -> Choice:
-    """Pick the variant for a problem; memoized per (target, GPU, dtype, head_dim, causal, seqlen_k bucket).
+    """Pick the variant for a problem; memoized per (target, GPU, dtype, head_dim, causal, seqlen_k
+    bucket, v_centered).
 
     ``dtype`` is a spec token ('bf16') or a torch dtype; ``gpu_name`` picks among tuned tables and
-    names the GPU in errors. Raises ``NotImplementedError`` when no family has a kernel.
+    names the GPU in errors; ``v_centered`` (fp8) says v was centered before quantization
+    (:attr:`Problem.v_centered`). Raises ``NotImplementedError`` when no family has a kernel.
     """
-    key = (target, gpu_name, dtype, head_dim, causal, seqlen_bucket(seqlen_k))
+    if v_centered is not False:
+        _v_centered(v_centered, dtype)
+    key = (target, gpu_name, dtype, head_dim, causal, seqlen_bucket(seqlen_k), v_centered)
     choice = _CHOICES.get(key)
     if choice is None:
         p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
-                    gpu_name)  # fmt: skip
+                    gpu_name, v_centered)  # fmt: skip
         choice, rejected = _search(p)
         if choice is None:
             lost = "; ".join(f"{label}: {why}" for label, why in rejected)
@@ -386,10 +415,11 @@ def explain_problem(
     heads_q: int,
     heads_kv: int,
     gpu_name: str | None = None,
+    v_centered: bool = False,
 ) -> str:
     """Human-readable account of :func:`choose` for a problem: the pick, why, and every rejection."""
     p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
-                gpu_name)  # fmt: skip
+                gpu_name, _v_centered(v_centered, dtype))  # fmt: skip
     lines = [f"cutefa forward: {p.describe()}"]
     try:
         choice, rejected = _search(p)

@@ -142,16 +142,18 @@ def center_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return vf - mean[:, None], mean.contiguous()
 
 
-def add_v_mean(out: torch.Tensor, lse: torch.Tensor, v_mean: torch.Tensor) -> torch.Tensor:
+def add_v_mean(out: torch.Tensor, v_mean: torch.Tensor, seqlen_k: int, causal: bool) -> torch.Tensor:
     """``out`` (batch, seqlen_q, heads_q, head_dim) plus ``v_mean`` (batch, heads_kv, head_dim;
-    each kv head's mean to its group of query heads) on the rows whose ``lse`` (batch, heads_q,
-    seqlen_q) is finite, i.e. that attend a key; the other rows stay as they are (0). In ``out``'s
-    dtype, the sum taken in float32."""
-    group = out.shape[2] // v_mean.shape[1]
-    mean = v_mean.float().repeat_interleave(group, 1)[:, None]
-    attends = torch.isfinite(lse).transpose(1, 2)[..., None]
-    o = out.float()
-    return torch.where(attends, o + mean, o).to(out.dtype)
+    each kv head's mean to its group of query heads) on the rows that attend a key, in place
+    (one elementwise pass, the sum taken in float32 and rounded to ``out``'s dtype); returns ``out``.
+    Every row attends a key when ``seqlen_k > 0``, except with ``causal`` (aligned bottom-right)
+    the first ``seqlen_q - seqlen_k`` rows: those, which attend none, stay as they are (0)."""
+    _, seqlen_q, heads_q, _ = out.shape
+    first = seqlen_q if seqlen_k == 0 else max(0, seqlen_q - seqlen_k) if causal else 0
+    rows = out[:, first:]
+    if rows.numel():
+        rows.unflatten(2, (v_mean.shape[1], heads_q // v_mean.shape[1])).add_(v_mean[:, None, :, None, :])
+    return out
 
 
 def expand_descale(

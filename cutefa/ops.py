@@ -171,7 +171,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _choose(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dispatch.Choice:
+def _choose(q: torch.Tensor, k: torch.Tensor, causal: bool, v_centered: bool = False) -> dispatch.Choice:
     with _profile.phase("device query"):
         target, gpu_name = dispatch.device_target(q.device)
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -179,6 +179,7 @@ def _choose(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dispatch.Choice:
         return dispatch.choose(
             target=target, dtype=q.dtype, head_dim=head_dim, causal=causal, seqlen_q=seqlen_q,
             seqlen_k=k.shape[1], batch=batch, heads_q=heads_q, heads_kv=k.shape[2], gpu_name=gpu_name,
+            v_centered=v_centered,
         )  # fmt: skip
 
 
@@ -423,39 +424,47 @@ def _fp8_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _flash_fwd_fp8(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor, k_descale: torch.Tensor,
-    v_descale: torch.Tensor, causal: bool, softmax_scale: float,
+    v_descale: torch.Tensor, causal: bool, softmax_scale: float, v_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """fp8 attention forward: e4m3 q/k/v, float32 (batch, heads_kv) descales, or (batch, heads_kv,
     blocks) block descales for any of them (:func:`_fp8_kernel_args`); returns (out bf16, lse
-    float32 (batch, heads_q, seqlen_q)) of the dequantized problem."""
+    float32 (batch, heads_q, seqlen_q)) of the dequantized problem. ``v_mean`` (float32 (batch,
+    heads_kv, head_dim), validated by the caller): v was centered, the mean goes back on the output."""
     validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    out, lse, _ = _fp8_forward(q, k, v, (q_descale, k_descale, v_descale), causal, softmax_scale)
+    out, lse, _ = _fp8_forward(q, k, v, (q_descale, k_descale, v_descale), causal, softmax_scale, v_mean)
     return out, lse
 
 
 def _fp8_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    causal: bool, softmax_scale: float,
+    causal: bool, softmax_scale: float, v_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[dispatch.Choice, Callable[..., Any]] | None]:  # fmt: skip
     """:func:`_flash_fwd_fp8` on validated inputs, plus what ran: (the dispatch choice, the kernel),
-    or None when nothing was launched (an empty problem, no keys, or block descales)."""
+    or None when nothing was launched (an empty problem, no keys, or block descales). With
+    ``v_mean`` dispatch takes the variants for centered v (``v_centered``) and the mean is added to
+    the rows that attend a key (:func:`cutefa.fp8.add_v_mean`)."""
     out, lse = _fp8_outputs(q)
     if out.numel() == 0:
         return out, lse, None
     if k.shape[1] == 0:  # no keys: every row attends nothing
         return out.zero_(), lse.fill_(-math.inf), None
-    launched = _launch_fp8(q, k, v, out, lse, descales, causal, softmax_scale)
+    launched = _launch_fp8(q, k, v, out, lse, descales, causal, softmax_scale, v_mean)
     return out, lse, launched
 
 
 def _launch_fp8(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor], causal: bool, softmax_scale: float,
+    v_mean: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Dispatch (an e4m3 variant; its block-quantization variant for 3-D descales) and run the fp8
     kernel on the current stream of q's device. Returns what ran, (the dispatch choice, the kernel),
-    for per-head descales (the call path a plan can repeat); None for block descales."""
-    choice, args = _fp8_kernel_args(q, k, descales, _choose(q, k, causal))
+    for per-head descales (the call path a plan can repeat); None for block descales. With
+    ``v_mean`` dispatch asks for centered v; a variant with the ``v_mean`` flag takes the means and
+    adds them itself, after any other :func:`cutefa.fp8.add_v_mean` adds them to ``out``."""
+    choice, args = _fp8_kernel_args(q, k, descales, _choose(q, k, causal, v_mean is not None))
+    if choice.spec.v_mean:
+        args = (*args, v_mean)
     kernel = get_kernel(choice.spec, choice.target)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     with _first_call_phase(kernel):
@@ -464,6 +473,8 @@ def _launch_fp8(
         else:
             with torch.cuda.device(q.device):
                 kernel(q, k, v, out, lse, *args, softmax_scale)
+    if v_mean is not None and not choice.spec.v_mean:
+        add_v_mean(out, v_mean, k.shape[1], causal)
     dispatch.log_run(choice, q.shape, k.shape, causal)
     return (choice, kernel) if all(d.dim() == 2 for d in descales) else None
 
@@ -474,7 +485,7 @@ flash_fwd_fp8 = torch.library.custom_op("cutefa::flash_fwd_fp8", _flash_fwd_fp8,
 @flash_fwd_fp8.register_fake
 def _flash_fwd_fp8_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor, k_descale: torch.Tensor,
-    v_descale: torch.Tensor, causal: bool, softmax_scale: float,
+    v_descale: torch.Tensor, causal: bool, softmax_scale: float, v_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
     return _fp8_outputs(q)
@@ -493,11 +504,13 @@ torch.library.register_autograd("cutefa::flash_fwd_fp8", _fp8_backward)
 def _fp8_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: object, softmax_scale: object, return_lse: bool,
     deterministic: object, q_descale: object, k_descale: object, v_descale: object, out_dtype: object,
-    key: tuple[Any, ...] | None = None,
+    v_mean: object = None, key: tuple[Any, ...] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """flash_attn_func for a call with fp8 inputs or fp8 options: validate, normalise the descales,
     run ``cutefa::flash_fwd_fp8`` (directly when nothing traces or differentiates). A plain call
     that launched a kernel leaves its plan under ``key`` (:func:`_make_fp8_plan`)."""
+    if v_mean is not None:
+        _check_v_mean(v_mean, q, k, v)
     if q.dtype not in FP8_DTYPES:
         given = [n for n, d in zip(_DESCALE_NAMES, (q_descale, k_descale, v_descale)) if d is not None]
         given += ["out_dtype"] if out_dtype is not None else []
@@ -513,17 +526,17 @@ def _fp8_call(
     validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
     descales = [_fp8_descale(n, d, q, k) for n, d in zip(_DESCALE_NAMES, (q_descale, k_descale, v_descale))]
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    tensors = (q, k, v, *descales)
+    tensors = (q, k, v, *descales) + ((v_mean,) if v_mean is not None else ())
     plain = all(type(t) is _Tensor for t in tensors) and not _is_compiling() and not _dispatch_modes()
-    if plain and not (_grad_enabled() and any(t.requires_grad for t in tensors)):
-        out, lse, launched = _fp8_forward(q, k, v, tuple(descales), causal, scale)  # type: ignore[arg-type]
+    if plain and not (_grad_enabled() and any(t.requires_grad for t in tensors)):  # type: ignore[attr-defined]
+        out, lse, launched = _fp8_forward(q, k, v, tuple(descales), causal, scale, v_mean)  # type: ignore[arg-type]
         # No plan while a CUDA graph is being captured (its allocations would come from the graph's pool).
         if launched is not None and key is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             given = (q_descale, k_descale, v_descale)
-            plan = _make_fp8_plan(*launched, q, k, causal, softmax_scale, scale, out_dtype, given)  # type: ignore[arg-type]
+            plan = _make_fp8_plan(*launched, q, k, causal, softmax_scale, scale, out_dtype, given, v_mean is not None)  # type: ignore[arg-type]
             _remember(_FP8_PLANS, key, plan)
     else:
-        out, lse = flash_fwd_fp8(q, k, v, *descales, causal, scale)
+        out, lse = flash_fwd_fp8(q, k, v, *descales, causal, scale, v_mean)
     return (out, lse) if return_lse else out
 
 
@@ -544,8 +557,9 @@ MAX_SCRATCH_ELEMENTS = 1 << 22  # 16 MiB of lse; larger problems allocate their 
 # Per (device, dtype): a one-element tensor; expanded views of it are allocation templates.
 _PROTOS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 _PLAN_LOCK = threading.Lock()
-# fp8 calls: (the 16-bit key, the kind of each descale (_descale_kind), out_dtype) -> plan(q, k, v,
-# q_descale, k_descale, v_descale, return_lse). Calls with block descales (3-D) have no plan.
+# fp8 calls: (the 16-bit key, the kind of each descale (_descale_kind), out_dtype, the kind of
+# v_mean) -> plan(q, k, v, q_descale, k_descale, v_descale, v_mean, return_lse). Calls with block
+# descales (3-D) have no plan.
 _FP8_PLANS: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
@@ -580,6 +594,7 @@ _NO_PLAN = ("no plan",)
 def _make_fp8_plan(
     choice: dispatch.Choice, kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, causal: bool,
     softmax_scale: object, scale: float, out_dtype: object, descales: tuple[object, object, object],
+    centered: bool = False,
 ) -> Callable[..., Any]:  # fmt: skip
     """The call path of one validated fp8 call signature (:func:`_make_plan` for e4m3 inputs):
     allocate, normalise the descales, launch, return.
@@ -591,9 +606,14 @@ def _make_fp8_plan(
     one (passed as it is). What the key does not fix (k's and v's dtypes, v's shape, devices,
     alignment and strides) the kernel's TVM-FFI entry checks before it launches; when it refuses,
     the call goes the validating way, which names the problem or copies misaligned inputs.
+    ``centered``: the key's calls pass a v_mean (its kind is in the key too: float32 (batch,
+    heads_kv, head_dim) on q's device, which the validating way accepted): the kernel takes it
+    where its variant has the ``v_mean`` flag, else it is added after the kernel.
     """
     batch, seqlen_q, heads_q, _ = q.shape
     heads_kv = k.shape[2]
+    seqlen_k = k.shape[1]
+    in_kernel = centered and choice.spec.v_mean  # the variant adds the means itself
     lse_shape = (batch, heads_q, seqlen_q)
     out_proto = _proto(q.device, FP8_OUT_DTYPES[0], q.shape)
     lse_proto = _proto(q.device, torch.float32, lse_shape)
@@ -620,17 +640,23 @@ def _make_fp8_plan(
 
     def plan(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor | None,
-        k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, return_lse: bool,
+        k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, v_mean: torch.Tensor | None,
+        return_lse: bool,
     ) -> Any:  # fmt: skip
         out = empty_like(out_proto)
         lse = scratch if scratch is not None and not return_lse else empty_like(lse_proto)
         qd, kd, vd = (descale(d, f) for d, f in zip((q_descale, k_descale, v_descale), forms))
         try:
-            kernel(q, k, v, out, lse, qd, kd, vd, scale)
+            if in_kernel:
+                kernel(q, k, v, out, lse, qd, kd, vd, v_mean, scale)
+            else:
+                kernel(q, k, v, out, lse, qd, kd, vd, scale)
         except (ValueError, TypeError):  # refused before launching: see above
             return _fp8_call(
-                q, k, v, causal, softmax_scale, return_lse, False, q_descale, k_descale, v_descale, out_dtype
+                q, k, v, causal, softmax_scale, return_lse, False, q_descale, k_descale, v_descale, out_dtype, v_mean
             )
+        if centered and not in_kernel:
+            add_v_mean(out, v_mean, seqlen_k, causal)  # type: ignore[arg-type]
         if dispatch._LOG_RUNS:
             dispatch.log_run(choice, q_shape, k_shape, causal)
         return (out, lse) if return_lse else out
@@ -806,16 +832,11 @@ def flash_attn_func(
     block descales must be positive. ``v_mean`` (fp8 only): float32 (batch, heads_kv, head_dim),
     the mean over seqlen that v had taken out before quantization (:func:`cutefa.center_v`), added
     back to the output of every row that attends a key: on long rows this keeps the e4m3 tensor
-    cores' accumulation from losing the part of the output that V's column means carry.
+    cores' accumulation from losing the part of the output that V's column means carry. Such calls
+    dispatch among the variants tuned for centered v (a tuned table's ``v_centered`` entries: no
+    two-level accumulation, which centered v does not need; the ``_vmean`` kernels take the mean and
+    add it in their epilogue, after any other kernel it is added in one pass over the output).
     """
-    if v_mean is not None:
-        _check_v_mean(v_mean, q, k, v)
-        out, lse = flash_attn_func(
-            q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, deterministic=deterministic,
-            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
-        )  # fmt: skip
-        out = add_v_mean(out, lse, v_mean)
-        return (out, lse) if return_lse else out
     if _plain_eager(q, k, v):
         key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)
         try:
@@ -830,25 +851,27 @@ def flash_attn_func(
             and k_descale is None
             and v_descale is None
             and out_dtype is None
+            and v_mean is None
         ):
             return plan(q, k, v, return_lse)
         if key is not None and q.dtype in FP8_DTYPES:
             kinds = (_descale_kind(q_descale), _descale_kind(k_descale), _descale_kind(v_descale))
-            key = None if _NO_PLAN in kinds else (key, *kinds, out_dtype)
+            mean_kind = _descale_kind(v_mean)
+            key = None if _NO_PLAN in kinds or mean_kind is _NO_PLAN else (key, *kinds, out_dtype, mean_kind)
             try:
                 plan = _FP8_PLANS.get(key)
             except TypeError:  # an unhashable out_dtype: validation names it
                 plan = key = None
             if plan is not None and _plan_options(causal, softmax_scale, deterministic):
-                return plan(q, k, v, q_descale, k_descale, v_descale, return_lse)
+                return plan(q, k, v, q_descale, k_descale, v_descale, v_mean, return_lse)
         return _eager(
-            q, k, v, causal, softmax_scale, return_lse, deterministic, key, q_descale, k_descale, v_descale, out_dtype
-        )
+            q, k, v, causal, softmax_scale, return_lse, deterministic, key, q_descale, k_descale, v_descale, out_dtype,
+            v_mean,
+        )  # fmt: skip
     _check_tensors((q, k, v))  # the op validates the rest; these are needed to call it at all
-    if q.dtype in FP8_DTYPES or not (q_descale is None and k_descale is None and v_descale is None and out_dtype is None):
-        return _fp8_call(
-            q, k, v, causal, softmax_scale, return_lse, deterministic, q_descale, k_descale, v_descale, out_dtype
-        )
+    fp8_options = (q_descale, k_descale, v_descale, out_dtype, v_mean)
+    if q.dtype in FP8_DTYPES or any(o is not None for o in fp8_options):
+        return _fp8_call(q, k, v, causal, softmax_scale, return_lse, deterministic, *fp8_options)
     _check_options(causal, softmax_scale)
     _check_deterministic(deterministic)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -904,12 +927,13 @@ def _plain_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def explain(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, target: str | None = None
-) -> str:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, target: str | None = None,
+    v_centered: bool = False,
+) -> str:  # fmt: skip
     """Which variant :func:`flash_attn_func` would run for these inputs, why, and what was rejected.
 
     ``target`` (e.g. 'sm_90a') explains for that compile target instead of the tensors' GPU, so
-    the inputs may then be CPU or meta tensors.
+    the inputs may then be CPU or meta tensors. ``v_centered`` (fp8): for a call with ``v_mean=``.
     """
     device_types = None if target is None else (q.device.type,)
     if isinstance(q, torch.Tensor) and q.dtype in FP8_DTYPES:

@@ -248,6 +248,14 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
                 Tile(192, 96, 2, 16),
                 {"overlap": True, "hoist_vt": True, "lazy_rescale": True, "sum_mma": True, "two_level": True},
             ),
+            # The tuned tile (and its persistent twin) taking v's column means for centered v
+            # (flash_attn_func(v_mean=)): the means added in the epilogue instead of by a pass
+            # over O after the kernel (docs/perf-notes.md, "fp8: centered v through dispatch").
+            (Tile(192, 96, 2, 16), {"overlap": True, "hoist_vt": True, "lazy_rescale": True, "v_mean": True}),
+            (
+                Tile(192, 96, 2, 16),
+                {"overlap": True, "hoist_vt": True, "lazy_rescale": True, "persistent": True, "v_mean": True},
+            ),
         ),
         256: (
             # The default tile and schedule without lazy_rescale (the default before it), with 2
@@ -275,6 +283,18 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
             (
                 Tile(128, 96, 2, 12),
                 {"overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True, "sum_mma": True},
+            ),
+            # The tuned tile and its persistent twin taking v's column means (v_mean), as hd128's.
+            (
+                Tile(128, 96, 2, 12),
+                {"overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True, "v_mean": True},
+            ),
+            (
+                Tile(128, 96, 2, 12),
+                {
+                    "overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True, "persistent": True,
+                    "v_mean": True,
+                },
             ),
         ),
     },
@@ -726,6 +746,19 @@ def _two_level_rule(spec: VariantSpec) -> str | None:
     )  # fmt: skip
 
 
+def _v_mean_rule(spec: VariantSpec) -> str | None:
+    if not spec.v_mean:
+        return None
+    wrong_family = _sm90_e4m3_forward_flag(spec, "v_mean", "v's column means added in the epilogue")
+    if wrong_family:
+        return wrong_family
+    if spec.two_level:
+        return "v_mean with two_level: centered v needs no two-level accumulation"
+    if spec.block_quant:
+        return "v_mean with block_quant: not built for the block path"
+    return None
+
+
 def _lpt_grid_rule(spec: VariantSpec) -> str | None:
     if not spec.lpt_grid:
         return None
@@ -1104,6 +1137,7 @@ _COMMON_RULES: tuple[Rule, ...] = (
     _lazy_rescale_rule,
     _sum_mma_rule,
     _two_level_rule,
+    _v_mean_rule,
     _lpt_grid_rule,
     _cta_pair_rule,
     _block_quant_rule,

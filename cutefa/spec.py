@@ -58,6 +58,7 @@ _FLAG_TOKENS = (
     ("dq_pipe", "dqpipe"),
     ("sum_mma", "smma"),
     ("two_level", "tlacc"),
+    ("v_mean", "vmean"),
 )
 
 
@@ -179,6 +180,11 @@ class VariantSpec:
     # fp8.PROMOTE_BLOCKS key blocks each consumer thread adds its O accumulator into an fp32 copy
     # in shared memory and restarts it from zero (fp8.promote_o). Name token _tlacc.
     two_level: bool = False
+    # sm90 e4m3 forward: the kernel takes v's column means (float32 (batch, heads_kv, head_dim),
+    # taken out before quantization: cutefa.center_v) after the descales and adds them in the
+    # epilogue to every row that attends a key (one FFMA per output value instead of the FMUL),
+    # so that flash_attn_func(v_mean=) needs no pass over O after the kernel. Name token _vmean.
+    v_mean: bool = False
     # sm100: percent of the softmax exp2 evaluated by a polynomial on the FMA units instead of
     # MUFU.EX2 (name token ``_emu<N>`` when non-zero; other families take 0 only).
     exp_emu: int = 0

@@ -117,7 +117,9 @@ def measure(
             kernel = get_kernel(spec, target)
             o = torch.full_like(q, math.nan)
             lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
-            run = functools.partial(kernel, *inputs, o, lse, *descales, scale)
+            # a v_mean variant also takes v's column means: zeros here (the inputs are not centered)
+            means = (torch.zeros(batch, heads, spec.head_dim, device="cuda"),) if spec.v_mean else ()
+            run = functools.partial(kernel, *inputs, o, lse, *descales, *means, scale)
             run()
             candidates.append((spec, run, ((o.float() - expect).norm() / expect.norm()).item()))
         tol = FP8_CHECK_TOL if fp8 else CHECK_TOL
@@ -214,16 +216,36 @@ def table_entries(measurements: list[Measurement]) -> list[dict[str, Any]]:
 
     Each measured length L covers seqlen_k buckets up to L (rounded up to a power of two); the
     largest covers everything (``null``). Adjacent lengths with the same winner merge.
+
+    e4m3: entries marked ``v_centered`` (for calls whose v was centered before quantization,
+    flash_attn_func(v_mean=)) take the winners among the variants that add v's column means in
+    their epilogue (``v_mean``), where a head dim and mask have such variants; the plain entries
+    never name those, and where a head dim and mask have variants that accumulate O in two levels
+    (``two_level``) they take the winners among these only (the others lose a share of O that
+    grows with the key count where V's columns carry a mean: 13% at 16k keys;
+    cutefa/kernels/sm90/fp8.py, PROMOTE_BLOCKS).
     """
-    groups: dict[tuple[str, int, bool], dict[int, Measurement]] = {}
+    from cutefa.spec import parse_name
+
+    flags = {m.variant: parse_name(m.variant) for m in measurements if m.dtype == "e4m3"}
+    accurate = {(s.head_dim, s.causal) for s in flags.values() if s.two_level}
+    groups: dict[tuple[str, int, bool, bool], dict[int, Measurement]] = {}
     for m in measurements:
         if m.tflops is None:
             continue
-        best = groups.setdefault((m.dtype, m.head_dim, m.causal), {})
-        if m.seqlen not in best or m.tflops > best[m.seqlen].tflops:
-            best[m.seqlen] = m
+        spec = flags.get(m.variant)
+        if spec is None:
+            kinds = [False]
+        elif spec.v_mean:
+            kinds = [True]
+        else:
+            kinds = [] if (m.head_dim, m.causal) in accurate and not spec.two_level else [False]
+        for centered in kinds:
+            best = groups.setdefault((m.dtype, m.head_dim, m.causal, centered), {})
+            if m.seqlen not in best or m.tflops > best[m.seqlen].tflops:
+                best[m.seqlen] = m
     entries = []
-    for (dtype, head_dim, causal), best in sorted(groups.items()):
+    for (dtype, head_dim, causal, centered), best in sorted(groups.items()):
         lengths = sorted(best)
         rows: list[tuple[int | None, str]] = []
         for i, seqlen in enumerate(lengths):
@@ -233,9 +255,8 @@ def table_entries(measurements: list[Measurement]) -> list[dict[str, Any]]:
             else:
                 rows.append((bound, best[seqlen].variant))
         for bound, variant in rows:
-            entries.append(
-                {"dtype": dtype, "head_dim": head_dim, "causal": causal, "max_seqlen_k": bound, "variant": variant}
-            )
+            fields = {"dtype": dtype, "head_dim": head_dim, "causal": causal, "max_seqlen_k": bound, "variant": variant}
+            entries.append({**fields, "v_centered": True} if centered else fields)
     return entries
 
 
@@ -258,15 +279,11 @@ def tuning_candidates(
 ) -> list[VariantSpec]:
     """The committed variants :func:`tune` times for ``target``: ``arch``'s default variants of
     ``direction`` in ``dtypes`` (and ``head_dims``, None: all) that run there, without the
-    block-quantization ones (ops derives those from the pick). e4m3: where a head dim and mask have
-    variants that accumulate O in two levels (``two_level``), only those: the others lose a share
-    of O that grows with the key count (13% at 16k keys where V's columns carry a mean;
-    cutefa/kernels/sm90/fp8.py, PROMOTE_BLOCKS)."""
+    block-quantization ones (ops derives those from the pick). Which of the e4m3 ones a table
+    entry may name: :func:`table_entries`."""
     specs = [s for s in space.default_variants(arch, direction) if s.dtype in dtypes and not s.block_quant]
     specs = [s for s in specs if head_dims is None or s.head_dim in head_dims]
-    specs = [s for s in specs if space.why_not_on(s, target) is None]
-    accurate = {(s.head_dim, s.causal) for s in specs if s.two_level}
-    return [s for s in specs if s.dtype != "e4m3" or s.two_level or (s.head_dim, s.causal) not in accurate]
+    return [s for s in specs if space.why_not_on(s, target) is None]
 
 
 def tune(

@@ -36,9 +36,9 @@ def reference(q, k, v, causal, scale, dtype=torch.float32):
     return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
-def trace_attention_block(q, k, v, q_descale=None, k_descale=None, v_descale=None):
+def trace_attention_block(q, k, v, q_descale=None, k_descale=None, v_descale=None, v_mean=None):
     """Compile ``out * 2, lse.exp()`` of a causal flash_attn_func call with torch.compile
-    (fullgraph=True) and run it on q, k, v and the descales (fake CUDA tensors: no GPU needed).
+    (fullgraph=True) and run it on q, k, v, the descales and v_mean (fake CUDA tensors: no GPU needed).
     Dynamo must trace exactly one graph. Returns (out, lse) and the targets that graph calls."""
     graphs = []
 
@@ -47,14 +47,14 @@ def trace_attention_block(q, k, v, q_descale=None, k_descale=None, v_descale=Non
         return gm.forward
 
     @torch.compile(fullgraph=True, backend=capture)
-    def attention_block(q, k, v, qd, kd, vd):
+    def attention_block(q, k, v, qd, kd, vd, v_mean):
         out, lse = cutefa.flash_attn_func(
-            q, k, v, causal=True, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd
+            q, k, v, causal=True, return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd, v_mean=v_mean
         )
         return out * 2, lse.exp()
 
     torch._dynamo.reset()
-    result = attention_block(q, k, v, q_descale, k_descale, v_descale)
+    result = attention_block(q, k, v, q_descale, k_descale, v_descale, v_mean)
     (graph,) = graphs
     return result, [n.target for n in graph.graph.nodes if n.op == "call_function"]
 

@@ -211,14 +211,20 @@ def test_explain(capsys, monkeypatch):
             "heads_q": 32,
             "heads_kv": 8,
             "head_dim": 128,
+            "v_centered": False,
         }
     ]
+    argv = ["explain", "--shape", "1,4096,4096,8,8,128", "--dtype", "e4m3", "--v-centered", "--gpu", "sm_90a"]
+    assert cli.main(argv) == 0
+    assert calls[-1]["dtype"] == "e4m3" and calls[-1]["v_centered"] is True
 
 
 def test_explain_user_errors(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_local_target", lambda: None)
     assert cli.main(["explain", "--shape", "1,128,128,8,8,64"]) == 2
     assert "give --gpu" in capsys.readouterr().err
+    assert cli.main(["explain", "--shape", "1,128,128,8,8,64", "--v-centered", "--gpu", "sm_90a"]) == 2
+    assert "v_centered applies to e4m3" in capsys.readouterr().err
     for shape in ("1,2,3", "1,2,3,4,5,x", "0,128,128,8,8,64"):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["explain", "--shape", shape, "--gpu", "sm_90a"])

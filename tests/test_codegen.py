@@ -133,6 +133,7 @@ def test_manifest(out):
         "dq_pipe": False,
         "sum_mma": False,
         "two_level": False,
+        "v_mean": False,
         "exp_emu": 0,
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),

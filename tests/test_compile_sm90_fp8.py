@@ -403,9 +403,11 @@ def test_lazy_variants_are_committed():
         (128, 128, False), (128, 128, True), (128, 96, False), (128, 96, True),
         (256, 64, False), (256, 64, True), (256, 96, False), (256, 96, True),
     }  # fmt: skip
-    # (a persistent variant's twin: its one-CTA-per-tile twin without the flag; sum_mma and
-    # two_level are committed with lazy_rescale only, so a twin has neither)
-    twins = {s.replace(lazy_rescale=False, persistent=False, sum_mma=False, two_level=False) for s in committed}
+    # (a persistent variant's twin: its one-CTA-per-tile twin without the flag; sum_mma,
+    # two_level and v_mean are committed with lazy_rescale only, so a twin has none of them)
+    twins = {
+        s.replace(lazy_rescale=False, persistent=False, sum_mma=False, two_level=False, v_mean=False) for s in committed
+    }
     assert twins <= set(FP8_DEFAULTS) | set(FP8_ALTERNATIVES)
     assert {s.head_dim for s in FP8_DEFAULTS if s.lazy_rescale} == {256}
     assert any(s.lazy_rescale for s in CHECKED)
@@ -484,3 +486,40 @@ def test_two_level_sass(alternative_cubins, spec):
     assert ffmas >= spec.head_dim // 2, ffmas
     report = sass.analyze(alternative_cubins[spec.name])
     assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0, report.summary()
+
+
+# v's column means added in the epilogue (_vmean): committed on the tuned tiles (hd128 192x96,
+# hd256 128x96, persistent too), what flash_attn_func(v_mean=) runs there.
+V_MEAN = [s for s in FP8_ALTERNATIVES if s.v_mean]
+
+
+def test_v_mean_variants_are_committed():
+    assert {(s.head_dim, s.causal, s.persistent) for s in V_MEAN} == {
+        (d, c, p) for d in (128, 256) for c in (False, True) for p in (False, True)
+    }
+    assert all(s.replace(v_mean=False) in set(FP8_ALTERNATIVES) for s in V_MEAN)
+
+
+@pytest.mark.parametrize("spec", V_MEAN, ids=lambda s: s.name)
+def test_v_mean_sass(alternative_cubins, spec):
+    """A _vmean variant's key step is its twin's (the means are added after the key loop): as
+    long, with the same tensor-core, MUFU, floating-point and conversion instructions (ptxas may
+    pick other integer moves); the kernel loads a thread's head_dim / 4 column means (one LDG
+    each, in the epilogue) on top of its twin's loads; no spill, budgets kept."""
+    twin_spec = spec.replace(v_mean=False)
+    text, twin_text = (sass.disassemble(alternative_cubins[s.name]) for s in (spec, twin_spec))
+    step, twin_step = _step(spec, text), _step(twin_spec, twin_text)
+    assert len(step) == len(twin_step), (len(step), len(twin_step))
+    classes = ("QGMMA", "MUFU", "FMUL", "FFMA", "FADD", "FMNMX", "F2FP", "FSEL", "SHFL")
+
+    def count(loop):
+        return {c: sum(ins.startswith(c) for ins in loop) for c in classes}
+
+    assert count(step) == count(twin_step), (count(step), count(twin_step))
+    report = sass.analyze(alternative_cubins[spec.name])
+    loads = len(re.findall(r"\sLDG\.", text)) - len(re.findall(r"\sLDG\.", twin_text))
+    assert loads == spec.head_dim // 4, loads
+    assert report.spills == 0 and report.counts["LDL"] == 0 and report.counts["STL"] == 0, report.summary()
+    regions = sass.setmaxnreg_regions(text)
+    assert [budget for budget, _ in regions] == _budgets(spec), regions
+    assert all(used < budget for budget, used in regions), regions

@@ -378,3 +378,34 @@ def test_table_direction_is_checked(isolated, caplog):
     with caplog.at_level("WARNING", logger="cutefa"):
         assert dispatch.choose(**problem()).reason.startswith("heuristic")
     assert "direction='sideways'" in caplog.text
+
+
+def test_centered_v_takes_the_v_centered_entries(isolated, monkeypatch):
+    """An fp8 problem whose v was centered (flash_attn_func(v_mean=)) takes a table's v_centered
+    entries where it has them and the plain entries where not; other problems never take them.
+    v_centered is checked in the table (a bool, e4m3 entries only) and in the call."""
+    monkeypatch.setattr(space, "IMPLEMENTED", SPACE_IMPLEMENTED)
+    two_level = "cutefa_sm90_fwd_e4m3_hd128_192x96_s2_w16_ov_hvt_lres_tlacc"
+    plain = "cutefa_sm90_fwd_e4m3_hd128_192x96_s2_w16_ov_hvt_lres"
+    hd256 = "cutefa_sm90_fwd_e4m3_hd256_128x96_s2_w12_ov_pp_hvt_lres"
+    e4m3 = {"dtype": "e4m3"}
+    entries = [
+        entry(two_level, None, **e4m3),
+        entry(plain, None, v_centered=True, **e4m3),
+        entry(hd256, None, head_dim=256, **e4m3),
+    ]
+    write_table(isolated, "sm90_h200.json", entries, arch="sm90", gpu="H200", target="sm_90a")
+    h200 = problem(target="sm_90a", dtype="e4m3", gpu_name="NVIDIA H200")
+    assert dispatch.choose(**h200).spec.name == two_level
+    centered = dispatch.choose(**h200, v_centered=True)
+    assert centered.spec.name == plain and "v_centered=True" in centered.reason
+    assert dispatch.choose(**h200, v_centered=False).spec.name == two_level  # memoized apart
+    assert dispatch.choose(**{**h200, "head_dim": 256}, v_centered=True).spec.name == hd256  # no centered entry
+    text = dispatch.explain_problem(**h200, v_centered=True)
+    assert "v centered" in text and f"chosen: {plain}" in text
+    with pytest.raises(ValueError, match="v_centered applies to e4m3"):
+        dispatch.choose(**problem(), v_centered=True)
+    with pytest.raises(TypeError, match="v_centered must be a bool"):
+        dispatch.choose(**h200, v_centered=1)
+    with pytest.raises(ValueError, match="true only on e4m3 entries"):
+        dispatch.load_table(write_table(isolated, "bad.json", [entry(heuristic_name(), None, v_centered=True)]))

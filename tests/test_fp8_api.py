@@ -144,18 +144,29 @@ def test_quantize_errors(call, error, match):
 # flash_attn_func with fp8 inputs
 
 
+class _Calls(list):
+    def __init__(self) -> None:
+        super().__init__()
+        self.centered: list[bool] = []
+
+
 @pytest.fixture
 def on_cpu(monkeypatch):
-    """Accept CPU tensors; the fp8 launch computes the dequantized reference. Records calls."""
-    calls = []
+    """Accept CPU tensors; the fp8 launch computes the dequantized reference (plus v_mean on the
+    rows that attend a key, as the kernels do). Records calls (the descales of each;
+    ``calls.centered``: whether each was given a v_mean)."""
+    calls = _Calls()
 
-    def launch(q, k, v, out, lse, descales, causal, softmax_scale):
+    def launch(q, k, v, out, lse, descales, causal, softmax_scale, v_mean=None):
         calls.append(tuple(d.clone() for d in descales))
+        calls.centered.append(v_mean is not None)
         group = q.shape[2] // k.shape[2]
         qd, kd, vd = (d.repeat_interleave(g, 1)[:, None, :, None] for d, g in zip(descales, (group, 1, 1)))
         o, l = reference(q.float() * qd, k.float() * kd, v.float() * vd, causal, softmax_scale)
         out.copy_(o.to(out.dtype))
         lse.copy_(l)
+        if v_mean is not None:
+            fp8.add_v_mean(out, v_mean, k.shape[1], causal)
 
     monkeypatch.setattr(ops, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(ops, "_launch_fp8", launch)
@@ -270,8 +281,11 @@ def test_fp8_fake_impl_and_torch_compile_trace_the_fp8_op():
             torch.ones((), device="cuda"),
         )
         (out, lse), called = trace_attention_block(q, k, v, qd, kd, vd)
+        (centered, _), with_mean = trace_attention_block(q, k, v, qd, kd, vd, torch.zeros(2, 2, 128, device="cuda"))
     assert (out.shape, out.dtype) == ((2, 5, 8, 128), torch.bfloat16) and lse.shape == (2, 8, 5)
     assert torch.ops.cutefa.flash_fwd_fp8.default in called
+    assert (centered.shape, centered.dtype) == (out.shape, out.dtype)
+    assert torch.ops.cutefa.flash_fwd_fp8.default in with_mean  # v_mean goes into the op
 
 
 def test_explain_names_the_e4m3_variant():
@@ -290,8 +304,11 @@ class FakeFp8Kernel:
 
     def __init__(self):
         self.calls = []
+        self.means = []  # the v_mean each call was given (None: the variant takes none)
 
-    def __call__(self, q, k, v, out, lse, qd, kd, vd, scale):
+    def __call__(self, q, k, v, out, lse, qd, kd, vd, *rest):
+        """``rest``: (scale), or (v_mean, scale) for a variant with the v_mean flag (added here)."""
+        *v_mean, scale = rest
         if not q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn:
             raise TypeError("the kernel takes float8_e4m3fn q, k and v")
         if v.shape != k.shape:
@@ -304,6 +321,9 @@ class FakeFp8Kernel:
         o, l = reference(q.float() * dq, k.float() * dk, v.float() * dv, False, scale)
         out.copy_(o.to(out.dtype))
         lse.copy_(l)
+        self.means.append(v_mean[0] if v_mean else None)
+        if v_mean:
+            fp8.add_v_mean(out, v_mean[0], k.shape[1], False)
 
 
 @pytest.fixture
@@ -421,8 +441,9 @@ def test_fp8_planned_call_host_overhead_is_small(fp8_plans):
 
 def test_center_v_and_add_v_mean():
     """cutefa.center_v takes out v's mean over seqlen per (batch, head, column); add_v_mean puts it
-    back on the rows that attend a key (finite lse), each kv head's mean on its group of query heads,
-    and leaves the others (0) alone."""
+    back in place on the rows that attend a key (causal, more queries than keys: all but the first
+    seqlen_q - seqlen_k), each kv head's mean on its group of query heads, and leaves the others
+    (0) alone; with no keys it adds nothing."""
     from cutefa.fp8 import add_v_mean
 
     v = torch.randn(2, 7, 2, 16, generator=torch.Generator().manual_seed(0)) + 3.0
@@ -431,13 +452,14 @@ def test_center_v_and_add_v_mean():
     assert torch.allclose(centered + mean[:, None], v.to(torch.bfloat16).float(), atol=1e-5)
     assert centered.mean(dim=1).abs().max() < 1e-5
     out = torch.zeros(2, 5, 4, 16, dtype=torch.bfloat16)  # 4 query heads, 2 kv heads
-    lse = torch.zeros(2, 4, 5)
-    lse[:, :, :2] = -math.inf  # the first two rows attend no key
-    got = add_v_mean(out, lse, mean)
-    assert got.dtype == torch.bfloat16
+    got = add_v_mean(out, mean, 3, True)  # 5 queries, 3 keys: the first two rows attend no key
+    assert got is out and got.dtype == torch.bfloat16
     assert torch.all(got[:, :2] == 0)
     expect = mean.repeat_interleave(2, 1)[:, None].expand(2, 3, 4, 16).to(torch.bfloat16)
     assert torch.equal(got[:, 2:], expect)
+    every = add_v_mean(torch.zeros(2, 5, 4, 16), mean, 3, False)  # not causal: every row
+    assert torch.equal(every, mean.repeat_interleave(2, 1)[:, None].expand(2, 5, 4, 16))
+    assert torch.all(add_v_mean(torch.zeros(2, 5, 4, 16), mean, 0, False) == 0)  # no keys
     with pytest.raises(TypeError, match="before quantization"):
         cutefa.center_v(v.to(torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="4-D"):
@@ -456,3 +478,67 @@ def test_v_mean_is_validated():
             cutefa.flash_attn_func(q8, k8, v8, v_mean=bad)
     with pytest.raises(TypeError, match="v_mean must be a torch.Tensor"):
         cutefa.flash_attn_func(q8, k8, v8, v_mean=[0.0])
+
+
+def test_v_mean_goes_back_on_the_rows_that_attend_a_key(on_cpu):
+    """flash_attn_func(v_mean=) dispatches for centered v and adds the mean to every row that
+    attends a key (causal, 40 queries and 24 keys: all but the first 16, which stay 0 with lse
+    -inf), each kv head's mean on its query heads: the attention of the uncentered v."""
+    (_, _, v), ((qq, qd), (kq, kd), _) = fp8_inputs(sq=40, sk=24)
+    v = v + 3.0
+    centered, mean = cutefa.center_v(v)
+    vq, vd = cutefa.quantize_fp8(centered)
+    out, lse = cutefa.flash_attn_func(
+        qq, kq, vq, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, v_mean=mean, return_lse=True
+    )
+    assert on_cpu.centered == [True]
+    deq = [fp8.dequantize_fp8(x, d) for x, d in ((qq, qd), (kq, kd), (vq, vd))]
+    expect, expect_lse = reference(deq[0], deq[1], deq[2] + mean[:, None], True, 1 / 8)
+    assert torch.all(out[:, :16] == 0) and torch.all(torch.isneginf(lse[:, :, :16]))
+    torch.testing.assert_close(out.float(), expect, atol=3e-2, rtol=2e-2)  # bf16 output
+    torch.testing.assert_close(lse, expect_lse)
+    cutefa.flash_attn_func(qq, kq, vq, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert on_cpu.centered == [True, False]
+
+
+def test_v_mean_calls_dispatch_for_centered_v_and_have_their_plan(fp8_plans, monkeypatch):
+    """On an H200 an hd128 call with v_mean runs the table's v_centered pick (no two-level
+    accumulation, the v_mean flag: the kernel takes the means), one without it the two-level pick;
+    each signature gets its own plan, and the planned v_mean call passes the means as the
+    validating one did."""
+    kernel, validations = fp8_plans
+    picked = []
+    monkeypatch.setattr(ops, "get_kernel", lambda spec, target: picked.append(spec) or kernel)
+    (_, _, v), ((qq, qd), (kq, kd), _) = fp8_inputs(d=128)
+    centered, mean = cutefa.center_v(v + 2.0)
+    vq, vd = cutefa.quantize_fp8(centered)
+    descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    plain = cutefa.flash_attn_func(qq, kq, vq, **descales)
+    first = cutefa.flash_attn_func(qq, kq, vq, **descales, v_mean=mean)
+    again = cutefa.flash_attn_func(qq, kq, vq, **descales, v_mean=mean)
+    assert [(s.two_level, s.v_mean) for s in picked] == [(True, False), (False, True)]
+    assert len(ops._FP8_PLANS) == 2 and len(validations) == 2 and len(kernel.calls) == 3
+    assert kernel.means[0] is None and kernel.means[1] is mean and kernel.means[2] is mean
+    assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
+    expect = plain.float() + mean.repeat_interleave(2, 1)[:, None]
+    torch.testing.assert_close(first.float(), expect, atol=3e-2, rtol=1e-2)
+
+
+def test_v_mean_is_added_after_a_kernel_without_the_flag(fp8_plans, monkeypatch):
+    """Where the dispatched variant has no v_mean flag (hd64: no v_centered entries, no such
+    variant), the kernel runs as for any call and the mean is added to its output afterwards,
+    the validating way and the planned way alike."""
+    kernel, _ = fp8_plans
+    picked = []
+    monkeypatch.setattr(ops, "get_kernel", lambda spec, target: picked.append(spec) or kernel)
+    (_, _, v), ((qq, qd), (kq, kd), _) = fp8_inputs(d=64)
+    centered, mean = cutefa.center_v(v + 2.0)
+    vq, vd = cutefa.quantize_fp8(centered)
+    descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    plain = cutefa.flash_attn_func(qq, kq, vq, **descales)
+    first = cutefa.flash_attn_func(qq, kq, vq, **descales, v_mean=mean)
+    again = cutefa.flash_attn_func(qq, kq, vq, **descales, v_mean=mean)
+    assert picked[0] == picked[1] and not picked[1].v_mean and kernel.means == [None, None, None]
+    expect = plain.float() + mean.repeat_interleave(2, 1)[:, None]
+    torch.testing.assert_close(first.float(), expect, atol=3e-2, rtol=1e-2)
+    assert torch.equal(first, again)

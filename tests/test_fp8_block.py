@@ -84,10 +84,10 @@ def emulate_kernel(q, k, v, q_descale, kv_scales, v_descale, *, causal, scale, t
     return out, lse
 
 
-def sm90_choice(q, k, causal):
+def sm90_choice(q, k, causal, v_centered=False):
     return dispatch.choose(
         target="sm_90a", dtype=q.dtype, head_dim=q.shape[3], causal=causal, seqlen_q=q.shape[1],
-        seqlen_k=k.shape[1], batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2],
+        seqlen_k=k.shape[1], batch=q.shape[0], heads_q=q.shape[2], heads_kv=k.shape[2], v_centered=v_centered,
     )  # fmt: skip
 
 

@@ -69,19 +69,42 @@ def test_only_correct_candidates_are_timed():
     assert [m.error for m in out][:2] == [1e-3, 0.5] and math.isnan(out[2].error)
 
 
-def test_e4m3_candidates_accumulate_in_two_levels_where_they_can():
-    """cutefa tune times, for e4m3, only the two-level variants of a head dim and mask that has
-    them (hd128 on sm90); the rest as committed."""
+def test_e4m3_entries_accumulate_in_two_levels_or_take_the_means():
+    """cutefa tune times every committed e4m3 variant. Where a head dim and mask have two-level
+    variants (hd128 on sm90) the plain entries name only those; v_centered entries name only
+    variants that take v's column means (v_mean), where there are any; plain entries never do."""
     from cutefa import space, tune
 
     fp8 = tune.tuning_candidates("sm90", "fwd", ("e4m3",), None, "sm_90a")
-    hd128 = [s for s in fp8 if s.head_dim == 128]
-    assert hd128 and all(s.two_level for s in hd128)
-    assert {s.causal for s in hd128} == {False, True}
     committed = {
-        s for s in space.default_variants("sm90", "fwd")
-        if s.dtype == "e4m3" and s.head_dim == 256 and not s.block_quant
+        s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3" and not s.block_quant
     }  # fmt: skip
-    assert {s for s in fp8 if s.head_dim == 256} == committed
+    assert set(fp8) == committed and any(s.two_level for s in fp8) and any(s.v_mean for s in fp8)
+    plain = "cutefa_sm90_fwd_e4m3_hd128_192x96_s2_w16_ov_hvt_lres"
+    tl, tl_persist = plain + "_tlacc", "cutefa_sm90_fwd_e4m3_hd128_192x96_s2_w16_ov_persist_hvt_lres_tlacc"
+    hd256 = "cutefa_sm90_fwd_e4m3_hd256_128x96_s2_w12_ov_pp_hvt_lres"
+    hd64 = "cutefa_sm90_fwd_e4m3_hd64_192x128_s2_w16_ov"
+    ms = [
+        Measurement("e4m3", 128, False, 1024, plain, 700.0, 0.05),
+        Measurement("e4m3", 128, False, 1024, plain + "_vmean", 690.0, 0.05),
+        Measurement("e4m3", 128, False, 1024, tl, 560.0, 0.05),
+        Measurement("e4m3", 128, False, 1024, tl_persist, 570.0, 0.05),
+        Measurement("e4m3", 128, False, 4096, plain, 850.0, 0.05),
+        Measurement("e4m3", 128, False, 4096, plain + "_vmean", 845.0, 0.05),
+        Measurement("e4m3", 128, False, 4096, tl, 780.0, 0.05),
+        Measurement("e4m3", 128, False, 4096, tl_persist, 750.0, 0.05),
+        Measurement("e4m3", 256, False, 4096, hd256, 1000.0, 0.05),
+        Measurement("e4m3", 256, False, 4096, hd256 + "_vmean", 990.0, 0.05),
+        Measurement("e4m3", 64, False, 4096, hd64, 600.0, 0.05),
+    ]
+    e4m3 = {"dtype": "e4m3", "causal": False}
+    assert table_entries(ms) == [
+        {**e4m3, "head_dim": 64, "max_seqlen_k": None, "variant": hd64},
+        {**e4m3, "head_dim": 128, "max_seqlen_k": 1024, "variant": tl_persist},
+        {**e4m3, "head_dim": 128, "max_seqlen_k": None, "variant": tl},
+        {**e4m3, "head_dim": 128, "max_seqlen_k": None, "variant": plain + "_vmean", "v_centered": True},
+        {**e4m3, "head_dim": 256, "max_seqlen_k": None, "variant": hd256},
+        {**e4m3, "head_dim": 256, "max_seqlen_k": None, "variant": hd256 + "_vmean", "v_centered": True},
+    ]
     bf16 = tune.tuning_candidates("sm90", "fwd", ("bf16",), (128,), "sm_90a")
-    assert bf16 and not any(s.two_level for s in bf16)
+    assert bf16 and not any(s.two_level or s.v_mean for s in bf16)

@@ -8,8 +8,15 @@ inputs quantized per head. TFLOP/s counts 4*b*h*s^2*d, halved when causal. Each 
 checked against the float32 attention of the unquantized inputs (relative L2 error shown; e4m3
 inputs give a few percent, see tests/gpu/test_fp8.py).
 
+"v_mean" columns: the same call with v centered before quantization (``cutefa.center_v``) and its
+mean passed as ``flash_attn_func(..., v_mean=)``, which dispatches among the variants tuned for
+centered v and adds the mean after the kernel (its time included). ``--v-offset 1`` adds 1 to v,
+so that the error columns show what V's column means do to each path on long rows.
+``--out DIR`` also writes the table (``bench_fp8.md``) and a plot (``bench_fp8.png``, TFLOP/s per
+seqlen, one panel per head dim and mask).
+
     python3 tools/bench_fp8.py                        # hd 64, 128, 256; seqlen 1k..16k; causal both
-    python3 tools/bench_fp8.py --hdim 128 --seqlen 4096,8192 --causal 1
+    python3 tools/bench_fp8.py --hdim 128 --seqlen 4096,8192 --causal 1 --out results/
 
 Side by side: ``--variants`` (comma-separated e4m3 variant names) or ``--all-variants`` (every
 committed e4m3 variant of the chosen head dims) prints one table per head dim instead, one column
@@ -58,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--causal", type=_ints, default=[0, 1])
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--v-offset", type=float, default=0.0, help="added to v's random normal values (default 0)")
+    p.add_argument("--out", type=Path, default=None, help="folder for bench_fp8.md and bench_fp8.png")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--variants", type=_names, default=None, help="e4m3 variant names, comma-separated")
     group.add_argument("--all-variants", action="store_true", help="every committed e4m3 variant")
@@ -88,23 +97,78 @@ def main(argv=None) -> int:
         "fp8 TFLOP/s",
         "fp8 x bf16",
         "fp8 rel err",
+        "fp8 v_mean TFLOP/s",
+        "v_mean x bf16",
+        "v_mean rel err",
         "FA3 fp8 TFLOP/s",
     ]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    print("\n".join(lines))
+    rows = []
     for hdim in args.hdim or [64, 128, 256]:
         for causal in map(bool, args.causal):
             for seqlen in args.seqlen:
-                cells = _cell(torch, cutefa, fa3, fa4, time_ms, hdim, causal, seqlen)
-                print("| " + " | ".join(cells) + " |", flush=True)
+                cells = _cell(torch, cutefa, fa3, fa4, time_ms, hdim, causal, seqlen, args.v_offset)
+                rows.append(cells)
+                lines.append("| " + " | ".join(cells) + " |")
+                print(lines[-1], flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_fp8.md").write_text("\n".join(lines) + "\n")
+        print(plot(header, rows, args.out / "bench_fp8.png"))
     return 0
 
 
-def _problem(torch, cutefa, hdim: int, causal: bool, seqlen: int):
+PLOTTED = ("bf16 TFLOP/s", "FA4 bf16 TFLOP/s", "fp8 TFLOP/s", "fp8 v_mean TFLOP/s", "FA3 fp8 TFLOP/s")
+
+
+def plot(header: list[str], rows: list[list[str]], path: Path) -> str:
+    """TFLOP/s against seqlen, one panel per (hdim, causal), one line per numeric column of
+    :data:`PLOTTED`; returns what was written (or why nothing was)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no plot"
+    panels: dict[tuple[str, str], list[list[str]]] = {}
+    for row in rows:
+        panels.setdefault((row[0], row[1]), []).append(row)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    for ax, ((hdim, causal), cells) in zip(axes[0], panels.items()):
+        seqlens = [int(r[2]) for r in cells]
+        for name in PLOTTED:
+            i = header.index(name)
+            points = [(x, float(r[i])) for x, r in zip(seqlens, cells) if _number(r[i])]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name.removesuffix(" TFLOP/s"))
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"hd{hdim} {'causal' if causal == '1' else 'non-causal'}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _problem(torch, cutefa, hdim: int, causal: bool, seqlen: int, v_offset: float = 0.0):
     heads = MODEL_DIM // hdim
     batch = max(1, TOKENS // seqlen)
     shape = (batch, seqlen, heads, hdim)
     q, k, v = (torch.randn(shape, device="cuda") for _ in range(3))
+    v += v_offset
     flops = 4 * batch * heads * seqlen * seqlen * hdim / (2 if causal else 1)
     return q, k, v, flops
 
@@ -115,8 +179,10 @@ def _reference(torch, q, k, v, causal: bool):
     ).transpose(1, 2)  # float32; seqlen_q == seqlen_k, so top-left causal = bottom-right
 
 
-def _cell(torch, cutefa, fa3, fa4, time_ms, hdim: int, causal: bool, seqlen: int) -> list[str]:
-    q, k, v, flops = _problem(torch, cutefa, hdim, causal, seqlen)
+def _cell(
+    torch, cutefa, fa3, fa4, time_ms, hdim: int, causal: bool, seqlen: int, v_offset: float = 0.0
+) -> list[str]:
+    q, k, v, flops = _problem(torch, cutefa, hdim, causal, seqlen, v_offset)
     batch, heads = q.shape[0], q.shape[2]
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
     (qq, qd), (kq, kd), (vq, vd) = (cutefa.quantize_fp8(x, "head") for x in (q, k, v))
@@ -135,6 +201,13 @@ def _cell(torch, cutefa, fa3, fa4, time_ms, hdim: int, causal: bool, seqlen: int
     ref = _reference(torch, q, k, v, causal)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     ms = time_ms(lambda: cutefa.flash_attn_func(qq, kq, vq, causal=causal, **kw))
+    cells += [f"{flops / ms / 1e9:.0f}", f"{bf16_ms / ms:.2f}", f"{err:.4f}"]
+    centered, v_mean = cutefa.center_v(v)
+    vc, vcd = cutefa.quantize_fp8(centered, "head")
+    kwc = {**kw, "v_descale": vcd, "v_mean": v_mean}
+    out = cutefa.flash_attn_func(qq, kq, vc, causal=causal, **kwc)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    ms = time_ms(lambda: cutefa.flash_attn_func(qq, kq, vc, causal=causal, **kwc))
     cells += [f"{flops / ms / 1e9:.0f}", f"{bf16_ms / ms:.2f}", f"{err:.4f}"]
     if fa3 is None:
         return [*cells, "-"]
@@ -213,6 +286,8 @@ def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, c
             args = (qd, kd, vd)
             if spec.block_quant:
                 inputs, args = _block_arguments(cutefa, blocks, q, k, v, spec.replace(causal=causal), target)
+            elif spec.v_mean:  # v is not centered here: zero means (the epilogue's FFMAs still run)
+                args = (*args, torch.zeros(batch, heads, hdim, device="cuda"))
 
             def run(kernel=kernel, inputs=inputs, args=args):
                 kernel(*inputs, out, lse, *args, scale)

@@ -79,6 +79,34 @@ def quantize(q, k, v, granularity="head", hadamard=False):
     return (qq, kq, vq), (qd, kd, vd)
 
 
+def fp8_kernel(spec):
+    """The compiled e4m3 kernel of ``spec``, called as (q, k, v, out, lse, q_descale, k_descale,
+    v_descale, scale) (a persistent one's ``fn`` also as that plus the grid); a variant with the
+    v_mean flag is given zero column means there, so that it computes what its twin without the
+    flag does (test_v_mean_variant_adds_the_means gives it others)."""
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+
+    kernel = get_kernel(spec, current_target())
+    return _WithZeroMeans(kernel) if spec.v_mean else kernel
+
+
+class _WithZeroMeans:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    @staticmethod
+    def _args(q, k, v, out, lse, q_descale, k_descale, v_descale, scale, *grid):
+        zeros = torch.zeros(v.shape[0], v.shape[2], v.shape[3], device=v.device)
+        return (q, k, v, out, lse, q_descale, k_descale, v_descale, zeros, scale, *grid)
+
+    def __call__(self, *args):
+        return self.kernel(*self._args(*args))
+
+    def fn(self, *args):
+        return self.kernel.fn(*self._args(*args))
+
+
 def kv_head_descales(descales, batch, heads_kv):
     return tuple(
         d.reshape(1, 1).expand(batch, heads_kv).contiguous() if d.dim() == 0 else d for d in descales
@@ -154,10 +182,8 @@ def check(out, lse, exact, exact_lse, emul, emul_lse, *, what, lse_tol=LSE_TOL):
 @pytest.mark.parametrize("spec", FP8_VARIANTS, ids=lambda s: s.name)
 def test_variant(gen, spec):
     """Each committed e4m3 kernel, called directly on NaN-poisoned outputs, on every shape."""
-    from cutefa.compile import get_kernel
-    from cutefa.dispatch import current_target
 
-    kernel = get_kernel(spec, current_target())
+    kernel = fp8_kernel(spec)
     scale = ref.default_scale(spec.head_dim)
     for batch, sq, sk, hq, hkv in SHAPES:
         q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
@@ -182,10 +208,8 @@ def test_v_transpose_places_every_byte(spec):
     (exact in e4m3) that differ per key and per head dim, so a byte moved to another head dim,
     another key of the causal diagonal or another stage's tile changes the mean by far more than
     the bf16 rounding of the output allowed here."""
-    from cutefa.compile import get_kernel
-    from cutefa.dispatch import current_target
 
-    kernel = get_kernel(spec, current_target())
+    kernel = fp8_kernel(spec)
     batch, heads = 1, 2
     seqlen = 3 * spec.tile_n + 17  # several blocks (both ring stages used), a partial last one
     d = spec.head_dim
@@ -230,10 +254,8 @@ def _twin_runs(gen, spec, twin):
     """For each of the ragged SHAPES (partial tiles, sq != sk, GQA; causal or not as the spec says,
     with several key blocks so every ring stage is used): (what, (out, lse), (out_twin, lse_twin)),
     ``spec`` and ``twin`` run on the same quantized inputs, NaN-poisoned outputs."""
-    from cutefa.compile import get_kernel
-    from cutefa.dispatch import current_target
 
-    kernels = (get_kernel(spec, current_target()), get_kernel(twin, current_target()))
+    kernels = (fp8_kernel(spec), fp8_kernel(twin))
     scale = ref.default_scale(spec.head_dim)
     for batch, sq, sk, hq, hkv in SHAPES:
         q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
@@ -279,9 +301,9 @@ def test_flag_variants_are_tested(flag):
 
 
 def _twin(spec, flag):
-    """``spec`` without ``flag`` (and without persistent; for lazy_rescale without sum_mma and
-    two_level too)."""
-    extra = {"sum_mma": False, "two_level": False} if flag == "lazy_rescale" else {}
+    """``spec`` without ``flag`` (and without persistent; for lazy_rescale without sum_mma,
+    two_level and v_mean too)."""
+    extra = {"sum_mma": False, "two_level": False, "v_mean": False} if flag == "lazy_rescale" else {}
     return spec.replace(**{flag: False}, persistent=False, **extra)
 
 
@@ -309,10 +331,8 @@ def test_persistent_matches_its_twin(gen, spec):
     bitwise equal on the ragged SHAPES, with the grid the GPU's SM count and also 1 and 7 CTAs, so
     that each CTA walks many tiles (both directions of the boustrophedon order, the pipelines'
     state carried from tile to tile, causal tiles of every length, partial last tiles)."""
-    from cutefa.compile import get_kernel
-    from cutefa.dispatch import current_target
 
-    persistent, twin = get_kernel(spec, current_target()), get_kernel(spec.replace(persistent=False), current_target())
+    persistent, twin = fp8_kernel(spec), fp8_kernel(spec.replace(persistent=False))
     scale = ref.default_scale(spec.head_dim)
     for batch, sq, sk, hq, hkv in SHAPES:
         q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
@@ -345,13 +365,11 @@ def test_lazy_rescale_on_rising_maxes(gen, spec):
     Checked against the float32 attention of the dequantized inputs and the emulation as in
     test_variant, and against the twin without the flag (same quantized inputs): relative L2
     within the e4m3 rounding of P."""
-    from cutefa.compile import get_kernel
-    from cutefa.dispatch import current_target
 
     # the twin without the flag (of a persistent variant: the committed one-CTA-per-tile twin; of a
     # sum_mma or two_level one: the twin without those too; sum_mma's row sums are of the rounded P)
     twin = _twin(spec, "lazy_rescale")
-    kernels = (get_kernel(spec, current_target()), get_kernel(twin, current_target()))
+    kernels = (fp8_kernel(spec), fp8_kernel(twin))
     d = spec.head_dim
     scale = ref.default_scale(d)
     for batch, sq, sk, hq, hkv in ((1, 4097, 4097, 2, 1), (2, 1000, 1000, 2, 2), (1, 300, 2500, 4, 2)):
@@ -407,10 +425,8 @@ def test_sum_mma_sums_the_p_it_uses(gen, spec):
     O. The twin without the flag divides by the unrounded P's sums and is off by up to 2^-4. Every
     row that attends a key is 1 within one bf16 rounding (2^-8); q and k random, the ragged SHAPES
     with at most two key blocks."""
-    from cutefa.compile import get_kernel
-    from cutefa.dispatch import current_target
 
-    kernel = get_kernel(spec, current_target())
+    kernel = fp8_kernel(spec)
     scale = ref.default_scale(spec.head_dim)
     # Up to two key blocks: the P V product's own accumulation in the tensor core (fewer mantissa
     # bits than fp32, docs/perf-notes.md) stays below 2^-9 there; over thousands of keys it does not.
@@ -461,10 +477,8 @@ def test_two_level_on_long_rows_with_a_mean(gen, spec):
     (about 6% at 4k keys, 25% at 16k; docs/perf-notes.md). With O promoted to fp32 every
     fp8.PROMOTE_BLOCKS key blocks the output is within the e4m3 emulation's error (check_out) of the
     float32 attention of the unquantized inputs, at 4k and 16k keys."""
-    from cutefa.compile import get_kernel
-    from cutefa.dispatch import current_target
 
-    kernel = get_kernel(spec, current_target())
+    kernel = fp8_kernel(spec)
     scale = ref.default_scale(spec.head_dim)
     for batch, sq, sk, hq, hkv in ((1, 4097, 4097, 2, 1), (1, 2048, 16384, 2, 2)):
         q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
@@ -496,8 +510,8 @@ def test_v_mean_on_long_rows(gen, head_dim, causal):
             v_mean=v_mean, return_lse=True,
         )  # fmt: skip
         exact, _ = ref.attention_ref(q, k, v, causal=causal)
-        emul, emul_lse = emulate(fp8s, descales, causal=causal, scale=ref.default_scale(head_dim))
-        emul = fp8.add_v_mean(emul, emul_lse, v_mean)
+        emul, _ = emulate(fp8s, descales, causal=causal, scale=ref.default_scale(head_dim))
+        emul = fp8.add_v_mean(emul, v_mean, sk, causal)
         what = f"v_mean hd{head_dim} {(batch, sq, sk, hq, hkv)} causal {causal}"
         check_out(out, lse, exact, emul, what=what)
         if causal and sq > sk:
@@ -570,3 +584,47 @@ def test_outlier_channels_hadamard_reduces_error(gen):
     print("fp8 relative L2 error on outlier channels:", {n: f"{e:.4f}" for n, e in errors.items()})
     assert errors["hadamard"] < errors["per-tensor"]
     assert errors["hadamard+per-head"] < errors["per-head"]
+
+
+# v_mean (_vmean): the kernel adds v's column means in its epilogue, for centered v.
+V_MEAN = [s for s in FP8_VARIANTS if s.v_mean]
+
+
+def test_v_mean_variants_are_tested():
+    assert {(s.head_dim, s.causal) for s in V_MEAN} == {(128, False), (128, True), (256, False), (256, True)}
+    assert all(s.replace(v_mean=False) in FP8_VARIANTS for s in V_MEAN)
+
+
+@pytest.mark.parametrize("spec", V_MEAN, ids=lambda s: s.name)
+def test_v_mean_variant_adds_the_means(gen, spec):
+    """Given column means (batch, heads_kv, head_dim), a v_mean kernel's output is its twin's plus
+    each kv head's means on the rows that attend a key: within the bf16 rounding of the twin's
+    output, which is rounded before the means are added; rows that attend no key (causal, more
+    queries than keys) stay exactly 0 with lse -inf; the lse is the twin's."""
+    from cutefa.compile import get_kernel
+    from cutefa.dispatch import current_target
+
+    kernel, twin = get_kernel(spec, current_target()), fp8_kernel(spec.replace(v_mean=False))
+    scale = ref.default_scale(spec.head_dim)
+    for batch, sq, sk, hq, hkv in ((2, 17, 1000, 4, 2), (1, 1000, 17, 8, 1), (1, 4097, 4097, 2, 1)):
+        what = f"{spec.name} {(batch, sq, sk, hq, hkv)}"
+        q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
+        fp8s, descales = quantize(q, k, v)
+        descales = kv_head_descales(descales, batch, hkv)
+        means = 3.0 * torch.randn(batch, hkv, spec.head_dim, generator=gen, device="cuda")
+        outs, lses = [], []
+        for run, extra in ((kernel, (means,)), (twin, ())):
+            out = torch.full((batch, sq, hq, spec.head_dim), math.nan, dtype=torch.bfloat16, device="cuda")
+            lse = torch.full((batch, hq, sq), math.nan, device="cuda")
+            run(*fp8s, out, lse, *descales, *extra, scale)
+            outs.append(out)
+            lses.append(lse)
+        assert not torch.isnan(outs[0]).any() and not torch.isnan(lses[0]).any(), what
+        expect = fp8.add_v_mean(outs[1].float(), means, sk, spec.causal)
+        bound = 2.0**-8 * (outs[1].float().abs() + expect.abs()) + 1e-6
+        worst = ((outs[0].float() - expect).abs() - bound).max().item()
+        assert worst <= 0, f"{what}: off by {worst:.3g} beyond the bf16 rounding"
+        torch.testing.assert_close(lses[0], lses[1], atol=1e-6, rtol=0, msg=what)
+        if spec.causal and sq > sk:
+            rows = sq - sk
+            assert torch.all(outs[0][:, :rows] == 0) and torch.all(torch.isneginf(lses[0][:, :, :rows])), what
