@@ -464,7 +464,7 @@ def _launch_fp8(
     adds them itself, after any other :func:`cutefa.fp8.add_v_mean` adds them to ``out``."""
     choice, args = _fp8_kernel_args(q, k, descales, _choose(q, k, causal, v_mean is not None))
     if choice.spec.v_mean:
-        args = (*args, v_mean)
+        args = (*args, v_mean.contiguous())  # type: ignore[union-attr]
     kernel = get_kernel(choice.spec, choice.target)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     with _first_call_phase(kernel):
@@ -648,7 +648,7 @@ def _make_fp8_plan(
         qd, kd, vd = (descale(d, f) for d, f in zip((q_descale, k_descale, v_descale), forms))
         try:
             if in_kernel:
-                kernel(q, k, v, out, lse, qd, kd, vd, v_mean, scale)
+                kernel(q, k, v, out, lse, qd, kd, vd, v_mean.contiguous(), scale)  # type: ignore[union-attr]
             else:
                 kernel(q, k, v, out, lse, qd, kd, vd, scale)
         except (ValueError, TypeError):  # refused before launching: see above

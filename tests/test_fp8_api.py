@@ -522,6 +522,11 @@ def test_v_mean_calls_dispatch_for_centered_v_and_have_their_plan(fp8_plans, mon
     assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
     expect = plain.float() + mean.repeat_interleave(2, 1)[:, None]
     torch.testing.assert_close(first.float(), expect, atol=3e-2, rtol=1e-2)
+    # a v_mean strided in its last dim: the kernel is given a contiguous copy, the first time and planned
+    strided = mean.transpose(1, 2).contiguous().transpose(1, 2)
+    for _ in range(2):
+        torch.testing.assert_close(cutefa.flash_attn_func(qq, kq, vq, **descales, v_mean=strided), first)
+    assert all(m.is_contiguous() for m in kernel.means[3:]) and len(ops._FP8_PLANS) == 3
 
 
 def test_v_mean_is_added_after_a_kernel_without_the_flag(fp8_plans, monkeypatch):
