@@ -481,3 +481,18 @@ def test_torch_compile_traces_block_descales():
         (out, lse), called = trace_attention_block(q, k, v, qd, kd, vd)
     assert (out.shape, out.dtype) == ((2, 300, 8, 128), torch.bfloat16) and lse.shape == (2, 8, 300)
     assert torch.ops.cutefa.flash_fwd_fp8.default in called
+
+
+def test_api_block_descales_with_v_mean(on_cpu):
+    """Block descales and v_mean together at hd128, whose pick for centered v is a _vmean kernel:
+    the block variant runs (it takes no means) and the mean is added to its output."""
+    _, ((q8, qd), (k8, kd), (v8, vd)) = block_inputs(d=128)
+    mean = 3.0 * torch.randn(2, 2, 128, generator=torch.Generator().manual_seed(5))
+    descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    base = cutefa.flash_attn_func(q8, k8, v8, **descales)
+    out = cutefa.flash_attn_func(q8, k8, v8, **descales, v_mean=mean)
+    name, args = on_cpu[-1]
+    assert ops._choose(q8, k8, False, True).spec.v_mean  # what the call dispatched before blocks
+    assert "_blockq" in name and "_vmean" not in name and len(args) == 3
+    expect = base.float() + mean.repeat_interleave(2, 1)[:, None]
+    torch.testing.assert_close(out.float(), expect, atol=3e-2, rtol=1e-2)
