@@ -63,8 +63,9 @@ class Problem:
     heads_q: int
     heads_kv: int
     gpu_name: str | None = None
-    # fp8: v was centered before quantization (cutefa.center_v; the mean is added back after the
-    # kernel), so the tensor cores sum no mean share of O and a table's v_centered entries apply.
+    # fp8: v was centered before quantization (cutefa.center_v; the mean goes back on the output in
+    # the kernel's epilogue or after it), so the tensor cores sum no mean share of O and a table's
+    # v_centered entries apply.
     v_centered: bool = False
 
     @property

@@ -441,8 +441,8 @@ def _fp8_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[dispatch.Choice, Callable[..., Any]] | None]:  # fmt: skip
     """:func:`_flash_fwd_fp8` on validated inputs, plus what ran: (the dispatch choice, the kernel),
     or None when nothing was launched (an empty problem, no keys, or block descales). With
-    ``v_mean`` dispatch takes the variants for centered v (``v_centered``) and the mean is added to
-    the rows that attend a key (:func:`cutefa.fp8.add_v_mean`)."""
+    ``v_mean`` dispatch takes the variants for centered v (``v_centered``) and the mean goes back on
+    the rows that attend a key (:func:`_launch_fp8`: in the kernel or after it)."""
     out, lse = _fp8_outputs(q)
     if out.numel() == 0:
         return out, lse, None
