@@ -284,6 +284,17 @@ FP8_ALTERNATIVES: dict[str, dict[int, tuple[tuple[Tile, dict[str, bool | int]], 
                 Tile(128, 96, 2, 12),
                 {"overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True, "sum_mma": True},
             ),
+            # FlashAttention-3's fp8 hd256 tile, 128 keys per block (R231 of 240, no spill; 225 KiB
+            # with 2 stages; the register estimate says 256): overlap + ping-pong with lazy_rescale,
+            # its persistent twin, and its twin without lazy_rescale. Measured -1 to +5% against the
+            # 128x96 tile (+3% at 4k non-causal); the tuned table takes it above 4k
+            # (docs/perf-notes.md, "fp8: FlashAttention-3's longer key blocks").
+            (Tile(128, 128, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True}),
+            (
+                Tile(128, 128, 2, 12),
+                {"overlap": True, "pingpong": True, "hoist_vt": True, "lazy_rescale": True, "persistent": True},
+            ),
+            (Tile(128, 128, 2, 12), {"overlap": True, "pingpong": True, "hoist_vt": True}),
             # The tuned tile and its persistent twin taking v's column means (v_mean), as hd128's.
             (
                 Tile(128, 96, 2, 12),

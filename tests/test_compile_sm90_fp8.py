@@ -401,7 +401,7 @@ def test_lazy_variants_are_committed():
     committed = [s for s in FP8_DEFAULTS + FP8_ALTERNATIVES if s.lazy_rescale]
     assert {(s.head_dim, s.tile_n, s.causal) for s in committed} == {
         (128, 128, False), (128, 128, True), (128, 96, False), (128, 96, True),
-        (256, 64, False), (256, 64, True), (256, 96, False), (256, 96, True),
+        (256, 64, False), (256, 64, True), (256, 96, False), (256, 96, True), (256, 128, False), (256, 128, True),
     }  # fmt: skip
     # (a persistent variant's twin: its one-CTA-per-tile twin without the flag; sum_mma,
     # two_level and v_mean are committed with lazy_rescale only, so a twin has none of them)
