@@ -29,6 +29,7 @@ from cutefa.space import (
     why_invalid,
     why_no_kernel,
 )
+from cutefa.model.options import Choice
 from cutefa.spec import ARCHS, VariantSpec, parse_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -118,10 +119,18 @@ def _render_all(specs: Iterable[VariantSpec], out_dir: Path, templates_dir: Path
     }
 
 
+def _option_value(value: object) -> object:
+    return value.name.lower() if isinstance(value, Choice) else value
+
+
 def _entry(spec: VariantSpec, text: str) -> dict:
     return {
         "name": spec.name,
-        **dataclasses.asdict(spec),
+        **{key: getattr(spec, key) for key in ("arch", "direction", "dtype", "head_dim", "head_dim_v")},
+        **{key: getattr(spec, key) for key in ("tile_m", "tile_n", "stages", "warps")},
+        "mask": spec.mask.name.lower(),
+        "features": spec.features.tokens,
+        "options": {f.name: _option_value(getattr(spec.options, f.name)) for f in dataclasses.fields(spec.options)},
         "template": template_name(spec),
         "sha256": hashlib.sha256(text.encode()).hexdigest(),
     }

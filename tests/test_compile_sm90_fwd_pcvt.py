@@ -28,8 +28,8 @@ NAMES = (
     "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_erescale_pcvt",
     "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_ov_pp_pcvt",
     # on the longest-first 1-D grid (lpt_grid; the overlap schedule there spills without pair_cvt)
-    "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_pcvt_lpt",
-    "cutefa_sm90_fwd_fp16_hd256_128x80_s2_w12_causal_ov_pp_erescale_pcvt_lpt",
+    "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_lpt_pcvt",
+    "cutefa_sm90_fwd_fp16_hd256_128x80_s2_w12_causal_ov_pp_lpt_erescale_pcvt",
     *LONG_HD128,
 )
 SPECS = [parse_name(n) for n in NAMES]
