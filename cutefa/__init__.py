@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from cutefa.api import explain, flash_attn_func, fp8_block_sizes
     from cutefa.fp8 import center_v, quantize_fp8
-    from cutefa.ops import explain, flash_attn_func, fp8_block_sizes
 
 __all__ = ["__version__", "center_v", "explain", "flash_attn_func", "fp8_block_sizes", "quantize_fp8"]
 
@@ -29,14 +29,14 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import sys
 
-        if "cutefa.ops" not in sys.modules:
+        if "cutefa.api" not in sys.modules:
             from cutefa import profile
 
-            with profile.phase("import cutefa.ops"):
-                from cutefa import ops
-        from cutefa import ops
+            with profile.phase("import cutefa.api"):
+                from cutefa import api
+        from cutefa import api
 
-        value = getattr(ops, name)
+        value = getattr(api, name)
         globals()[name] = value  # later look-ups (one per call of cutefa.flash_attn_func) skip this
         return value
     raise AttributeError(f"module 'cutefa' has no attribute {name!r}")

@@ -2,11 +2,11 @@
 
 For a compile target, every kernel family that runs there is tried, newest first. Within a family
 a tuned table measured on a real GPU (``cutefa/tuned/<arch>_<gpu>.json``, schema in
-``cutefa/tuned/README.md``) is consulted first, then the heuristic default tiles
-(:data:`cutefa.space.DEFAULT_TILES`, or a dtype's own, :data:`cutefa.space.DEFAULT_DTYPE_TILES`). Each candidate must pass :func:`cutefa.space.why_invalid`
-and fit the target's GPUs (:func:`cutefa.space.why_not_on`: its family runs there, its shared memory
-fits their per-block limit);
-rejected candidates keep their reason so :func:`explain_problem` can say why they lost.
+``cutefa/tuned/README.md``) is consulted first, then the family's default kernel
+(:func:`cutefa.model.defaults.default_config`). Each candidate must pass
+:func:`cutefa.model.rules.why_invalid` and fit the target's GPUs (:func:`cutefa.model.rules.why_not_on`:
+its family runs there, its shared memory fits their per-block limit); rejected candidates keep
+their reason so :func:`explain_problem` can say why they lost.
 """
 
 from __future__ import annotations
@@ -16,21 +16,15 @@ import logging
 import os
 import re
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cutefa.space import (
-    DEFAULT_TILES,
-    default_extras,
-    default_tile,
-    fitting_variant,
-    why_invalid,
-    why_no_kernel,
-    why_not_on,
-)
-from cutefa.spec import (
+from cutefa.model.defaults import default_spec
+from cutefa.model.rules import fitting_variant, why_invalid, why_no_kernel, why_not_on
+from cutefa.model.spec import (
     ARCHS,
     DIRECTIONS,
     TARGETS,
@@ -161,10 +155,11 @@ def device_target(device: Any = None) -> tuple[str, str]:
     index = torch.device(device).index if isinstance(device, (str, torch.device)) else device
     if index is None:
         index = torch.cuda.current_device()
-    if index not in _DEVICES:
+    found = _DEVICES.get(index)  # (a clear_caches from another thread may empty the memo at any time)
+    if found is None:
         major, minor = torch.cuda.get_device_capability(index)
-        _DEVICES[index] = (target_for_capability(major, minor), torch.cuda.get_device_name(index))
-    return _DEVICES[index]
+        found = _DEVICES[index] = (target_for_capability(major, minor), torch.cuda.get_device_name(index))
+    return found
 
 
 def current_target(device: Any = None) -> str:
@@ -172,19 +167,17 @@ def current_target(device: Any = None) -> str:
     return device_target(device)[0]
 
 
-def _target_cc(target: str) -> int:
-    m = re.fullmatch(r"sm_(\d+)[a-z]?", target)
-    if not m:
-        raise ValueError(f"target={target!r} is not a compile target like 'sm_90a'; known: {TARGETS}")
-    return int(m[1])
-
-
 def check_target(target: str, gpu_name: str | None = None) -> None:
-    """Raise ``NotImplementedError`` naming the GPU and what is supported when cutefa has no kernel there."""
+    """Raise ``NotImplementedError`` naming the GPU and what is supported when cutefa has no kernel
+    there (``target`` is what :func:`cutefa.model.spec.target_for_capability` names any GPU: 'sm_<cc>'
+    where cutefa has no build), ``ValueError`` when ``target`` is no compile target at all."""
     if target in TARGETS:
         return
     where = f"{gpu_name} ({target})" if gpu_name else target
-    if _target_cc(target) < MIN_CC:
+    cc = re.fullmatch(r"sm_(\d+)[a-z]?", target)
+    if cc is None:
+        raise ValueError(f"target={target!r} is not a compile target like 'sm_90a'; known: {TARGETS}")
+    if int(cc[1]) < MIN_CC:
         need = f"cutefa needs compute capability {MIN_CC // 10}.{MIN_CC % 10}+"
     else:
         need = "cutefa has no build for it"
@@ -196,6 +189,9 @@ def check_target(target: str, gpu_name: str | None = None) -> None:
 
 
 _TABLES: list[TunedTable] | None = None
+# Held while the tables are read, while a choice is memoized and while both are forgotten.
+_LOCK = threading.Lock()
+_CLEARS = 0  # how many times clear_caches ran: a choice made across a clear is not memoized
 
 
 def _parse_entry(raw: dict[str, Any]) -> TunedEntry:
@@ -224,17 +220,25 @@ def tuned_tables() -> list[TunedTable]:
     """Every readable table in ``$CUTEFA_TUNED_DIR`` (searched first, for freshly measured tables)
     and :data:`TUNED_DIR`; malformed ones are skipped with a warning."""
     global _TABLES
-    if _TABLES is None:
-        tables = []
-        extra = os.environ.get("CUTEFA_TUNED_DIR")
-        dirs = ([Path(extra)] if extra else []) + [TUNED_DIR]
-        for path in [p for d in dirs for p in sorted(d.glob("*.json"))]:
-            try:
-                tables.append(load_table(path))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("cutefa: ignoring tuned table %s: %s: %s", path.name, type(exc).__name__, exc)
-        _TABLES = tables
-    return _TABLES
+    tables = _TABLES
+    if tables is None:
+        with _LOCK:
+            tables = _TABLES  # another thread may have read them meanwhile
+            if tables is None:
+                tables = _TABLES = _read_tables()
+    return tables
+
+
+def _read_tables() -> list[TunedTable]:
+    tables = []
+    extra = os.environ.get("CUTEFA_TUNED_DIR")
+    dirs = ([Path(extra)] if extra else []) + [TUNED_DIR]
+    for path in [p for d in dirs for p in sorted(d.glob("*.json"))]:
+        try:
+            tables.append(load_table(path))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("cutefa: ignoring tuned table %s: %s: %s", path.name, type(exc).__name__, exc)
+    return tables
 
 
 def _tables_for(family: str, problem: Problem, direction: str = "fwd") -> list[TunedTable]:
@@ -251,14 +255,18 @@ def _tables_for(family: str, problem: Problem, direction: str = "fwd") -> list[T
 
 def clear_caches() -> None:
     """Forget memoized choices, device facts and loaded tables (after editing :data:`TUNED_DIR`),
-    and the call plans built on those choices."""
-    global _TABLES
-    _TABLES = None
-    _CHOICES.clear()
+    and the call plans built on those choices. Safe while other threads dispatch: a reading of the
+    tables under way finishes before they are forgotten, and a choice made before the clear is
+    not memoized after it."""
+    global _TABLES, _CLEARS
+    with _LOCK:
+        _TABLES = None
+        _CLEARS += 1
+        _CHOICES.clear()
     _DEVICES.clear()
-    ops = sys.modules.get("cutefa.ops")  # loaded only once torch is: no import here
-    if ops is not None:
-        ops.clear_plans()
+    plans = sys.modules.get("cutefa.api.plans")  # loaded only once torch is: no import here
+    if plans is not None:
+        plans.clear_plans()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,16 +324,13 @@ def tuned_backward(
 
 
 def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpec | None, str]:
-    tile = default_tile(family, problem.head_dim, problem.dtype)
-    if tile is None:
-        return family, None, f"no tuned entry and no default tile for {family} head_dim={problem.head_dim}"
-    extras = default_extras(family, "fwd", problem.head_dim, problem.dtype)
-    spec = VariantSpec(family, "fwd", problem.dtype, problem.head_dim, *tile, causal=problem.causal, **extras)
-    table = "DEFAULT_TILES" if tile == DEFAULT_TILES.get(family, {}).get(problem.head_dim) else "DEFAULT_DTYPE_TILES"
-    where = f"[{family!r}]" if table == "DEFAULT_TILES" else f"[({family!r}, {problem.dtype!r})]"
+    spec = default_spec(family, "fwd", problem.dtype, problem.head_dim, causal=problem.causal)
+    if spec is None:
+        why = f"no tuned entry and no default {problem.dtype} kernel for {family} head_dim={problem.head_dim}"
+        return family, None, why
     rule = (
-        f"heuristic: {table}{where}[{problem.head_dim}] = {spec.tile_m}x{spec.tile_n} tile, "
-        f"{spec.stages} stage(s), {spec.warps} warps"
+        f"heuristic: default_config({family!r}, 'fwd', {problem.dtype!r}, {problem.head_dim}) = "
+        f"{spec.tile_m}x{spec.tile_n} tile, {spec.stages} stage(s), {spec.warps} warps"
     )
     fitting = fitting_variant(spec, problem.target)
     if fitting is not None and fitting != spec:
@@ -394,13 +399,16 @@ def choose(
     key = (target, gpu_name, dtype, head_dim, causal, seqlen_bucket(seqlen_k), v_centered)
     choice = _CHOICES.get(key)
     if choice is None:
+        since = _CLEARS
         p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
                     gpu_name, v_centered)  # fmt: skip
         choice, rejected = _search(p)
         if choice is None:
             lost = "; ".join(f"{label}: {why}" for label, why in rejected)
             raise NotImplementedError(f"no cutefa kernel for {p.describe()}: {lost}")
-        _CHOICES[key] = choice
+        with _LOCK:
+            if since == _CLEARS:
+                _CHOICES[key] = choice
     return choice
 
 

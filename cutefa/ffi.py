@@ -11,6 +11,9 @@ included), sets the environment stream to torch's current stream for the call, a
 the kernel raised into the matching Python exception (``ValueError``, ``TypeError``, ...) with the
 kernel's message.
 
+:func:`load_library` loads a kernel file after the DSL runtime library it was linked against;
+:class:`WithSmCount` calls a persistent kernel, whose entry also takes the GPU's SM count.
+
 :meth:`Function.bind` goes further for one call signature that repeats: the buffer is laid out
 once (shapes, strides, dtypes, device and scalars fixed) and each call only writes the data
 pointers. Calls keep the GIL (``ctypes.PyDLL``): they take microseconds, and releasing and
@@ -31,11 +34,17 @@ from __future__ import annotations
 import builtins
 import ctypes
 import importlib.util
+import logging
 import struct
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from cutefa import profile
+from cutefa.identity import DSL_DIST
+
+log = logging.getLogger("cutefa")
 
 # TVMFFIAny type indices
 _K_NONE, _K_INT, _K_BOOL, _K_FLOAT, _K_DLTENSOR_PTR = 0, 1, 2, 3, 7
@@ -46,6 +55,7 @@ _ANY_SIZE, _DLTENSOR_SIZE, _OBJECT_HEADER = 16, 48, 24
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _LIBRARIES: dict[Path, ctypes.CDLL] = {}
+_DSL_RUNTIMES: dict[Path, ctypes.CDLL] = {}
 
 
 def _dtype_codes() -> dict[Any, tuple[int, int]]:
@@ -82,7 +92,9 @@ def tvm_ffi_library_path() -> Path:
         path = Path(base) / "lib" / "libtvm_ffi.so"
         if path.is_file():
             return path
-    raise RuntimeError(f"apache-tvm-ffi has no lib/libtvm_ffi.so under {list(spec.submodule_search_locations)}")
+    raise RuntimeError(
+        f"apache-tvm-ffi has no lib/libtvm_ffi.so under {list(spec.submodule_search_locations)}"
+    )
 
 
 def runtime() -> ctypes.CDLL:
@@ -95,7 +107,12 @@ def runtime() -> ctypes.CDLL:
                 lib = ctypes.PyDLL(str(tvm_ffi_library_path()), mode=ctypes.RTLD_GLOBAL)
                 lib.TVMFFIEnvGetStream.restype = ctypes.c_void_p  # (int32 device type, int32 id): no argtypes
                 lib.TVMFFIEnvSetStream.restype = ctypes.c_int
-                lib.TVMFFIEnvSetStream.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+                lib.TVMFFIEnvSetStream.argtypes = [
+                    ctypes.c_int32,
+                    ctypes.c_int32,
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
+                ]
                 lib.TVMFFIErrorMoveFromRaised.restype = None
                 lib.TVMFFIErrorMoveFromRaised.argtypes = [ctypes.c_void_p]
                 lib.TVMFFIObjectDecRef.restype = ctypes.c_int
@@ -120,6 +137,75 @@ def load(path: Path | str, function_name: str) -> Function:
     # ctypes converts to (NULL, its address, int32, its address) without a conversion table.
     symbol.restype = ctypes.c_int
     return Function(symbol, function_name, rt)
+
+
+def runtime_library(flavour: str) -> Path:
+    """``libcute_dsl_runtime.so`` of the installed DSL wheel for ``flavour`` (e.g. 'cu12')."""
+    import nvidia_cutlass_dsl
+
+    for base in nvidia_cutlass_dsl.__path__:
+        path = Path(base) / flavour / "lib" / "libcute_dsl_runtime.so"
+        if path.is_file():
+            return path
+    raise RuntimeError(f"the installed {DSL_DIST} has no {flavour}/lib/libcute_dsl_runtime.so")
+
+
+def _runtime_for(flavour: str) -> Path:
+    """The DSL runtime to load for a kernel linked against ``flavour``; another flavour of the same
+    DSL version when that one is not installed (a kernel names the runtime by soname only, and the
+    flavours export one ABI: a cu12-linked kernel was seen running on a cu13 runtime)."""
+    try:
+        return runtime_library(flavour)
+    except RuntimeError:
+        import nvidia_cutlass_dsl
+
+        for base in nvidia_cutlass_dsl.__path__:
+            for path in sorted(Path(base).glob("*/lib/libcute_dsl_runtime.so")):
+                log.debug("cutefa: no %s DSL runtime installed; using %s", flavour, path)
+                return path
+        raise
+
+
+def load_library(so_path: Path, function_name: str, runtime: str) -> Function:
+    """Load a linked kernel ``.so`` after the DSL runtime library it was linked against (flavour
+    ``runtime``, e.g. 'cu12') and return its function (the ``tvm_ffi`` package is not imported)."""
+    with profile.phase("DSL runtime library (find, dlopen)"):
+        lib = _runtime_for(runtime)
+        with _LOCK:
+            if lib not in _DSL_RUNTIMES:
+                _DSL_RUNTIMES[lib] = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    with profile.phase("kernel library (dlopen libtvm_ffi and the kernel)"):
+        return load(so_path, function_name)
+
+
+class WithSmCount:
+    """``fn(q, k, v, o, lse, softmax_scale)`` (the fp8 forward: with its three descales before the
+    scale) for a persistent kernel, whose compiled entry also takes the number of CTAs to launch:
+    the SM count of q's GPU (looked up once per device), appended as the last argument."""
+
+    __slots__ = ("_counts", "fn")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._counts: dict[int, int] = {}
+
+    def sms(self, device: int) -> int:
+        sms = self._counts.get(device)
+        if sms is None:
+            import torch
+
+            # Tensors not on a GPU (device -1) get 1: the kernel's own checks then refuse them.
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
+            self._counts[device] = sms
+        return sms
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args, self.sms(args[0].get_device()))
+
+    def bind(self, args: Sequence[Any], tensor_slots: Sequence[int]) -> Any:
+        """:meth:`Function.bind` of the kernel with the SM count appended (AttributeError when the
+        kernel has none: a DSL object kept in memory, not loaded from a file)."""
+        return self.fn.bind([*args, self.sms(args[0].get_device())], tensor_slots)
 
 
 def _raise_error(rt: ctypes.CDLL, name: str) -> None:
@@ -271,7 +357,17 @@ class Function:
                     raise TypeError(f"{self.name}: argument {i}: tensors on {a.device} are not supported")
                 anys += (_K_DLTENSOR_PTR, 0, base + at)
                 shape_at = base + at + _DLTENSOR_SIZE
-                tensors += (a.data_ptr(), device_type, device, kind, *code_bits, 1, shape_at, shape_at + 8 * kind, 0)
+                tensors += (
+                    a.data_ptr(),
+                    device_type,
+                    device,
+                    kind,
+                    *code_bits,
+                    1,
+                    shape_at,
+                    shape_at + 8 * kind,
+                    0,
+                )
                 tensors += a.shape
                 tensors += a.stride()
             elif kind == "f":
@@ -345,6 +441,8 @@ class _Result(threading.local):
 
 
 _RESULT = _Result()
+
+
 def _current_stream(device: int) -> int:
     """torch's current CUDA stream on ``device`` as an integer handle (0: the default stream).
     Replaces itself with torch's own C function on first use (one call less per launch)."""

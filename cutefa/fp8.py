@@ -27,6 +27,9 @@ import functools
 import torch
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+)
 GRANULARITIES = ("tensor", "head", "block")
 
 
@@ -75,7 +78,7 @@ def quantize_fp8(
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}")
-    if not x.is_floating_point() or x.dtype in _FP8:
+    if not x.is_floating_point() or x.dtype in FP8_DTYPES:
         raise TypeError(f"x must be a float16, bfloat16 or float32 tensor; got dtype {x.dtype}")
     if x.dim() != 4:
         raise ValueError(f"x must be 4-D (batch, seqlen, heads, head_dim); got shape {tuple(x.shape)}")
@@ -130,10 +133,10 @@ def center_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     accumulate P V with fewer mantissa bits than fp32, and an output summed over many keys comes
     out low by about (keys x 2^-16) of the part V's column means carry (13% at 16k keys on
     V = 1 + noise); with the mean taken out, what they sum is centered and the output keeps the
-    e4m3 rounding's own error (0.17% there; docs/perf-notes.md)."""
+    e4m3 rounding's own error (0.17% there; docs/log/perf-notes.md)."""
     if not isinstance(v, torch.Tensor):
         raise TypeError(f"v must be a torch.Tensor; got {type(v).__name__}")
-    if not v.is_floating_point() or v.dtype in _FP8:
+    if not v.is_floating_point() or v.dtype in FP8_DTYPES:
         raise TypeError(f"v must be a float16, bfloat16 or float32 tensor (before quantization); got dtype {v.dtype}")
     if v.dim() != 4 or v.shape[1] == 0:
         raise ValueError(f"v must be 4-D (batch, seqlen, heads, head_dim) with seqlen >= 1; got shape {tuple(v.shape)}")
@@ -183,11 +186,6 @@ def expand_descale(
             f"descale has {d.shape[2]} blocks; seqlen={seqlen} in blocks of {block} rows needs {-(-seqlen // block)}"
         )
     return d.repeat_interleave(block, 2)[:, :, :seqlen].transpose(1, 2)[..., None]
-
-
-_FP8 = tuple(
-    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
-)
 
 
 def dequantize_fp8(x: torch.Tensor, descale: torch.Tensor, block: int | None = None) -> torch.Tensor:

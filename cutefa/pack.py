@@ -28,7 +28,9 @@ A pack is a directory of linked TVM-FFI kernels plus a manifest::
       }
     }
 
-``cutefa compile --target T --pack DIR`` writes or extends one (:func:`build_pack`). At run time
+``cutefa compile --target T --pack DIR`` writes or extends one (:func:`cutefa.compile.build_pack`,
+through a :class:`PackWriter`: each kernel enters the pack, file first and then the manifest, as
+soon as it is built, so an interrupted build leaves a usable pack). At run time
 :func:`find_kernel` looks through each directory of ``CUTEFA_KERNEL_PATH`` (``os.pathsep``-
 separated; a directory is a pack or holds packs one level down), then ``<cache dir>/packs``. A
 pack that has the kernel is refused, with the reason, when it is built for another target, with
@@ -36,8 +38,8 @@ another DSL version, calling convention or manifest format, when the kernel file
 from the manifest (tampered or truncated), or when the kernel's fingerprint differs from the one
 this cutefa computes for it (a stale pack, built from other kernel sources).
 
-Nothing here imports the DSL: reading, checking and loading a pack needs only ``tvm_ffi`` and the
-DSL's runtime library.
+Nothing here imports the DSL or the compiler: reading, checking and loading a pack needs only
+``libtvm_ffi.so`` and the DSL's runtime library.
 """
 
 from __future__ import annotations
@@ -49,14 +51,11 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cutefa import compile as cc
-from cutefa import profile
-from cutefa.spec import VariantSpec
+from cutefa import identity, profile
 
 FORMAT = "cutefa-pack/1"
 MANIFEST = "manifest.json"
@@ -179,11 +178,11 @@ def why_refused(pack: Pack, target: str) -> str | None:
         return f"manifest format {pack.format!r}; this cutefa reads {FORMAT!r}"
     if pack.target != target:
         return f"built for target {pack.target}, but this GPU needs {target}"
-    installed = cc.dsl_version()
+    installed = identity.dsl_version()
     if pack.dsl_version != installed:
         return f"built with nvidia-cutlass-dsl {pack.dsl_version}, but {installed} is installed"
-    if pack.abi != cc.ABI:
-        return f"kernel calling convention {pack.abi!r}; this cutefa calls {cc.ABI!r}"
+    if pack.abi != identity.ABI:
+        return f"kernel calling convention {pack.abi!r}; this cutefa calls {identity.ABI!r}"
     return None
 
 
@@ -213,12 +212,12 @@ def verify_kernel(pack: Pack, record: KernelRecord, fingerprint: str | None) -> 
 def search_dirs() -> list[Path]:
     """The directories searched for packs: ``CUTEFA_KERNEL_PATH``'s, then ``<cache dir>/packs``."""
     entries = [Path(p).expanduser() for p in os.environ.get(PATH_ENV, "").split(os.pathsep) if p.strip()]
-    return [*entries, cc.cache_dir() / "packs"]
+    return [*entries, identity.cache_dir() / "packs"]
 
 
 def default_pack_dir(target: str) -> Path:
     """The pack that is searched without any setting: ``<cache dir>/packs/<target>``."""
-    return cc.cache_dir() / "packs" / target
+    return identity.cache_dir() / "packs" / target
 
 
 def pack_dirs(directory: Path) -> list[Path]:
@@ -285,7 +284,7 @@ def find_kernel(name: str, target: str, fingerprint: str | None) -> tuple[Found 
 
 def _pack_for_update(pack_dir: Path, target: str) -> Pack:
     """The pack at ``pack_dir`` to add kernels to (an empty one if there is none yet)."""
-    fresh = Pack(pack_dir, FORMAT, target, cc.dsl_version(), cc.ABI, _cutefa_version(), {})
+    fresh = Pack(pack_dir, FORMAT, target, identity.dsl_version(), identity.ABI, _cutefa_version(), {})
     if not (pack_dir / MANIFEST).exists():
         if pack_dir.exists() and not pack_dir.is_dir():
             raise PackError(f"{pack_dir} exists and is not a directory")
@@ -326,56 +325,63 @@ def _copy_into(src: Path, dest: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def build_pack(
-    specs: Sequence[VariantSpec],
-    *,
-    target: str,
-    pack_dir: Path | str,
-    jobs: int = 1,
-    progress: bool = True,
-    force: bool = False,
-) -> list[cc.CompileResult]:
-    """Compile ``specs`` for ``target`` (in ``jobs`` processes, through the cache) and write them into
-    the pack at ``pack_dir``, adding to the kernels already there.
+class PackWriter:
+    """Adds kernels to the pack at ``pack_dir`` for ``target``, one at a time.
 
-    A variant that fails to compile is reported in its result and does not stop the others; a
-    successful result's ``path`` is the kernel file inside the pack. Raises :class:`PackError`
-    before compiling anything when ``pack_dir`` holds a pack for another target or DSL version.
+    Creating one refuses (:class:`PackError`) a directory that holds a pack for another target,
+    DSL version, calling convention or format. Each :meth:`add` copies the kernel file in and then
+    rewrites the manifest (atomically, under the pack's lock, re-read first so that concurrent
+    writers keep each other's kernels): at every moment the pack is usable and lists exactly the
+    kernels whose files are complete.
     """
-    pack_dir = Path(pack_dir)
-    _pack_for_update(pack_dir, target)  # refuse a conflicting directory before compiling
-    results = cc.compile_variants(specs, target=target, jobs=jobs, progress=progress, force=force)
-    pack_dir.mkdir(parents=True, exist_ok=True)
-    out: list[cc.CompileResult] = []
-    with cc._locked(pack_dir / ".lock"):
-        pack = _pack_for_update(pack_dir, target)
-        kernels = dict(pack.kernels)
-        for result in results:
-            if not result.ok:
-                out.append(result)
-                continue
-            entry = cc._entry(result.spec, target)
-            meta = entry.read_meta()
-            if result.path is None or meta is None:
-                error = "compiled, but no linked kernel.so was produced (is gcc installed?)"
-                out.append(dataclasses.replace(result, ok=False, error=error, path=None))
-                continue
-            name = result.spec.name
-            dest = pack_dir / f"{name}.so"
-            _copy_into(entry.so_path, dest)
-            kernels[name] = KernelRecord(
-                name=name,
-                family=result.spec.arch,
-                direction=result.spec.direction,
-                file=dest.name,
-                sha256=sha256_file(dest),
-                fingerprint=entry.fingerprint,
-                function_name=meta["function_name"],
-                runtime=meta["runtime"],
-                compile_seconds=meta.get("compile_seconds"),
-            )
-            out.append(dataclasses.replace(result, path=dest))
-        if kernels != pack.kernels or (kernels and not (pack_dir / MANIFEST).exists()):
-            updated = dataclasses.replace(pack, kernels=kernels)
-            cc._atomic_write(pack_dir / MANIFEST, json.dumps(updated.to_json(), indent=2) + "\n")
-    return out
+
+    def __init__(self, pack_dir: Path | str, target: str) -> None:
+        self.path = Path(pack_dir)
+        self.target = target
+        _pack_for_update(self.path, target)
+
+    def holds(self, name: str, fingerprint: str) -> Path | None:
+        """The kernel file of ``name`` when the pack holds it built from the sources of
+        ``fingerprint``, with the checksum the manifest gives; else None."""
+        if not (self.path / MANIFEST).is_file():
+            return None
+        existing = read_pack(self.path)
+        record = existing.kernels.get(name)
+        if record is None or verify_kernel(existing, record, fingerprint) is not None:
+            return None
+        return self.path / record.file
+
+    def add(
+        self,
+        name: str,
+        family: str,
+        direction: str,
+        so_path: Path,
+        *,
+        fingerprint: str,
+        function_name: str,
+        runtime: str,
+        compile_seconds: float | None = None,
+    ) -> Path:
+        """Copy the linked kernel ``so_path`` into the pack as ``<name>.so`` and list it in the
+        manifest; returns the file inside the pack."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        with identity.locked(self.path / ".lock"):
+            pack = _pack_for_update(self.path, self.target)
+            dest = self.path / f"{name}.so"
+            _copy_into(so_path, dest)
+            record = KernelRecord(
+                name=name, family=family, direction=direction, file=dest.name, sha256=sha256_file(dest),
+                fingerprint=fingerprint, function_name=function_name, runtime=runtime,
+                compile_seconds=compile_seconds,
+            )  # fmt: skip
+            updated = dataclasses.replace(pack, kernels={**pack.kernels, name: record})
+            identity.atomic_write(self.path / MANIFEST, json.dumps(updated.to_json(), indent=2) + "\n")
+        return dest
+
+
+def size_on_disk(pack_dir: Path | str) -> int:
+    """Bytes of the pack's manifest and the kernel files it lists."""
+    pack = read_pack(pack_dir)
+    files = [pack.path / MANIFEST, *(pack.path / record.file for record in pack.kernels.values())]
+    return sum(path.stat().st_size for path in files if path.is_file())

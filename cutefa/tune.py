@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cutefa import space
-from cutefa.spec import VariantSpec
+from cutefa.model.committed import default_variants
+from cutefa.model.options import OAccum, Quant
+from cutefa.model.rules import why_not_on
+from cutefa.model.spec import VariantSpec
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -96,13 +98,15 @@ def measure(
     time the median of ``rounds`` samples taken in turns with the other specs."""
     import torch
 
+    from cutefa.api.fp8 import takes_v_mean
+    from cutefa.api.validate import default_scale
     from cutefa.compile import get_kernel
 
     timer = _timer()
     spec0 = specs[0]
     fp8 = spec0.dtype == "e4m3"
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.bfloat16}[spec0.dtype]
-    scale = 1.0 / math.sqrt(spec0.head_dim)
+    scale = default_scale(None, spec0.head_dim)
     heads = max(1, HIDDEN // spec0.head_dim)
     out: list[Measurement] = []
     for seqlen in seqlens:
@@ -118,7 +122,7 @@ def measure(
             o = torch.full_like(q, math.nan)
             lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
             # a v_mean variant also takes v's column means: zeros here (the inputs are not centered)
-            means = (torch.zeros(batch, heads, spec.head_dim, device="cuda"),) if spec.v_mean else ()
+            means = (torch.zeros(batch, heads, spec.head_dim, device="cuda"),) if takes_v_mean(spec) else ()
             run = functools.partial(kernel, *inputs, o, lse, *descales, *means, scale)
             run()
             candidates.append((spec, run, ((o.float() - expect).norm() / expect.norm()).item()))
@@ -178,12 +182,14 @@ def measure_backward(
     import torch
     import torch.nn.functional as F
 
-    from cutefa import backward, ops
+    from cutefa.api import backward
+    from cutefa.api.attention import flash_attn_func
+    from cutefa.api.validate import default_scale
 
     timer = _timer()
     spec0 = specs[0]
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec0.dtype]
-    scale = 1.0 / math.sqrt(spec0.head_dim)
+    scale = default_scale(None, spec0.head_dim)
     heads = max(1, HIDDEN // spec0.head_dim)
     out_list: list[Measurement] = []
     for seqlen in seqlens:
@@ -196,7 +202,7 @@ def measure_backward(
         ref_out.backward(dout.float().transpose(1, 2))
         expect = [x.grad.transpose(1, 2) for x in ref_in]
         del ref_in, ref_out
-        out, lse = ops.flash_attn_func(q, k, v, causal=spec0.causal, return_lse=True)
+        out, lse = flash_attn_func(q, k, v, causal=spec0.causal, return_lse=True)
         flops = 2.5 * 4 * batch * heads * seqlen * seqlen * spec0.head_dim / (2 if spec0.causal else 1)
         candidates = []
         for spec in specs:
@@ -219,27 +225,27 @@ def table_entries(measurements: list[Measurement]) -> list[dict[str, Any]]:
 
     e4m3: entries marked ``v_centered`` (for calls whose v was centered before quantization,
     flash_attn_func(v_mean=)) take the winners among the variants that add v's column means in
-    their epilogue (``v_mean``), where a head dim and mask have such variants; the plain entries
-    never name those, and where a head dim and mask have variants that accumulate O in two levels
-    (``two_level``) they take the winners among these only (the others lose a share of O that
-    grows with the key count where V's columns carry a mean: 13% at 16k keys;
-    cutefa/kernels/sm90/fp8.py, PROMOTE_BLOCKS).
+    their epilogue (option ``v_mean``), where a head dim and mask have such variants; the plain
+    entries never name those, and where a head dim and mask have variants that accumulate O in two
+    levels (``OAccum.TWO_LEVEL``) they take the winners among these only (the others lose a share
+    of O that grows with the key count where V's columns carry a mean: 13% at 16k keys;
+    cutefa/kernels/sm90/fp8_two_level.py, PROMOTE_BLOCKS).
     """
-    from cutefa.spec import parse_name
+    from cutefa.model.spec import parse_name
 
-    flags = {m.variant: parse_name(m.variant) for m in measurements if m.dtype == "e4m3"}
-    accurate = {(s.head_dim, s.causal) for s in flags.values() if s.two_level}
+    specs = {m.variant: parse_name(m.variant) for m in measurements if m.dtype == "e4m3"}
+    accurate = {(s.head_dim, s.causal) for s in specs.values() if _two_level(s)}
     groups: dict[tuple[str, int, bool, bool], dict[int, Measurement]] = {}
     for m in measurements:
         if m.tflops is None:
             continue
-        spec = flags.get(m.variant)
+        spec = specs.get(m.variant)
         if spec is None:
             kinds = [False]
-        elif spec.v_mean:
+        elif getattr(spec.options, "v_mean", False):  # the variant takes the means
             kinds = [True]
         else:
-            kinds = [] if (m.head_dim, m.causal) in accurate and not spec.two_level else [False]
+            kinds = [] if (m.head_dim, m.causal) in accurate and not _two_level(spec) else [False]
         for centered in kinds:
             best = groups.setdefault((m.dtype, m.head_dim, m.causal, centered), {})
             if m.seqlen not in best or m.tflops > best[m.seqlen].tflops:
@@ -258,6 +264,11 @@ def table_entries(measurements: list[Measurement]) -> list[dict[str, Any]]:
             fields = {"dtype": dtype, "head_dim": head_dim, "causal": causal, "max_seqlen_k": bound, "variant": variant}
             entries.append({**fields, "v_centered": True} if centered else fields)
     return entries
+
+
+def _two_level(spec: VariantSpec) -> bool:
+    """Whether ``spec`` accumulates O in two levels (an e4m3 option)."""
+    return getattr(spec.options, "o_accum", None) is OAccum.TWO_LEVEL
 
 
 def _git_commit() -> str:
@@ -279,11 +290,14 @@ def tuning_candidates(
 ) -> list[VariantSpec]:
     """The committed variants :func:`tune` times for ``target``: ``arch``'s default variants of
     ``direction`` in ``dtypes`` (and ``head_dims``, None: all) that run there, without the
-    block-quantization ones (ops derives those from the pick). Which of the e4m3 ones a table
-    entry may name: :func:`table_entries`."""
-    specs = [s for s in space.default_variants(arch, direction) if s.dtype in dtypes and not s.block_quant]
+    block-quantization ones (the API derives those from the pick: :mod:`cutefa.api.descales`).
+    Which of the e4m3 ones a table entry may name: :func:`table_entries`."""
+    specs = [
+        s for s in default_variants(arch, direction)
+        if s.dtype in dtypes and getattr(s.options, "quant", Quant.TENSOR) is Quant.TENSOR
+    ]  # fmt: skip
     specs = [s for s in specs if head_dims is None or s.head_dim in head_dims]
-    return [s for s in specs if space.why_not_on(s, target) is None]
+    return [s for s in specs if why_not_on(s, target) is None]
 
 
 def tune(

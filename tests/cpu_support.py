@@ -1,16 +1,21 @@
 """What the CPU test files share: seeded random inputs, a plain attention reference, tracing a
 flash_attn_func call under torch.compile on fake CUDA tensors, loading a script of tools/ as a
-module, reading the branches and loops of a kernel's SASS, the sm90 backward's stmatrix / TMA-store
-checks, and an H200 pretended for the call plans on CPU tensors."""
+module, the compile tests' sample of variants, reading the branches and loops of a kernel's SASS,
+the sm90 backward's stmatrix / TMA-store checks, and an H200 pretended for the call plans on CPU
+tensors."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
+import os
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
 import torch
 
 import cutefa
@@ -69,6 +74,67 @@ def load_tool(name: str):
         sys.modules[key] = module
         spec.loader.exec_module(module)
     return sys.modules[key]
+
+
+# The compile tests (marker ``compile``) check a fixed sample of the variants they name by default and
+# every one with CUTEFA_FULL_COMPILE_TESTS=1 (pyproject.toml's markers, .ci/run).
+FULL_COMPILE_TESTS = os.environ.get("CUTEFA_FULL_COMPILE_TESTS", "") not in ("", "0")
+
+
+def variant_traits(spec) -> set[tuple[str, object]]:
+    """What a compiled variant stands for in a sample: its template, dtype, mask, head dim, tile and
+    the value of each field of its option record."""
+    from cutefa import codegen
+
+    traits = {
+        ("template", codegen.template_name(spec)), ("dtype", spec.dtype), ("mask", spec.mask),
+        ("head_dim", spec.head_dim), ("tile", (spec.tile_m, spec.tile_n, spec.stages, spec.warps)),
+    }  # fmt: skip
+    return traits | {(f.name, getattr(spec.options, f.name)) for f in dataclasses.fields(spec.options)}
+
+
+def compile_sample(specs: Iterable, *, keep: Iterable = ()) -> list:
+    """The variants of ``specs`` a compile test compiles: all of them with CUTEFA_FULL_COMPILE_TESTS=1;
+    otherwise ``keep`` (those of them in ``specs``) and, picked greedily in the order given, as few
+    more as make every template, dtype, mask, head dim, tile and option value of ``specs`` appear
+    at least once (:func:`variant_traits`). The same specs give the same sample; order is kept."""
+    specs = list(dict.fromkeys(specs))
+    if FULL_COMPILE_TESTS:
+        return specs
+    traits = {s: variant_traits(s) for s in specs}
+    chosen = [s for s in dict.fromkeys(keep) if s in traits]
+    needed = set().union(*traits.values()) - set().union(*(traits[s] for s in chosen))
+    while needed:
+        best = max(specs, key=lambda s: len(traits[s] & needed))
+        chosen.append(best)
+        needed -= traits[best]
+    return [s for s in specs if s in chosen]
+
+
+def assert_not_an_option(arch: str, direction: str, dtype: str, **option: object) -> None:
+    """The option record of the (arch, direction, dtype) family has no field ``option`` names: the
+    record refuses it, and a spec of the family refuses another family's record."""
+    from cutefa.model.options import Options, options_class
+    from cutefa.spec import VariantSpec
+
+    ((name, value),) = option.items()
+    cls = options_class(arch, direction, dtype)
+    assert name not in {f.name for f in dataclasses.fields(cls)}, f"{cls.__name__} has {name}"
+    with pytest.raises(TypeError, match=name):
+        cls(**option)
+    owner = next(c for c in _option_records(Options) if name in {f.name for f in dataclasses.fields(c)})
+    with pytest.raises(TypeError, match=cls.__name__):
+        VariantSpec(arch, direction, dtype, 128, 128, 64, 2, 8, options=owner(**{name: value}))
+
+
+def _option_records(base: type) -> list[type]:
+    return [c for sub in base.__subclasses__() for c in (sub, *_option_records(sub))]
+
+
+def all_variants(arch: str, direction: str | None = None) -> list:
+    """The committed variants of ``arch`` (in ``direction``) and the measured alternatives beside
+    them (tools/alternatives.py: they are not in generated/ and render on demand), sorted."""
+    return load_tool("alternatives").all_variants(arch, direction)
 
 
 def skipped_fmuls(sass_text: str) -> list[int]:

@@ -14,14 +14,16 @@ import math
 
 import pytest
 import torch
-from cpu_support import reference
+from cpu_support import load_tool, reference
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
-from cutefa import backward, ops, space
+from cutefa.api import backward, dense, validate
 from cutefa.kernels.sm80 import tail
-from cutefa.space import DEFAULT_BWD_TILES
-from cutefa.spec import HEAD_DIMS
+from cutefa.model.defaults import DEFAULT_BWD_TILES
+from cutefa.model.options import DqLayout
+from cutefa.model.rules import why_not_on
+from cutefa.model.spec import HEAD_DIMS, VariantSpec
 
 LOG2_E = math.log2(math.e)
 
@@ -146,8 +148,8 @@ def on_cpu(monkeypatch):
         calls.append(args)
         emulate_kernel(*args)
 
-    monkeypatch.setattr(ops, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(ops, "_launch", launch)
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(dense, "_launch", launch)
     monkeypatch.setattr(backward, "_launch_bwd", launch_bwd)
     return calls
 
@@ -210,7 +212,7 @@ def test_stream_tail_matches_autograd(shape, slots):
     """The emulated kernel with the stream-K tail on a few slots (CTAs covering parts of key blocks
     and several key blocks of different heads and batches) against autograd of the reference."""
     batch, sq, sk, hq, hkv = shape
-    assert backward.tail_slots(space.VariantSpec("sm80", "bwd", "fp16", 64, 64, 128, 1, 8), False, batch, hq, sq, sk, slots)
+    assert backward.tail_slots(VariantSpec("sm80", "bwd", "fp16", 64, 64, 128, 1, 8), False, batch, hq, sq, sk, slots)
     q, k, v = qkv(batch, sq, sk, hq, hkv, 64, seed=slots)
     scale = 0.3
     with torch.no_grad():
@@ -265,7 +267,7 @@ def test_stream_tail_plan(units, m_blocks, slots):
 def test_stream_tail_slots():
     """When the host turns the tail on: sm80 non-causal backward, not deterministic, a grid that
     ends on a partial wave after at least one full one, and the region's step products in 32 bits."""
-    spec = space.VariantSpec("sm80", "bwd", "bf16", 64, 128, 128, 2, 8, dq_tile=True)
+    spec = VariantSpec("sm80", "bwd", "bf16", 64, 128, 128, 2, 8, dq_layout=DqLayout.TILE)
     # the bench grid at head dim 64: 2048 heads x dim / 64 = 32 heads, 16384 tokens: 4096 key blocks
     assert backward.tail_slots(spec, False, 2, 32, 8192, 8192, 132) == 132  # 4096 = 31 x 132 + 4
     assert backward.tail_slots(spec, True, 2, 32, 8192, 8192, 132) == 0  # deterministic
@@ -275,7 +277,7 @@ def test_stream_tail_slots():
     assert backward.tail_slots(spec, False, 1, 1, 8192, 8192, 0) == 0
     assert backward.tail_slots(spec, False, 1, 1, 1 << 20, 128 * 150, 100) == 100  # 150 key blocks: 50 + 100
     assert backward.tail_slots(spec, False, 1, 1, 1 << 26, 128 * 150, 100) == 0  # steps x slots past 32 bits
-    sm90 = space.VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12)
+    sm90 = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12)
     assert backward.tail_slots(sm90, False, 2, 16, 8192, 8192, 132) == 0
     try:
         backward.TAIL_SLOTS = 5
@@ -322,25 +324,27 @@ def test_choose_bwd_uses_the_default_tiles():
 
 def test_choose_bwd_by_shared_memory():
     """sm80 hd256: the single-buffered tile with dq_pipe (163 KiB) on every target from the A100
-    on; the double-buffered one (182 KiB) is a committed alternative that only sm_90a and newer
-    hold. On sm_86/sm_89 (99 KiB) the defaults do not fit: hd64-128 take the largest committed tile
+    on; the double-buffered one (182 KiB) is a measured alternative (tools/alternatives.py) that
+    only sm_90a and newer hold. On sm_86/sm_89 (99 KiB) the defaults do not fit: hd64-128 take the largest committed tile
     that does, hd192/256 have none, and the error says so."""
     for target in ("sm_80", "sm_100a", "sm_103a"):  # sm_90a runs the sm90 family
         spec = backward.choose_bwd(target, torch.bfloat16, 256, False)
-        assert (spec.arch, spec.tile_m, spec.tile_n, spec.stages, spec.dq_pipe) == ("sm80", 64, 64, 1, True), target
-        assert space.why_not_on(spec, target) is None
-    big = space.LARGE_SMEM_BWD_ALTERNATIVES["sm80"][256]
-    assert big == (64, 64, 2, 8)
-    big_spec = next(s for s in space.default_variants("sm80", "bwd") if s.head_dim == 256 and s.stages == 2)
-    assert space.why_not_on(big_spec, "sm_90a") is None
-    assert space.why_not_on(big_spec, "sm_80") == (
+        assert (spec.arch, spec.tile_m, spec.tile_n, spec.stages, spec.options.dq_pipe) == ("sm80", 64, 64, 1, True), target
+        assert why_not_on(spec, target) is None
+    alternatives = load_tool("alternatives")
+    assert (64, 64, 2, 8) in alternatives.SM80_BWD_TUNING_ALTERNATIVES[256]
+    big_spec = next(
+        s for s in alternatives.alternative_variants("sm80", "bwd") if s.head_dim == 256 and s.stages == 2
+    )
+    assert why_not_on(big_spec, "sm_90a") is None
+    assert why_not_on(big_spec, "sm_80") == (
         "needs 182.0 KiB of shared memory, over the 163 KiB per-block opt-in limit of sm_80 GPUs"
     )
     for target in ("sm_86", "sm_89"):
         for head_dim, tile in ((64, (64, 128, 2, 8)), (96, (64, 64, 1, 8)), (128, (64, 64, 1, 8))):
             spec = backward.choose_bwd(target, torch.bfloat16, head_dim, True)
             assert (spec.arch, spec.tile_m, spec.tile_n, spec.stages, spec.warps) == ("sm80", *tile), head_dim
-            assert spec.dq_tile and spec.causal and space.why_not_on(spec, target) is None
+            assert spec.options.dq_layout is DqLayout.TILE and spec.causal and why_not_on(spec, target) is None
         for head_dim, kib in ((192, 118), (256, 150)):
             with pytest.raises(
                 NotImplementedError, match=f"needs {kib}.0 KiB of shared memory, over the 99 KiB per-block opt-in "

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_support import load_tool
+from cpu_support import all_variants, load_tool
 
-from cutefa import backward, space
+from cutefa import backward
 
 OV = "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_ov"
 S3 = "cutefa_sm90_bwd_bf16_hd128_64x128_s3_w12"
@@ -19,7 +19,7 @@ def test_names_and_families_parse():
     assert args.bwd_variants == [OV, S3]  # duplicates dropped, order kept
     assert "bwd" in args.passes  # implied
     every = bench.parse_args(["--bwd-variants", "sm90"]).bwd_variants
-    assert every == [s.name for s in space.default_variants("sm90", "bwd")]
+    assert every == [s.name for s in all_variants("sm90", "bwd")]
     assert OV in every and S3 in every
 
 
@@ -50,7 +50,7 @@ def test_a_variant_serves_its_own_cells_only():
 def test_forced_variant_replaces_the_backward_choice_and_restores_it():
     bench = load_tool("bench")
     default = backward.choose_bwd("sm_90a", torch.bfloat16, 128, False)
-    assert default.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk"  # the default (dq_bulk)
+    assert default.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk"  # the default (DqPath.BULK)
     with bench.forced_bwd_variant(OV):
         assert backward.choose_bwd("sm_90a", torch.bfloat16, 128, False).name == OV
         # the backward passes the key length and the GPU (for tuned tables): forced all the same

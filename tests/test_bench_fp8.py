@@ -1,5 +1,5 @@
 """tools/bench_fp8.py's side-by-side mode picks its columns on the CPU: the default e4m3 variant
-first, then the requested (or every committed) alternative, one column per causal pair."""
+first, then the requested (or every committed and measured) alternative, one column per causal pair."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_support import all_variants, load_tool
 
-from cutefa import space
+from cutefa.model.defaults import default_spec
+from cutefa.model.rules import why_invalid
 
 BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench_fp8.py"
 
@@ -21,26 +23,26 @@ def _bench():
     return module
 
 
-def test_all_variants_cover_every_committed_e4m3_variant():
+def test_all_variants_cover_every_e4m3_variant():
     columns = _bench().variant_columns(None, [128, 256])
-    committed = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3" and s.head_dim in (128, 256)]
+    variants = [s for s in all_variants("sm90", "fwd") if s.dtype == "e4m3" and s.head_dim in (128, 256)]
     shown = {s.replace(causal=c) for specs in columns.values() for s in specs for c in (False, True)}
-    shown = {s for s in shown if space.why_invalid(s) is None}  # any mask twin the rules refuse
-    assert shown == set(committed)
+    shown = {s for s in shown if why_invalid(s) is None}  # any mask twin the rules refuse
+    assert shown == set(variants)
     for hdim, specs in columns.items():
         default = specs[0]
-        assert default not in space.fp8_alternative_specs()
-        assert (default.tile_n, default.stages) == tuple(space.default_tile("sm90", hdim, "e4m3"))[1:3]
+        assert default not in load_tool("alternatives").fp8_alternative_specs()
+        assert default == default_spec("sm90", "fwd", "e4m3", hdim)
         assert all(not s.causal and s.head_dim == hdim for s in specs)
         assert len(set(specs)) == len(specs)
 
 
 def test_named_variants_get_the_default_beside_them():
-    alt = next(s for s in space.fp8_alternative_specs() if s.head_dim == 256 and s.causal)
+    alt = next(s for s in load_tool("alternatives").fp8_alternative_specs() if s.head_dim == 256 and s.causal)
     columns = _bench().variant_columns([alt.name], None)
     assert list(columns) == [256]
     assert columns[256][1] == alt.replace(causal=False)
-    assert columns[256][0] not in space.fp8_alternative_specs()
+    assert columns[256][0] == default_spec("sm90", "fwd", "e4m3", 256)
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import pytest
 
 from cutefa import cli, space
+from cutefa.model.options import DqLayout
 from cutefa.spec import VariantSpec
 
-TEMPLATE = '"""{{ name }}"""\nTHREADS = {{ threads }}\n'
+TEMPLATE = '"""{{ name }}"""\nTHREADS = {{ spec.threads }}\n'
 DEFAULTS = [s for arch in ("sm80", "sm90", "sm100") for s in space.default_variants(arch)]
 
 
@@ -73,7 +74,7 @@ def test_list_glob(capsys, pattern):
     assert names == [
         s.name for s in DEFAULTS if (s.arch, s.direction, s.dtype, s.head_dim) == ("sm80", "fwd", "bf16", 128)
     ]
-    assert len(names) == 8
+    assert len(names) >= 2  # the default, causal and not
 
 
 def test_list_all_and_invalid(capsys):
@@ -127,6 +128,32 @@ def test_generate_and_check(capsys, dirs, tmp_path):
     assert cli.main(["generate", "--check", *dirs]) == 0
 
 
+def test_generate_all_renders_the_alternatives_for_review(capsys, dirs, tmp_path, monkeypatch):
+    from cutefa.model.committed import default_variants
+    from cutefa.model.rules import valid_variants
+
+    templates = dirs[dirs.index("--templates-dir") + 1]
+    assert cli.main(["generate", "--all", "--templates-dir", templates]) == 2  # not into generated/
+    assert "--all renders every valid variant" in capsys.readouterr().err
+
+    # the committed set plus the measured alternatives, listed in tools/alternatives.py
+    review = tmp_path / "review"
+    listed = cli._all_variants("sm80")
+    assert set(default_variants("sm80")) < set(listed) and all(s.arch == "sm80" for s in listed)
+    argv = ["generate", "--all", "--arch", "sm80", "--templates-dir", templates]
+    assert cli.main([*argv, "--out", str(review)]) == 0
+    assert f"generated {len(listed)} variants into {review}" in capsys.readouterr().out
+    assert sorted(p.stem for p in (review / "sm80").glob("*.py")) == sorted(s.name for s in listed)
+
+    # an installed cutefa has no tools/: every valid variant of the grid
+    monkeypatch.setattr(cli, "ALTERNATIVES_SCRIPT", tmp_path / "nowhere.py")
+    grid = {s for d in ("fwd", "bwd") for s in (*valid_variants("sm80", d), *default_variants("sm80", d))}
+    other = tmp_path / "other"
+    assert cli.main([*argv, "--out", str(other)]) == 0
+    assert "is not here: rendering every valid variant of the grid" in capsys.readouterr().err
+    assert sorted(p.stem for p in (other / "sm80").glob("*.py")) == sorted(s.name for s in grid)
+
+
 def test_show(capsys, dirs):
     assert cli.main(["show", "sm80_fwd_bf16_hd64_128x64_s1_w4_causal", "--source", *dirs]) == 0
     out = capsys.readouterr().out
@@ -171,8 +198,10 @@ def test_tune_needs_a_gpu(capsys, monkeypatch):
 
 
 def test_tune_refuses_a_family_without_kernels(capsys, monkeypatch):
+    from cutefa.model import committed
+
     monkeypatch.setattr(cli, "_local_target", lambda: "sm_90a")
-    monkeypatch.setattr(space, "default_variants", lambda arch, direction=None: [])
+    monkeypatch.setattr(committed, "default_variants", lambda arch, direction=None: [])
     assert cli.main(["tune", "--arch", "sm90"]) == 2
     assert "no sm90 fwd kernel exists yet" in capsys.readouterr().err
 
@@ -267,29 +296,38 @@ def test_compile_plan_and_summary(capsys, monkeypatch):
 
 
 def test_compile_leaves_out_what_the_target_cannot_hold(capsys, monkeypatch):
+    from cutefa.model import committed
+    from cutefa.model.rules import why_invalid, why_not_on
+
     calls = []
     _fake_compile(monkeypatch, calls)
-    big = [s for s in space.default_variants("sm80") if space.why_not_on(s, "sm_80") is not None]
-    assert {(s.head_dim, s.tile_m, s.tile_n, s.stages) for s in big} == {(256, 64, 64, 2)}
+    # FlashAttention-2's hd256 backward tile with Q double-buffered: 182 KiB
+    big = VariantSpec("sm80", "bwd", "bf16", 256, 64, 64, 2, 8, dq_layout=DqLayout.TILE)
+    assert why_invalid(big) is None
+    assert why_not_on(big, "sm_80") is not None and why_not_on(big, "sm_90a") is None
+    real = committed.default_variants
+    with_big = lambda arch, direction=None: real(arch, direction) + [big] * (arch == "sm80")
+    monkeypatch.setattr(committed, "default_variants", with_big)
+    sm80 = committed.default_variants("sm80")
     cli.main(["compile", "--arch", "sm80"])
     assert calls[-1][1] == "sm_80"
-    assert not set(big) & set(calls[-1][0])
-    assert len(calls[-1][0]) == len(space.default_variants("sm80")) - len(big)
-    assert f"leaving out {len(big)} variant(s) whose shared memory is over the 163 KiB" in capsys.readouterr().err
+    assert big not in calls[-1][0] and calls[-1][0] == [s for s in sm80 if s != big]
+    assert "leaving out 1 variant(s) whose shared memory is over the 163 KiB" in capsys.readouterr().err
     cli.main(["compile", "--target", "sm_90a", "--arch", "sm80"])
-    assert set(big) <= set(calls[-1][0])
-    assert cli.main(["compile", "--target", "sm_80", "--kernels", big[0].name]) == 2
+    assert big in calls[-1][0]
+    assert cli.main(["compile", "--target", "sm_80", "--kernels", big.name]) == 2
     assert "cannot run on --target sm_80: needs 182.0 KiB" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["compile"], "give --arch"),
+        (["compile"], "give --family"),
         (
             ["compile", "--arch", "sm90", "--target", "sm_100a"],
-            "--arch sm90 kernels cannot run on --target sm_100a",
+            "--family sm90 kernels cannot run on --target sm_100a",
         ),
+        (["compile", "--family", "sm90,sm80"], "--family sm90,sm80: give --target"),
     ],
 )
 def test_compile_user_errors(capsys, argv, words):
@@ -298,7 +336,9 @@ def test_compile_user_errors(capsys, argv, words):
 
 
 def test_compile_refuses_a_family_without_variants(capsys, monkeypatch):
-    monkeypatch.setattr(space, "default_variants", lambda arch, direction=None: [])
+    from cutefa.model import committed
+
+    monkeypatch.setattr(committed, "default_variants", lambda arch, direction=None: [])
     assert cli.main(["compile", "--arch", "sm90"]) == 2
     assert "no sm90 variants yet" in capsys.readouterr().err
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from cutefa import compile as cc
-from cutefa.spec import VariantSpec, parse_name
+from cutefa import ffi, identity
+from cutefa.model.spec import VariantSpec, parse_name
 
 TINY = Path(__file__).with_name("tiny_kernel.py")
 FP16 = parse_name("cutefa_sm80_fwd_fp16_hd64_128x128_s1_w4")
@@ -98,10 +99,10 @@ def commit_fake(entry: cc._Entry) -> None:
 
 def test_cache_dir_from_env_or_home(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTEFA_CACHE_DIR", str(tmp_path / "x"))
-    assert cc.cache_dir() == tmp_path / "x"
+    assert identity.cache_dir() == tmp_path / "x"
     monkeypatch.delenv("CUTEFA_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert cc.cache_dir() == tmp_path / ".cache" / "cutefa"
+    assert identity.cache_dir() == tmp_path / ".cache" / "cutefa"
 
 
 def test_fingerprint_tracks_source_target_dsl_and_building_blocks(sources, cache, monkeypatch):
@@ -114,38 +115,41 @@ def test_fingerprint_tracks_source_target_dsl_and_building_blocks(sources, cache
     edited = cc.fingerprint(FP16, "sm_80")
     assert edited != base
 
-    monkeypatch.setattr(cc.importlib.metadata, "version", lambda dist: "99.0")
+    monkeypatch.setattr(identity.importlib.metadata, "version", lambda dist: "99.0")
     other_dsl = cc.fingerprint(FP16, "sm_80")
     assert other_dsl != edited
 
-    monkeypatch.setattr(cc, "_building_blocks_digest", lambda source: "other building blocks")
+    monkeypatch.setattr(identity, "building_blocks_digest", lambda source: "other building blocks")
     assert cc.fingerprint(FP16, "sm_80") not in (base, edited, other_dsl)
 
 
 def _generated(name: str) -> str:
-    return (
-        Path(cc.__file__).resolve().parent.parent / "generated" / name.split("_")[1] / f"{name}.py"
-    ).read_text()
+    """The module text of variant ``name`` (committed or not), rendered from the templates."""
+    from cutefa import codegen
+
+    return codegen.render_source(parse_name(name))
 
 
 def _rel(files) -> set[str]:
-    return {p.relative_to(cc.KERNELS_DIR).as_posix() for p in files}
+    return {p.relative_to(identity.KERNELS_DIR).as_posix() for p in files}
 
 
 def test_building_blocks_are_the_kernels_imports():
     """A kernel's building blocks: the cutefa/kernels files its imports reach, through theirs."""
-    bwd = _rel(cc._kernel_closure(_generated("cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk")))
-    # direct (sm90 parts, bwd_parts and descriptors, sm80's row helpers, softmax), the package's
-    # __init__, and through them (bwd_parts -> common/reduce, softmax -> common/exp2, and the inline
-    # PTX helpers of reduce, exp2 and descriptors -> common/ptx)
+    bwd = _rel(identity.kernel_closure(_generated("cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk")))
+    # direct (sm90 parts, bwd_parts, bwd_dq, bwd_dq_bulk, bwd_pre_post and descriptors, sm80's row
+    # helpers, softmax), the package's __init__, and through them (bwd_dq -> bwd_dq_writer, bwd_dq and
+    # bwd_dq_bulk -> common/reduce, softmax -> common/exp2, and the inline PTX helpers of reduce, exp2
+    # and descriptors -> common/ptx)
     assert bwd == {
         "sm90/__init__.py", "sm90/parts.py", "sm90/bwd_parts.py", "sm90/descriptors.py", "sm80/bwd_parts.py",
+        "sm90/bwd_dq.py", "sm90/bwd_dq_bulk.py", "sm90/bwd_dq_writer.py", "sm90/bwd_pre_post.py",
         "common/softmax.py", "common/exp2.py", "common/reduce.py", "common/ptx.py",
     }  # fmt: skip
-    fwd80 = _rel(cc._kernel_closure(_generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8")))
+    fwd80 = _rel(identity.kernel_closure(_generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8")))
     assert "sm80/parts.py" in fwd80 and "common/mask.py" in fwd80
     assert not fwd80 & {"sm90/parts.py", "sm90/bwd_parts.py", "sm80/bwd_parts.py", "sm100/parts.py"}
-    assert len(cc._building_blocks_digest(_generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8"))) == 64
+    assert len(identity.building_blocks_digest(_generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8"))) == 64
 
 
 def test_building_blocks_every_generated_module_resolves():
@@ -153,7 +157,7 @@ def test_building_blocks_every_generated_module_resolves():
     modules = sorted((Path(cc.__file__).resolve().parent.parent / "generated").glob("*/*.py"))
     assert modules
     for path in modules:
-        files = cc._kernel_closure(path.read_text())
+        files = identity.kernel_closure(path.read_text())
         assert files, path.name
 
 
@@ -163,16 +167,16 @@ def test_building_block_edits_reach_only_their_importers(tmp_path: Path, monkeyp
     import shutil
 
     kernels = tmp_path / "kernels"
-    shutil.copytree(cc.KERNELS_DIR, kernels, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(cc, "KERNELS_DIR", kernels)
-    monkeypatch.setattr(cc, "dsl_version", lambda: "4.8.1")
+    shutil.copytree(identity.KERNELS_DIR, kernels, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(identity, "KERNELS_DIR", kernels)
+    monkeypatch.setattr(identity, "dsl_version", lambda: "4.8.1")
     fwd80 = _generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8")
     bwd90 = _generated("cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk")
 
     def prints():
-        for fn in (cc._files_digest, cc._file_kernel_imports):
+        for fn in (identity.files_digest, identity._file_imports):
             fn.cache_clear()
-        return cc._fingerprint(fwd80, "sm_90a"), cc._fingerprint(bwd90, "sm_90a")
+        return identity.fingerprint(fwd80, "sm_90a"), identity.fingerprint(bwd90, "sm_90a")
 
     base80, base90 = prints()
     (kernels / "sm90" / "bwd_parts.py").write_text(
@@ -182,7 +186,7 @@ def test_building_block_edits_reach_only_their_importers(tmp_path: Path, monkeyp
     assert after80 == base80 and after90 != base90
     (kernels / "common" / "reduce.py").write_text((kernels / "common" / "reduce.py").read_text() + "# edit\n")
     again80, again90 = prints()
-    assert again80 == base80 and again90 != after90  # reduce.py reaches bwd90 through sm90/bwd_parts
+    assert again80 == base80 and again90 != after90  # reduce.py reaches bwd90 through sm90/bwd_dq
     (kernels / "common" / "exp2.py").write_text((kernels / "common" / "exp2.py").read_text() + "# edit\n")
     last80, last90 = prints()
     assert last80 != base80 and last90 != again90  # exp2.py reaches both through softmax.py
@@ -192,9 +196,9 @@ def test_building_block_edits_reach_only_their_importers(tmp_path: Path, monkeyp
         "from cutefa.kernels.sm80 import parts\nfrom cutefa.kernels.nowhere import x",
     )
     assert missing != fwd80
-    assert cc._kernel_closure(missing) is None
-    everything = tuple(sorted(cc.KERNELS_DIR.rglob("*.py")))
-    assert cc._building_blocks_digest(missing) == cc._files_digest(everything)
+    assert identity.kernel_closure(missing) is None
+    everything = tuple(sorted(identity.KERNELS_DIR.rglob("*.py")))
+    assert identity.building_blocks_digest(missing) == identity.files_digest(everything, identity.KERNELS_DIR)
 
 
 def test_entry_layout(sources, cache):
@@ -264,7 +268,7 @@ def test_commit_writes_meta_last_with_its_facts(sources, cache):
     meta = entry.read_meta()
     assert meta["name"] == meta["function_name"] == FP16.name
     assert (meta["target"], meta["runtime"], meta["compile_seconds"]) == ("sm_80", "cu12", 1.25)
-    assert meta["dsl_version"] == cc.importlib.metadata.version("nvidia-cutlass-dsl")
+    assert meta["dsl_version"] == identity.importlib.metadata.version("nvidia-cutlass-dsl")
     assert [p.name for p in entry.dir.iterdir() if p.name.endswith(".tmp")] == []
 
 
@@ -335,6 +339,106 @@ def test_compile_variants_reports_each_failure_and_continues(sources, cache, mon
 
 
 # ---------------------------------------------------------------------------------------------
+# Variants not committed to generated/: rendered on demand into the cache
+
+
+def _uncommitted(arch: str = "sm80") -> VariantSpec:
+    """A valid variant whose module generated/ does not hold (a measured alternative or any other)."""
+    from cutefa.model.rules import valid_variants
+
+    return next(
+        s for s in valid_variants(arch, "fwd")
+        if not (identity.GENERATED_DIR / s.arch / f"{s.name}.py").is_file()
+    )  # fmt: skip
+
+
+def test_an_uncommitted_variant_is_rendered_once_into_the_cache(cache, monkeypatch):
+    from cutefa import codegen
+
+    spec = _uncommitted()
+    path = cc.kernel_source_path(spec)
+    assert path == cache / "sources" / identity.render_digest()[:16] / "sm80" / f"{spec.name}.py"
+    assert path.read_text() == codegen.render_source(spec)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
+
+    monkeypatch.setattr(codegen, "render_source", lambda spec: pytest.fail("rendered again"))
+    assert cc.kernel_source_path(spec) == path  # found by name and render digest, not re-rendered
+    entry = cc._entry(spec, "sm_80")
+    assert entry.source == path and entry.fingerprint == identity.fingerprint(path.read_text(), "sm_80")
+    assert cc.fingerprint(spec, "sm_80") == entry.fingerprint
+
+
+def test_a_committed_variant_is_read_from_generated(cache):
+    from cutefa.model.committed import default_variants
+
+    spec = default_variants("sm80")[0]
+    assert cc.kernel_source_path(spec) == identity.GENERATED_DIR / "sm80" / f"{spec.name}.py"
+    assert not (cache / "sources").exists()
+
+
+def test_the_render_digest_follows_templates_and_the_modules_that_render(tmp_path, monkeypatch):
+    import shutil
+
+    base = identity.render_digest()
+    templates = tmp_path / "templates"
+    shutil.copytree(identity.TEMPLATES_DIR, templates)
+    monkeypatch.setattr(identity, "TEMPLATES_DIR", templates)
+    identity.render_digest.cache_clear()
+    try:
+        assert identity.render_digest() == base  # same files, same digest
+        edited = templates / "fwd_sm80.py.j2"
+        edited.write_text(edited.read_text() + "# an edit\n")
+        identity.files_digest.cache_clear()
+        identity.render_digest.cache_clear()
+        assert identity.render_digest() != base
+    finally:
+        identity.render_digest.cache_clear()
+    root = identity.PACKAGE_DIR
+    found = identity.imported_files((root / "codegen.py").read_text(), "cutefa", "cutefa", root)
+    rendering = identity._closure(found, "cutefa", root, stop=root / "__init__.py")
+    names = {p.relative_to(root).as_posix() for p in rendering}
+    assert "model/spec.py" in names and "__init__.py" in names
+    assert not names & {"compile.py", "pack.py", "cli.py", "selection.py", "dispatch.py"}  # none renders
+
+
+def test_compiling_an_uncommitted_variant_compiles_its_rendered_module(cache, monkeypatch, capsys):
+    """compile_variants and ``cutefa compile --kernels NAME`` take a variant generated/ does not
+    hold: its module is rendered into the cache and compiled from there (the DSL stubbed)."""
+    from cutefa import cli
+
+    spec = _uncommitted()
+    compiled = []
+
+    def fake_compile(entry):
+        compiled.append(entry.source)
+        return object()
+
+    def fake_export(obj, entry):
+        entry.so_path.write_bytes(b"x")
+        return Path("/x/nvidia_cutlass_dsl/cu12/lib/libcute_dsl_runtime.so")
+
+    monkeypatch.setattr(cc, "can_compile_here", lambda target: True)
+    monkeypatch.setattr(cc, "_compile", fake_compile)
+    monkeypatch.setattr(cc, "_export", fake_export)
+    (result,) = cc.compile_variants([spec], target="sm_80", progress=False)
+    rendered = cache / "sources" / identity.render_digest()[:16] / "sm80" / f"{spec.name}.py"
+    assert result.ok and compiled == [rendered] and result.path == cc._entry(spec, "sm_80").so_path
+    assert cli.main(["compile", "--target", "sm_80", "--kernels", spec.name, "--jobs", "1"]) == 0
+    assert "1 compiled, 0 failed" in capsys.readouterr().out
+    assert compiled == [rendered]  # the second time, the cache entry was already committed
+
+
+def test_an_invalid_variant_is_not_rendered(cache):
+    from cutefa.model.committed import candidates
+    from cutefa.model.rules import why_invalid
+
+    spec = next(s for s in candidates("sm80", "fwd") if why_invalid(s))
+    with pytest.raises(ValueError, match=f"cannot render {spec.name}"):
+        cc.kernel_source_path(spec)
+    assert not any((cache / "sources").rglob("*.py")) if (cache / "sources").exists() else True
+
+
+# ---------------------------------------------------------------------------------------------
 # Real compiles with the CuTe DSL on this CPU (in child processes)
 
 
@@ -357,7 +461,7 @@ def test_sm80_compile_export_link_and_tvm_ffi_load(sources, cache):
     meta = entry.read_meta()
     assert meta["target"] == "sm_80" and meta["function_name"] == FP16.name
     assert sorted(p.name for p in entry.dir.iterdir()) == [".lock", "kernel.so", "meta.json"]
-    assert cc.runtime_library(meta["runtime"]).is_file()
+    assert ffi.runtime_library(meta["runtime"]).is_file()
 
     loaded = run_script(
         """

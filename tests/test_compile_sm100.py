@@ -1,10 +1,11 @@
-"""Every default sm100 variant compiles for sm_100a on this CPU, and its SASS shows the FA4 design.
+"""The sm100 forward variants (a sample: cpu_support.compile_sample; every one with
+CUTEFA_FULL_COMPILE_TESTS=1) compile for sm_100a on this CPU, and their SASS shows the FA4 design.
 
 No Blackwell GPU exists here: these kernels are compiled and SASS-checked, not run. The checks:
 tcgen05 UMMA (UTCHMMA), TMEM loads and stores (LDTM/STTM), TMA loads (UTMALDG), per-role register
 budgets (USETMAXREG), the MUFU exp2 path, no local-memory spills, and the TMEM column budget of the
-validity predicate. CTA-pair variants (cta_pair): the 2-SM forms of UMMA, TMA load, commit and TMEM
-allocation, and a cluster barrier; the single-CTA defaults carry none of them.
+validity predicate. CTA-pair variants (Sm100FwdOptions.cta_pair): the 2-SM forms of UMMA, TMA load,
+commit and TMEM allocation, and a cluster barrier; the single-CTA defaults carry none of them.
 """
 
 from __future__ import annotations
@@ -12,12 +13,17 @@ from __future__ import annotations
 import re
 
 import pytest
+from cpu_support import all_variants, assert_not_an_option, compile_sample
 
-from cutefa import sass, space
+from cutefa import sass
+from cutefa.model.budgets_sm100 import SM100_SMEM_LIMIT, sm100_smem_bytes, sm100_tmem_columns
+from cutefa.model.rules import est_registers, why_invalid
 from cutefa.spec import VariantSpec
 
-ALL_FWD = space.default_variants("sm100", "fwd")
-DEFAULTS = [s for s in ALL_FWD if not s.cta_pair and s.dtype != "e4m3"]  # e4m3: test_compile_sm100_fp8.py
+ALL_FWD = all_variants("sm100", "fwd")
+# one CTA per UMMA; e4m3: test_compile_sm100_fp8.py
+SINGLE = [s for s in ALL_FWD if not s.options.cta_pair and s.dtype != "e4m3"]
+DEFAULTS = compile_sample(SINGLE)
 # Two of the committed CTA-pair variants: two Q tiles per CTA with a causal mask (head dim 128), and
 # one Q tile at head dim 256.
 PAIRS = [
@@ -88,7 +94,7 @@ def test_sass_pair_sm100a(pair_cubins, spec):
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
 
 
-B300 = [s for s in DEFAULTS if s.dtype == "bf16" and s.head_dim == 128 and not s.causal]
+B300 = compile_sample(s for s in SINGLE if s.dtype == "bf16" and s.head_dim == 128 and not s.causal)
 
 
 @pytest.mark.compile
@@ -112,24 +118,25 @@ def test_register_plan_fits_the_register_file():
         }
         assert 2 * regs["SOFTMAX"] + regs["CORRECTION"] + regs["OTHER"] <= 512, (spec.name, regs)
         assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs.values()), (spec.name, regs)
-        assert space.est_registers(spec) <= regs["SOFTMAX"], spec.name
+        assert est_registers(spec) <= regs["SOFTMAX"], spec.name
 
 
 def test_tmem_budget_in_the_predicate():
     """S and O of every Q tile in flight must fit the 512 TMEM columns; the predicate says so."""
     ok = VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16)
-    assert space.sm100_tmem_columns(ok) == 512 and space.why_invalid(ok) is None
+    assert sm100_tmem_columns(ok) == 512 and why_invalid(ok) is None
     too_big = VariantSpec("sm100", "fwd", "bf16", 256, 256, 64, 2, 16)
-    reason = space.why_invalid(too_big)
+    reason = why_invalid(too_big)
     assert reason is not None and "TMEM columns" in reason and "512" in reason
     for spec in ALL_FWD:
-        assert space.sm100_tmem_columns(spec) <= 512
-        assert space.sm100_smem_bytes(spec) <= space.SM100_SMEM_LIMIT
+        assert sm100_tmem_columns(spec) <= 512
+        assert sm100_smem_bytes(spec) <= SM100_SMEM_LIMIT
 
 
 def test_exp_emu_rules():
     base = VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16)
-    assert space.why_invalid(base.replace(exp_emu=25)) is None
-    assert "6.25%" in space.why_invalid(base.replace(exp_emu=30))
-    sm80 = VariantSpec("sm80", "fwd", "bf16", 128, 128, 64, 1, 8, exp_emu=25)
-    assert "sm90/sm100 forward option" in space.why_invalid(sm80)
+    assert why_invalid(base.replace(exp_emu=25)) is None
+    assert base.replace(exp_emu=25).options.exp_emu == 25
+    assert "6.25%" in why_invalid(base.replace(exp_emu=30))
+    for arch, direction in (("sm80", "fwd"), ("sm80", "bwd"), ("sm90", "bwd"), ("sm100", "bwd")):
+        assert_not_an_option(arch, direction, "bf16", exp_emu=25)

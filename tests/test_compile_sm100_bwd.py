@@ -14,9 +14,17 @@ import re
 
 import pytest
 
-from cutefa import sass, space
+from cutefa import sass
+from cutefa.model.budgets_sm100 import (
+    SM100_SMEM_LIMIT,
+    SM100_TMEM_COLUMNS,
+    sm100_smem_bytes,
+    sm100_tmem_columns,
+)
+from cutefa.model.committed import default_variants
+from cutefa.model.rules import why_invalid
 
-DEFAULTS = space.default_variants("sm100", "bwd")
+DEFAULTS = default_variants("sm100", "bwd")
 # fp16 and bf16 differ only in the operand type: every head dim and mask, alternating dtypes, keeps
 # the compile suite's time down.
 CHECKED = [s for s in DEFAULTS if (s.dtype == "bf16") == (s.causal == (s.head_dim == 64))]
@@ -45,6 +53,6 @@ def test_bwd_budgets_in_the_predicate():
     """TMEM (S^T + dP^T + dK + dV <= 512 columns) and shared memory of every default fit."""
     assert [s.head_dim for s in DEFAULTS if s.dtype == "bf16" and not s.causal] == [64, 128]
     for spec in DEFAULTS:
-        assert space.why_invalid(spec) is None
-        assert space.sm100_bwd_tmem_columns(spec) <= space.SM100_TMEM_COLUMNS
-        assert space.sm100_bwd_smem_bytes(spec) <= space.SM100_SMEM_LIMIT
+        assert why_invalid(spec) is None
+        assert sm100_tmem_columns(spec) <= SM100_TMEM_COLUMNS
+        assert sm100_smem_bytes(spec) <= SM100_SMEM_LIMIT

@@ -15,10 +15,15 @@ import re
 
 import pytest
 
-from cutefa import codegen, sass, space
+from cutefa import codegen, sass
+from cutefa.model.budgets import SMEM_RESERVE
+from cutefa.model.budgets_sm100 import sm100_smem_bytes
+from cutefa.model.committed import default_variants
+from cutefa.model.defaults import default_config
+from cutefa.model.rules import why_invalid
 from cutefa.spec import VariantSpec
 
-FP8_DEFAULTS = [s for s in space.default_variants("sm100", "fwd") if s.dtype == "e4m3"]
+FP8_DEFAULTS = [s for s in default_variants("sm100", "fwd") if s.dtype == "e4m3"]
 # Two Q tiles (hd64, hd128) and one (hd256), causal and not.
 CHECKED = [
     next(s for s in FP8_DEFAULTS if (s.head_dim, s.causal) == (64, False)),
@@ -28,15 +33,15 @@ CHECKED = [
 
 
 def test_every_head_dim_has_an_fp8_default():
-    """e4m3 takes the sm100 default tile of each head dim (the one dispatch picks), causal and not;
-    no CTA-pair e4m3 variant."""
+    """e4m3 takes the sm100 16-bit default tile and options of each head dim (the one dispatch
+    picks), causal and not; no CTA-pair e4m3 variant."""
     assert {s.head_dim for s in FP8_DEFAULTS} == {64, 96, 128, 192, 256}
     assert len(FP8_DEFAULTS) == 10
     for spec in FP8_DEFAULTS:
-        tile = space.DEFAULT_TILES["sm100"][spec.head_dim]
-        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == tuple(tile)
-        assert spec.exp_emu == space.DEFAULT_EXP_EMU["sm100"][spec.head_dim]
-        assert not spec.cta_pair
+        sixteen = default_config("sm100", "fwd", "bf16", spec.head_dim)
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == tuple(sixteen.tile)
+        assert spec.options == sixteen.options
+        assert not spec.options.cta_pair
         assert codegen.template_name(spec) == "fwd_sm100.py.j2"
 
 
@@ -132,16 +137,16 @@ def test_p_operand_layout_in_tmem(tmp_path):
 
 def test_fp8_rules():
     base = VariantSpec("sm100", "fwd", "e4m3", 128, 256, 128, 3, 16, exp_emu=25)
-    assert space.why_invalid(base) is None
-    assert "single-CTA only" in space.why_invalid(base.replace(cta_pair=True))
-    reason = space.why_invalid(base.replace(tile_n=80))
+    assert why_invalid(base) is None
+    assert "single-CTA only" in why_invalid(base.replace(cta_pair=True))
+    reason = why_invalid(base.replace(tile_n=80))
     assert reason.startswith("tile_n=80 is not a multiple of 32 (the k of an e4m3 UMMA")
     # TMEM columns do not depend on the dtype (S and O are fp32; P lives inside S)
-    assert "768 TMEM columns" in space.why_invalid(base.replace(head_dim=256))
+    assert "768 TMEM columns" in why_invalid(base.replace(head_dim=256))
     # one byte per Q/K/V element, two per staged O element (bf16 output)
-    assert space.sm100_smem_bytes(base) == (256 + 3 * 128) * 128 + 128 * 128 * 2 + 4 * space.SMEM_RESERVE
+    assert sm100_smem_bytes(base) == (256 + 3 * 128) * 128 + 128 * 128 * 2 + 4 * SMEM_RESERVE
     bf16 = base.replace(dtype="bf16")
-    assert space.sm100_smem_bytes(bf16) == ((256 + 3 * 128) * 128 + 128 * 128) * 2 + 4 * space.SMEM_RESERVE
+    assert sm100_smem_bytes(bf16) == ((256 + 3 * 128) * 128 + 128 * 128) * 2 + 4 * SMEM_RESERVE
 
 
 @pytest.mark.compile

@@ -1,6 +1,7 @@
-"""Every default sm80 variant compiles on this CPU, and its SASS shows the FlashAttention-2 design.
+"""The sm80 forward variants compile on this CPU, and their SASS shows the FlashAttention-2 design.
 
-Compiled for sm_90a (the H200 the kernels are tuned on) and, for a subset, for sm_80 (A100): mma.sync
+Compiled for sm_90a (the H200 the kernels are tuned on) and, for the large tiles, for sm_80 (A100),
+a sample of each (cpu_support.compile_sample; every variant with CUTEFA_FULL_COMPILE_TESTS=1): mma.sync
 (HMMA), ldmatrix (LDSM), cp.async (LDGSTS) and MUFU.EX2 must appear; no local-memory spills
 (LDL/STL, stack or local bytes); registers within the 255 limit.
 """
@@ -13,18 +14,20 @@ import subprocess
 import sys
 
 import pytest
+from cpu_support import all_variants, compile_sample
 
-from cutefa import sass, space
+from cutefa import sass
 
 pytestmark = pytest.mark.compile
 
-DEFAULTS = space.default_variants("sm80", "fwd")
-A100_SUBSET = [s for s in DEFAULTS if s.dtype == "bf16" and s.tile_m * s.tile_n >= 128 * 64]
+DEFAULTS = all_variants("sm80", "fwd")
+CHECKED = compile_sample(DEFAULTS)
+A100_SUBSET = compile_sample(s for s in DEFAULTS if s.dtype == "bf16" and s.tile_m * s.tile_n >= 128 * 64)
 
 
 @pytest.fixture(scope="module")
 def cubins_sm90a(tmp_path_factory):
-    return sass.dump_cubins(DEFAULTS, "sm_90a", tmp_path_factory.mktemp("sm_90a"))
+    return sass.dump_cubins(CHECKED, "sm_90a", tmp_path_factory.mktemp("sm_90a"))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def _check(report: sass.SassReport, name: str) -> None:
     assert report.counts["HMMA"] >= 2 * 64, f"{name}: {report.summary()}"
 
 
-@pytest.mark.parametrize("spec", DEFAULTS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
 def test_sass_sm90a(cubins_sm90a, spec):
     _check(sass.analyze(cubins_sm90a[spec.name]), spec.name)
 
@@ -53,7 +56,7 @@ def test_sass_sm80(cubins_sm80, spec):
 def test_hmma_count_matches_the_tile(cubins_sm90a):
     """Per mainloop body each warp issues (rows/16) * (tile_n/8) * (head_dim/16) HMMAs for S = Q K^T
     and (rows/16) * (head_dim/8) * (tile_n/16) for O += P V; two bodies (masked, unmasked)."""
-    for spec in DEFAULTS:
+    for spec in CHECKED:
         rows = spec.tile_m // spec.warps
         per_body = (rows // 16) * (spec.tile_n // 8) * (spec.head_dim // 16) * 2
         assert sass.analyze(cubins_sm90a[spec.name]).counts["HMMA"] == 2 * per_body, spec.name

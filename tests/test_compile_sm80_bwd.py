@@ -1,5 +1,6 @@
-"""Every committed sm80 backward variant (defaults and the stages=2 tuning alternatives) compiles on
-this CPU, and its SASS shows the FlashAttention-2 backward design: mma.sync (HMMA), ldmatrix (LDSM),
+"""The sm80 backward variants (defaults and the stages=2 tuning alternatives; a sample,
+cpu_support.compile_sample, every one with CUTEFA_FULL_COMPILE_TESTS=1) compile on this CPU, and their
+SASS shows the FlashAttention-2 backward design: mma.sync (HMMA), ldmatrix (LDSM),
 cp.async (LDGSTS), MUFU.EX2 for the recomputed probabilities and fp32 reductions for the dQ
 accumulator: 8-byte vector ones (REDG ... ADD.F32x2) on sm_90a, element-wise ones (REDG ... ADD.F32)
 on sm_80, which has no vector reduction; no local-memory spills.
@@ -15,18 +16,24 @@ import re
 import cutlass
 import cutlass.cute as cute
 import pytest
+from cpu_support import all_variants, compile_sample
 
-from cutefa import sass, space
+from cutefa import sass
 from cutefa.kernels.sm80 import bwd_parts
+from cutefa.model.budgets import bwd_dq_accum_shape
+from cutefa.model.options import DqLayout
+from cutefa.model.rules import why_invalid, why_not_on
+from cutefa.spec import VariantSpec
 
 pytestmark = pytest.mark.compile
 
-DEFAULTS = space.default_variants("sm80", "bwd")
-# fp16 causal (dq_tile, the family's default: element-wise reductions in fragment order on sm_80):
+DEFAULTS = all_variants("sm80", "bwd")
+CHECKED = compile_sample(DEFAULTS)
+# fp16 causal (DqLayout.TILE, the family's default: element-wise reductions in fragment order on sm_80):
 # the default tiles at hd96, hd128, hd192 and hd256 (all but hd128 with dq_pipe), the
 # double-buffered Q tiles at hd128 and hd192, and hd64's 128x128 double-buffered tile (255
-# registers on sm_80); and the bf16 causal alternatives at hd64 and hd128 (dq_quad, which keeps the
-# natural layout on sm_80, and the natural layout itself).
+# registers on sm_80); and the bf16 causal alternatives at hd64 and hd128 (DqLayout.QUAD, which
+# keeps the natural layout on sm_80, and the natural layout itself).
 A100_SUBSET = [
     s
     for s in DEFAULTS
@@ -34,14 +41,14 @@ A100_SUBSET = [
     and s.causal
     and (s.head_dim, s.tile_m, s.tile_n, s.stages)
     in ((128, 64, 128, 1), (256, 64, 64, 1), (128, 64, 128, 2), (192, 64, 64, 1), (192, 64, 64, 2), (64, 128, 128, 2), (96, 64, 128, 1))
-] + [s for s in DEFAULTS if not s.dq_tile and s.causal and s.head_dim in (64, 128)]
+] + [s for s in DEFAULTS if s.options.dq_layout is not DqLayout.TILE and s.causal and s.head_dim in (64, 128)]
 
 
 def test_alternatives_are_committed():
     assert {(s.head_dim, s.stages) for s in DEFAULTS if s.stages == 2} == {(64, 2), (128, 2), (192, 2), (256, 2)}
     # hd256's double-buffered tile runs where the shared memory holds it (sm_90a and newer), not on the A100
-    assert all(space.why_not_on(s, "sm_80") is None for s in A100_SUBSET)
-    assert all(space.why_not_on(s, "sm_90a") is None for s in DEFAULTS)
+    assert all(why_not_on(s, "sm_80") is None for s in A100_SUBSET)
+    assert all(why_not_on(s, "sm_90a") is None for s in DEFAULTS)
     assert {s.name for s in A100_SUBSET} >= {
         "cutefa_sm80_bwd_fp16_hd128_64x128_s2_w8_causal_dqtile",
         "cutefa_sm80_bwd_fp16_hd192_64x64_s2_w8_causal_dqtile",
@@ -53,7 +60,7 @@ def test_alternatives_are_committed():
 
 @pytest.fixture(scope="module")
 def cubins_sm90a(tmp_path_factory):
-    return sass.dump_cubins(DEFAULTS, "sm_90a", tmp_path_factory.mktemp("bwd_sm_90a"))
+    return sass.dump_cubins(CHECKED, "sm_90a", tmp_path_factory.mktemp("bwd_sm_90a"))
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +77,10 @@ def _reductions(text: str) -> tuple[int, int, int]:
 
 def _grid(rows: int, cols: int, spec, gemm: str) -> tuple[int, int]:
     """The warp grid the template uses for the ``gemm`` ('dv', 'dk' or 'dq') output of (rows, cols):
-    (w/2, 2), or (2, w/2) where valid and squarer per warp, except at head_dim 256 (where dq_tile's
+    (w/2, 2), or (2, w/2) where valid and squarer per warp, except at head_dim 256 (where DqLayout.TILE's
     dQ and dV grids are the squarer one again, dK keeps the tall one)."""
     tall, wide = (spec.warps // 2, 2), (2, spec.warps // 2)
-    squarer_at_256 = spec.dq_tile and gemm in ("dq", "dv")
+    squarer_at_256 = spec.options.dq_layout is DqLayout.TILE and gemm in ("dq", "dv")
     if (spec.head_dim == 256 and not squarer_at_256) or rows % (16 * wide[0]) or cols % (16 * wide[1]):
         return tall
     return wide if rows // wide[0] + cols // wide[1] < rows // tall[0] + cols // tall[1] else tall
@@ -105,32 +112,34 @@ def _check(cubin, spec, vector_red: bool) -> None:
     # Five GEMMs per query block (S, dP, dV, dK, dQ), each tile_m * tile_n * head_dim MACs per CTA.
     per_warp = spec.tile_m * spec.tile_n * spec.head_dim // (16 * 8 * 16) // spec.warps
     assert report.counts["HMMA"] == 5 * per_warp * copies, f"{spec.name}: {report.summary()}"
-    # The warp grids the template chose: ldmatrix traffic as the model says (hd128 64x128: 144; hd256 dq_tile: 180).
+    # The warp grids the template chose: ldmatrix traffic as the model says (hd128 64x128: 144;
+    # hd256 _dqtile: 180).
     assert report.counts["LDSM"] == _ldmatrix_per_warp(spec) * copies, f"{spec.name}: {report.summary()}"
     # One fp32 reduction per dQ element a thread holds, or one per pair of adjacent columns, or
-    # (dq_quad) one per quad of permuted columns; the vector ones twice in the code: unpredicated
-    # for full query blocks, guarded for the last one. dq_tile: one per quad of the fragment order,
-    # unpredicated only (the padding rows add zeros).
+    # (DqLayout.QUAD) one per quad of permuted columns; the vector ones twice in the code: unpredicated
+    # for full query blocks, guarded for the last one. DqLayout.TILE: one per quad of the fragment
+    # order, unpredicated only (the padding rows add zeros).
     per_thread = spec.tile_m * spec.head_dim // spec.threads
+    layout, dq_pipe = spec.options.dq_layout, spec.options.dq_pipe
     if not vector_red:
         expected = (per_thread, 0, 0)
-    elif spec.dq_tile:
+    elif layout is DqLayout.TILE:
         expected = (0, 0, per_thread // 4)
-    elif spec.dq_quad:
+    elif layout is DqLayout.QUAD:
         expected = (0, 0, 2 * (per_thread // 4))
     else:
         expected = (0, 2 * (per_thread // 2), 0)
-    if spec.dq_pipe:
+    if dq_pipe:
         # the last chunk's reductions twice in the code: in the next step (after its S MMAs) and
         # after the loop for the last step
         chunks = spec.head_dim // (16 * _grid(spec.tile_m, spec.head_dim, spec, "dq")[1])
         per_chunk = sum(expected) // chunks
         expected = tuple(n + n // chunks for n in expected)
     assert _reductions(text) == tuple(n * copies for n in expected), spec.name
-    if spec.dq_pipe:
+    if dq_pipe:
         # dQ by column chunks, each chunk's reductions between the next chunk's MMAs: no run of
-        # reductions without an MMA between them is longer than one chunk's (dq_tile without
-        # dq_pipe: 9-12 of a thread's 12 in one burst after the last MMA of the step, sm_90a).
+        # reductions without an MMA between them is longer than one chunk's (_dqtile without
+        # _dqpipe: 9-12 of a thread's 12 in one burst after the last MMA of the step, sm_90a).
         main = sass.kernel_text(text, "kernel")
         red = r"\bREDG?\.E\.ADD\.F32(?:x4)?\b"
         runs = [len(re.findall(red, run)) for run in re.split(r"\bHMMA\b", main)]
@@ -150,7 +159,7 @@ def _check(cubin, spec, vector_red: bool) -> None:
     assert packed >= spec.tile_m * spec.tile_n // spec.threads, f"{spec.name}: {packed} F2FP"
 
 
-@pytest.mark.parametrize("spec", DEFAULTS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", CHECKED, ids=lambda s: s.name)
 def test_sass_sm90a(cubins_sm90a, spec):
     _check(cubins_sm90a[spec.name], spec, vector_red=True)
 
@@ -161,30 +170,31 @@ def test_sass_sm80(cubins_sm80, spec):
 
 
 def test_dq_quad_committed():
-    quads = {s.name for s in DEFAULTS if s.dq_quad}
+    quads = {s.name for s in DEFAULTS if s.options.dq_layout is DqLayout.QUAD}
     assert {
         "cutefa_sm80_bwd_bf16_hd64_128x128_s2_w8_dqquad",
         "cutefa_sm80_bwd_bf16_hd128_64x128_s1_w8_dqquad",
         "cutefa_sm80_bwd_bf16_hd128_64x128_s1_w8_causal_dqquad",
         "cutefa_sm80_bwd_bf16_hd256_64x64_s1_w8_dqquad",
     } <= quads
-    assert all(space.why_invalid(s) is None for s in DEFAULTS if s.dq_quad)
+    assert all(why_invalid(s) is None for s in DEFAULTS if s.options.dq_layout is DqLayout.QUAD)
 
 
 def test_dq_tile_committed():
-    """dq_tile is the family's default backward flag: every default and tuning tile carries it, both
-    dtypes and masks; the natural layout stays as the bf16 twin of the dq_quad tiles; the workspace
-    is tiled by query blocks; the flag is refused beside dq_quad and outside the sm80 backward."""
-    tiles = {s for s in DEFAULTS if s.dq_tile}
+    """DqLayout.TILE is the family's default backward layout: every default and tuning tile carries
+    it, both dtypes and masks; the natural layout stays as the bf16 twin of the QUAD tiles; the
+    workspace is tiled by query blocks; only the sm80 backward's record has a dQ layout."""
+    tiles = {s for s in DEFAULTS if s.options.dq_layout is DqLayout.TILE}
     assert {s.dtype for s in tiles} == {"fp16", "bf16"}
-    plain = {s for s in DEFAULTS if not (s.dq_tile or s.dq_quad)}
-    assert plain == {s.replace(dq_quad=False) for s in DEFAULTS if s.dq_quad}
-    assert {s.replace(**space.default_extras("sm80", "bwd", s.head_dim, stages=s.stages)) for s in plain} <= tiles
-    assert all(space.why_invalid(s) is None for s in tiles)
+    plain = {s for s in DEFAULTS if s.options.dq_layout is DqLayout.ROWS}
+    quads = {s for s in DEFAULTS if s.options.dq_layout is DqLayout.QUAD}
+    assert plain == {s.replace(dq_layout=DqLayout.ROWS) for s in quads}
+    assert {s.replace(dq_layout=DqLayout.TILE) for s in plain} <= {s.replace(dq_pipe=False) for s in tiles}
+    assert all(why_invalid(s) is None for s in tiles)
     spec = next(s for s in tiles if s.head_dim == 128 and s.tile_m == 64 and s.stages == 1 and not s.causal)
-    assert space.bwd_dq_accum_shape(spec, 2, 3, 1000, 5) == (2, 3, 5, -(-1000 // 64), 64 * 128)
-    assert "dq_quad" in space.why_invalid(spec.replace(dq_quad=True))
-    assert "sm80 backward" in space.why_invalid(space.VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_tile=True))
+    assert bwd_dq_accum_shape(spec, 2, 3, 1000, 5) == (2, 3, 5, -(-1000 // 64), 64 * 128)
+    with pytest.raises(TypeError, match="dq_layout"):
+        VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_layout=DqLayout.TILE)
 
 
 @cute.jit
@@ -192,7 +202,7 @@ def _trace_chunks(
     tile_m: cutlass.Constexpr, head_dim: cutlass.Constexpr, wm: cutlass.Constexpr, wn: cutlass.Constexpr, out: cutlass.Constexpr
 ):
     """Trace time only: for every thread of a (wm, wn) dQ tiled MMA, the coordinates of its values of
-    each dq_pipe column chunk (one tile of the MMA, 16 * wn columns, partitioned on its own) against
+    each _dqpipe column chunk (one tile of the MMA, 16 * wn columns, partitioned on its own) against
     its values c * n ... (c + 1) * n - 1 of the whole tile, where red_add_fragment's ``value0`` puts
     them; the (row, column) of every chunk value into ``out``."""
     mma = bwd_parts.tiled_mma(cutlass.BFloat16, wm, wn)
@@ -213,8 +223,8 @@ def _trace_chunks(
 
 @pytest.mark.parametrize("tile_m, head_dim, warps_m, warps_n", [(64, 192, 2, 4), (64, 128, 2, 4), (64, 256, 4, 2)])
 def test_dq_pipe_chunks(tile_m, head_dim, warps_m, warps_n):
-    """dq_pipe's column chunks are a partition of the dQ fragment in its own order: chunk c of every
-    thread holds the whole fragment's values c * n on (so dq_tile's fragment-order words take them
+    """_dqpipe's column chunks are a partition of the dQ fragment in its own order: chunk c of every
+    thread holds the whole fragment's values c * n on (so DqLayout.TILE's fragment-order words take them
     unchanged), and the chunks of all threads cover the tile once."""
     out: list[tuple[int, int]] = []
     cute.compile(_trace_chunks, tile_m, head_dim, warps_m, warps_n, out)
@@ -224,16 +234,17 @@ def test_dq_pipe_chunks(tile_m, head_dim, warps_m, warps_n):
 
 def test_dq_pipe_committed():
     """dq_pipe on the single-buffered tiles of hd96 (the default and the 99 KiB one), hd192 and
-    hd256 (the defaults), both dtypes and masks; refused without dq_tile and on double-buffered
-    tiles."""
-    pipes = {s for s in DEFAULTS if s.dq_pipe}
+    hd256 (the defaults), both dtypes and masks; refused without DqLayout.TILE and on
+    double-buffered tiles."""
+    pipes = {s for s in DEFAULTS if s.options.dq_pipe}
     tiles = {(96, 64, 128, 1), (96, 64, 64, 1), (192, 64, 64, 1), (256, 64, 64, 1)}
     assert {(s.head_dim, s.tile_m, s.tile_n, s.stages) for s in pipes} == tiles
     assert {(s.dtype, s.causal) for s in pipes} == {(d, c) for d in ("fp16", "bf16") for c in (False, True)}
     assert len(pipes) == 4 * len(tiles)
     spec = next(iter(pipes))
-    assert "dq_tile" in space.why_invalid(spec.replace(dq_tile=False))
-    assert "stages > 1" in space.why_invalid(spec.replace(stages=2))
+    assert "dq_layout=TILE" in why_invalid(spec.replace(dq_layout=DqLayout.ROWS))
+    assert "dq_layout=TILE" in why_invalid(spec.replace(dq_layout=DqLayout.QUAD))
+    assert "stages > 1" in why_invalid(spec.replace(stages=2))
 
 
 @cute.jit

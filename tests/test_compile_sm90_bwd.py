@@ -4,8 +4,10 @@ K, V, Q and dO, setmaxnreg (USETMAXREG), mbarrier pipelines (SYNCS), MUFU.EX2 fo
 probabilities and 8-byte fp32 vector reductions (REDG ... ADD.F32x2) into the dQ accumulator; no local-memory
 spills. Also: the shared-memory layouts that read one buffer in two roles address the same bytes.
 
-The committed alternatives (BWD_ALTERNATIVES: a 3-stage Q/dO ring, the overlap schedule) are checked
-the same way, one per kind (the dq_bulk ones: tests/test_compile_sm90_bwd_dqbulk.py); overlap issues dK in each consumer's dQ branch (its HGMMAs twice) and
+The measured alternatives (tools/alternatives.py SM90_BWD_ALTERNATIVES: a 3-stage Q/dO ring, the
+overlap schedule) are checked the same way, one per kind (the bulk dQ path, DqPath.BULK:
+tests/test_compile_sm90_bwd_dqbulk.py); overlap issues dK in each consumer's dQ branch (its HGMMAs
+twice) and
 must keep ptxas from serializing the WGMMAs (one wait per commit-group boundary, no more).
 
 One cubin holds the preprocess, main and postprocess kernels; counts are summed over the three.
@@ -22,9 +24,22 @@ import sys
 from pathlib import Path
 
 import pytest
-from cpu_support import assert_sm90_bwd_stores
+from cpu_support import all_variants, assert_sm90_bwd_stores
 
-from cutefa import sass, space
+from cutefa import sass
+from cutefa.model.budgets_sm90 import (
+    SM90_CONSUMER_REGS,
+    SM90_SMEM_LIMIT,
+    sm90_bwd_dq_pieces,
+    sm90_bwd_dq_swapped,
+    sm90_bwd_head_split,
+    sm90_bwd_registers,
+    sm90_bwd_smem_bytes,
+    sm90_bwd_swapped,
+)
+from cutefa.model.defaults import DEFAULT_BWD_TILES
+from cutefa.model.options import DqPath, Sm90BwdOptions
+from cutefa.model.rules import est_registers, smem_bytes, why_invalid
 
 # The head-dim split (head dims 192/256, tile_n=64) and the swapped-dK/dV partition (head dim 192,
 # tile_n=96) have their own templates and checks: tests/test_compile_sm90_bwd_hsplit.py and
@@ -32,36 +47,35 @@ from cutefa import sass, space
 # The tile_m=80 tile (dQ transposed): tests/test_compile_sm90_bwd_dqswap.py.
 COMMITTED = [
     s
-    for s in space.default_variants("sm90", "bwd")
-    if not (space.sm90_bwd_head_split(s) or space.sm90_bwd_swapped(s) or space.sm90_bwd_dq_swapped(s))
+    for s in all_variants("sm90", "bwd")
+    if not (sm90_bwd_head_split(s) or sm90_bwd_swapped(s) or sm90_bwd_dq_swapped(s))
 ]
+
+
+# The options of the defaults at head dims 64, 96 and 128: dQ by one bulk reduce-add per consumer
+# (tests/test_compile_sm90_bwd_dqbulk.py checks that dispatch picks them).
+DEFAULT_OPTIONS = Sm90BwdOptions(dq_path=DqPath.BULK)
 
 
 def _is_default(s) -> bool:
     tile = (s.tile_m, s.tile_n, s.stages, s.warps)
-    default_bulk = bool(space.default_extras("sm90", "bwd", s.head_dim).get("dq_bulk"))
-    return (
-        tile == space.DEFAULT_BWD_TILES["sm90"][s.head_dim]
-        and not s.overlap
-        and not s.dq_warp
-        and s.dq_bulk == default_bulk
-    )
+    return tile == DEFAULT_BWD_TILES["sm90"][s.head_dim] and s.options == DEFAULT_OPTIONS
 
 
 DEFAULTS = [s for s in COMMITTED if _is_default(s)]
 ALTERNATIVES = [s for s in COMMITTED if not _is_default(s)]
-# The defaults add dQ with one bulk reduce-add per consumer (dq_bulk): their SASS is checked by
+# The defaults add dQ with one bulk reduce-add per consumer (DqPath.BULK): their SASS is checked by
 # tests/test_compile_sm90_bwd_dqbulk.py. Here the per-thread reductions of the alternatives: the
 # 2-stage tile at both head dims (one causal), overlap at both head dims (the other mask) and one
 # 3-stage ring.
 CHECKED = [
     s
     for s in ALTERNATIVES
-    if not s.dq_bulk
+    if s.options.dq_path is DqPath.RED
     and (
-        (s.stages == 2 and not s.overlap and s.causal == (s.head_dim == 64))
-        or (s.overlap and s.stages == 2 and s.causal == (s.head_dim == 128))
-        or (not s.overlap and s.stages == 3 and s.head_dim == 128 and not s.causal)
+        (s.stages == 2 and not s.options.overlap and s.causal == (s.head_dim == 64))
+        or (s.options.overlap and s.stages == 2 and s.causal == (s.head_dim == 128))
+        or (not s.options.overlap and s.stages == 3 and s.head_dim == 128 and not s.causal)
     )
 ]
 
@@ -80,7 +94,7 @@ def test_sass_sm90a_bwd(cubins, spec):
     # Per query block: S^T and dP^T (head_dim/16 k-steps each), dV and dK (tile_m/16 each), dQ
     # (tile_n/16, once per consumer's piece): every k-step one WGMMA, unrolled.
     expected = 2 * spec.head_dim // 16 + 2 * spec.tile_m // 16 + 2 * spec.tile_n // 16
-    if spec.overlap:  # dK issued after dQ, in each consumer's branch
+    if spec.options.overlap:  # dK issued after dQ, in each consumer's branch
         expected += spec.tile_m // 16
     assert report.counts["HGMMA"] == expected, f"{spec.name}: {report.summary()}"
     assert report.counts["USETMAXREG"] >= 2, report.summary()  # producer gives, consumers take
@@ -94,7 +108,7 @@ def test_sass_sm90a_bwd(cubins, spec):
     # (64 rows x its columns over 128 threads; one code path per consumer), each twice: unpredicated
     # for the query blocks whose rows are all in range, guarded row by row for the last one.
     reductions = re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text)
-    expected = 2 * sum(64 * cols // 128 // 2 for _, _, cols in space.sm90_bwd_dq_pieces(spec))
+    expected = 2 * sum(64 * cols // 128 // 2 for _, _, cols in sm90_bwd_dq_pieces(spec))
     assert len(reductions) == expected, f"{spec.name}: {len(reductions)} REDs, expected {expected}"
     # K, V once per key block, Q and dO per query block: 4 TMA loads per box row of 64 columns.
     assert report.counts["UTMALDG"] >= 4, report.summary()
@@ -108,8 +122,9 @@ def test_sass_sm90a_bwd(cubins, spec):
 
 
 def test_alternatives_are_bf16_schedules_beside_the_defaults():
-    """BWD_ALTERNATIVES: bf16, at most 36, each a valid spec that differs from its head dim's
-    default; fp16 only the dQ-writer warp's and the overlap schedule's (BWD_DTYPE_ALTERNATIVES); dispatch (backward.choose_bwd)
+    """SM90_BWD_ALTERNATIVES: bf16, at most 36, each a valid spec that differs from its head dim's
+    default; fp16 only the dQ-writer warp's and the overlap schedule's (SM90_FP16_BWD_ALTERNATIVES);
+    dispatch (backward.choose_bwd)
     with no tuned table picks the default."""
     import torch
 
@@ -118,15 +133,18 @@ def test_alternatives_are_bf16_schedules_beside_the_defaults():
     bf16 = [s for s in ALTERNATIVES if s.dtype == "bf16"]
     fp16 = [s for s in ALTERNATIVES if s.dtype == "fp16"]
     assert 0 < len(bf16) <= 36 and len(bf16) + len(fp16) == len(ALTERNATIVES)
-    assert fp16 and all(s.dq_bulk and (s.dq_warp or s.overlap) for s in fp16)
+    assert fp16 and all(
+        s.options.dq_path is DqPath.BULK_WARP or (s.options.dq_path is DqPath.BULK and s.options.overlap)
+        for s in fp16
+    )
     assert {s.replace(dtype="bf16") for s in fp16} <= set(bf16)
     assert {s.head_dim for s in ALTERNATIVES} == {64, 128}
     for spec in ALTERNATIVES:
-        assert space.why_invalid(spec) is None, spec.name
+        assert why_invalid(spec) is None, spec.name
         dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
         chosen = backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal)
         assert chosen in DEFAULTS and chosen != spec
-    assert any(s.overlap for s in ALTERNATIVES) and any(s.stages == 3 for s in ALTERNATIVES)
+    assert any(s.options.overlap for s in ALTERNATIVES) and any(s.stages == 3 for s in ALTERNATIVES)
 
 
 def test_bwd_budgets_in_the_predicate():
@@ -135,15 +153,13 @@ def test_bwd_budgets_in_the_predicate():
     assert sorted({s.head_dim for s in DEFAULTS}) == [64, 96, 128]
     assert len(DEFAULTS) == 2 * 2 * 3
     for spec in DEFAULTS:
-        assert space.why_invalid(spec) is None
-        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == space.DEFAULT_BWD_TILES["sm90"][
-            spec.head_dim
-        ]
-        assert space.sm90_bwd_smem_bytes(spec) <= space.SM90_SMEM_LIMIT
-        assert space.sm90_bwd_registers(spec) <= space.SM90_CONSUMER_REGS
+        assert why_invalid(spec) is None
+        assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == DEFAULT_BWD_TILES["sm90"][spec.head_dim]
+        assert sm90_bwd_smem_bytes(spec) <= SM90_SMEM_LIMIT
+        assert sm90_bwd_registers(spec) <= SM90_CONSUMER_REGS
         # the generic budget functions (CLI show, codegen) use the backward's models
-        assert space.smem_bytes(spec) == space.sm90_bwd_smem_bytes(spec)
-        assert space.est_registers(spec) == space.sm90_bwd_registers(spec)
+        assert smem_bytes(spec) == sm90_bwd_smem_bytes(spec)
+        assert est_registers(spec) == sm90_bwd_registers(spec)
 
 
 _LAYOUT_CHECK = """

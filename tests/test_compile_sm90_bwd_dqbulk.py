@@ -1,8 +1,9 @@
-"""The sm90 backward's dq_bulk path (FlashAttention-3's dQ path) on this CPU.
+"""The sm90 backward's bulk dQ path (DqPath.BULK, name token _dqbulk; FlashAttention-3's dQ path) on
+this CPU.
 
 Each consumer warpgroup stages its fp32 dQ piece in shared memory in the WGMMA fragment's order and
 one thread adds the whole piece into the tiled dq_accum with one bulk reduce-add
-(cp.reduce.async.bulk, SASS ``UBLKRED``). Checked here: dq_bulk is the default at head dims 64/96/128
+(cp.reduce.async.bulk, SASS ``UBLKRED``). Checked here: it is the default at head dims 64/96/128
 (its per-thread-reduction twins committed beside it in bf16) and dispatch picks it; the head-dim
 split's _dqbulk variants (hd192/hd256; hd256's default is the one with the overlap schedule) sit
 beside the plain split; the predicate counts the staging
@@ -11,7 +12,7 @@ is staged in the Q/dO stage); variants compile for sm_90a with the bulk reduce-a
 16-byte shared-memory stores and no per-thread fp32 reduction (no REDG) or local-memory spill; and
 the pre/postprocess move 16-byte vectors (the preprocess zeroes the workspace, the postprocess
 writes dQ rows from a shared-memory tile); and the fragment order that the main kernel writes and
-the postprocess reads back (bwd_parts.
+the postprocess reads back (bwd_dq_bulk.
 bulk_dq_coords, traced with the DSL) maps a query block's chunk one-to-one onto its tile_m x
 head_dim elements.
 
@@ -28,36 +29,53 @@ import sys
 from pathlib import Path
 
 import pytest
-from cpu_support import assert_sm90_bwd_stores
+from cpu_support import all_variants, assert_sm90_bwd_stores
 
-from cutefa import sass, space
+from cutefa import sass
+from cutefa.model.budgets import bwd_dq_accum_shape
+from cutefa.model.budgets_sm90 import (
+    SM90_SMEM_LIMIT,
+    sm90_bwd_dq_bulk_aliases,
+    sm90_bwd_dq_pieces,
+    sm90_bwd_dq_swapped,
+    sm90_bwd_head_split,
+    sm90_bwd_smem_bytes,
+    sm90_bwd_swapped,
+)
+from cutefa.model.defaults import DEFAULT_BWD_TILES
+from cutefa.model.options import DqPath, Sm90BwdOptions
+from cutefa.model.rules import why_invalid
 from cutefa.spec import VariantSpec
 
 # (the swapped-dK/dV partition at head dim 192 has its own checks: test_compile_sm90_bwd_swapkv.py)
 # (the tile_m=80 tile, dQ transposed: test_compile_sm90_bwd_dqswap.py)
 BULK = [
     s
-    for s in space.default_variants("sm90", "bwd")
-    if s.dq_bulk and not (s.dq_warp or space.sm90_bwd_swapped(s) or space.sm90_bwd_dq_swapped(s))
+    for s in all_variants("sm90", "bwd")
+    if s.options.dq_path is DqPath.BULK and not (sm90_bwd_swapped(s) or sm90_bwd_dq_swapped(s))
 ]
 # hd128 64x128 (a column split of dQ) non-causal, hd64 128x128 (a row split) causal; and the overlap
 # schedule's bulk path (its dQ staging runs while dK's WGMMA does) at hd128; the head-dim split at
 # hd192, plain non-causal and causal with the overlap schedule; hd256 (staged in the Q/dO stage)
 # plain non-causal and its default (the overlap schedule) causal in fp16.
 CHECKED = [
-    s for s in BULK if s.head_dim <= 128 and s.causal == (s.head_dim == 64) and (not s.overlap or s.head_dim == 128)
+    s
+    for s in BULK
+    if s.head_dim <= 128 and s.causal == (s.head_dim == 64) and (not s.options.overlap or s.head_dim == 128)
 ]
-CHECKED += [s for s in BULK if s.head_dim == 192 and s.causal == s.overlap]
-CHECKED += [s for s in BULK if s.head_dim == 256 and not s.causal and not s.overlap]
-CHECKED += [s for s in BULK if s.head_dim == 256 and s.causal and s.overlap and s.dtype == "fp16"]  # the default
+CHECKED += [s for s in BULK if s.head_dim == 192 and s.causal == s.options.overlap]
+CHECKED += [s for s in BULK if s.head_dim == 256 and not s.causal and not s.options.overlap]
+# the default
+CHECKED += [s for s in BULK if s.head_dim == 256 and s.causal and s.options.overlap and s.dtype == "fp16"]
 
 
 def _twin(spec: VariantSpec) -> VariantSpec:
-    return spec.replace(dq_bulk=False)
+    """``spec`` with per-thread dQ reductions."""
+    return spec.replace(dq_path=DqPath.RED)
 
 
 def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
-    """dq_bulk is the sm90 backward default at head dims 64, 96, 128 (every dtype, both masks) and
+    """DqPath.BULK is the sm90 backward default at head dims 64, 96, 128 (every dtype, both masks) and
     with the overlap schedule a bf16 and an fp16 alternative at 64 and 128; on the head-dim split hd256's default
     with the overlap schedule (every dtype) and a bf16 alternative without it, at hd192 bf16
     alternatives, plain and overlap; each has its per-thread-reduction twin committed (bf16) to be
@@ -66,77 +84,87 @@ def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
 
     from cutefa import backward
 
-    defaults = [s for s in BULK if not s.overlap and s.head_dim <= 128]
-    assert sorted((s.dtype, s.head_dim, s.causal) for s in defaults) == [
+    default_specs = [s for s in BULK if not s.options.overlap and s.head_dim <= 128]
+    assert sorted((s.dtype, s.head_dim, s.causal) for s in default_specs) == [
         (dt, hd, causal) for dt in ("bf16", "fp16") for hd in (64, 96, 128) for causal in (False, True)
     ]
-    assert sorted((s.dtype, s.head_dim, s.causal, s.overlap) for s in BULK if s.overlap or s.head_dim > 128) == sorted(
+    assert sorted(
+        (s.dtype, s.head_dim, s.causal, s.options.overlap)
+        for s in BULK
+        if s.options.overlap or s.head_dim > 128
+    ) == sorted(
         [("bf16", hd, causal, True) for hd in (64, 128) for causal in (False, True)]
         + [("bf16", hd, causal, ov) for hd in (192, 256) for causal in (False, True) for ov in (False, True)]
         + [("fp16", 256, causal, True) for causal in (False, True)]  # hd256's default, the overlap schedule
-        + [("fp16", hd, causal, True) for hd in (64, 128) for causal in (False, True)]  # space.BWD_DTYPE_ALTERNATIVES
+        # tools/alternatives.py SM90_FP16_BWD_ALTERNATIVES
+        + [("fp16", hd, causal, True) for hd in (64, 128) for causal in (False, True)]
     )
-    committed = set(space.default_variants("sm90", "bwd"))
+    variants = set(all_variants("sm90", "bwd"))
     for spec in BULK:
         assert spec.name.endswith("_dqbulk")
-        assert space.why_invalid(spec) is None, spec.name
+        assert why_invalid(spec) is None, spec.name
         # the default tile, or at head dims 192 and 256 the head-dim split's (192's default is the
         # swapped partition, tests/test_compile_sm90_bwd_swapkv.py)
-        tile = (64, 64, 2, 12) if space.sm90_bwd_head_split(spec) else space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
+        tile = (64, 64, 2, 12) if sm90_bwd_head_split(spec) else DEFAULT_BWD_TILES["sm90"][spec.head_dim]
         assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == tile
         if spec.dtype == "bf16" and spec.head_dim != 96:
-            assert _twin(spec) in committed  # timed beside the variant it changes
-    for spec in defaults:  # no seqlen_k: the default, not a tuned table's entry
+            assert _twin(spec) in variants  # timed beside the variant it changes
+    for spec in default_specs:  # no seqlen_k: the default, not a tuned table's entry
+        assert spec.options == Sm90BwdOptions(dq_path=DqPath.BULK)
         dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[spec.dtype])
         assert backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal) == spec
-    assert space.default_extras("sm90", "bwd", 128) == {"dq_bulk": True}
-    # the head-dim split: dq_bulk with the overlap schedule, dispatched for both dtypes
-    assert space.default_extras("sm90", "bwd", 256) == {"dq_bulk": True, "overlap": True}
     for dtype in (torch.bfloat16, torch.float16):
         for causal in (False, True):
+            # the head-dim split: the bulk path with the overlap schedule, dispatched for both dtypes
             spec = backward.choose_bwd("sm_90a", dtype, 256, causal)
-            assert spec in BULK and spec.overlap and space.sm90_bwd_head_split(spec), spec.name
-    assert space.default_extras("sm90", "bwd", 192) == {"dq_bulk": True, "dq_stage": True}  # the swapped partition
+            assert spec in BULK and sm90_bwd_head_split(spec), spec.name
+            assert spec.options == Sm90BwdOptions(overlap=True, dq_path=DqPath.BULK), spec.name
+            # the swapped partition: the bulk path through a staging buffer of its own
+            spec = backward.choose_bwd("sm_90a", dtype, 192, causal)
+            assert sm90_bwd_swapped(spec), spec.name
+            assert spec.options == Sm90BwdOptions(dq_path=DqPath.BULK_STAGED), spec.name
 
 
 def test_predicate_counts_the_staging_buffers():
     for spec in BULK:
-        extra = space.sm90_bwd_smem_bytes(spec) - space.sm90_bwd_smem_bytes(_twin(spec))
-        if space.sm90_bwd_dq_bulk_aliases(spec):  # hd256: staged in the Q/dO stage
+        extra = sm90_bwd_smem_bytes(spec) - sm90_bwd_smem_bytes(_twin(spec))
+        if sm90_bwd_dq_bulk_aliases(spec):  # hd256: staged in the Q/dO stage
             assert spec.head_dim == 256 and extra == 0
         else:
             assert extra == 4 * spec.tile_m * spec.head_dim  # the fp32 dQ of one query block
-    # a 3-stage ring plus the buffers is over the 227 KiB; the flag belongs to the sm90 backward only
-    deep = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 3, 12, dq_bulk=True)
-    assert "shared memory" in space.why_invalid(deep)
-    assert space.why_invalid(deep.replace(dq_bulk=False)) is None
+    # a 3-stage ring plus the buffers is over the 227 KiB
+    deep = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 3, 12, dq_path=DqPath.BULK)
+    assert "shared memory" in why_invalid(deep)
+    assert why_invalid(_twin(deep)) is None
     # the head-dim split: hd192 s2 with its 48 KiB of staging needs the opt-in limit exactly (the
     # struct the DSL sizes plus the kernel's 1 KiB of static shared memory); hd256 s2 (already at the
     # limit without them) and hd192 s3 stage dQ in the Q/dO stage instead: no extra bytes
-    split192 = VariantSpec("sm90", "bwd", "bf16", 192, 64, 64, 2, 12, dq_bulk=True)
-    assert space.sm90_bwd_smem_bytes(split192) == space.SM90_SMEM_LIMIT == 232448
-    assert not space.sm90_bwd_dq_bulk_aliases(split192)
+    split192 = VariantSpec("sm90", "bwd", "bf16", 192, 64, 64, 2, 12, dq_path=DqPath.BULK)
+    assert sm90_bwd_smem_bytes(split192) == SM90_SMEM_LIMIT == 232448
+    assert not sm90_bwd_dq_bulk_aliases(split192)
     split256 = split192.replace(head_dim=256)
     for spec in (split256, split192.replace(stages=3)):
-        assert space.sm90_bwd_dq_bulk_aliases(spec), spec.name
-        assert space.sm90_bwd_smem_bytes(spec) == space.sm90_bwd_smem_bytes(_twin(spec)) == space.SM90_SMEM_LIMIT
+        assert sm90_bwd_dq_bulk_aliases(spec), spec.name
+        assert sm90_bwd_smem_bytes(spec) == sm90_bwd_smem_bytes(_twin(spec)) == SM90_SMEM_LIMIT
     for spec in (split192, split256, split192.replace(stages=3)):
-        assert space.why_invalid(spec) is None and space.why_invalid(spec.replace(overlap=True)) is None
-    assert not space.sm90_bwd_dq_bulk_aliases(split256.replace(dq_bulk=False))
-    assert not space.sm90_bwd_dq_bulk_aliases(VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 3, 12, dq_bulk=True))
-    assert "dq_bulk" in space.why_invalid(VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8, dq_bulk=True))
-    assert "dq_bulk" in space.why_invalid(VariantSpec("sm90", "fwd", "bf16", 128, 128, 128, 2, 12, dq_bulk=True))
+        assert why_invalid(spec) is None and why_invalid(spec.replace(overlap=True)) is None
+    assert not sm90_bwd_dq_bulk_aliases(_twin(split256))
+    assert not sm90_bwd_dq_bulk_aliases(deep)
+    # the dQ path is an option of the sm90 backward's record only
+    for arch, direction, tile in (("sm80", "bwd", (64, 128, 1, 8)), ("sm90", "fwd", (128, 128, 2, 12))):
+        with pytest.raises(TypeError, match="dq_path"):
+            VariantSpec(arch, direction, "bf16", 128, *tile, dq_path=DqPath.BULK)
 
 
 def test_workspace_shapes():
     spec = next(s for s in BULK if s.head_dim == 128)
-    assert space.bwd_dq_accum_shape(spec, 3, 2, 1000, 5) == (3, 2, 5, -(-1000 // 64), 64 * 128)
-    assert space.bwd_dq_accum_shape(spec, 1, 1, 1, 1) == (1, 1, 1, 1, 64 * 128)
-    assert space.bwd_dq_accum_shape(_twin(spec), 3, 2, 1000, 5) == (3, 2, 1000, 5, 128)
+    assert bwd_dq_accum_shape(spec, 3, 2, 1000, 5) == (3, 2, 5, -(-1000 // 64), 64 * 128)
+    assert bwd_dq_accum_shape(spec, 1, 1, 1, 1) == (1, 1, 1, 1, 64 * 128)
+    assert bwd_dq_accum_shape(_twin(spec), 3, 2, 1000, 5) == (3, 2, 1000, 5, 128)
 
 
 def test_host_allocates_the_variant_layout():
-    """backward.py's workspace: tiled for dq_bulk, the (splits, batch, seqlen_q, heads_q, head_dim)
+    """backward.py's workspace: tiled for the bulk path, the (splits, batch, seqlen_q, heads_q, head_dim)
     layout for every other variant (uninitialized either way: the preprocess kernels zero it)."""
     import torch
 
@@ -172,22 +200,22 @@ def test_sass_bulk_reduce(cubins, spec):
     text = sass.disassemble(cubins[spec.name])
     for op in ("HGMMA", "UTMALDG", "USETMAXREG", "SYNCS", "MUFU.EX2"):
         assert report.counts.get(op, 0) > 0, f"{spec.name}: no {op}: {report.summary()}"
-    if space.sm90_bwd_head_split(spec):  # S^T, dP^T over d; dQ over the 64 keys; dV, dK over 64 queries
+    if sm90_bwd_head_split(spec):  # S^T, dP^T over d; dQ over the 64 keys; dV, dK over 64 queries
         expected = 2 * spec.head_dim // 16 + spec.tile_n // 16 + 2 * spec.tile_m // 16
     else:
         expected = 2 * spec.head_dim // 16 + 2 * spec.tile_m // 16 + 2 * spec.tile_n // 16
-    if spec.overlap and not space.sm90_bwd_head_split(spec):  # dK issued after dQ, in each consumer's branch
+    if spec.options.overlap and not sm90_bwd_head_split(spec):  # dK after dQ, in each consumer's branch
         expected += spec.tile_m // 16
     assert report.counts["HGMMA"] == expected, report.summary()
     # one bulk reduce-add per consumer code path (two, one per half, where the piece is staged in
     # the Q/dO stage), fp32 add, and no per-thread reduction left
-    copies = 2 if space.sm90_bwd_dq_bulk_aliases(spec) else 1
+    copies = 2 if sm90_bwd_dq_bulk_aliases(spec) else 1
     assert report.forms_of("UBLKRED") == {"UBLKRED.G.S.ADD.F32.RN": 2 * copies}, report.forms
     assert not re.findall(r"\bREDG?\.", text), f"{spec.name}: per-thread reductions remain"
     # the piece goes to shared memory 16 bytes at a time: cols / 8 stores per thread and consumer
     stores = len(re.findall(r"\bSTS\.128\b", text))
-    assert stores >= sum(cols // 8 for _, _, cols in space.sm90_bwd_dq_pieces(spec)), stores
-    if not space.sm90_bwd_head_split(spec):
+    assert stores >= sum(cols // 8 for _, _, cols in sm90_bwd_dq_pieces(spec)), stores
+    if not sm90_bwd_head_split(spec):
         _check_ds_stmatrix(report, spec, text)
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
     for budget, used in sass.setmaxnreg_regions(text):
@@ -216,7 +244,7 @@ def test_sass_pre_postprocess(cubins, spec):
     assert pre.get("STG.E.128", 0) == spec.head_dim // 32, pre
     assert {f: n for f, n in pre.items() if f.startswith("LDG")} == {"LDG.E.128": 2 * 4, "LDG.E": 2}, pre
     post = _memory_forms(text, "postprocess")
-    pieces = space.sm90_bwd_dq_pieces(spec)
+    pieces = sm90_bwd_dq_pieces(spec)
     assert post.get("LDG.E.128", 0) >= sum(cols // 8 for _, _, cols in pieces), post
     assert not {f for f in post if f.startswith("LDG") and f != "LDG.E.128"}, post
     assert {f: n for f, n in post.items() if f.startswith("STG")} == {"STG.E.128": spec.tile_m * spec.head_dim // 1024}, post
@@ -229,14 +257,14 @@ def test_sass_pre_postprocess(cubins, spec):
 _COORDS = """
 import json, sys
 import cutlass, cutlass.cute as cute
-from cutefa.kernels.sm90 import bwd_parts
+from cutefa.kernels.sm90 import bwd_dq_bulk, bwd_parts
 
 result = {}
 
 @cute.jit
 def coords(cols: cutlass.Constexpr):
     mma = bwd_parts.dq_tiled_mma(cutlass.BFloat16, cols)
-    slices = [bwd_parts.bulk_dq_coords(mma, t, cols) for t in range(128)]
+    slices = [bwd_dq_bulk.bulk_dq_coords(mma, t, cols) for t in range(128)]
     result["coords"] = [[[int(c[i][0]), int(c[i][1])] for i in range(cute.size(c))] for c in slices]
 
 coords(int(sys.argv[1]))
@@ -266,10 +294,10 @@ def test_chunk_order_is_a_bijection(tmp_path, tile_m, tile_n, head_dim):
     16 w + (t % 32) / 4 (+ 8) and columns 8 k + 2 (t % 4) (+ 1). tile_n=64: the head-dim split,
     each consumer all 64 rows and its half of the columns (at 256 staged in two halves, words
     [0, 64 d/4) and [64 d/4, 64 d/2) of the piece: the same chunk order)."""
-    from cutefa.kernels.sm90.bwd_parts import BULK_VEC, bulk_piece_offsets
+    from cutefa.kernels.sm90.bwd_dq_bulk import BULK_VEC, bulk_piece_offsets
 
-    spec = VariantSpec("sm90", "bwd", "bf16", head_dim, tile_m, tile_n, 2, 12, dq_bulk=True)
-    pieces = space.sm90_bwd_dq_pieces(spec)
+    spec = VariantSpec("sm90", "bwd", "bf16", head_dim, tile_m, tile_n, 2, 12, dq_path=DqPath.BULK)
+    pieces = sm90_bwd_dq_pieces(spec)
     offsets = bulk_piece_offsets(pieces)
     traced = {cols: _trace_coords(tmp_path, cols) for cols in {c for _, _, c in pieces}}
     element_of_word = {}

@@ -3,8 +3,9 @@ this CPU.
 
 80 query rows per step are not a multiple of WGMMA's 64-row M, so each consumer warpgroup computes
 dQ^T = K^T dS^T for its 64 head-dim columns of all 80 rows (M = 64 columns, N = 80 queries, K = the
-128 keys) and adds that transposed piece by the dq_bulk path (space.sm90_bwd_dq_swapped). Checked
-here: the predicate admits it at head dim 128 with dq_bulk, 2 stages and the default schedule only,
+128 keys) and adds that transposed piece by the bulk path (DqPath.BULK; budgets_sm90.sm90_bwd_dq_swapped).
+Checked here: the predicate admits it at head dim 128 with the bulk path, 2 stages and the default
+schedule only,
 counts its shared memory exactly (the opt-in limit, as FlashAttention-4's budget for this tile) and
 its registers; it is a bf16 alternative (both masks) that dispatch does not pick; both masks compile
 for sm_90a with S^T, dP^T and dQ^T as 64x80 HGMMAs, dV/dK over K = 80, six WGMMA waits (none
@@ -26,39 +27,50 @@ import sys
 from pathlib import Path
 
 import pytest
-from cpu_support import assert_sm90_bwd_stores
+from cpu_support import all_variants, assert_sm90_bwd_stores
 
-from cutefa import sass, space
+from cutefa import sass
+from cutefa.model.budgets import bwd_dq_accum_shape
+from cutefa.model.budgets_sm90 import (
+    SM90_CONSUMER_REGS,
+    SM90_SMEM_LIMIT,
+    sm90_bwd_dq_pieces,
+    sm90_bwd_dq_swapped,
+    sm90_bwd_registers,
+    sm90_bwd_smem_bytes,
+)
+from cutefa.model.options import DqPath
+from cutefa.model.rules import smem_bytes, why_invalid
 from cutefa.spec import VariantSpec
 
-SWAPPED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_dq_swapped(s)]
+SWAPPED = [s for s in all_variants("sm90", "bwd") if sm90_bwd_dq_swapped(s)]
 
 
 def _spec(**kw) -> VariantSpec:
-    base = {"head_dim": 128, "tile_m": 80, "tile_n": 128, "stages": 2, "warps": 12, "dq_bulk": True}
+    base = {"head_dim": 128, "tile_m": 80, "tile_n": 128, "stages": 2, "warps": 12, "dq_path": DqPath.BULK}
     base.update(kw)
     return VariantSpec("sm90", "bwd", "bf16", **base)
 
 
 def test_predicate_admits_the_tile_with_dq_bulk_only():
     spec = _spec()
-    assert space.sm90_bwd_dq_swapped(spec) and space.why_invalid(spec) is None
-    assert space.why_invalid(_spec(causal=True)) is None
-    assert "dq_bulk" in space.why_invalid(_spec(dq_bulk=False))
-    assert "stages=3" in space.why_invalid(_spec(stages=3))
-    assert "overlap" in space.why_invalid(_spec(overlap=True))
-    assert "head_dim=64" in space.why_invalid(_spec(head_dim=64))
-    assert "tile_m=96" in space.why_invalid(_spec(tile_m=96))
+    assert sm90_bwd_dq_swapped(spec) and why_invalid(spec) is None
+    assert why_invalid(_spec(causal=True)) is None
+    assert "dq_path=RED" in why_invalid(_spec(dq_path=DqPath.RED))
+    assert "stages=3" in why_invalid(_spec(stages=3))
+    assert "overlap" in why_invalid(_spec(overlap=True))
+    assert "head_dim=64" in why_invalid(_spec(head_dim=64))
+    assert "tile_m=96" in why_invalid(_spec(tile_m=96))
     # the other tiles keep their dQ split
-    assert not space.sm90_bwd_dq_swapped(_spec(tile_m=64))
-    assert space.sm90_bwd_dq_pieces(_spec(tile_m=64)) == ((0, 0, 64), (0, 64, 64))
-    assert space.sm90_bwd_dq_pieces(spec) == ((0, 0, 64), (0, 64, 64))  # columns of all 80 rows
+    assert not sm90_bwd_dq_swapped(_spec(tile_m=64))
+    assert sm90_bwd_dq_pieces(_spec(tile_m=64)) == ((0, 0, 64), (0, 64, 64))
+    assert sm90_bwd_dq_pieces(spec) == ((0, 0, 64), (0, 64, 64))  # columns of all 80 rows
     # K, V 64 KiB + Q/dO ring 80 + two dS buffers 40 + dQ staging 40, a 2 KiB head, 1 KiB static
-    assert space.sm90_bwd_smem_bytes(spec) == 232_448 == space.SM90_SMEM_LIMIT
-    assert space.smem_bytes(spec) == space.sm90_bwd_smem_bytes(spec)
+    assert sm90_bwd_smem_bytes(spec) == 232_448 == SM90_SMEM_LIMIT
+    assert smem_bytes(spec) == sm90_bwd_smem_bytes(spec)
     # dK + dV 128, S^T + dP^T (64 x 80 fp32) 80, calibrated overhead: 236 (SASS: R235 non-causal)
-    assert space.sm90_bwd_registers(spec) == 236 <= space.SM90_CONSUMER_REGS
-    assert space.bwd_dq_accum_shape(spec, 1, 2, 161, 3) == (1, 2, 3, 3, 80 * 128)
+    assert sm90_bwd_registers(spec) == 236 <= SM90_CONSUMER_REGS
+    assert bwd_dq_accum_shape(spec, 1, 2, 161, 3) == (1, 2, 3, 3, 80 * 128)
 
 
 def test_committed_as_bf16_alternatives_not_dispatched():
@@ -70,7 +82,7 @@ def test_committed_as_bf16_alternatives_not_dispatched():
         ("bf16", 128, False, 80),
         ("bf16", 128, True, 80),
     ]
-    assert all(s.dq_bulk and not s.overlap and s.stages == 2 for s in SWAPPED)
+    assert all(s.options.dq_path is DqPath.BULK and not s.options.overlap and s.stages == 2 for s in SWAPPED)
     for causal in (False, True):
         chosen = backward.choose_bwd("sm_90a", torch.bfloat16, 128, causal)
         assert chosen.tile_m == 64 and chosen not in SWAPPED
@@ -128,14 +140,14 @@ def test_sass_postprocess(cubins, spec):
 _COORDS = """
 import json, sys
 import cutlass, cutlass.cute as cute
-from cutefa.kernels.sm90 import bwd_parts
+from cutefa.kernels.sm90 import bwd_dq_bulk, bwd_parts
 
 result = {}
 
 @cute.jit
 def coords(cols: cutlass.Constexpr, tile_m: cutlass.Constexpr):
     mma = bwd_parts.dq_tiled_mma(cutlass.BFloat16, tile_m)
-    slices = [bwd_parts.bulk_dq_transposed_coords(mma, t, cols, tile_m) for t in range(128)]
+    slices = [bwd_dq_bulk.bulk_dq_transposed_coords(mma, t, cols, tile_m) for t in range(128)]
     result["coords"] = [[[int(c[i][0]), int(c[i][1])] for i in range(cute.size(c))] for c in slices]
 
 coords(int(sys.argv[1]), int(sys.argv[2]))
@@ -150,10 +162,10 @@ def test_transposed_chunk_order_is_a_bijection(tmp_path):
     bulk_dq_transposed_coords (the accumulator's partition: thread t of warp w holds head-dim columns
     16 w + (t % 32) / 4 (+ 8) and queries 8 k + 2 (t % 4) (+ 1)) every word lands on its own element
     of the 80 x 128 block, and every element is covered."""
-    from cutefa.kernels.sm90.bwd_parts import BULK_VEC
+    from cutefa.kernels.sm90.bwd_dq_bulk import BULK_VEC
 
     spec = _spec()
-    pieces = space.sm90_bwd_dq_pieces(spec)
+    pieces = sm90_bwd_dq_pieces(spec)
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)}
     script = tmp_path / "coords.py"  # a file: the DSL reads the traced function's source

@@ -1,10 +1,11 @@
-"""The sm90 backward's dQ-writer warp (dq_warp, name token _dqw) on this CPU.
+"""The sm90 backward's dQ-writer warp (DqPath.BULK_WARP, name tokens _dqbulk_dqw) on this CPU.
 
-With dq_bulk, each consumer warpgroup stages its fp32 dQ piece in shared memory; with dq_warp it
-then only arrives on its "dQ full" named barrier, and warp 1 of the producer warpgroup issues the
+On the bulk path (DqPath.BULK) each consumer warpgroup stages its fp32 dQ piece in shared memory;
+with the writer warp it then only arrives on its "dQ full" named barrier, and warp 1 of the producer
+warpgroup issues the
 bulk reduce-add (SASS ``UBLKRED``), waits until the copy has read the buffer (deterministic: until
 it is complete) and arrives on the consumer's "dQ empty" barrier, which the consumer syncs on before
-it writes the buffer again. Checked here: the flag's name, rule and shared memory (the dq_bulk
+it writes the buffer again. Checked here: the name, rule and shared memory (the DqPath.BULK
 twin's: one staging buffer); the committed variants (bf16 hd64/hd128 on the tuned table's tiles,
 with and without the overlap schedule at hd128); and the SASS of one variant per tile: the WGMMAs,
 their waits and the consumers' registers are the twin's, every UBLKRED is in the producer
@@ -13,14 +14,14 @@ barriers are the ones the design says.
 
 Also the read-ahead of LSE2 and D on the same tiles (row_prefetch, name token _rpf): each query
 block's LSE2 (for P^T = exp2(S^T scale - LSE2)) and D (for dS^T = P^T (dP^T - D)) sit in shared
-memory; without the flag a thread reads its query columns' values right after the WGMMA wait that
+memory; without the option a thread reads its query columns' values right after the WGMMA wait that
 precedes their use, with it into registers ahead of it (LSE2 before the S^T/dP^T WGMMAs are issued,
 D before the wait for dP^T). Checked: name, rule, the committed variants beside their _dqw twins,
 and the SASS (the twin's WGMMAs, waits and budgets, and 64-bit shared loads ahead of the query
 loop's first WGMMA).
 
 Correctness on hardware: tests/gpu/test_bwd_sm90.py (every committed variant) and
-tests/gpu/test_bwd_dqbulk_gpu.py (the dq_warp and row_prefetch sections).
+tests/gpu/test_bwd_dqbulk_gpu.py (the writer warp and row_prefetch sections).
 """
 
 from __future__ import annotations
@@ -28,80 +29,94 @@ from __future__ import annotations
 import re
 
 import pytest
+from cpu_support import all_variants, assert_not_an_option
 
-from cutefa import codegen, sass, space
+from cutefa import codegen, sass
+from cutefa.model.budgets import bwd_dq_accum_shape
+from cutefa.model.budgets_sm90 import (
+    SM90_SMEM_LIMIT,
+    sm90_bwd_dq_pieces,
+    sm90_bwd_registers,
+    sm90_bwd_smem_bytes,
+)
+from cutefa.model.options import DqPath
+from cutefa.model.rules import why_invalid
 from cutefa.spec import VariantSpec, parse_name
 
-DQW = [s for s in space.default_variants("sm90", "bwd") if s.dq_warp and not s.row_prefetch]
-# hd128 64x128 (a column split of dQ) causal with the overlap schedule; hd64 128x128 (a row split)
-# non-causal with the default schedule.
-CHECKED = [
-    s for s in DQW if s.dtype == "bf16" and (s.head_dim, s.causal, s.overlap) in ((128, True, True), (64, False, False))
+DQW = [
+    s
+    for s in all_variants("sm90", "bwd")
+    if s.options.dq_path is DqPath.BULK_WARP and not s.options.row_prefetch
 ]
+# hd128 64x128 (a column split of dQ) causal with the overlap schedule; hd64 128x128 (a row split)
+# non-causal with the default schedule: (head dim, causal, overlap).
+TILES = ((128, True, True), (64, False, False))
+CHECKED = [s for s in DQW if s.dtype == "bf16" and (s.head_dim, s.causal, s.options.overlap) in TILES]
 
 # named barrier ids (templates/bwd_sm90.py.j2): consumer c's "dQ full" 4 + c, "dQ empty" 6 + c;
-# dq_bulk's per-consumer staging barriers 2 and 3; 0xa0 = 160 threads (a warpgroup and a warp)
+# the bulk path's per-consumer staging barriers 2 and 3; 0xa0 = 160 threads (a warpgroup and a warp)
 FULL, EMPTY, BULK = (4, 5), (6, 7), (2, 3)
 
 
-def _twin(spec: VariantSpec, flag: str = "dq_warp") -> VariantSpec:
-    """``spec`` without ``flag``: the variant it is measured and checked against."""
-    return spec.replace(**{flag: False})
+def _twin(spec: VariantSpec, **change: object) -> VariantSpec:
+    """``spec`` with ``change`` (by default the bulk path without the writer warp, DqPath.BULK): the
+    variant it is measured and checked against."""
+    return spec.replace(**(change or {"dq_path": DqPath.BULK}))
 
 
 def test_flag_name_rule_and_budget():
-    spec = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, overlap=True, dq_bulk=True, dq_warp=True)
+    spec = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, overlap=True, dq_path=DqPath.BULK_WARP)
     assert spec.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_ov_dqbulk_dqw"
     assert parse_name(spec.name) == spec
-    assert space.why_invalid(spec) is None
-    # the same single staging buffer as the dq_bulk twin: no extra shared memory, same registers
+    assert why_invalid(spec) is None
+    # the same single staging buffer as the DqPath.BULK twin: no extra shared memory, same registers
     for s in DQW:
-        assert space.sm90_bwd_smem_bytes(s) == space.sm90_bwd_smem_bytes(_twin(s)) <= space.SM90_SMEM_LIMIT
-        assert space.sm90_bwd_registers(s) == space.sm90_bwd_registers(_twin(s))
-        assert space.bwd_dq_accum_shape(s, 2, 1, 1000, 3) == space.bwd_dq_accum_shape(_twin(s), 2, 1, 1000, 3)
+        assert sm90_bwd_smem_bytes(s) == sm90_bwd_smem_bytes(_twin(s)) <= SM90_SMEM_LIMIT
+        assert sm90_bwd_registers(s) == sm90_bwd_registers(_twin(s))
+        assert bwd_dq_accum_shape(s, 2, 1, 1000, 3) == bwd_dq_accum_shape(_twin(s), 2, 1, 1000, 3)
         assert codegen.template_name(s) == "bwd_sm90.py.j2"
-    assert "dq_bulk" in space.why_invalid(spec.replace(dq_bulk=False))
-    assert "sm90 backward" in space.why_invalid(VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8, dq_warp=True))
+    assert why_invalid(_twin(spec, dq_path=DqPath.RED)) is None
+    assert_not_an_option("sm80", "bwd", "bf16", dq_path=DqPath.BULK_WARP)
     # the head-dim split, the swapped-dK/dV partition and the transposed-dQ tile are not built
     for other in (
-        VariantSpec("sm90", "bwd", "bf16", 192, 64, 64, 2, 12, dq_bulk=True, dq_warp=True),
-        VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12, dq_bulk=True, dq_warp=True),
-        VariantSpec("sm90", "bwd", "bf16", 128, 80, 128, 2, 12, dq_bulk=True, dq_warp=True),
+        VariantSpec("sm90", "bwd", "bf16", 192, 64, 64, 2, 12, dq_path=DqPath.BULK_WARP),
+        VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12, dq_path=DqPath.BULK_WARP),
+        VariantSpec("sm90", "bwd", "bf16", 128, 80, 128, 2, 12, dq_path=DqPath.BULK_WARP),
     ):
-        assert "dq_warp" in space.why_invalid(other), other.name
-        assert space.why_invalid(other.replace(dq_warp=False)) is None, other.name
+        assert "dq_path=BULK_WARP" in why_invalid(other), other.name
+        assert why_invalid(_twin(other)) is None, other.name
 
 
 def test_variants_committed():
-    """bf16 and fp16 (space.BWD_DTYPE_ALTERNATIVES), on the tuned table's tiles: hd64 128x128 and
+    """bf16 and fp16 (tools/alternatives.py SM90_FP16_BWD_ALTERNATIVES), on the tuned table's tiles:
+    hd64 128x128 and
     hd128 64x128, with and without the overlap schedule; causal and not; each beside its committed
-    dq_bulk twin."""
+    DqPath.BULK twin."""
     assert {s.dtype for s in DQW} == {"bf16", "fp16"}
     for dtype in ("bf16", "fp16"):
-        assert sorted((s.head_dim, s.tile_m, s.overlap, s.causal) for s in DQW if s.dtype == dtype) == sorted(
+        found = [(s.head_dim, s.tile_m, s.options.overlap, s.causal) for s in DQW if s.dtype == dtype]
+        assert sorted(found) == sorted(
             [(64, 128, ov, c) for ov in (False, True) for c in (False, True)]
             + [(128, 64, ov, c) for ov in (False, True) for c in (False, True)]
         )
-    committed = set(space.default_variants("sm90", "bwd"))
+    variants = set(all_variants("sm90", "bwd"))
     for spec in DQW:
-        assert spec.name.endswith("_dqbulk_dqw") and spec.dq_bulk
-        assert _twin(spec) in committed
+        assert spec.name.endswith("_dqbulk_dqw")
+        assert _twin(spec) in variants
 
 
-RPF = [s for s in space.default_variants("sm90", "bwd") if s.row_prefetch]
-RPF_CHECKED = [
-    s for s in RPF if s.dtype == "bf16" and (s.head_dim, s.causal, s.overlap) in ((128, True, True), (64, False, False))
-]
+RPF = [s for s in all_variants("sm90", "bwd") if s.options.row_prefetch]
+RPF_CHECKED = [s for s in RPF if s.dtype == "bf16" and (s.head_dim, s.causal, s.options.overlap) in TILES]
 
 
 @pytest.fixture(scope="module")
 def cubins(tmp_path_factory):
-    specs = CHECKED + [_twin(s) for s in CHECKED] + RPF_CHECKED
+    specs = CHECKED + [_twin(s) for s in CHECKED] + RPF_CHECKED  # (an _rpf variant's twin is in CHECKED)
     return sass.dump_cubins(specs, "sm_90a", tmp_path_factory.mktemp("bwd_dqwarp_sm_90a"))
 
 
 def _against_twin(cubins, spec: VariantSpec, twin: VariantSpec) -> tuple[str, str]:
-    """What a flag on these tiles keeps of its twin's SASS: no spill, the same WGMMAs and WGMMA
+    """What an option on these tiles keeps of its twin's SASS: no spill, the same WGMMAs and WGMMA
     waits (nothing serialized), the producer under 24 and the consumers under 240 registers.
     Returns the main kernel's text of both."""
     report, twin_report = sass.analyze(cubins[spec.name]), sass.analyze(cubins[twin.name])
@@ -154,7 +169,7 @@ def test_sass_writer_warp(cubins, spec):
     assert _bars(producer, "SYNC") == [(b, 160) for b in FULL]
     assert _bars(producer, "ARV") == sorted([(b, 160) for b in EMPTY] * 2)
     # the consumers (one code path per consumer): arrive on their "dQ full"; sync on their "dQ
-    # empty" before staging and once after the loop; dq_bulk's staging barriers are gone
+    # empty" before staging and once after the loop; the bulk path's staging barriers are gone
     assert _bars(consumers, "ARV") == [(b, 160) for b in FULL]
     syncs = _bars(consumers, "SYNC")
     assert [s for s in syncs if s[0] in EMPTY] == sorted([(b, 160) for b in EMPTY] * 2), syncs
@@ -162,7 +177,7 @@ def test_sass_writer_warp(cubins, spec):
     assert [s for s in _bars(_roles(twin_text)[1], "SYNC") if s[0] in BULK] == [(b, 128) for b in BULK]
     # the consumers still stage their piece with 16-byte stores (cols / 8 per thread and consumer)
     stores = len(re.findall(r"\bSTS\.128\b", consumers))
-    assert stores >= sum(cols // 8 for _, _, cols in space.sm90_bwd_dq_pieces(spec)), stores
+    assert stores >= sum(cols // 8 for _, _, cols in sm90_bwd_dq_pieces(spec)), stores
     # the consumers carry no bulk-group wait: the writer's (read, and completion when deterministic)
     assert not re.search(r"\bDEPBAR\.LE\s+SB0", consumers)
     assert re.search(r"\bDEPBAR\.LE\s+SB0,\s*0x1", producer) and re.search(r"\bDEPBAR\.LE\s+SB0,\s*0x0", producer)
@@ -172,36 +187,40 @@ def test_sass_writer_warp(cubins, spec):
 
 
 def test_rpf_flag_name_and_rule():
-    spec = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_bulk=True, dq_warp=True, row_prefetch=True)
+    spec = VariantSpec(
+        "sm90", "bwd", "bf16", 128, 64, 128, 2, 12, dq_path=DqPath.BULK_WARP, row_prefetch=True
+    )
     assert spec.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk_dqw_rpf"
     assert parse_name(spec.name) == spec
-    assert space.why_invalid(spec) is None
-    assert space.why_invalid(spec.replace(dq_warp=False, dq_bulk=False)) is None  # independent of the dQ path
+    assert why_invalid(spec) is None
+    assert why_invalid(spec.replace(dq_path=DqPath.RED)) is None  # independent of the dQ path
     assert codegen.template_name(spec) == "bwd_sm90.py.j2"
-    assert "sm90 backward" in space.why_invalid(VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8, row_prefetch=True))
-    assert "sm90 backward" in space.why_invalid(VariantSpec("sm90", "fwd", "bf16", 128, 128, 128, 2, 12, row_prefetch=True))
+    assert_not_an_option("sm80", "bwd", "bf16", row_prefetch=True)
+    assert_not_an_option("sm90", "fwd", "bf16", row_prefetch=True)
     for other in (
         VariantSpec("sm90", "bwd", "bf16", 192, 64, 64, 2, 12, row_prefetch=True),
         VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12, row_prefetch=True),
-        VariantSpec("sm90", "bwd", "bf16", 128, 80, 128, 2, 12, dq_bulk=True, row_prefetch=True),
+        VariantSpec("sm90", "bwd", "bf16", 128, 80, 128, 2, 12, dq_path=DqPath.BULK, row_prefetch=True),
     ):
-        assert "row_prefetch" in space.why_invalid(other), other.name
-        assert space.why_invalid(other.replace(row_prefetch=False)) is None, other.name
+        assert "row_prefetch" in why_invalid(other), other.name
+        assert why_invalid(_twin(other, row_prefetch=False)) is None, other.name
 
 
 def test_rpf_variants_committed():
-    """bf16 and fp16 (space.BWD_DTYPE_ALTERNATIVES), on the dQ-writer warp's tiles, with and
+    """bf16 and fp16 (tools/alternatives.py SM90_FP16_BWD_ALTERNATIVES), on the dQ-writer warp's tiles,
+    with and
     without the overlap schedule."""
     assert {s.dtype for s in RPF} == {"bf16", "fp16"}
     for dtype in ("bf16", "fp16"):
-        assert sorted((s.head_dim, s.tile_m, s.overlap, s.causal) for s in RPF if s.dtype == dtype) == sorted(
+        found = [(s.head_dim, s.tile_m, s.options.overlap, s.causal) for s in RPF if s.dtype == dtype]
+        assert sorted(found) == sorted(
             [(64, 128, ov, c) for ov in (False, True) for c in (False, True)]
             + [(128, 64, ov, c) for ov in (False, True) for c in (False, True)]
         )
-    committed = set(space.default_variants("sm90", "bwd"))
+    variants = set(all_variants("sm90", "bwd"))
     for spec in RPF:
-        assert spec.dq_warp and _twin(spec, "row_prefetch") in committed
-        assert space.sm90_bwd_smem_bytes(spec) == space.sm90_bwd_smem_bytes(_twin(spec, "row_prefetch"))
+        assert spec.options.dq_path is DqPath.BULK_WARP and _twin(spec, row_prefetch=False) in variants
+        assert sm90_bwd_smem_bytes(spec) == sm90_bwd_smem_bytes(_twin(spec, row_prefetch=False))
 
 
 def _before_first_gemm(text: str, count: int = 48) -> list[str]:
@@ -215,7 +234,7 @@ def _before_first_gemm(text: str, count: int = 48) -> list[str]:
 @pytest.mark.compile
 @pytest.mark.parametrize("spec", RPF_CHECKED, ids=lambda s: s.name)
 def test_sass_rpf_loads_before_the_wait(cubins, spec):
-    text, twin_text = _against_twin(cubins, spec, _twin(spec, "row_prefetch"))
+    text, twin_text = _against_twin(cubins, spec, _twin(spec, row_prefetch=False))
     # a thread's query columns come in pairs: one 64-bit load per pair of LSE2 values, issued
     # before the S^T/dP^T WGMMAs (whose operand reads would otherwise queue ahead of them); the
     # twin reads LSE2 only after the wait for S^T

@@ -1,6 +1,7 @@
 """sm90 backward at head dims 192 and 256 (the head-dim split, templates/bwd_sm90_hsplit.py.j2) on
-this CPU: the committed variants without dq_bulk (bf16 alternatives beside head dim 256's default,
-the split with dq_bulk and the overlap schedule (tests/test_compile_sm90_bwd_dqbulk.py), and beside
+this CPU: the committed variants with per-thread dQ reductions (DqPath.RED: bf16 alternatives beside
+head dim 256's default, the split with the bulk dQ path and the overlap schedule
+(tests/test_compile_sm90_bwd_dqbulk.py), and beside
 head dim 192's swapped default) compile for sm_90a and their SASS shows the design: WGMMA (HGMMA)
 64 x tile_m/2 for S^T and dP^T (each consumer its half of the queries) and 64 x d/2 for dV, dK and
 dQ (each consumer its half of the head dim), TMA loads (UTMALDG) of K, V, Q and dO, setmaxnreg
@@ -24,13 +25,23 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpu_support import all_variants
 
-from cutefa import sass, space
+from cutefa import sass
+from cutefa.model.budgets_sm90 import sm90_bwd_head_split
+from cutefa.model.defaults import DEFAULT_BWD_TILES
+from cutefa.model.options import DqPath, Sm90BwdOptions
+from cutefa.model.rules import why_invalid
 
-# (the dq_bulk twins have their own test: tests/test_compile_sm90_bwd_dqbulk.py)
-COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s) and not s.dq_bulk]
-SPLIT = [s for s in COMMITTED if not s.overlap]  # bf16 alternatives (hd256's default adds dq_bulk and the overlap)
-OVERLAP = [s for s in COMMITTED if s.overlap]  # BWD_ALTERNATIVES: bf16, both masks
+# (the DqPath.BULK twins have their own test: tests/test_compile_sm90_bwd_dqbulk.py)
+COMMITTED = [
+    s
+    for s in all_variants("sm90", "bwd")
+    if sm90_bwd_head_split(s) and s.options.dq_path is DqPath.RED
+]
+# bf16 alternatives (hd256's default adds the bulk path and the overlap)
+SPLIT = [s for s in COMMITTED if not s.options.overlap]
+OVERLAP = [s for s in COMMITTED if s.options.overlap]  # SM90_BWD_ALTERNATIVES: bf16, both masks
 # both head dims, one causal and the other not; the overlap schedule at both head dims (one causal).
 CHECKED = [s for s in SPLIT if s.causal == (s.head_dim == 192)] + [
     s for s in OVERLAP if s.causal == (s.head_dim == 256)
@@ -39,7 +50,7 @@ CHECKED = [s for s in SPLIT if s.causal == (s.head_dim == 192)] + [
 
 def test_split_defaults():
     """Dispatch's default backward tile at head dim 256 is the split (64 x 64, 2 stages, 12 warps),
-    fp16 and bf16, causal and not, with dq_bulk and the overlap schedule, and backward.choose_bwd
+    fp16 and bf16, causal and not, with the bulk dQ path and the overlap schedule, and backward.choose_bwd
     picks it on sm_90a; the plain split stays committed beside it at head dims 256 and 192 (there
     beside the swapped default; bf16, both masks)."""
     import torch
@@ -50,18 +61,20 @@ def test_split_defaults():
         ("bf16", d, c) for d in (192, 256) for c in (False, True)
     ]
     for spec in SPLIT:
-        assert space.why_invalid(spec) is None, spec.name
+        assert why_invalid(spec) is None, spec.name
         assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (64, 64, 2, 12)
-    assert space.DEFAULT_BWD_TILES["sm90"][256] == (64, 64, 2, 12)
+    assert DEFAULT_BWD_TILES["sm90"][256] == (64, 64, 2, 12)
     for dtype in (torch.bfloat16, torch.float16):
         for causal in (False, True):
             spec = backward.choose_bwd("sm_90a", dtype, 256, causal)
             assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (64, 64, 2, 12), spec.name
-            assert spec.dq_bulk and spec.overlap and space.sm90_bwd_head_split(spec), spec.name
+            assert spec.options == Sm90BwdOptions(overlap=True, dq_path=DqPath.BULK), spec.name
+            assert sm90_bwd_head_split(spec), spec.name
     # the sm80 family still serves these head dims below Hopper
     assert backward.choose_bwd("sm_80", torch.bfloat16, 256, True).arch == "sm80"
     # the overlap schedule is committed beside the bf16 defaults; dispatch keeps the defaults
     assert sorted(OVERLAP) == sorted(s.replace(overlap=True) for s in SPLIT if s.dtype == "bf16")
+    assert all(s.options == Sm90BwdOptions(overlap=True) for s in OVERLAP)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +104,8 @@ def test_sass_sm90a_bwd_hsplit(cubins, spec):
     # overlap: dV and dK over the consumer's own tile_m/2 queries take P^T, dS^T from registers
     # (``HGMMA ... Rd, Ra, gdesc``), tile_m/32 k-steps each; the default has no register A operand.
     register_a = re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", text)
-    assert len(register_a) == (2 * half_m // 16 if spec.overlap else 0), f"{spec.name}: {len(register_a)}"
+    expected = 2 * half_m // 16 if spec.options.overlap else 0
+    assert len(register_a) == expected, f"{spec.name}: {len(register_a)}"
     # The producer gives registers up, the consumers take 240 and stay within them.
     regions = sass.setmaxnreg_regions(text)
     assert [budget for budget, _ in regions] == [24, 240], regions
@@ -105,7 +119,8 @@ def test_sass_sm90a_bwd_hsplit(cubins, spec):
     assert report.counts["UTMALDG"] == 4 * spec.head_dim // atom, report.summary()
     # WGMMAs stay asynchronous: ptxas serializing them would put a wait after every HGMMA.
     waits = re.findall(r"WARPGROUP\.DEPBAR", text)
-    assert len(waits) <= (5 if spec.overlap else 4), f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
+    limit = 5 if spec.options.overlap else 4
+    assert len(waits) <= limit, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
 
 
 _LAYOUT_CHECK = """

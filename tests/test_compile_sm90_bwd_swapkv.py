@@ -1,13 +1,14 @@
 """sm90 backward at head dim 192 with dK/dV on WGMMA's M axis (templates/bwd_sm90_swapkv.py.j2) on
-this CPU: 96 keys per CTA, 48 per consumer warpgroup. The committed variants (BWD_ALTERNATIVES, bf16,
-per-thread dQ reductions and dq_bulk) and one fp16 twin compile for sm_90a and their SASS shows the
+this CPU: 96 keys per CTA, 48 per consumer warpgroup. The variants (tools/alternatives.py
+SM90_BWD_ALTERNATIVES, bf16,
+per-thread dQ reductions and the bulk dQ path) and one fp16 twin compile for sm_90a and their SASS shows the
 design: WGMMA (HGMMA) 64x48 for S, dP (K = head_dim) and for dV^T, dK^T (M = head_dim in 64-row
 atoms, K = the 64 queries, both operands transposed in shared memory), 64x96 for dQ (K = the 96
 keys), TMA loads, setmaxnreg with the consumers within their 240 registers, dQ into dq_accum by
-8-byte fp32 vector reductions or (dq_bulk) 16-byte shared stores into the Q/dO stage and one bulk
-reduce-add whose read of the stage is waited for one query block later, under S and dP (dq_stage:
+8-byte fp32 vector reductions or (DqPath.BULK) 16-byte shared stores into the Q/dO stage and one bulk
+reduce-add whose read of the stage is waited for one query block later, under S and dP (BULK_STAGED:
 FlashAttention-4's shared-memory budget, a staging buffer of its own, the piece staged and added
-while dK^T runs, one named barrier fewer per query block) (dq_bulk:
+while dK^T runs, one named barrier fewer per query block) (either bulk path:
 dK/dV out through K's and V's shared memory with transposed stmatrix and TMA stores), WGMMAs left
 asynchronous and no local-memory spills. The shared-memory layouts that read one buffer in two
 roles address the same bytes, with each consumer's part on a swizzle-atom edge.
@@ -26,20 +27,36 @@ import sys
 from pathlib import Path
 
 import pytest
+from cpu_support import all_variants, assert_not_an_option
 
-from cutefa import codegen, sass, space
+from cutefa import codegen, sass
+from cutefa.model.budgets import bwd_dq_accum_shape
+from cutefa.model.budgets_sm90 import (
+    SM90_CONSUMER_REGS,
+    SM90_SMEM_LIMIT,
+    sm90_bwd_dq_pieces,
+    sm90_bwd_head_split,
+    sm90_bwd_registers,
+    sm90_bwd_smem_bytes,
+    sm90_bwd_swapped,
+)
+from cutefa.model.options import DqPath
+from cutefa.model.rules import why_invalid
+from cutefa.spec import VariantSpec
 
-COMMITTED = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_swapped(s)]
+COMMITTED = [s for s in all_variants("sm90", "bwd") if sm90_bwd_swapped(s)]
 # the committed bf16 causal variant, the fp16 non-causal twin (fp16 and bf16 differ only in the
-# operand type) and the bf16 dq_bulk variants
-CHECKED = [s for s in COMMITTED if s.causal and not s.dq_bulk]
-CHECKED += [s.replace(dtype="fp16") for s in COMMITTED if not s.causal and not s.dq_bulk]
-CHECKED += [s for s in COMMITTED if s.dq_bulk]  # non-causal and causal (its own launch order), with and without dq_stage
+# operand type) and the bf16 bulk-path variants
+CHECKED = [s for s in COMMITTED if s.causal and s.options.dq_path is DqPath.RED]
+CHECKED += [s.replace(dtype="fp16") for s in COMMITTED if not s.causal and s.options.dq_path is DqPath.RED]
+# non-causal and causal (its own launch order), DqPath.BULK and BULK_STAGED
+CHECKED += [s for s in COMMITTED if s.options.dq_path is not DqPath.RED]
 
 
 def test_swapped_variants_committed_and_the_staged_one_dispatched():
     """64 x 96, 2 stages, 12 warps, causal and not, rendered by their own template: bf16 with per-thread
-    dQ reductions, dq_bulk in the Q/dO stage, and dq_bulk on FlashAttention-4's budget (dq_stage), the
+    dQ reductions, the bulk path in the Q/dO stage, and the bulk path on FlashAttention-4's budget
+    (DqPath.BULK_STAGED), the
     last also in fp16: it is head dim 192's default, which dispatch picks without a tuned entry."""
     import torch
 
@@ -56,53 +73,52 @@ def test_swapped_variants_committed_and_the_staged_one_dispatched():
         "cutefa_sm90_bwd_fp16_hd192_64x96_s2_w12_dqbulk_dqs",
     ]
     for spec in COMMITTED + CHECKED:
-        assert space.why_invalid(spec) is None, spec.name
+        assert why_invalid(spec) is None, spec.name
         assert codegen.template_name(spec) == "bwd_sm90_swapkv.py.j2"
-        assert not space.sm90_bwd_head_split(spec)
+        assert not sm90_bwd_head_split(spec)
     for dtype in (torch.bfloat16, torch.float16):
         for causal in (False, True):
             chosen = backward.choose_bwd("sm_90a", dtype, 192, causal)
-            assert space.sm90_bwd_swapped(chosen) and chosen.dq_bulk and chosen.dq_stage, chosen.name
+            assert sm90_bwd_swapped(chosen) and chosen.options.dq_path is DqPath.BULK_STAGED, chosen.name
 
 
 def test_swapped_validity():
     """Only head dim 192, 64 query rows per step, a ring that fits beside K, V, P and dS, no overlap
-    schedule; dq_bulk stages dQ in the Q/dO stage (no extra shared memory): each refusal names its
+    schedule; the bulk path stages dQ in the Q/dO stage (no extra shared memory): each refusal names its
     reason."""
-    base = space.VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12)
-    assert space.why_invalid(base) is None
+    base = VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12)
+    assert why_invalid(base) is None
     # K, V 72 KiB, the Q/dO ring 96 KiB, one P and two dS buffers 36 KiB, rows, mbarriers, 1 KiB static
-    assert space.sm90_bwd_smem_bytes(base) == 211968 <= space.SM90_SMEM_LIMIT
-    assert space.sm90_bwd_registers(base) <= space.SM90_CONSUMER_REGS
-    assert "shared memory" in space.why_invalid(base.replace(stages=3))
-    assert "64 query rows" in space.why_invalid(base.replace(tile_m=128))
-    assert space.why_invalid(base.replace(dq_bulk=True)) is None
-    assert space.sm90_bwd_smem_bytes(base.replace(dq_bulk=True)) == space.sm90_bwd_smem_bytes(base)
-    assert "overlap" in space.why_invalid(base.replace(overlap=True))
-    assert "tile_n=96" in space.why_invalid(base.replace(head_dim=256))
-    assert "tile_n=96" in space.why_invalid(base.replace(head_dim=128))
-    assert space.sm90_bwd_dq_pieces(base) == ((0, 0, 96), (0, 96, 96))
+    assert sm90_bwd_smem_bytes(base) == 211968 <= SM90_SMEM_LIMIT
+    assert sm90_bwd_registers(base) <= SM90_CONSUMER_REGS
+    assert "shared memory" in why_invalid(base.replace(stages=3))
+    assert "64 query rows" in why_invalid(base.replace(tile_m=128))
+    assert why_invalid(base.replace(dq_path=DqPath.BULK)) is None
+    assert sm90_bwd_smem_bytes(base.replace(dq_path=DqPath.BULK)) == sm90_bwd_smem_bytes(base)
+    assert "overlap" in why_invalid(base.replace(overlap=True))
+    assert "tile_n=96" in why_invalid(base.replace(head_dim=256))
+    assert "tile_n=96" in why_invalid(base.replace(head_dim=128))
+    assert sm90_bwd_dq_pieces(base) == ((0, 0, 96), (0, 96, 96))
 
 
 def test_dq_stage_validity():
-    """dq_stage (name token _dqs): FlashAttention-4's shared-memory budget for the swapped tile only,
-    with dq_bulk: K, V 72 KiB, Q 48 (2 stages), dO 24 (1 stage), P 12, dS 12, the fp32 dQ staging 48,
+    """DqPath.BULK_STAGED (name tokens _dqbulk_dqs): FlashAttention-4's shared-memory budget for the
+    swapped tile only: K, V 72 KiB, Q 48 (2 stages), dO 24 (1 stage), P 12, dS 12, the fp32 dQ staging 48,
     rows and mbarriers (a 223,232-byte struct), 1 KiB static: 219 KiB of the 227."""
-    spec = space.VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12, dq_bulk=True, dq_stage=True)
+    spec = VariantSpec("sm90", "bwd", "bf16", 192, 64, 96, 2, 12, dq_path=DqPath.BULK_STAGED)
     assert spec.name == "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_dqbulk_dqs"
-    assert space.why_invalid(spec) is None
-    assert space.sm90_bwd_smem_bytes(spec) == 223232 + 1024 <= space.SM90_SMEM_LIMIT
-    assert space.bwd_dq_accum_shape(spec, 1, 2, 100, 3) == (1, 2, 3, 2, 64 * 192)  # dq_bulk's chunks
-    assert "without dq_bulk" in space.why_invalid(spec.replace(dq_bulk=False))
-    assert "shared memory" in space.why_invalid(spec.replace(stages=3))
+    assert why_invalid(spec) is None
+    assert sm90_bwd_smem_bytes(spec) == 223232 + 1024 <= SM90_SMEM_LIMIT
+    assert bwd_dq_accum_shape(spec, 1, 2, 100, 3) == (1, 2, 3, 2, 64 * 192)  # the bulk path's chunks
+    assert "shared memory" in why_invalid(spec.replace(stages=3))
     for other in (
         spec.replace(tile_n=64),  # the head-dim split
         spec.replace(head_dim=128, tile_n=128),
         spec.replace(head_dim=128, tile_n=128, tile_m=80),
     ):
-        assert "swapped-dK/dV" in space.why_invalid(other), other.name
-    assert "sm90 backward" in space.why_invalid(space.VariantSpec("sm80", "bwd", "bf16", 192, 64, 64, 1, 8, dq_stage=True))
-    assert "sm90 backward" in space.why_invalid(space.VariantSpec("sm90", "fwd", "bf16", 192, 128, 112, 2, 12, dq_stage=True))
+        assert "swapped-dK/dV" in why_invalid(other), other.name
+    assert_not_an_option("sm80", "bwd", "bf16", dq_path=DqPath.BULK_STAGED)
+    assert_not_an_option("sm90", "fwd", "bf16", dq_path=DqPath.BULK_STAGED)
 
 
 @pytest.fixture(scope="module")
@@ -138,12 +154,13 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
     assert all(used < budget for budget, used in regions), regions
     reductions = re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text)
     bulk = re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32\b", text)
-    if spec.dq_bulk:
+    path = spec.options.dq_path
+    if path is not DqPath.RED:
         # the 64 x d/2 fp32 piece: 16-byte shared stores in fragment order, one bulk reduce-add
         assert not reductions and len(bulk) == 1, f"{spec.name}: {len(reductions)} REDs, {len(bulk)} bulk"
         assert len(re.findall(r"\bSTS\.128\b", text)) == 64 * (d // 2) // 128 // 4, report.summary()
         loop = text[text.index("HGMMA.") :]
-        if spec.dq_stage:
+        if path is DqPath.BULK_STAGED:
             # FlashAttention-4's budget: the previous bulk copy's read of this consumer's own staging
             # buffer is waited for before dQ is issued; dO's stage goes back between dQ and dK^T
             # (dV^T done); the piece is staged and bulk-added while dK^T runs (after its last HGMMA,
@@ -166,13 +183,14 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
         assert len(reductions) == 2 * (64 * (d // 2) // 128 // 2) and not bulk, f"{spec.name}: {len(reductions)} REDs"
     # K, V, Q, dO: one TMA box per 32-column panel of the 64-byte swizzle
     assert report.counts["UTMALDG"] == 4 * d // 32, report.summary()
-    # WGMMAs stay asynchronous: S/dP, dV, dQ (twice) waits per query block; dq_stage: S/dP, dP, dV^T,
-    # dQ, dK^T
+    # WGMMAs stay asynchronous: S/dP, dV, dQ (twice) waits per query block; BULK_STAGED: S/dP, dP,
+    # dV^T, dQ, dK^T
     waits = re.findall(r"WARPGROUP\.DEPBAR", text)
-    assert len(waits) <= (5 if spec.dq_stage else 4), f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
+    limit = 5 if path is DqPath.BULK_STAGED else 4
+    assert len(waits) <= limit, f"{spec.name}: {len(waits)} WGMMA waits (serialized?)"
     # P and dS stored with stmatrix: 64 x 48 each per warpgroup, 16 x 16 per warp instruction
     stsm = 2 * keys // 16
-    if spec.dq_bulk:
+    if path is not DqPath.RED:
         # dK^T and dV^T (d x 48 per warpgroup) with transposed stmatrix into K's and V's bytes, 16 x 16
         # per warp instruction; then one TMA store per 32-column panel of each; no 2-byte stores
         stsm += 2 * (d // 64) * (keys // 16)
@@ -186,7 +204,7 @@ def test_sass_sm90a_bwd_swapkv(cubins, spec):
 
 
 def _check_in_stage_release(spec, loop: str) -> None:
-    """dq_bulk staged in the Q/dO stage: the stage of the previous query block goes back once its
+    """DqPath.BULK, staged in the Q/dO stage: the stage of the previous query block goes back once its
     bulk copy has read it, waited for after the next block's S and dP WGMMAs are issued and before S
     is waited on (not ahead of them), and once more after the query loop."""
     first_wait = loop.index("WARPGROUP.DEPBAR")
@@ -277,7 +295,7 @@ print(len(pairs), bad, len({p[2:] for p in pairs}))
 
 @pytest.mark.compile  # traces layouts with the DSL in a child process
 def test_swap_dkv_store_fragment_order(tmp_path):
-    """dq_bulk's dK/dV epilogue: the transposed stmatrix copy built on the dK^T/dV^T tiled MMA takes
+    """The bulk paths' dK/dV epilogue: the transposed stmatrix copy built on the dK^T/dV^T tiled MMA takes
     every (head-dim row, key) of a warpgroup's 192 x 48 accumulator exactly once, each register
     holding the coordinate the copy expects there."""
     root = Path(__file__).resolve().parent.parent
@@ -327,7 +345,7 @@ print(repr(cases))
 
 @pytest.mark.compile  # traces the DSL function in a child process (constants fold)
 def test_swap_causal_heavy_first_order(tmp_path):
-    """The causal dq_bulk launch order maps the grid's (bx, head, batch), in launch order (bx
+    """The causal bulk path's launch order maps the grid's (bx, head, batch), in launch order (bx
     fastest), onto every (key block, head, batch) exactly once; within each chunk of
     max(wave // n_blocks, 1) (batch, head) pairs the key blocks never go down (longest CTAs first)."""
     import ast

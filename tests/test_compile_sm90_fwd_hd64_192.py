@@ -1,16 +1,20 @@
 """The three-consumer hd64 forward (tile 192x128: three consumer warpgroups of 64 query rows, 160
 registers per consumer thread after setmaxnreg) compiles for sm_90a with no spill, its masked blocks
 select each score once, and ptxas keeps the uniform datapath (WGMMA descriptors and pipeline state
-in uniform registers) where it did when these variants were admitted (space.SM90_3WG_NO_SPILL)."""
+in uniform registers) where it did when these variants were admitted
+(cutefa.model.budgets_sm90.SM90_3WG_NO_SPILL)."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+from cpu_support import all_variants
 
-from cutefa import compile as compile_mod
-from cutefa import sass, space
+from cutefa import codegen, sass
+from cutefa.model.budgets_sm90 import sm90_consumer_regs, sm90_fp8_ptxas_options
+from cutefa.model.options import Schedule, Scheduler
+from cutefa.model.rules import why_invalid
 from cutefa.spec import parse_name
 
 pytestmark = pytest.mark.compile
@@ -43,13 +47,13 @@ def _count(report: sass.SassReport, base: str) -> int:
 
 
 def test_admitted_and_committed():
-    committed = set(space.default_variants("sm90", "fwd"))
+    variants = set(all_variants("sm90", "fwd"))
     for spec in SPECS:
-        assert space.why_invalid(spec) is None, spec.name
-        assert spec in committed, spec.name
-        assert space.sm90_consumer_regs(spec) == 160
+        assert why_invalid(spec) is None, spec.name
+        assert spec in variants, spec.name
+        assert sm90_consumer_regs(spec) == 160
     # the same tile with another schedule is not admitted by the compiled list
-    assert space.why_invalid(SPECS[0].replace(overlap=False)) is not None
+    assert why_invalid(SPECS[0].replace(schedule=Schedule.SERIAL)) is not None
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -76,7 +80,7 @@ def test_sass(cubins, spec):
         assert _count(report, "R2P") > 0, "causal rows: bit masks to predicates"
     r2ur = _count(report, "R2UR")
     # the 1-D grid's tile arithmetic (divisions, once per CTA) adds ~20 outside the key loops
-    limit = 40 if spec.lpt_grid else 16
+    limit = 40 if spec.options.scheduler is Scheduler.LPT else 16
     assert r2ur <= limit, f"{spec.name}: {r2ur} R2UR (descriptors left the uniform registers)"
     # one warpgroup arrive and one wait per WGMMA group (S, P V in each loop, prologue S and last
     # P V): ptxas did not serialize the WGMMAs
@@ -85,14 +89,14 @@ def test_sass(cubins, spec):
 
 
 def test_ptxas_options_only_where_needed():
-    """Only the causal three-way ping-pong forms and the e4m3 tiles of space.sm90_fp8_ptxas_options
+    """Only the causal three-way ping-pong forms and the e4m3 tiles of sm90_fp8_ptxas_options
     carry ptxas options; every other committed variant is compiled with ptxas's defaults."""
-    variants = space.default_variants("sm90", "fwd")
-    fp8 = {s.name: space.sm90_fp8_ptxas_options(s) for s in variants if s.dtype == "e4m3"}
+    variants = all_variants("sm90", "fwd")
+    fp8 = {s.name: sm90_fp8_ptxas_options(s) for s in variants if s.dtype == "e4m3"}
     expected = PTXAS_OPTIONS | {name: options for name, options in fp8.items() if options}
-    assert len(expected) == len(PTXAS_OPTIONS) + 10  # ten e4m3 tiles (docs/perf-notes.md)
+    assert len(expected) == len(PTXAS_OPTIONS) + 10  # ten e4m3 tiles (docs/log/perf-notes.md)
     for spec in variants:
-        source = (compile_mod.GENERATED_DIR / spec.arch / f"{spec.name}.py").read_text()
+        source = codegen.render_source(spec)
         found = re.findall(r'^PTXAS_OPTIONS = "([^"]*)"$', source, re.MULTILINE)
         assert found == ([expected[spec.name]] if spec.name in expected else []), spec.name
     assert set(PTXAS_OPTIONS) <= {s.name for s in variants}

@@ -4,9 +4,9 @@ consumers' 240 registers and keep their WGMMAs in flight: no spill, no element-w
 (not one per HGMMA: ptxas's serialization, remark C7520), and the uniform datapath kept.
 
 - hd256 128x80, closer to FlashAttention-4's configuration: with the O rescale under S = Q K^T
-  (early_rescale), and with ping-pong; and on the longest-first 1-D grid (lpt_grid).
+  (early_rescale), and with ping-pong; and on the longest-first 1-D grid (Scheduler.LPT).
 - hd128 with longer key tiles (FlashAttention-3's non-causal hd128 tile is 128x176): the register
-  estimate rejects 128x176 and 128x192; space.SM90_PCVT_NO_SPILL admits them with the compiled
+  estimate rejects 128x176 and 128x192; budgets_sm90.SM90_PCVT_NO_SPILL admits them with the compiled
   schedule only (overlap + ping-pong + pair_cvt; without pair_cvt 128x176 spills)."""
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from cpu_support import all_variants
 
-from cutefa import sass, space
+from cutefa import sass
+from cutefa.model.budgets_sm90 import SM90_CONSUMER_REGS
+from cutefa.model.options import Scheduler
+from cutefa.model.rules import est_registers, why_invalid
 from cutefa.spec import parse_name
 
 pytestmark = pytest.mark.compile
@@ -27,7 +31,7 @@ LONG_HD128 = (
 NAMES = (
     "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_erescale_pcvt",
     "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_ov_pp_pcvt",
-    # on the longest-first 1-D grid (lpt_grid; the overlap schedule there spills without pair_cvt)
+    # on the longest-first 1-D grid (Scheduler.LPT; the overlap schedule there spills without pair_cvt)
     "cutefa_sm90_fwd_bf16_hd256_128x80_s2_w12_causal_ov_lpt_pcvt",
     "cutefa_sm90_fwd_fp16_hd256_128x80_s2_w12_causal_ov_pp_lpt_erescale_pcvt",
     *LONG_HD128,
@@ -41,13 +45,13 @@ def cubins(tmp_path_factory):
 
 
 def test_admitted_and_committed():
-    committed = set(space.default_variants("sm90", "fwd"))
+    variants = set(all_variants("sm90", "fwd"))
     for spec in SPECS:
-        assert space.why_invalid(spec) is None, spec.name
-        assert spec in committed, spec.name
+        assert why_invalid(spec) is None, spec.name
+        assert spec in variants, spec.name
     for name in LONG_HD128:
         spec = parse_name(name)
-        assert space.est_registers(spec) > space.SM90_CONSUMER_REGS, "admitted by the estimate alone"
+        assert est_registers(spec) > SM90_CONSUMER_REGS, "admitted by the estimate alone"
 
 
 @pytest.mark.parametrize(
@@ -60,7 +64,7 @@ def test_admitted_and_committed():
     ],
 )
 def test_long_hd128_rejected_without_the_compiled_schedule(name):
-    assert space.why_invalid(parse_name(name)) is not None, name
+    assert why_invalid(parse_name(name)) is not None, name
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -72,8 +76,8 @@ def test_sass(cubins, spec):
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
     assert report.counts["USETMAXREG"] >= 2, report.summary()
     regions = sass.setmaxnreg_regions(text)
-    consumer = [r for r in regions if r[0] == space.SM90_CONSUMER_REGS]
-    assert consumer and all(highest < space.SM90_CONSUMER_REGS for _, highest in consumer), regions
+    consumer = [r for r in regions if r[0] == SM90_CONSUMER_REGS]
+    assert consumer and all(highest < SM90_CONSUMER_REGS for _, highest in consumer), regions
     # S = Q K^T (head_dim / 16 WGMMAs of k16) and O += P V (tile_n / 16) in the masked and the
     # unmasked loop, plus the overlap schedule's prologue S and epilogue P V
     assert report.counts["HGMMA"] == 3 * (spec.head_dim // 16 + spec.tile_n // 16), report.summary()
@@ -87,4 +91,4 @@ def test_sass(cubins, spec):
     # descriptors and pipeline state in uniform registers (hundreds of R2UR when ptxas gives that up)
     # (the longest-first grid's tile decode adds ~30, once per CTA before the first WGMMA)
     r2ur = sum(report.forms_of("R2UR").values())
-    assert r2ur <= (64 if spec.lpt_grid else 40), f"{spec.name}: {r2ur} R2UR"
+    assert r2ur <= (64 if spec.options.scheduler is Scheduler.LPT else 40), f"{spec.name}: {r2ur} R2UR"

@@ -6,14 +6,18 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from cutefa import dispatch, space
-from cutefa.space import DEFAULT_TILES
-from cutefa.spec import HEAD_DIMS, VariantSpec
+from cutefa import dispatch
+from cutefa.model import rules
+from cutefa.model.committed import default_variants
+from cutefa.model.defaults import DEFAULT_BWD_TILES, DEFAULT_TILES, default_spec
+from cutefa.model.options import DqLayout
+from cutefa.model.spec import HEAD_DIMS, VariantSpec
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +26,7 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     tuned = tmp_path / "tuned"
     tuned.mkdir()
     monkeypatch.setattr(dispatch, "TUNED_DIR", tuned)
-    monkeypatch.setattr(space, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16")})
+    monkeypatch.setattr(rules, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16")})
     dispatch.clear_caches()
     yield tuned
     dispatch.clear_caches()
@@ -65,7 +69,7 @@ def test_heuristic_choice_per_head_dim(head_dim, dtype, causal):
     assert choice.spec == VariantSpec("sm80", "fwd", dtype, head_dim, *tile, causal=causal)
     assert choice.target == "sm_80"
     assert choice.reason.startswith(
-        f"heuristic: DEFAULT_TILES['sm80'][{head_dim}] = {tile[0]}x{tile[1]} tile"
+        f"heuristic: default_config('sm80', 'fwd', {dtype!r}, {head_dim}) = {tile[0]}x{tile[1]} tile"
     )
 
 
@@ -97,33 +101,33 @@ def test_blackwell_picks_the_sm100_family(monkeypatch, head_dim, causal, capabil
     """cc 10.0 (B200) and 10.3 (B300) -> their own 'a' target -> the sm100 default (tile and exp2
     emulation share), compiled for that target."""
     implemented = {("sm80", "fwd"): ("fp16", "bf16"), ("sm100", "fwd"): ("fp16", "bf16")}
-    monkeypatch.setattr(space, "IMPLEMENTED", implemented)
+    monkeypatch.setattr(rules, "IMPLEMENTED", implemented)
     assert dispatch.target_for_capability(*capability) == target
     choice = dispatch.choose(**problem(target=target, head_dim=head_dim, causal=causal))
     tile = DEFAULT_TILES["sm100"][head_dim]
-    extras = space.default_extras("sm100", "fwd", head_dim)
-    assert choice.spec == VariantSpec("sm100", "fwd", "bf16", head_dim, *tile, causal=causal, **extras)
+    options = default_spec("sm100", "fwd", "fp16", head_dim).options
+    assert choice.spec == VariantSpec("sm100", "fwd", "bf16", head_dim, *tile, causal=causal, options=options)
     assert choice.target == target
-    assert choice.reason.startswith(f"heuristic: DEFAULT_TILES['sm100'][{head_dim}]")
+    assert choice.reason.startswith(f"heuristic: default_config('sm100', 'fwd', 'bf16', {head_dim}) = ")
     assert ("sm90", f"family sm90 does not run on {target}") in choice.rejected
 
 
-SPACE_IMPLEMENTED = dict(space.IMPLEMENTED)  # the real kernel set, before the fixture narrows it
+SPACE_IMPLEMENTED = dict(rules.IMPLEMENTED)  # the real kernel set, before the fixture narrows it
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", ["e4m3", torch.float8_e4m3fn])
 def test_fp8_on_blackwell_picks_the_sm100_e4m3_default(monkeypatch, head_dim, causal, dtype):
-    """An fp8 call on a B200 (what ops.py's fp8 path asks with q's torch dtype) gets the sm100 e4m3
+    """An fp8 call on a B200 (what the API's fp8 path asks with q's torch dtype) gets the sm100 e4m3
     default of the head dim, compiled for sm_100a; on an H100/H200 the sm90 e4m3 default."""
-    monkeypatch.setattr(space, "IMPLEMENTED", SPACE_IMPLEMENTED)
+    monkeypatch.setattr(rules, "IMPLEMENTED", SPACE_IMPLEMENTED)
     choice = dispatch.choose(**problem(target="sm_100a", dtype=dtype, head_dim=head_dim, causal=causal))
     tile = DEFAULT_TILES["sm100"][head_dim]
-    extras = space.default_extras("sm100", "fwd", head_dim)
-    assert choice.spec == VariantSpec("sm100", "fwd", "e4m3", head_dim, *tile, causal=causal, **extras)
+    options = default_spec("sm100", "fwd", "fp16", head_dim).options  # the 16-bit default's
+    assert choice.spec == VariantSpec("sm100", "fwd", "e4m3", head_dim, *tile, causal=causal, options=options)
     assert choice.target == "sm_100a"
-    assert choice.spec in space.default_variants("sm100", "fwd")  # committed in generated/
+    assert choice.spec in default_variants("sm100", "fwd")  # committed in generated/
     hopper = dispatch.choose(**problem(target="sm_90a", dtype=dtype, head_dim=head_dim, causal=causal))
     assert (hopper.spec.arch, hopper.spec.dtype) == ("sm90", "e4m3")
 
@@ -176,7 +180,7 @@ def test_invalid_tuned_entry_is_rejected_and_the_heuristic_used(isolated):
     write_table(isolated, "sm80_a100.json", [entry(bad, None)])
     choice = dispatch.choose(**problem())
     assert choice.reason.startswith("heuristic")
-    assert (bad, space.why_invalid(VariantSpec("sm80", "fwd", "bf16", 128, 64, 64, 1, 8))) in choice.rejected
+    assert (bad, rules.why_invalid(VariantSpec("sm80", "fwd", "bf16", 128, 64, 64, 1, 8))) in choice.rejected
 
 
 def test_tuned_entry_for_another_problem_is_rejected(isolated):
@@ -216,7 +220,7 @@ def test_explain_names_choice_reason_and_rejections(isolated):
         == "cutefa forward: q=(2, 1024, 16, 128) k=(2, 1024, 4, 128) bf16 causal=True on sm_90a (NVIDIA H200)"
     )
     assert lines[1] == f"chosen: {heuristic_name(causal=True)} (family sm80, compiled for sm_90a)"
-    assert lines[2].startswith("  why: heuristic: DEFAULT_TILES['sm80'][128]")
+    assert lines[2].startswith("  why: heuristic: default_config('sm80', 'fwd', 'bf16', 128) = ")
     assert lines[3:] == [
         "rejected:",
         "  sm100: family sm100 does not run on sm_90a",
@@ -243,7 +247,7 @@ def test_a_tile_the_target_cannot_hold_falls_back_to_one_it_can():
     for target in ("sm_86", "sm_89"):
         small = dispatch.choose(**problem(head_dim=256, target=target))
         assert (small.spec.tile_m, small.spec.tile_n, small.spec.warps) == (64, 64, 4)
-        assert space.why_not_on(small.spec, target) is None
+        assert rules.why_not_on(small.spec, target) is None
         assert f"over the shared memory of {target} GPUs (needs 129.0 KiB of shared memory" in small.reason
         assert "the largest committed tile that fits: 64x64, 1 stage(s), 4 warps" in small.reason
     assert dispatch.choose(**problem(head_dim=128, target="sm_89")).spec == dispatch.choose(**problem(head_dim=128)).spec
@@ -251,10 +255,10 @@ def test_a_tile_the_target_cannot_hold_falls_back_to_one_it_can():
 
 def test_fitting_variant():
     spec = dispatch.choose(**problem(head_dim=256)).spec
-    assert space.fitting_variant(spec, "sm_80") is spec
-    assert space.fitting_variant(spec, "sm_86") == spec.replace(tile_m=64, warps=4)
-    bwd = VariantSpec("sm80", "bwd", "bf16", 192, 64, 64, 1, 8, dq_tile=True)
-    assert space.fitting_variant(bwd, "sm_86") is None  # no committed hd192 backward tile within 99 KiB
+    assert rules.fitting_variant(spec, "sm_80") is spec
+    assert rules.fitting_variant(spec, "sm_86") == spec.replace(tile_m=64, warps=4)
+    bwd = VariantSpec("sm80", "bwd", "bf16", 192, 64, 64, 1, 8, dq_layout=DqLayout.TILE)
+    assert rules.fitting_variant(bwd, "sm_86") is None  # no committed hd192 backward tile within 99 KiB
 
 
 def test_unsupported_arch_names_gpu_and_what_is_supported():
@@ -338,14 +342,13 @@ def test_cutefa_log_env_enables_run_logging_to_stderr(isolated):
 
 
 def test_backward_tables_steer_the_backward_only(isolated, monkeypatch):
-    from cutefa import backward
+    from cutefa.api import backward
 
-    monkeypatch.setattr(space, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")})
-    default = VariantSpec(
-        "sm80", "bwd", "bf16", 128, *space.DEFAULT_BWD_TILES["sm80"][128], **space.default_extras("sm80", "bwd", 128)
-    )
+    monkeypatch.setattr(rules, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")})
+    default = default_spec("sm80", "bwd", "bf16", 128)
+    assert (default.tile_m, default.tile_n, default.stages, default.warps) == DEFAULT_BWD_TILES["sm80"][128]
     other = default.replace(tile_m=128, tile_n=64)
-    assert space.why_invalid(other) is None and other != default
+    assert rules.why_invalid(other) is None and other != default
     bwd_entries = [entry(other.name, 2048), entry(default.name, None)]
     write_table(isolated, "sm80_bwd_a100.json", bwd_entries, direction="bwd")
     dispatch.clear_caches()
@@ -362,14 +365,13 @@ def test_backward_tables_steer_the_backward_only(isolated, monkeypatch):
 
 
 def test_backward_table_entry_for_a_forward_variant_is_refused(isolated, monkeypatch):
-    from cutefa import backward
+    from cutefa.api import backward
 
-    monkeypatch.setattr(space, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")})
+    monkeypatch.setattr(rules, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")})
     write_table(isolated, "sm80_bwd_a100.json", [entry(heuristic_name(), None)], direction="bwd")
     dispatch.clear_caches()
-    default = VariantSpec(
-        "sm80", "bwd", "bf16", 128, *space.DEFAULT_BWD_TILES["sm80"][128], **space.default_extras("sm80", "bwd", 128)
-    )
+    default = default_spec("sm80", "bwd", "bf16", 128)
+    assert (default.tile_m, default.tile_n, default.stages, default.warps) == DEFAULT_BWD_TILES["sm80"][128]
     assert backward.choose_bwd("sm_80", torch.bfloat16, 128, False, seqlen_k=512, gpu_name="A100") == default
 
 
@@ -384,7 +386,7 @@ def test_centered_v_takes_the_v_centered_entries(isolated, monkeypatch):
     """An fp8 problem whose v was centered (flash_attn_func(v_mean=)) takes a table's v_centered
     entries where it has them and the plain entries where not; other problems never take them.
     v_centered is checked in the table (a bool, e4m3 entries only) and in the call."""
-    monkeypatch.setattr(space, "IMPLEMENTED", SPACE_IMPLEMENTED)
+    monkeypatch.setattr(rules, "IMPLEMENTED", SPACE_IMPLEMENTED)
     two_level = "cutefa_sm90_fwd_e4m3_hd128_192x96_s2_w16_ov_hvt_lres_tlacc"
     plain = "cutefa_sm90_fwd_e4m3_hd128_192x96_s2_w16_ov_hvt_lres"
     hd256 = "cutefa_sm90_fwd_e4m3_hd256_128x96_s2_w12_ov_pp_hvt_lres"
@@ -409,3 +411,40 @@ def test_centered_v_takes_the_v_centered_entries(isolated, monkeypatch):
         dispatch.choose(**h200, v_centered=1)
     with pytest.raises(ValueError, match="true only on e4m3 entries"):
         dispatch.load_table(write_table(isolated, "bad.json", [entry(heuristic_name(), None, v_centered=True)]))
+
+
+def test_tables_cleared_while_being_read_are_still_returned(monkeypatch):
+    """clear_caches from another thread while the tuned tables are read: it waits for the reading,
+    the reader gets the tables it read (never None), and the next look-up reads them again."""
+    cleared = threading.Event()
+    reads = []
+
+    def read():
+        reads.append(len(reads))
+        if len(reads) == 1:
+            threading.Thread(target=lambda: (dispatch.clear_caches(), cleared.set())).start()
+            assert not cleared.wait(0.2), "the clear did not wait for the reading under way"
+        return []
+
+    monkeypatch.setattr(dispatch, "_read_tables", read)
+    assert dispatch.tuned_tables() == []
+    assert cleared.wait(10)
+    assert dispatch.tuned_tables() == [] and reads == [0, 1]
+
+
+def test_a_choice_made_across_a_clear_is_not_memoized(monkeypatch):
+    """A choice whose search a clear_caches overtook (from another thread; here inside the search)
+    is returned but not memoized: it may rest on the tables from before the clear."""
+    search = dispatch._search
+
+    def search_then_clear(p):
+        found = search(p)
+        dispatch.clear_caches()
+        return found
+
+    monkeypatch.setattr(dispatch, "_search", search_then_clear)
+    assert dispatch.choose(**problem()).spec.name == heuristic_name()
+    assert not dispatch._CHOICES
+    monkeypatch.setattr(dispatch, "_search", search)
+    dispatch.choose(**problem())
+    assert len(dispatch._CHOICES) == 1

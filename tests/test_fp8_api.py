@@ -13,7 +13,10 @@ from cpu_support import pretend_h200, rand, reference, trace_attention_block
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
-from cutefa import fp8, ops
+from cutefa import dispatch, fp8
+from cutefa.api import fp8 as fp8_api
+from cutefa.api import launch, plans, validate
+from cutefa.model.options import OAccum
 
 E4M3_EPS = 2.0**-3  # e4m3 has 3 mantissa bits: relative spacing 2^-3, rounding error <= 2^-4
 
@@ -168,8 +171,8 @@ def on_cpu(monkeypatch):
         if v_mean is not None:
             fp8.add_v_mean(out, v_mean, k.shape[1], causal)
 
-    monkeypatch.setattr(ops, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(ops, "_launch_fp8", launch)
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(fp8_api, "_launch", launch)
     return calls
 
 
@@ -332,15 +335,16 @@ def fp8_plans(monkeypatch):
     the validations."""
     kernel = FakeFp8Kernel()
     validations = []
-    real_validate = ops.validate_fp8_inputs
+    real_validate = fp8_api.validate_fp8_inputs
 
-    def validate(*args, **kwargs):
+    def count(*args, **kwargs):
         validations.append(args[0].shape)
         return real_validate(*args, **kwargs)
 
-    pretend_h200(
-        monkeypatch, ops, get_kernel=lambda spec, target: kernel, validate_fp8_inputs=validate, _FP8_PLANS={}
-    )
+    pretend_h200(monkeypatch, validate)
+    monkeypatch.setattr(fp8_api, "get_kernel", lambda spec, target: kernel)
+    monkeypatch.setattr(fp8_api, "validate_fp8_inputs", count)
+    monkeypatch.setattr(plans, "_FP8_PLANS", {})
     return kernel, validations
 
 
@@ -349,7 +353,7 @@ def test_fp8_second_call_takes_the_plan(fp8_plans):
     _, ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
     vd_scalar = vd.reshape(())  # per tensor: broadcast to (batch, heads_kv) per call
     first = cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd_scalar)
-    assert len(ops._FP8_PLANS) == 1 and len(validations) == 1
+    assert len(plans._FP8_PLANS) == 1 and len(validations) == 1
     second, lse = cutefa.flash_attn_func(
         qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd_scalar, return_lse=True
     )
@@ -373,7 +377,7 @@ def test_fp8_plans_follow_the_descale_kinds(fp8_plans):
         cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
         cutefa.flash_attn_func(qq, kq, vq, q_descale=qd.t().contiguous().t(), k_descale=kd, v_descale=vd)
         cutefa.flash_attn_func(qq, kq, vq, out_dtype=torch.bfloat16)
-    assert len(ops._FP8_PLANS) == 4 and len(validations) == 4
+    assert len(plans._FP8_PLANS) == 4 and len(validations) == 4
     assert all(torch.all(d == 1.0) for d in kernel.calls[4])  # the planned call without descales
     assert kernel.calls[6][0].is_contiguous() and torch.equal(kernel.calls[6][0], qd)  # a copy of the strided one
 
@@ -385,7 +389,7 @@ def test_fp8_descale_subclasses_have_no_plan(fp8_plans):
     cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
     first = len(validations)
     cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
-    assert not ops._FP8_PLANS and first > 0 and len(validations) == 2 * first  # validated again
+    assert not plans._FP8_PLANS and first > 0 and len(validations) == 2 * first  # validated again
 
 
 def test_fp8_block_descales_have_no_plan(fp8_plans):
@@ -397,7 +401,7 @@ def test_fp8_block_descales_have_no_plan(fp8_plans):
     )
     for _ in range(2):
         cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd)
-    assert not ops._FP8_PLANS and len(validations) == 2
+    assert not plans._FP8_PLANS and len(validations) == 2
 
 
 @pytest.mark.parametrize(
@@ -414,7 +418,7 @@ def test_an_fp8_plan_never_accepts_what_validation_refuses(fp8_plans, change, er
     args = {"q": qq, "k": kq, "v": vq, "q_descale": qd, "k_descale": kd, "v_descale": vd}
     for _ in range(2):
         cutefa.flash_attn_func(**args)
-    assert len(ops._FP8_PLANS) == 1
+    assert len(plans._FP8_PLANS) == 1
     args = change(args)
     with pytest.raises(error, match=match):
         cutefa.flash_attn_func(args.pop("q"), args.pop("k"), args.pop("v"), **args)
@@ -426,10 +430,10 @@ def test_fp8_planned_call_host_overhead_is_small(fp8_plans):
 
     _, ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
     cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
-    (key,) = ops._FP8_PLANS
-    choice = ops._choose(qq, kq, True)
+    (key,) = plans._FP8_PLANS
+    choice = launch.choose(qq, kq, True)
     given = (qd, kd, vd)
-    ops._FP8_PLANS[key] = ops._make_fp8_plan(choice, lambda *args: None, qq, kq, True, None, 0.125, None, given)
+    plans._FP8_PLANS[key] = fp8_api.make_plan(choice, lambda *args: None, qq, kq, True, None, 0.125, None, given)
     n = 2000
 
     def call():
@@ -508,7 +512,7 @@ def test_v_mean_calls_dispatch_for_centered_v_and_have_their_plan(fp8_plans, mon
     validating one did."""
     kernel, validations = fp8_plans
     picked = []
-    monkeypatch.setattr(ops, "get_kernel", lambda spec, target: picked.append(spec) or kernel)
+    monkeypatch.setattr(fp8_api, "get_kernel", lambda spec, target: picked.append(spec) or kernel)
     (_, _, v), ((qq, qd), (kq, kd), _) = fp8_inputs(d=128)
     centered, mean = cutefa.center_v(v + 2.0)
     vq, vd = cutefa.quantize_fp8(centered)
@@ -516,8 +520,8 @@ def test_v_mean_calls_dispatch_for_centered_v_and_have_their_plan(fp8_plans, mon
     plain = cutefa.flash_attn_func(qq, kq, vq, **descales)
     first = cutefa.flash_attn_func(qq, kq, vq, **descales, v_mean=mean)
     again = cutefa.flash_attn_func(qq, kq, vq, **descales, v_mean=mean)
-    assert [(s.two_level, s.v_mean) for s in picked] == [(True, False), (False, True)]
-    assert len(ops._FP8_PLANS) == 2 and len(validations) == 2 and len(kernel.calls) == 3
+    assert [(s.options.o_accum, s.options.v_mean) for s in picked] == [(OAccum.TWO_LEVEL, False), (OAccum.ONE_LEVEL, True)]
+    assert len(plans._FP8_PLANS) == 2 and len(validations) == 2 and len(kernel.calls) == 3
     assert kernel.means[0] is None and kernel.means[1] is mean and kernel.means[2] is mean
     assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
     expect = plain.float() + mean.repeat_interleave(2, 1)[:, None]
@@ -526,7 +530,7 @@ def test_v_mean_calls_dispatch_for_centered_v_and_have_their_plan(fp8_plans, mon
     strided = mean.transpose(1, 2).contiguous().transpose(1, 2)
     for _ in range(2):
         torch.testing.assert_close(cutefa.flash_attn_func(qq, kq, vq, **descales, v_mean=strided), first)
-    assert all(m.is_contiguous() for m in kernel.means[3:]) and len(ops._FP8_PLANS) == 3
+    assert all(m.is_contiguous() for m in kernel.means[3:]) and len(plans._FP8_PLANS) == 3
 
 
 def test_v_mean_is_added_after_a_kernel_without_the_flag(fp8_plans, monkeypatch):
@@ -535,7 +539,7 @@ def test_v_mean_is_added_after_a_kernel_without_the_flag(fp8_plans, monkeypatch)
     the validating way and the planned way alike."""
     kernel, _ = fp8_plans
     picked = []
-    monkeypatch.setattr(ops, "get_kernel", lambda spec, target: picked.append(spec) or kernel)
+    monkeypatch.setattr(fp8_api, "get_kernel", lambda spec, target: picked.append(spec) or kernel)
     (_, _, v), ((qq, qd), (kq, kd), _) = fp8_inputs(d=64)
     centered, mean = cutefa.center_v(v + 2.0)
     vq, vd = cutefa.quantize_fp8(centered)
@@ -543,7 +547,29 @@ def test_v_mean_is_added_after_a_kernel_without_the_flag(fp8_plans, monkeypatch)
     plain = cutefa.flash_attn_func(qq, kq, vq, **descales)
     first = cutefa.flash_attn_func(qq, kq, vq, **descales, v_mean=mean)
     again = cutefa.flash_attn_func(qq, kq, vq, **descales, v_mean=mean)
-    assert picked[0] == picked[1] and not picked[1].v_mean and kernel.means == [None, None, None]
+    assert picked[0] == picked[1] and not picked[1].options.v_mean and kernel.means == [None, None, None]
     expect = plain.float() + mean.repeat_interleave(2, 1)[:, None]
     torch.testing.assert_close(first.float(), expect, atol=3e-2, rtol=1e-2)
     assert torch.equal(first, again)
+
+
+def test_explain_asks_dispatch_for_centered_v():
+    """cutefa.explain(v_centered=True) explains what a call with v_mean= runs: the pick among the
+    v_centered entries (hd128 on sm_90a: a kernel that takes the means), not the plain pick; a
+    16-bit problem has no centered variants."""
+    q = torch.empty(1, 4096, 4, 128, dtype=torch.float8_e4m3fn)
+    k = torch.empty(1, 4096, 2, 128, dtype=torch.float8_e4m3fn)
+    problem = {
+        "target": "sm_90a", "dtype": q.dtype, "head_dim": 128, "causal": True, "seqlen_q": 4096, "seqlen_k": 4096,
+        "batch": 1, "heads_q": 4, "heads_kv": 2,
+    }  # fmt: skip
+    centered = dispatch.choose(**problem, v_centered=True).spec
+    plain = dispatch.choose(**problem).spec
+    assert centered.options.v_mean and not plain.options.v_mean
+    text = cutefa.explain(q, k, k, causal=True, target="sm_90a", v_centered=True)
+    assert "v centered" in text.splitlines()[0] and text.splitlines()[1].startswith(f"chosen: {centered.name} ")
+    text = cutefa.explain(q, k, k, causal=True, target="sm_90a")
+    assert "v centered" not in text and text.splitlines()[1].startswith(f"chosen: {plain.name} ")
+    half = q.to(torch.bfloat16), k.to(torch.bfloat16), k.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="v_centered applies to e4m3"):
+        cutefa.explain(*half, target="sm_90a", v_centered=True)

@@ -2,12 +2,12 @@
 algorithm emulated in float64 torch against dequantize-then-attend, the API's route to the
 block-quantization variant (_blockq) with its argument checks, and an accuracy table.
 
-The emulation (:func:`emulate_kernel`) follows templates/fwd_sm90_fp8.py.j2 with block_quant step
+The emulation (:func:`emulate_kernel`) follows templates/fwd_sm90_fp8.py.j2 with Quant.BLOCK step
 by step: key tiles last to first, the query tile's descale folded into the softmax scale, each key
 tile's scores scaled by its k descale with the row max kept in scaled log2 units, log2 of v's
 ratio r[n] = sv[n] / max(sv) folded into the exp2 bias (so the probabilities carry V's scale), row
 sums of the unscaled probabilities (tile sum times 1 / r[n]), O times max(sv) at the end. It
-takes exactly the arguments the kernel takes (ops._fp8_kernel_args builds them).
+takes exactly the arguments the kernel takes (cutefa.api.descales.kernel_args builds them).
 """
 
 from __future__ import annotations
@@ -20,9 +20,14 @@ from cpu_support import rand, reference, trace_attention_block
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
-from cutefa import dispatch, fp8, ops, space
+from cutefa import dispatch, fp8
+from cutefa.api import descales as api_descales
+from cutefa.api import fp8 as fp8_api
+from cutefa.api import validate
+from cutefa.model.committed import default_variants, fp8_block_specs
+from cutefa.model.options import Quant, VTranspose
 
-P_OFFSET_LOG2 = 8.0  # cutefa.kernels.sm90.fp8.P_OFFSET_LOG2 (importing it would import the DSL)
+P_OFFSET_LOG2 = 8.0  # cutefa.kernels.sm90.fp8_softmax.P_OFFSET_LOG2 (importing it would import the DSL)
 LOG2_E = math.log2(math.e)
 
 
@@ -200,20 +205,22 @@ def test_block_quantize_errors(call, error, match):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_block_choice_of_a_pick_without_a_block_twin(causal):
-    """A dispatched e4m3 variant whose block twin is not committed (a tuned table may pick hd256's
+    """A dispatched e4m3 variant whose block twin is not committed (the tuned table picks hd256's
     128x96 tile, whose block twin would spill) runs block descales on the committed block variant of
     its head dim and mask, and says so."""
-    picked = space.VariantSpec(
-        "sm90", "fwd", "e4m3", 256, 128, 96, 2, 12, causal=causal, overlap=True, pingpong=True,
-        hoist_vt=True, lazy_rescale=True,
+    committed_set = default_variants("sm90")
+    picked = next(
+        s for s in committed_set
+        if (s.dtype, s.head_dim, s.tile_m, s.tile_n, s.causal) == ("e4m3", 256, 128, 96, causal)
+        and s.options.quant is Quant.TENSOR and s.options.v_transpose is VTranspose.HOISTED
     )  # fmt: skip
-    assert picked in space.default_variants("sm90") and picked.replace(block_quant=True) not in space.default_variants("sm90")
-    choice = ops._block_choice(dispatch.Choice(picked, "sm_90a", "tuned"))
-    committed = [s for s in space.fp8_block_specs("sm90") if (s.head_dim, s.causal) == (256, causal)]
+    assert picked.replace(quant=Quant.BLOCK) not in committed_set
+    choice = api_descales.block_choice(dispatch.Choice(picked, "sm_90a", "tuned"))
+    committed = [s for s in fp8_block_specs("sm90") if (s.head_dim, s.causal) == (256, causal)]
     assert [choice.spec] == committed
     assert f"block quantization on the committed {choice.spec.name}" in choice.reason
-    default = dispatch.Choice(committed[0].replace(block_quant=False), "sm_90a", "heuristic")
-    assert ops._block_choice(default).spec == committed[0]
+    default = dispatch.Choice(committed[0].replace(quant=Quant.TENSOR), "sm_90a", "heuristic")
+    assert api_descales.block_choice(default).spec == committed[0]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -228,15 +235,15 @@ def test_blockwise_algorithm_is_exact(causal, sq, sk, hq, hkv, d):
         torch.empty(2, sq, hq, d, dtype=torch.float8_e4m3fn),
         torch.empty(2, sk, hkv, d, dtype=torch.float8_e4m3fn),
     )
-    choice = ops._block_choice(sm90_choice(q, k, causal))
+    choice = api_descales.block_choice(sm90_choice(q, k, causal))
     spec = choice.spec
-    assert spec.block_quant and spec.hoist_vt and "_blockq_hvt" in spec.name
+    assert spec.options.quant is Quant.BLOCK and spec.options.v_transpose is VTranspose.HOISTED and "_blockq_hvt" in spec.name
     assert (spec.tile_m, spec.tile_n) == cutefa.fp8_block_sizes(q, k, causal=causal, target="sm_90a")
     (_, _, _), ((q8, qd), (k8, kd), (v8, vd)) = block_inputs(
         2, sq, sk, hq, hkv, d, tiles=(spec.tile_m, spec.tile_n)
     )
     assert len(set(vd.flatten().tolist())) > 2  # ratios differ from tile to tile
-    _, args = ops._fp8_kernel_args(q8, k8, (qd, kd, vd), choice)
+    _, args = api_descales.kernel_args(q8, k8, (qd, kd, vd), choice)
     scale = d**-0.5
     out, lse = emulate_kernel(
         q8, k8, v8, *args, causal=causal, scale=scale, tile_m=spec.tile_m, tile_n=spec.tile_n
@@ -261,7 +268,7 @@ def test_kernel_arguments():
     """kv_scales holds (k descale, log2 r, 1 / r, 0) per key tile with r = v's descale over its
     largest; v_descale is that largest; per-head and per-tensor descales broadcast over the blocks."""
     (_, _, _), ((q8, qd), (k8, kd), (_, vd)) = block_inputs()
-    choice, (q_arg, kv, v_max) = ops._fp8_kernel_args(q8, k8, (qd, kd, vd), sm90_choice(q8, k8, False))
+    choice, (q_arg, kv, v_max) = api_descales.kernel_args(q8, k8, (qd, kd, vd), sm90_choice(q8, k8, False))
     assert choice.spec.name == "cutefa_sm90_fwd_e4m3_hd64_128x128_s2_w12_ov_pp_blockq_hvt"
     assert kv.shape == (2, 2, 7, 4) and kv.is_contiguous() and kv.dtype == torch.float32
     assert torch.equal(q_arg, qd) and torch.equal(kv[..., 0], kd) and torch.all(kv[..., 3] == 0)
@@ -272,15 +279,15 @@ def test_kernel_arguments():
     assert torch.all(kv[..., 1] <= 0) and torch.all(kv[..., 1].amax(-1) == 0)  # r in (0, 1], max 1
     # a per-head q descale and a per-tensor v descale next to a block k descale
     head_q = torch.rand(2, 2) + 0.5
-    _, (q_arg, kv, v_max) = ops._fp8_kernel_args(
+    _, (q_arg, kv, v_max) = api_descales.kernel_args(
         q8, k8, (head_q, kd, torch.full((2, 2), 0.25)), sm90_choice(q8, k8, False)
     )
     assert torch.equal(q_arg, head_q[:, :, None].expand(2, 2, 3))
     assert torch.all(kv[..., 1] == 0) and torch.all(kv[..., 2] == 1) and torch.all(v_max == 0.25)
     # per-head descales everywhere keep the per-head variant and its arguments
     same = (torch.ones(2, 2),) * 3
-    choice, args = ops._fp8_kernel_args(q8, k8, same, sm90_choice(q8, k8, True))
-    assert not choice.spec.block_quant and args == same
+    choice, args = api_descales.kernel_args(q8, k8, same, sm90_choice(q8, k8, True))
+    assert choice.spec.options.quant is Quant.TENSOR and args == same
 
 
 def test_block_size_mismatch_names_both():
@@ -289,14 +296,14 @@ def test_block_size_mismatch_names_both():
         ValueError,
         match=r"k_descale must have shape \(batch, heads_kv, ceil\(seqlen_k / 128\)\) = \(2, 2, 7\)",
     ) as info:
-        ops._fp8_kernel_args(q8, k8, (qd, kd, vd), sm90_choice(q8, k8, False))
+        api_descales.kernel_args(q8, k8, (qd, kd, vd), sm90_choice(q8, k8, False))
     text = str(info.value)
     assert "tile_n=128" in text and "got (2, 2, 13)" in text and "blocks of about 60 rows" in text
     assert "cutefa_sm90_fwd_e4m3_hd64_128x128_s2_w12_ov_pp_blockq_hvt" in text and "block=128" in text
     with pytest.raises(
         ValueError, match=r"q_descale must have shape .* = \(2, 2, 3\).*tile_m=128.*got \(2, 2, 5\)"
     ):
-        ops._fp8_kernel_args(q8, k8, (torch.ones(2, 2, 5), kd, vd), sm90_choice(q8, k8, False))
+        api_descales.kernel_args(q8, k8, (torch.ones(2, 2, 5), kd, vd), sm90_choice(q8, k8, False))
 
 
 def test_block_descales_on_a_family_without_block_kernel():
@@ -308,8 +315,8 @@ def test_block_descales_on_a_family_without_block_kernel():
     with pytest.raises(
         NotImplementedError, match="block-quantized fp8 descales .* no kernel for cutefa_sm100"
     ):
-        ops._fp8_kernel_args(q8, k8, (qd, torch.ones(2, 2), torch.ones(2, 2)), choice)
-    with pytest.raises(NotImplementedError, match="sm90 e4m3 forward flag"):
+        api_descales.kernel_args(q8, k8, (qd, torch.ones(2, 2), torch.ones(2, 2)), choice)
+    with pytest.raises(NotImplementedError, match=r"the sm100 e4m3 forward has no block quantization \(Sm100FwdOptions\)"):
         cutefa.fp8_block_sizes(q8, k8, target="sm_100a")
 
 
@@ -344,7 +351,7 @@ def on_cpu(monkeypatch):
         def kernel(q, k, v, out, lse, *args):
             *descales, scale = args
             calls.append((spec.name, descales))
-            if not spec.block_quant:  # per-head: one block of each
+            if spec.options.quant is not Quant.BLOCK:  # per-head: one block of each
                 descales = [descales[0][:, :, None], torch.stack(
                     (descales[1], torch.zeros_like(descales[1]), torch.ones_like(descales[1]),
                      torch.zeros_like(descales[1])), -1)[:, :, None], descales[2]]  # fmt: skip
@@ -359,9 +366,9 @@ def on_cpu(monkeypatch):
 
         return kernel
 
-    monkeypatch.setattr(ops, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(ops, "_choose", sm90_choice)
-    monkeypatch.setattr(ops, "get_kernel", get_kernel)
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(fp8_api, "choose", sm90_choice)
+    monkeypatch.setattr(fp8_api, "get_kernel", get_kernel)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # CPU tensors have device index None
     return calls
 
@@ -458,7 +465,7 @@ def test_accuracy_table_block_vs_tensor_vs_head():
         descales = [d.reshape(1, 1).expand(*q.shape[:1], 2) if d.dim() == 0 else d for d in (qd, kd, vd)]
         if granularity != "block":  # the same arithmetic, one descale for all blocks
             descales[0] = descales[0][:, :, None].expand(-1, -1, 4).contiguous()
-        _, args = ops._fp8_kernel_args(qq, kq, descales, choice)
+        _, args = api_descales.kernel_args(qq, kq, descales, choice)
         out, _ = emulate_kernel(
             qq, kq, vq, *args, causal=False, scale=128**-0.5, tile_m=128, tile_n=128, round_p=True
         )
@@ -492,7 +499,7 @@ def test_api_block_descales_with_v_mean(on_cpu):
     base = cutefa.flash_attn_func(q8, k8, v8, **descales)
     out = cutefa.flash_attn_func(q8, k8, v8, **descales, v_mean=mean)
     name, args = on_cpu[-1]
-    assert ops._choose(q8, k8, False, True).spec.v_mean  # what the call dispatched before blocks
+    assert fp8_api.choose(q8, k8, False, True).spec.options.v_mean  # what the call dispatched before blocks
     assert "_blockq" in name and "_vmean" not in name and len(args) == 3
     expect = base.float() + mean.repeat_interleave(2, 1)[:, None]
     torch.testing.assert_close(out.float(), expect, atol=3e-2, rtol=1e-2)

@@ -5,7 +5,7 @@ O += P Vt, which puts the probability of key ``key_of_a_column(k)`` at operand c
 producer warpgroup writes Vt with the same key permutation. Here both are modelled with the WGMMA
 register layouts (thread, value) -> (row, col) that the DSL's atom reports (checked against the DSL
 in tests/test_compile_sm90_fp8.py), the in-place conversion layout of ``fp8.convert_p`` and the
-transpose's own index function ``fp8.transpose_unit``, and the product is compared with P V.
+transpose's own index function ``fp8_transpose.transpose_unit``, and the product is compared with P V.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import functools
 
 import numpy as np
 import pytest
+from cpu_support import all_variants
 
-from cutefa.kernels.sm90 import fp8
+from cutefa.kernels.sm90 import fp8, fp8_transpose, fp8_transpose_plan, fp8_wide_transpose
+from cutefa.model.options import Schedule, VTranspose
 
 ROWS = 64  # rows of one warpgroup MMA
 THREADS = 128
@@ -104,24 +106,24 @@ def test_register_conversion_places_each_score_as_the_in_place_store(tile_n):
 
 
 def _transpose(v_tile: np.ndarray) -> np.ndarray:
-    """The producer warpgroup's transpose, modelled word by word with fp8.transpose_unit."""
+    """The producer warpgroup's transpose, modelled word by word with fp8_transpose.transpose_unit."""
     tile_n, head_dim = v_tile.shape
     words = v_tile.view(np.uint32)  # (tile_n, head_dim / 4)
     out = np.zeros((head_dim, tile_n // 4), dtype=np.uint32)
     written = np.zeros(out.shape, dtype=int)
     for tid in range(THREADS):
-        for i in range(fp8.transpose_steps(tile_n, head_dim)):
-            key0, dq, kq = fp8.transpose_unit(tid, i, head_dim)
+        for i in range(fp8_transpose.transpose_steps(tile_n, head_dim)):
+            key0, dq, kq = fp8_transpose.transpose_unit(tid, i, head_dim)
             w = [int(words[key0 + d, dq]) for d in (0, 1, 8, 9)]
-            t0 = _prmt(w[0], w[1], fp8.PRMT_LO_PAIRS)
-            t1 = _prmt(w[0], w[1], fp8.PRMT_HI_PAIRS)
-            t2 = _prmt(w[2], w[3], fp8.PRMT_LO_PAIRS)
-            t3 = _prmt(w[2], w[3], fp8.PRMT_HI_PAIRS)
+            t0 = _prmt(w[0], w[1], fp8_transpose.PRMT_LO_PAIRS)
+            t1 = _prmt(w[0], w[1], fp8_transpose.PRMT_HI_PAIRS)
+            t2 = _prmt(w[2], w[3], fp8_transpose.PRMT_LO_PAIRS)
+            t3 = _prmt(w[2], w[3], fp8_transpose.PRMT_HI_PAIRS)
             outs = (
-                _prmt(t0, t2, fp8.PRMT_LO_HALVES),
-                _prmt(t0, t2, fp8.PRMT_HI_HALVES),
-                _prmt(t1, t3, fp8.PRMT_LO_HALVES),
-                _prmt(t1, t3, fp8.PRMT_HI_HALVES),
+                _prmt(t0, t2, fp8_transpose.PRMT_LO_HALVES),
+                _prmt(t0, t2, fp8_transpose.PRMT_HI_HALVES),
+                _prmt(t1, t3, fp8_transpose.PRMT_LO_HALVES),
+                _prmt(t1, t3, fp8_transpose.PRMT_HI_HALVES),
             )
             for e, word in enumerate(outs):
                 out[4 * dq + e, kq] = word
@@ -158,7 +160,7 @@ def test_operand_product_equals_p_v(tile_n, head_dim):
     np.testing.assert_allclose(a_op @ vt.T, p @ v_bytes.astype(np.float64))
 
 
-# --- The hoisted transpose addressing (fp8.TransposeV) against the plain swizzled indexing -------
+# --- The hoisted transpose addressing (fp8_transpose.TransposeV) against the plain swizzled indexing -------
 
 
 @functools.cache
@@ -184,7 +186,7 @@ def _composed(text: str):
             for extent, st in zip(shape, stride):
                 total += (c % extent) * st
                 c //= extent
-        return fp8.swizzle_bytes(total, bits, base, shift)
+        return fp8_transpose_plan.swizzle_bytes(total, bits, base, shift)
 
     stages = int(np.prod(shapes[2]))
     stage_bytes = (
@@ -200,8 +202,8 @@ TILES = sorted(fp8.SMEM_LAYOUTS_V_VT)
 
 
 def _plans_of(plan_fn, word_bytes, tile_n, head_dim, stages):
-    """``plan_fn`` (fp8.transpose_plan or fp8.wide_transpose_plan) on a tile's layout strings, words
-    of ``word_bytes`` bytes."""
+    """``plan_fn`` (fp8_transpose.transpose_plan or fp8_wide_transpose.wide_transpose_plan) on a
+    tile's layout strings, words of ``word_bytes`` bytes."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     v_off, _, _, v_swz = _composed(v_text)
     vt_off, _, _, vt_swz = _composed(vt_text)
@@ -216,20 +218,18 @@ def _plans_of(plan_fn, word_bytes, tile_n, head_dim, stages):
 
 
 def _plan(tile_n, head_dim, stages):
-    return _plans_of(fp8.transpose_plan, 4, tile_n, head_dim, stages)
+    return _plans_of(fp8_transpose.transpose_plan, 4, tile_n, head_dim, stages)
 
 
 def _masked_words(tid, i, tile_n, head_dim):
-    return fp8.transpose_words(tid, i, head_dim, fp8.TRANSPOSE_LANE_MASKS[tile_n])
+    return fp8_transpose.transpose_words(tid, i, head_dim, fp8_transpose.TRANSPOSE_LANE_MASKS[tile_n])
 
 
 def test_every_committed_e4m3_tile_has_its_smem_layouts():
-    from cutefa import space
-
-    e4m3 = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3"]
+    e4m3 = [s for s in all_variants("sm90", "fwd") if s.dtype == "e4m3"]
     tiles = {(s.tile_n, s.head_dim, s.stages) for s in e4m3}
     assert tiles <= set(fp8.SMEM_LAYOUTS_V_VT)
-    assert any(s.hoist_vt for s in e4m3)
+    assert any(s.options.v_transpose is VTranspose.HOISTED for s in e4m3)
 
 
 @pytest.mark.parametrize(("tile_n", "head_dim", "stages"), TILES)
@@ -237,23 +237,23 @@ def test_hoisted_addresses_equal_the_swizzled_indexing(tile_n, head_dim, stages)
     """Every load and store of the hoisted transpose, for every thread, step and stage of the ring:
     the runtime base (the swizzled stage-0 offset of the plan's representative access, plus the
     stage's start), XOR the compile-time mask, plus the compile-time offset is the byte address
-    that indexing the swizzled layout at the unit's coordinates (fp8.transpose_unit, each lane's
+    that indexing the swizzled layout at the unit's coordinates (fp8_transpose.transpose_unit, each lane's
     load and store order permuted by its masks) gives."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     v_reps, v_plan, vt_reps, vt_plan = _plan(tile_n, head_dim, stages)
-    rows = fp8.UNIT_ROWS
+    rows = fp8_transpose.UNIT_ROWS
     for side, text, reps, plan in ((0, v_text, v_reps, v_plan), (1, vt_text, vt_reps, vt_plan)):
         offset_of, n_stages, stage_bytes, swz = _composed(text)
         assert n_stages == stages
         assert stage_bytes % (1 << sum(swz)) == 0  # whole swizzle spans per stage
         for tid in range(THREADS):
-            m_load, m_store = fp8.lane_masks(tid % 32, fp8.TRANSPOSE_LANE_MASKS[tile_n])
+            m_load, m_store = fp8_transpose.lane_masks(tid % 32, fp8_transpose.TRANSPOSE_LANE_MASKS[tile_n])
             bases = []
             for i_rep, e_rep in reps:
                 coord = _masked_words(tid, i_rep, tile_n, head_dim)[side][e_rep]
                 bases.append(offset_of(coord[0], 4 * coord[1], 0))
-            for i in range(fp8.transpose_steps(tile_n, head_dim)):
-                key0, dq, kq = fp8.transpose_unit(tid, i, head_dim)
+            for i in range(fp8_transpose.transpose_steps(tile_n, head_dim)):
+                key0, dq, kq = fp8_transpose.transpose_unit(tid, i, head_dim)
                 if side == 0:
                     coords = [(key0 + rows[e ^ m_load], 4 * dq) for e in range(4)]
                 else:
@@ -267,7 +267,7 @@ def test_hoisted_addresses_equal_the_swizzled_indexing(tile_n, head_dim, stages)
 
 
 def _hoisted_vt_ring(tile_n, head_dim, stages, v_ring, v_stage, vt_stage):
-    """The hoisted 32-bit transpose (fp8.TransposeV) run on a byte image of the V ring, each thread
+    """The hoisted 32-bit transpose (fp8_transpose.TransposeV) run on a byte image of the V ring, each thread
     with its own load/store order and PRMT selectors: the Vt ring image it writes and how often it
     writes each Vt word."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
@@ -282,8 +282,10 @@ def _hoisted_vt_ring(tile_n, head_dim, stages, v_ring, v_stage, vt_stage):
         vt_coords = [_masked_words(tid, i, tile_n, head_dim)[1][e] for i, e in vt_reps]
         v_bases = [v_stage * v_stage_bytes + v_off(row, 4 * w, 0) for row, w in v_coords]
         vt_bases = [vt_stage * vt_stage_bytes + vt_off(row, 4 * w, 0) for row, w in vt_coords]
-        selectors = fp8.transpose_selectors(*fp8.lane_masks(tid % 32, fp8.TRANSPOSE_LANE_MASKS[tile_n]))
-        for i in range(fp8.transpose_steps(tile_n, head_dim)):
+        selectors = fp8_transpose.transpose_selectors(
+            *fp8_transpose.lane_masks(tid % 32, fp8_transpose.TRANSPOSE_LANE_MASKS[tile_n])
+        )
+        for i in range(fp8_transpose.transpose_steps(tile_n, head_dim)):
             w = [int(v_words[((v_bases[c] ^ x) + d) // 4]) for c, x, d in v_plan[i]]
             outs = _transpose_4x4(*w, selectors=selectors)
             for e, (c, x, d) in enumerate(vt_plan[i]):
@@ -295,9 +297,11 @@ def _hoisted_vt_ring(tile_n, head_dim, stages, v_ring, v_stage, vt_stage):
 
 
 def _transpose_4x4(w0, w1, w2, w3, selectors=None):
-    """fp8.transpose_4x4 (the 8 PRMT of a 4x4 unit) on Python ints; with ``selectors`` (SA, SB,
-    HA, HB of fp8.transpose_selectors) the hoisted transpose's per-thread form."""
-    sa, sb, ha, hb = selectors or (fp8.PRMT_LO_PAIRS, fp8.PRMT_HI_PAIRS, fp8.PRMT_LO_HALVES, fp8.PRMT_HI_HALVES)
+    """fp8_transpose.transpose_4x4 (the 8 PRMT of a 4x4 unit) on Python ints; with ``selectors``
+    (SA, SB, HA, HB of fp8_transpose.transpose_selectors) the hoisted transpose's per-thread form."""
+    sa, sb, ha, hb = selectors or (
+        fp8_transpose.PRMT_LO_PAIRS, fp8_transpose.PRMT_HI_PAIRS, fp8_transpose.PRMT_LO_HALVES, fp8_transpose.PRMT_HI_HALVES
+    )  # fmt: skip
     t0 = _prmt(w0, w1, sa)
     t1 = _prmt(w0, w1, sb)
     t2 = _prmt(w2, w3, sa)
@@ -306,9 +310,10 @@ def _transpose_4x4(w0, w1, w2, w3, selectors=None):
 
 
 def test_canonical_selectors():
-    """Masks 0 give the plain transpose's PRMT selectors (fp8.transpose_4x4)."""
-    assert fp8.transpose_selectors(0, 0) == (
-        fp8.PRMT_LO_PAIRS, fp8.PRMT_HI_PAIRS, fp8.PRMT_LO_HALVES, fp8.PRMT_HI_HALVES,
+    """Masks 0 give the plain transpose's PRMT selectors (fp8_transpose.transpose_4x4)."""
+    assert fp8_transpose.transpose_selectors(0, 0) == (
+        fp8_transpose.PRMT_LO_PAIRS, fp8_transpose.PRMT_HI_PAIRS,
+        fp8_transpose.PRMT_LO_HALVES, fp8_transpose.PRMT_HI_HALVES,
     )  # fmt: skip
 
 
@@ -321,7 +326,7 @@ def test_selectors_undo_the_lane_order(m_load, m_store):
     rng = np.random.default_rng(m_load * 4 + m_store)
     canonical = [int(x) for x in rng.integers(0, 2**32, size=4, dtype=np.uint64)]
     loaded = [canonical[e ^ m_load] for e in range(4)]
-    outs = _transpose_4x4(*loaded, selectors=fp8.transpose_selectors(m_load, m_store))
+    outs = _transpose_4x4(*loaded, selectors=fp8_transpose.transpose_selectors(m_load, m_store))
     for e in range(4):
         dim = e ^ m_store
         assert outs[e] == sum(((canonical[j] >> (8 * dim)) & 0xFF) << (8 * j) for j in range(4)), e
@@ -347,36 +352,41 @@ def test_hoisted_transpose_moves_the_same_bytes(tile_n, head_dim, stages):
         np.testing.assert_array_equal(vt, v[perm].T)
 
 
-# --- The wide transpose (fp8.WideTransposeV, wide_vt variants): 64-bit accesses, 8x8-byte units ---
+# --- The wide transpose (fp8_wide_transpose.WideTransposeV, VTranspose.WIDE): 64-bit accesses, 8x8-byte units
 
 # The committed e4m3 tiles the wide transpose can run on: (head_dim / 8) x (tile_n / 8) units split
-# evenly over the 128 producer threads (space.why_invalid).
+# evenly over the 128 producer threads (rules.why_invalid).
 WIDE_TILES = [t for t in TILES if (t[1] // 8) * (t[0] // 8) % THREADS == 0]
 STAGE_START = 3 * 1024  # a ring's shared-memory start: 1024-byte aligned, not 0
 
 
 def test_wide_tiles_are_the_valid_ones():
-    from cutefa import space
+    from cutefa.model import rules
     from cutefa.spec import VariantSpec
 
     def valid(tile_n, head_dim, stages):
         # the wide transpose's own rule (a tile may still fail the register budget, e.g. hd256 x 96
         # at the 232 registers the wide transpose leaves the consumers)
-        spec = VariantSpec("sm90", "fwd", "e4m3", head_dim, 128, tile_n, stages, 12, pingpong=True, hoist_vt=True)
-        return space._wide_vt_rule(spec.replace(wide_vt=True)) is None
+        spec = VariantSpec(
+            "sm90", "fwd", "e4m3", head_dim, 128, tile_n, stages, 12,
+            schedule=Schedule.PINGPONG, v_transpose=VTranspose.WIDE,
+        )  # fmt: skip
+        return rules._sm90_fp8_wide_transpose(spec) is None
 
     assert WIDE_TILES == [t for t in TILES if valid(*t)]
     assert {(128, 128, 2), (64, 256, 3), (128, 64, 2)} <= set(WIDE_TILES)  # hd128 / hd256 / hd64 defaults
-    wide = [s for s in space.default_variants("sm90", "fwd") if s.wide_vt]
+    e4m3 = [s for s in all_variants("sm90", "fwd") if s.dtype == "e4m3"]
+    wide = [s for s in e4m3 if s.options.v_transpose is VTranspose.WIDE]
     assert wide and all((s.tile_n, s.head_dim, s.stages) in WIDE_TILES for s in wide)
 
 
 @pytest.mark.parametrize(("tile_n", "head_dim", "stages"), TILES)
 def test_swizzle_atom_bytes_match_the_layouts(tile_n, head_dim, stages):
-    """fp8.swizzle_atom_bytes (the row bytes the wide mapping assumes) is the layouts' swizzle span / 8."""
+    """fp8_wide_transpose.swizzle_atom_bytes (the row bytes the wide mapping assumes) is the layouts'
+    swizzle span / 8."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
-    assert 1 << sum(_composed(v_text)[3]) == 8 * fp8.swizzle_atom_bytes(head_dim)
-    assert 1 << sum(_composed(vt_text)[3]) == 8 * fp8.swizzle_atom_bytes(tile_n)
+    assert 1 << sum(_composed(v_text)[3]) == 8 * fp8_wide_transpose.swizzle_atom_bytes(head_dim)
+    assert 1 << sum(_composed(vt_text)[3]) == 8 * fp8_wide_transpose.swizzle_atom_bytes(tile_n)
 
 
 @pytest.mark.parametrize(("tile_n", "head_dim"), sorted({t[:2] for t in WIDE_TILES}))
@@ -386,25 +396,25 @@ def test_wide_units_partition_the_tile_with_the_key_permutation(tile_n, head_dim
     low word of each store is key word 2 kp of the 4x4 transpose, the high word 2 kp + 1."""
     seen = set()
     for tid in range(THREADS):
-        for i in range(fp8.wide_steps(tile_n, head_dim)):
-            key0, dp, kp = fp8.wide_transpose_unit(tid, i, tile_n, head_dim)
+        for i in range(fp8_wide_transpose.wide_steps(tile_n, head_dim)):
+            key0, dp, kp = fp8_wide_transpose.wide_transpose_unit(tid, i, tile_n, head_dim)
             assert 0 <= dp < head_dim // 8 and 0 <= kp < tile_n // 8
             seen.add((dp, kp))
-            for k, r in enumerate(fp8.WIDE_ROWS):
+            for k, r in enumerate(fp8_wide_transpose.WIDE_ROWS):
                 col = 8 * kp + k
                 assert key0 + r == 32 * (col // 32) + fp8.key_of_a_column(col % 32), (tid, i, k)
-    assert len(seen) == (head_dim // 8) * (tile_n // 8) == THREADS * fp8.wide_steps(tile_n, head_dim)
+    assert len(seen) == (head_dim // 8) * (tile_n // 8) == THREADS * fp8_wide_transpose.wide_steps(tile_n, head_dim)
 
 
 @functools.cache
 def _wide_plan(tile_n, head_dim, stages):
-    return _plans_of(fp8.wide_transpose_plan, 8, tile_n, head_dim, stages)
+    return _plans_of(fp8_wide_transpose.wide_transpose_plan, 8, tile_n, head_dim, stages)
 
 
 @functools.cache
 def _wide_addresses(tile_n, head_dim, stages, tid, side, stage):
     """Per step, the 8 byte addresses (relative to the ring's start) of thread ``tid``'s loads
-    (side 0) or stores (side 1) as fp8.WideTransposeV computes them: ring start + stage start +
+    (side 0) or stores (side 1) as fp8_wide_transpose.WideTransposeV computes them: ring start + stage start +
     (the base's swizzled stage-0 offset ^ mask) + offset."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     offset_of, _, stage_bytes, _ = _composed((v_text, vt_text)[side])
@@ -412,7 +422,7 @@ def _wide_addresses(tile_n, head_dim, stages, tid, side, stage):
     reps, plan = plans[2 * side], plans[2 * side + 1]
     bases = []
     for i_rep, e_rep in reps:
-        row, w = fp8.wide_transpose_words(tid, i_rep, tile_n, head_dim)[side][e_rep]
+        row, w = fp8_wide_transpose.wide_transpose_words(tid, i_rep, tile_n, head_dim)[side][e_rep]
         bases.append(offset_of(row, 8 * w, 0))
     start = STAGE_START + stage * stage_bytes
     return tuple(tuple(start + (bases[c] ^ x) + d - STAGE_START for c, x, d in row) for row in plan)
@@ -432,7 +442,7 @@ def test_wide_addresses_equal_the_swizzled_indexing(tile_n, head_dim, stages):
             for stage in range(stages):
                 addrs = _wide_addresses(tile_n, head_dim, stages, tid, side, stage)
                 for i, row_addrs in enumerate(addrs):
-                    coords = fp8.wide_transpose_words(tid, i, tile_n, head_dim)[side]
+                    coords = fp8_wide_transpose.wide_transpose_words(tid, i, tile_n, head_dim)[side]
                     for e, ((row, w), addr) in enumerate(zip(coords, row_addrs)):
                         assert addr % 8 == 0, (side, tid, i, e, stage)
                         for j in range(8):
@@ -443,7 +453,8 @@ def test_wide_addresses_equal_the_swizzled_indexing(tile_n, head_dim, stages):
 def test_wide_transpose_writes_the_vt_of_the_hoisted_transpose(tile_n, head_dim, stages):
     """The wide transpose (8 LDS.64, four 4x4 byte transposes, 8 STS.64 per unit) run on a byte
     image of the rings writes each 8-byte Vt word of the target stage exactly once, nothing else,
-    and leaves the Vt ring byte for byte as the hoisted 32-bit transpose (fp8.TransposeV) leaves it."""
+    and leaves the Vt ring byte for byte as the hoisted 32-bit transpose (fp8_transpose.TransposeV)
+    leaves it."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     _, _, v_stage_bytes, _ = _composed(v_text)
     _, _, vt_stage_bytes, _ = _composed(vt_text)
@@ -456,7 +467,7 @@ def test_wide_transpose_writes_the_vt_of_the_hoisted_transpose(tile_n, head_dim,
         for tid in range(THREADS):
             loads = _wide_addresses(tile_n, head_dim, stages, tid, 0, v_stage)
             stores = _wide_addresses(tile_n, head_dim, stages, tid, 1, vt_stage)
-            for i in range(fp8.wide_steps(tile_n, head_dim)):
+            for i in range(fp8_wide_transpose.wide_steps(tile_n, head_dim)):
                 words = [int(v_dwords[a // 8]) for a in loads[i]]
                 lo = [w & 0xFFFFFFFF for w in words]  # head dims 0-3 of key row key0 + WIDE_ROWS[j]
                 hi = [w >> 32 for w in words]  # head dims 4-7
@@ -494,46 +505,46 @@ def test_wide_bank_conflicts(tile_n, head_dim, stages):
     are narrower (V at hd64: 64-byte rows; Vt at tile_n 64: 64-byte rows): all lanes of one
     instruction access rows with the same index mod 8 (the unit's 8 head dims / 8-key word are
     8-aligned), and such rows of a narrow atom share 64 (32) bytes of banks. Per byte moved that is
-    never more than the plain 32-bit mapping's wavefronts (fp8.transpose_unit without lane masks,
-    as fp8.transpose_v runs it), and half of them on 128-byte sides."""
+    never more than the plain 32-bit mapping's wavefronts (fp8_transpose.transpose_unit without lane masks,
+    as fp8_transpose.transpose_v runs it), and half of them on 128-byte sides."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     v_off, vt_off = _composed(v_text)[0], _composed(vt_text)[0]
     for side, extent in ((0, head_dim), (1, tile_n)):
-        expected = 2 * 128 // fp8.swizzle_atom_bytes(extent)
+        expected = 2 * 128 // fp8_wide_transpose.swizzle_atom_bytes(extent)
         wide_total = 0
         for w in range(4):
             addrs = [_wide_addresses(tile_n, head_dim, stages, t, side, 0) for t in range(32 * w, 32 * w + 32)]
-            for i in range(fp8.wide_steps(tile_n, head_dim)):
+            for i in range(fp8_wide_transpose.wide_steps(tile_n, head_dim)):
                 for e in range(8):
                     fronts = _wavefronts([a[i][e] for a in addrs], 8)
                     assert fronts == expected, (side, w, i, e, fronts)
                     wide_total += fronts
         narrow_total = 0  # the plain 32-bit mapping, the same bytes
         for w in range(4):
-            for i in range(fp8.transpose_steps(tile_n, head_dim)):
-                words = [fp8.transpose_words(t, i, head_dim)[side] for t in range(32 * w, 32 * w + 32)]
+            for i in range(fp8_transpose.transpose_steps(tile_n, head_dim)):
+                words = [fp8_transpose.transpose_words(t, i, head_dim)[side] for t in range(32 * w, 32 * w + 32)]
                 offset_of = (v_off, vt_off)[side]
                 for e in range(4):
                     narrow_total += _wavefronts([offset_of(ws[e][0], 4 * ws[e][1], 0) for ws in words], 4)
         assert wide_total <= narrow_total, (side, wide_total, narrow_total)
-        if fp8.swizzle_atom_bytes(extent) == 128:
+        if fp8_wide_transpose.swizzle_atom_bytes(extent) == 128:
             assert 2 * wide_total == narrow_total, (side, wide_total, narrow_total)
 
 
 @pytest.mark.parametrize(("tile_n", "head_dim", "stages"), TILES)
 def test_hoisted_transpose_is_free_of_bank_conflicts(tile_n, head_dim, stages):
-    """With its lane masks (fp8.TRANSPOSE_LANE_MASKS) every warp-wide 32-bit load and store of the
+    """With its lane masks (fp8_transpose.TRANSPOSE_LANE_MASKS) every warp-wide 32-bit load and store of the
     hoisted transpose takes one wavefront; the plain mapping took 2 per load and 2-4 per store."""
     v_text, vt_text = fp8.SMEM_LAYOUTS_V_VT[(tile_n, head_dim, stages)]
     for side, text in ((0, v_text), (1, vt_text)):
         offset_of = _composed(text)[0]
         plain = 0
         for w in range(4):
-            for i in range(fp8.transpose_steps(tile_n, head_dim)):
+            for i in range(fp8_transpose.transpose_steps(tile_n, head_dim)):
                 masked = [_masked_words(t, i, tile_n, head_dim)[side] for t in range(32 * w, 32 * w + 32)]
-                words = [fp8.transpose_words(t, i, head_dim)[side] for t in range(32 * w, 32 * w + 32)]
+                words = [fp8_transpose.transpose_words(t, i, head_dim)[side] for t in range(32 * w, 32 * w + 32)]
                 for e in range(4):
                     fronts = _wavefronts([offset_of(ws[e][0], 4 * ws[e][1], 0) for ws in masked], 4)
                     assert fronts == 1, (side, w, i, e, fronts)
                     plain += _wavefronts([offset_of(ws[e][0], 4 * ws[e][1], 0) for ws in words], 4)
-        assert plain >= 2 * 4 * 4 * fp8.transpose_steps(tile_n, head_dim), (side, plain)
+        assert plain >= 2 * 4 * 4 * fp8_transpose.transpose_steps(tile_n, head_dim), (side, plain)

@@ -1,7 +1,7 @@
 """The public op on the CPU: validation errors, edge cases, the fake impl under torch.compile, autograd.
 
 Checks that need CUDA tensors run either on fake CUDA tensors (``FakeTensorMode`` makes them on a
-CPU-only torch) or with :data:`cutefa.ops.DEVICE_TYPES` widened to the CPU and the kernel launch
+CPU-only torch) or with :data:`cutefa.api.validate.DEVICE_TYPES` widened to the CPU and the kernel launch
 replaced by a reference computed with torch.
 """
 
@@ -20,9 +20,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cutefa
-from cutefa import dispatch, ops
-from cutefa.space import DEFAULT_TILES
-from cutefa.spec import VariantSpec
+from cutefa import dispatch
+from cutefa.api import dense, launch, plans, validate
+from cutefa.model.defaults import DEFAULT_TILES
+from cutefa.model.spec import VariantSpec
 
 CPU = ("cpu",)
 
@@ -45,8 +46,8 @@ def on_cpu(monkeypatch):
         out.copy_(o.to(out.dtype))
         lse.copy_(l)
 
-    monkeypatch.setattr(ops, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(ops, "_launch", launch)
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(dense, "_launch", launch)
     return calls
 
 
@@ -83,7 +84,7 @@ def test_fp8_e5m2_is_not_implemented():
 def test_fp8_on_the_16_bit_path_names_the_fp8_forward():
     q, k, v = (t.to(torch.float8_e4m3fn) for t in qkv())
     with pytest.raises(NotImplementedError, match="fp8 inputs go through the fp8 forward"):
-        ops.validate_inputs(q, k, v, device_types=CPU)
+        validate.validate_inputs(q, k, v, device_types=CPU)
 
 
 def test_mixed_dtypes():
@@ -100,7 +101,7 @@ def test_cpu_tensors_are_refused():
 def test_tensors_on_different_devices():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="one device; got q on cpu, k on meta, v on cpu"):
-        ops.validate_inputs(q, k.to("meta"), v, device_types=("cpu", "meta"))
+        validate.validate_inputs(q, k.to("meta"), v, device_types=("cpu", "meta"))
 
 
 SHAPE_ERRORS = {
@@ -133,7 +134,7 @@ def test_shape_errors(shapes):
     *sizes, message = shapes
     q, k, v = (torch.empty(s, dtype=torch.float16) for s in sizes)
     with pytest.raises(ValueError, match=message):
-        ops.validate_inputs(q, k, v, device_types=CPU)
+        validate.validate_inputs(q, k, v, device_types=CPU)
 
 
 def test_shape_errors_reach_users_on_cuda_tensors():
@@ -147,7 +148,7 @@ def test_last_dim_must_be_contiguous():
     _, k, v = qkv()
     strided = torch.randn(2, 8, 4, 128, dtype=torch.bfloat16)[..., ::2]
     with pytest.raises(ValueError, match=r"q.stride\(-1\) must be 1 \(contiguous head_dim\); got 2"):
-        ops.validate_inputs(strided, k, v, device_types=CPU)
+        validate.validate_inputs(strided, k, v, device_types=CPU)
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
@@ -171,7 +172,7 @@ def test_unsupported_arch_is_reported_from_dispatch(monkeypatch):
     monkeypatch.setattr(dispatch, "device_target", lambda device: ("sm_75", "Tesla T4"))
     dispatch.clear_caches()
     with pytest.raises(NotImplementedError, match=r"no cutefa kernel for Tesla T4 \(sm_75\): .*8\.0\+"):
-        ops._launch(*qkv(), torch.empty(0), torch.empty(0), False, 0.1)
+        dense._launch(*qkv(), torch.empty(0), torch.empty(0), False, 0.1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,15 +213,15 @@ def test_no_keys_gives_zero_output_and_minus_inf_lse(on_cpu):
 
 def test_misaligned_inputs_are_copied_aligned_ones_are_not():
     aligned = torch.randn(2, 8, 4, 64, dtype=torch.float16)
-    assert ops._aligned(aligned) is aligned
+    assert launch.aligned(aligned) is aligned
     view = aligned.transpose(1, 2)  # strides (2048, 64, 256, 1): all multiples of 8
-    assert ops._aligned(view) is view
+    assert launch.aligned(view) is view
     odd_rows = torch.randn(2, 8, 4, 68, dtype=torch.float16)[..., :64]  # row stride 68 elements
-    copy = ops._aligned(odd_rows)
+    copy = launch.aligned(odd_rows)
     assert copy.is_contiguous() and torch.equal(copy, odd_rows)
     shifted = torch.randn(1 + 2 * 8 * 4 * 64, dtype=torch.float16)[1:].view(2, 8, 4, 64)  # 2-byte offset
     assert shifted.data_ptr() % 16 != 0
-    copy = ops._aligned(shifted)
+    copy = launch.aligned(shifted)
     assert copy.data_ptr() % 16 == 0 and torch.equal(copy, shifted)
 
 
@@ -230,7 +231,7 @@ def test_launch_dispatches_runs_the_kernel_and_logs(monkeypatch, caplog):
     ran = []
     monkeypatch.setattr(dispatch, "device_target", lambda device: ("sm_90a", "NVIDIA H200"))
     monkeypatch.setattr(
-        ops, "get_kernel", lambda spec, target: lambda *args: ran.append((spec, target, args))
+        dense, "get_kernel", lambda spec, target: lambda *args: ran.append((spec, target, args))
     )
     guards = []
     monkeypatch.setattr(
@@ -241,10 +242,10 @@ def test_launch_dispatches_runs_the_kernel_and_logs(monkeypatch, caplog):
     try:
         dispatch.set_logging(True)
         with caplog.at_level("INFO", logger="cutefa"):
-            ops._launch(q, k, v, out, lse, True, 0.25)
+            dense._launch(q, k, v, out, lse, True, 0.25)
             assert guards == []  # q is on the current device: no device switch
             monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-            ops._launch(q, k, v, out, lse, True, 0.25)
+            dense._launch(q, k, v, out, lse, True, 0.25)
             assert guards == [q.device]  # another device is current: switch to q's for the launch
     finally:
         dispatch.set_logging(False)
@@ -299,15 +300,15 @@ def test_opcheck(on_cpu):
 
 def test_eager_fast_path_only_where_it_equals_the_op():
     q, k, v = qkv()
-    assert ops._plain_eager(q, k, v)
-    assert not ops._plain_eager(q, k.requires_grad_(), v)  # autograd must see the op
+    assert plans.plain_eager(q, k, v)
+    assert not plans.plain_eager(q, k.requires_grad_(), v)  # autograd must see the op
     with torch.no_grad():
-        assert ops._plain_eager(q, k, v)
+        assert plans.plain_eager(q, k, v)
     with FakeTensorMode() as mode:
-        assert not ops._plain_eager(*(mode.from_tensor(t) for t in (q, k, v)))
+        assert not plans.plain_eager(*(mode.from_tensor(t) for t in (q, k, v)))
     k = k.detach()
     with TorchDispatchMode():
-        assert not ops._plain_eager(q, k, v)
+        assert not plans.plain_eager(q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------

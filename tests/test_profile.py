@@ -19,7 +19,7 @@ TESTS = Path(__file__).parent
 
 # Phases of the first call from a pack, in the order they happen.
 FIRST_CALL_PHASES = [
-    "import cutefa.ops",
+    "import cutefa.api",
     "device query",
     "dispatch (tuned tables)",
     "kernel source fingerprint",
@@ -59,7 +59,7 @@ calls = []
 ffi.load = lambda path, name: lambda *args: calls.append(len(args))
 import torch
 import cutefa
-fn = cutefa.flash_attn_func  # imports cutefa.ops
+fn = cutefa.flash_attn_func  # imports cutefa.api
 from cutefa import dispatch, ops, profile
 from test_pack import write_pack
 dispatch.device_target = lambda device=None: ("sm_90a", "NVIDIA H200")
@@ -88,7 +88,7 @@ def test_first_call_reports_its_phases_in_order_without_the_dsl(tmp_path):
     names = [name for name, _ in got["phases"]]
     # the device query and dispatch ran once already while the test wrote the pack
     first = names.index("kernel source fingerprint") - 2
-    assert names[0] == "import cutefa.ops"
+    assert names[0] == "import cutefa.api"
     assert names[first:] == FIRST_CALL_PHASES[1:], names  # later calls take the plan: no phases
     assert all(ms >= 0 for _, ms in got["phases"])
     assert list(got["totals"]) == FIRST_CALL_PHASES

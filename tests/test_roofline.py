@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from cpu_support import load_tool
 
-from cutefa import space
 from cutefa.spec import VariantSpec
 
 SINGLE = VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16)
@@ -24,9 +23,9 @@ def test_pair_halves_kv_traffic_per_sm():
 def test_pair_keeps_the_mma_rate_and_never_predicts_slower():
     roof = load_tool("roofline")
     rows = roof.pair_rows(8192, 128)
-    assert {p.head_dim for p, _, _ in rows} == set(space.PAIR_ALTERNATIVES["sm100"])
+    assert {p.head_dim for p, _, _ in rows} == set(load_tool("alternatives").PAIR_ALTERNATIVES)
     for pair, single, n in rows:
-        assert pair.cta_pair and not single.cta_pair and single.replace(cta_pair=True) == pair
+        assert pair.options.cta_pair and not single.options.cta_pair and single.replace(cta_pair=True) == pair
         assert roof.predict(pair, 8192, 128).clk_mma == roof.predict(single, 8192, 128).clk_mma
         assert n["smem_pair"] < n["smem_single"]
         assert n["tflops_pair"] >= n["tflops_single"]

@@ -2,7 +2,8 @@
 
 import math
 
-from cutefa.spec import parse_name
+from cutefa.model.options import OAccum, Quant
+from cutefa.model.spec import parse_name
 from cutefa.tune import Measurement, _time_in_rounds, _timed_if_correct, gpu_token, table_entries
 
 
@@ -73,13 +74,14 @@ def test_e4m3_entries_accumulate_in_two_levels_or_take_the_means():
     """cutefa tune times every committed e4m3 variant. Where a head dim and mask have two-level
     variants (hd128 on sm90) the plain entries name only those; v_centered entries name only
     variants that take v's column means (v_mean), where there are any; plain entries never do."""
-    from cutefa import space, tune
+    from cutefa import tune
+    from cutefa.model.committed import default_variants
 
     fp8 = tune.tuning_candidates("sm90", "fwd", ("e4m3",), None, "sm_90a")
     committed = {
-        s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3" and not s.block_quant
+        s for s in default_variants("sm90", "fwd") if s.dtype == "e4m3" and s.options.quant is Quant.TENSOR
     }  # fmt: skip
-    assert set(fp8) == committed and any(s.two_level for s in fp8) and any(s.v_mean for s in fp8)
+    assert set(fp8) == committed and any(s.options.o_accum is OAccum.TWO_LEVEL for s in fp8) and any(s.options.v_mean for s in fp8)
     plain = "cutefa_sm90_fwd_e4m3_hd128_192x96_s2_w16_ov_hvt_lres"
     tl, tl_persist = plain + "_tlacc", "cutefa_sm90_fwd_e4m3_hd128_192x96_s2_w16_ov_persist_hvt_lres_tlacc"
     hd256 = "cutefa_sm90_fwd_e4m3_hd256_128x96_s2_w12_ov_pp_hvt_lres"
@@ -107,4 +109,4 @@ def test_e4m3_entries_accumulate_in_two_levels_or_take_the_means():
         {**e4m3, "head_dim": 256, "max_seqlen_k": None, "variant": hd256 + "_vmean", "v_centered": True},
     ]
     bf16 = tune.tuning_candidates("sm90", "fwd", ("bf16",), (128,), "sm_90a")
-    assert bf16 and not any(s.two_level or s.v_mean for s in bf16)
+    assert bf16 and not any(hasattr(s.options, "o_accum") or hasattr(s.options, "v_mean") for s in bf16)

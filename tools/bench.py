@@ -20,10 +20,11 @@ exceeds the tolerance is reported as WRONG and its speed is not. A backend that 
         --bwd-variants cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_ov,cutefa_sm90_bwd_bf16_hd128_64x128_s3_w12
 
 ``--bwd-variants NAME,...`` times each named backward variant (or ``sm90`` / ``ARCH``: every
-committed backward variant of that family) on the backward cells whose dtype, head dim and mask
-it serves, exactly as the cutefa column is timed (cutefa's forward, then autograd's backward,
-checked against SDPA) but with the backward forced to that variant; each gets a row of its own in
-a "Backward variants" table beside FA4 and the default cutefa backward of the same cell.
+committed backward variant of that family and the measured alternatives, tools/alternatives.py) on
+the backward cells whose dtype, head dim and mask it serves, exactly as the cutefa column is timed
+(cutefa's forward, then autograd's backward, checked against SDPA) but with the backward forced to
+that variant; each gets a row of its own in a "Backward variants" table beside FA4 and the default
+cutefa backward of the same cell.
 
 Writes ``bench.md``, ``bench.json`` and ``bench.png`` (``enqueue.md``/``enqueue.json`` for
 ``--enqueue``, ``startup.md``/``startup.json`` for ``--startup``) under ``--out`` (default
@@ -50,6 +51,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # tools/alternatives.py, also when loaded by path
+    sys.path.append(str(Path(__file__).resolve().parent))
 
 TOKENS = 16384
 MODEL_DIM = 2048
@@ -113,8 +117,10 @@ def _backend_list(text: str) -> list[str]:
 
 def _bwd_variant_list(text: str) -> list[str]:
     """Backward variant names, checked: a comma list of names and/or family names (sm90: every
-    committed sm90 backward variant)."""
-    from cutefa import space
+    committed sm90 backward variant and the measured alternatives)."""
+    from alternatives import all_variants
+
+    from cutefa.model import rules
     from cutefa.spec import ARCHS, parse_name
 
     names: list[str] = []
@@ -122,7 +128,7 @@ def _bwd_variant_list(text: str) -> list[str]:
         if not item:
             continue
         if item in ARCHS:
-            names += [s.name for s in space.default_variants(item, "bwd")]
+            names += [s.name for s in all_variants(item, "bwd")]
             continue
         try:
             spec = parse_name(item)
@@ -130,7 +136,7 @@ def _bwd_variant_list(text: str) -> list[str]:
             raise argparse.ArgumentTypeError(str(exc)) from None
         if spec.direction != "bwd":
             raise argparse.ArgumentTypeError(f"--bwd-variants: {item!r} is not a backward variant")
-        why = space.why_invalid(spec)
+        why = rules.why_invalid(spec)
         if why is not None:
             raise argparse.ArgumentTypeError(f"--bwd-variants: {item!r} is not valid: {why}")
         names.append(item)
@@ -828,7 +834,7 @@ def _raw_kernel(q, k, v, causal, how="call"):
 
         path = next(p for p in ffi._LIBRARIES if p.stem == choice.spec.name or p.parent.name.startswith(choice.spec.name))
         fn = tvm_ffi.load_module(str(path))[choice.spec.name]
-        kernel = cc._with_sm_count(fn) if choice.spec.persistent else fn
+        kernel = cc._with_sm_count(fn) if cc.takes_sm_count(choice.spec) else fn
 
     def run():
         kernel(q, k, v, out, lse, scale)
@@ -990,7 +996,7 @@ if which == "cutefa":
         shutil.copyfile(so_path, copy)
         t5 = time.perf_counter()
         fn = ffi.load(copy, so_path.stem)
-        if cc.parse_name(so_path.stem).persistent:
+        if cc.takes_sm_count(cc.parse_name(so_path.stem)):
             fn = cc._with_sm_count(fn)
         t6 = time.perf_counter()
         fn(q, k, v, o, lse, 1 / math.sqrt(q.shape[-1]))

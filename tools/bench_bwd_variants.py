@@ -1,6 +1,6 @@
-"""Time every committed sm80-family backward variant side by side (the default tile and its tuning
-alternatives, e.g. stages=2), each kernel called directly, so that tiles dispatch does not pick
-yet can be compared on one GPU.
+"""Time every sm80-family backward variant side by side (the committed default tile and the measured
+alternatives of tools/alternatives.py, e.g. stages=2), each kernel called directly, so that tiles
+dispatch does not pick yet can be compared on one GPU.
 
 Grid as tools/bench.py: (batch, seqlen, heads, head_dim) with batch x seqlen = 16384 tokens and
 heads x head_dim = 2048; TFLOP/s counts 2.5 x 4*b*h*s^2*d (halved when causal); median of
@@ -11,8 +11,8 @@ one dQ split (deterministic=0), as dispatch runs it.
     python3 tools/bench_bwd_variants.py                          # hd 64,128,192,256, bf16
     python3 tools/bench_bwd_variants.py --hdim 128 --seqlen 2048,8192 --causal 1 --dtype fp16
 
-``--variants`` A/B-tests named sm80 backward variants instead (committed or not: a name the space
-accepts is rendered and compiled, or taken from a kernel pack): one row per (causal, seqlen), one
+``--variants`` A/B-tests named sm80 backward variants instead (committed or not: a name the rules
+accept is rendered and compiled, or taken from a kernel pack): one row per (causal, seqlen), one
 column per variant (a name's causal twin runs the causal rows), the variants and FlashAttention-2's
 backward (torch SDPA's flash backend, autograd of its forward) timed in turns for ``--rounds``
 rounds, each cell the mean TFLOP/s and its ratio to FA2. Before timing, every variant's dQ, dK and
@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if str(Path(__file__).resolve().parent) not in sys.path:  # tools/alternatives.py, also when loaded by path
+    sys.path.append(str(Path(__file__).resolve().parent))
 
 TOKENS, MODEL_DIM = 16384, 2048
 
@@ -61,13 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         return _ab(args)
 
     import torch
+    from alternatives import all_variants
 
     import cutefa
-    from cutefa import space
     from cutefa.backward import device_tail_slots, dq_accum_workspace, sm80_tail_workspaces
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
-    from cutefa.spec import VariantSpec
+    from cutefa.model.defaults import default_spec
+    from cutefa.model.rules import why_not_on
 
     try:
         from triton.testing import do_bench
@@ -90,15 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     target = current_target()
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
-    variants = [s for s in space.default_variants("sm80", "bwd") if s.dtype == args.dtype and space.why_not_on(s, target) is None]
+    variants = [s for s in all_variants("sm80", "bwd") if s.dtype == args.dtype]
+    variants = [s for s in variants if why_not_on(s, target) is None]
     print("| variant | default | causal | seqlen | ms | TFLOP/s |")
     print("|---|---|---|---|---|---|")
     for hd in args.hdim:
-        tile = space.DEFAULT_BWD_TILES["sm80"].get(hd)
-        extras = space.default_extras("sm80", "bwd", hd, stages=tile.stages) if tile else {}
         for causal in causals:
-            # the default: the default tile with the family's default flags (dq_tile; dq_pipe at hd96/192/256)
-            default = tile and VariantSpec("sm80", "bwd", args.dtype, hd, *tile, causal=causal, **extras)
+            # the default: its tile and options (DqLayout.TILE; dq_pipe at hd96/192/256)
+            default = default_spec("sm80", "bwd", args.dtype, hd, causal=causal)
             for seqlen in args.seqlen:
                 q, k, v, dout, out, lse = _problem(torch, cutefa, dt, hd, seqlen, causal)
                 batch, heads = q.shape[0], q.shape[2]
@@ -147,17 +149,17 @@ def _ab(args) -> int:
     import torch
 
     import cutefa
-    from cutefa import space
     from cutefa.backward import device_tail_slots, dq_accum_workspace, sm80_tail_workspaces
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
+    from cutefa.model.rules import why_invalid
     from cutefa.spec import parse_name
 
     specs = [parse_name(n).replace(causal=False) for n in args.variants.split(",") if n]
     for spec in specs:
         if (spec.arch, spec.direction) != ("sm80", "bwd"):
             raise SystemExit(f"--variants: {spec.name} is not an sm80 backward variant")
-        why = space.why_invalid(spec)
+        why = why_invalid(spec)
         if why is not None:
             raise SystemExit(f"--variants: {spec.name}: {why}")
     if len({(s.dtype, s.head_dim) for s in specs}) != 1:

@@ -19,7 +19,8 @@ seqlen, one panel per head dim and mask).
     python3 tools/bench_fp8.py --hdim 128 --seqlen 4096,8192 --causal 1 --out results/
 
 Side by side: ``--variants`` (comma-separated e4m3 variant names) or ``--all-variants`` (every
-committed e4m3 variant of the chosen head dims) prints one table per head dim instead, one column
+committed e4m3 variant and measured alternative, tools/alternatives.py, of the chosen head dims)
+prints one table per head dim instead, one column
 per variant: the kernels are called directly (no dispatch), the default e4m3 variant first, each
 cell "TFLOP/s (ratio to bf16)". A name's causal twin runs the causal rows (give either one).
 Block-quantization variants (``_blockq``) get the inputs quantized in blocks of their tiles; their
@@ -35,6 +36,9 @@ import importlib.util
 import math
 import sys
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # tools/alternatives.py, also when loaded by path
+    sys.path.append(str(Path(__file__).resolve().parent))
 
 TOKENS = 16384
 MODEL_DIM = 2048
@@ -221,22 +225,25 @@ def _cell(
 def variant_columns(names: list[str] | None, hdims: list[int] | None) -> dict[int, list]:
     """head_dim -> the non-causal specs to show as columns, default e4m3 variant first.
 
-    ``names`` None means every committed e4m3 variant of ``hdims`` (all head dims when None).
-    Raises ValueError for a name that is not an e4m3 variant of the sm90 family or fails
-    :func:`cutefa.space.why_invalid`."""
-    from cutefa import space
+    ``names`` None means every e4m3 variant of ``hdims`` (all head dims when None): the committed
+    ones and the measured alternatives. Raises ValueError for a name that is not an e4m3 variant of
+    the sm90 family or fails :func:`cutefa.model.rules.why_invalid`."""
+    from alternatives import all_variants
+
+    from cutefa.model.defaults import default_spec
+    from cutefa.model.rules import why_invalid
     from cutefa.spec import parse_name
 
-    committed = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3"]
     if names is None:
-        specs = [s for s in committed if hdims is None or s.head_dim in hdims]
+        specs = [s for s in all_variants("sm90", "fwd") if s.dtype == "e4m3"]
+        specs = [s for s in specs if hdims is None or s.head_dim in hdims]
     else:
         specs = []
         for name in names:
             spec = parse_name(name)
             if (spec.arch, spec.direction, spec.dtype) != ("sm90", "fwd", "e4m3"):
                 raise ValueError(f"--variants: {name!r} is not an sm90 e4m3 forward variant")
-            reason = space.why_invalid(spec)
+            reason = why_invalid(spec)
             if reason is not None:
                 raise ValueError(f"--variants: {name!r} cannot be built: {reason}")
             specs.append(spec)
@@ -245,12 +252,8 @@ def variant_columns(names: list[str] | None, hdims: list[int] | None) -> dict[in
         base = spec.replace(causal=False)
         if hdims is not None and base.head_dim not in hdims:
             continue
-        default = next(
-            s
-            for s in committed
-            if s.head_dim == base.head_dim and s not in space.fp8_alternative_specs() and not s.block_quant
-        )
-        cols = columns.setdefault(base.head_dim, [default.replace(causal=False)])
+        default = default_spec("sm90", "fwd", "e4m3", base.head_dim)  # dispatch's, per-head descales
+        cols = columns.setdefault(base.head_dim, [default])
         if base not in cols:
             cols.append(base)
     return columns
@@ -274,7 +277,8 @@ def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, c
     lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device="cuda")
     scale = 1.0 / math.sqrt(hdim)
     row = [str(int(causal)), str(seqlen), f"{batch} x {heads}", f"{bf16:.0f}"]
-    from cutefa.space import why_invalid
+    from cutefa.model.options import Quant
+    from cutefa.model.rules import why_invalid
 
     for spec in specs:
         if why_invalid(spec.replace(causal=causal)) is not None:
@@ -284,9 +288,9 @@ def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, c
             kernel = get_kernel(spec.replace(causal=causal), target)
             inputs = (qq, kq, vq)
             args = (qd, kd, vd)
-            if spec.block_quant:
+            if spec.options.quant is Quant.BLOCK:
                 inputs, args = _block_arguments(cutefa, blocks, q, k, v, spec.replace(causal=causal), target)
-            elif spec.v_mean:  # v is not centered here: zero means (the epilogue's FFMAs still run)
+            elif spec.options.v_mean:  # v is not centered here: zero means (the epilogue's FFMAs still run)
                 args = (*args, torch.zeros(batch, heads, hdim, device="cuda"))
 
             def run(kernel=kernel, inputs=inputs, args=args):
@@ -309,12 +313,13 @@ def _block_arguments(cutefa, blocks: dict, q, k, v, spec, target: str):
     """(e4m3 q, k, v) quantized in blocks of ``spec``'s tiles and the _blockq kernel's descale
     arguments (built as flash_attn_func builds them)."""
     from cutefa import dispatch, ops
+    from cutefa.model.options import Quant
 
     tiles = (spec.tile_m, spec.tile_n)
     if tiles not in blocks:
         blocks[tiles] = tuple(cutefa.quantize_fp8(x, "block", block=b) for x, b in zip((q, k, v), (*tiles, tiles[1])))
     (qq, qd), (kq, kd), (vq, vd) = blocks[tiles]
-    twin = dispatch.Choice(spec.replace(block_quant=False), target, "bench")
+    twin = dispatch.Choice(spec.replace(quant=Quant.TENSOR), target, "bench")
     _, args = ops._fp8_kernel_args(qq, kq, (qd, kd, vd), twin)
     return (qq, kq, vq), args
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A GPU run in steps: compile every default variant that runs on this GPU (parallel), the GPU
-# tests, measure the forward and backward variants into fresh dispatch tables, the side-by-side
-# benchmark, the fp8 benchmark, the host cost per call and the start-up time. STEPS picks steps (default: all, in this order), so a run can be split
+# A GPU run in steps: compile every committed variant and measured alternative that runs on this
+# GPU (parallel), the GPU tests, measure the forward and backward variants into fresh dispatch
+# tables, the side-by-side benchmark, the fp8 benchmark, the host cost per call and the start-up time. STEPS picks steps (default: all, in this order), so a run can be split
 # over several calls on the same machine; the compile cache (CUTEFA_CACHE_DIR) carries over.
 # Run from the repository root with cutefa importable (PYTHONPATH set, or installed). Installs
 # nothing. Arguments go to tools/bench.py. Results land in "${OUT:-bench_out}". Exits non-zero if
@@ -23,6 +23,12 @@ target=$(python3 -c 'from cutefa.dispatch import current_target; print(current_t
 
 if has compile; then
     python3 -m cutefa compile --target "$target" --jobs "$jobs" 2>&1 | tail -n 3 | tee "$out/compile.log"
+    # the measured alternatives (tools/alternatives.py, not in generated/): the GPU tests run them too
+    for arch in $(python3 -c "from cutefa.spec import families_for_target as f; print(*f('$target'))"); do
+        python3 tools/alternatives.py --list --arch "$arch" | awk '!/committed/ {print $1}'
+    done | xargs -r -P "$jobs" -I{} python3 -m cutefa compile --target "$target" --kernels {} --jobs 1 \
+        >> "$out/compile.log" 2>&1
+    echo "alternatives compiled: $(grep -cE '(^|[^0-9])1 compiled, 0 failed' "$out/compile.log") (log: $out/compile.log)"
 fi
 if has tests; then
     python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -n 25

@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if str(Path(__file__).resolve().parent) not in sys.path:  # tools/alternatives.py, also when loaded by path
+    sys.path.append(str(Path(__file__).resolve().parent))
 
-from cutefa import space
+from alternatives import all_variants
+
 from cutefa.spec import VariantSpec
 
 # B200 (published): 148 SMs, ~1.85 GHz boost under tensor load, 2.25 PFLOP/s dense FP16/BF16 with
@@ -85,7 +88,7 @@ def balanced_share() -> float:
 
 def predict(spec: VariantSpec, seqlen: int, batch_heads: int) -> Prediction:
     scores = 128 * spec.tile_n  # per Q tile and key block
-    share = spec.exp_emu / 100
+    share = spec.options.exp_emu / 100
     clk_mma = 4 * 128 * spec.tile_n * spec.head_dim / MMA_FLOPS_PER_CLK_SM
     clk_mufu = scores * (1 - share) / MUFU_EX2_PER_CLK_SM
     clk_fma = scores * (FMA_OPS_PER_SCORE + share * FMA_OPS_PER_EMULATED_EXP) / FMA_LANES_PER_CLK_SM
@@ -109,7 +112,7 @@ def smem_clk(spec: VariantSpec) -> float:
     TMA fills K and V once per key block for all Q tiles of the CTA. A CTA of a pair holds and
     reads half of K (tile_n / 2 keys) and half of V (d / 2 columns). Assumes operand reads and
     TMA fills share the 128 B/clk of an SM."""
-    half = 2 if spec.cta_pair else 1
+    half = 2 if spec.options.cta_pair else 1
     q_tiles = spec.tile_m // 128
     kv_bytes = 2 * spec.tile_n * spec.head_dim * spec.elem_bytes // half  # this SM's K and V of a block
     reads = 128 * spec.head_dim * spec.elem_bytes + kv_bytes
@@ -121,7 +124,7 @@ def l2_kv_bytes(spec: VariantSpec, seqlen: int, batch_heads: int) -> float:
     """K and V bytes moved from L2 into SMs for a non-causal problem: every CTA (one per tile_m
     query rows) reads all of K and V of its head, a CTA of a pair half of them."""
     ctas = batch_heads * seqlen / spec.tile_m
-    per_cta = 2 * seqlen * spec.head_dim * spec.elem_bytes / (2 if spec.cta_pair else 1)
+    per_cta = 2 * seqlen * spec.head_dim * spec.elem_bytes / (2 if spec.options.cta_pair else 1)
     return ctas * per_cta
 
 
@@ -129,14 +132,15 @@ def pair_causal_waste(spec: VariantSpec, seqlen: int) -> float:
     """Extra UMMA work of a causal pair: both CTAs visit the key blocks of the pair's last row, so
     the first CTA of each pair runs ~tile_m / tile_n blocks past its own diagonal. Summed over the
     problem (seqlen_q = seqlen_k) that is tile_m / seqlen of the causal work."""
-    return spec.tile_m / seqlen if spec.cta_pair else 0.0
+    return spec.tile_m / seqlen if spec.options.cta_pair else 0.0
 
 
 def pair_rows(seqlen: int, batch_heads: int) -> list[tuple[VariantSpec, VariantSpec, dict[str, float]]]:
-    """(pair variant, its single-CTA twin, numbers) for every committed bf16 non-causal pair variant."""
+    """(pair variant, its single-CTA twin, numbers) for every bf16 non-causal pair variant (committed
+    or a measured alternative)."""
     rows = []
-    for pair in space.default_variants("sm100", "fwd"):
-        if not pair.cta_pair or pair.dtype != "bf16" or pair.causal:
+    for pair in all_variants("sm100", "fwd"):
+        if not pair.options.cta_pair or pair.dtype != "bf16" or pair.causal:
             continue
         single = pair.replace(cta_pair=False)
         p = predict(single, seqlen, batch_heads)
@@ -160,12 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-heads", type=int, default=128)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = parser.parse_args(argv)
-    specs = [
-        s for s in space.default_variants("sm100", "fwd") if s.dtype == "bf16" and not s.causal and not s.cta_pair
-    ]
+    specs = [s for s in all_variants("sm100", "fwd") if s.dtype == "bf16" and not s.causal]
+    specs = [s for s in specs if not s.options.cta_pair]
     rows = []
     for spec in specs:
-        for share in sorted({0, spec.exp_emu, 25, 50}):
+        for share in sorted({0, spec.options.exp_emu, 25, 50}):
             p = predict(spec.replace(exp_emu=share), args.seqlen, args.batch_heads)
             rows.append((spec.head_dim, f"{spec.tile_m}x{spec.tile_n}", share, p))
     head = "| hd | tile | exp_emu % | MMA clk | MUFU clk | FMA clk | mem clk | bound | MMA busy | TFLOP/s |"

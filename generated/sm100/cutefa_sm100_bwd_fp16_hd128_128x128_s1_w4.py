@@ -58,7 +58,6 @@ HEAD_DIM = 128
 TILE_M = 128  # query rows per step (UMMA N of S^T and dP^T, M of dQ)
 TILE_N = 128  # keys per CTA (UMMA M of S^T, dP^T, dK, dV)
 THREADS = 128
-CAUSAL = False
 CHUNK = 32  # TMEM columns per load
 TMEM_S = 0
 TMEM_DP = TILE_M

@@ -55,7 +55,6 @@ TILE_N = 64
 STAGES = 2
 Q_TILES = 1
 ROWS = parts.ROWS_PER_Q_TILE
-CAUSAL = True
 EXP_EMU_PER_16 = 0  # of every 16 scores, this many take exp2 on the FMA units
 RESCALE_THRESHOLD = 0.0  # log2 units
 P_SHIFT_LOG2 = 8.0  # P = exp2(s - max + P_SHIFT_LOG2): e4m3 keeps probabilities down to 2^-14 normal

@@ -44,10 +44,8 @@ TILE_N = 128
 STAGES = 3
 Q_TILES = 2
 ROWS = parts.ROWS_PER_Q_TILE
-CAUSAL = False
 EXP_EMU_PER_16 = 4  # of every 16 scores, this many take exp2 on the FMA units
 RESCALE_THRESHOLD = 8.0  # log2 units
-P_SHIFT_LOG2 = 0.0  # P = exp2(s - max + P_SHIFT_LOG2)
 THREADS = 512
 WARP_SOFTMAX = ((0, 1, 2, 3), (4, 5, 6, 7))
 WARP_CORRECTION = 8

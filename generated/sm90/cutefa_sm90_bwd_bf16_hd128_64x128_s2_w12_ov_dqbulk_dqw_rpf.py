@@ -60,7 +60,7 @@ order), rows padded to whole blocks (padded rows are never read back), so the co
 needs no row guard. Before the next block's barrier of the consumers, that thread waits until its
 previous bulk copy has read the buffer (deterministic=1: until it is complete, so the next add into
 the same chunk lands after it). The postprocess reads each chunk coalesced, maps every value to
-its (row, column) through the same tiled-MMA partition (bwd_parts.bulk_dq_coords) and stages the
+its (row, column) through the same tiled-MMA partition (bwd_dq_bulk.bulk_dq_coords) and stages the
 converted tile in shared memory (rows padded by 16 bytes), then writes dQ rows with 16-byte
 coalesced stores. The preprocess zeroes dq_accum: its grid covers whole query blocks, and CTA x
 zeroes part x % (tile_m / 16) of chunk x / (tile_m / 16), every split, padding rows included.
@@ -91,7 +91,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
-from cutefa.kernels.sm90 import bwd_parts, parts
+from cutefa.kernels.sm90 import bwd_dq, bwd_dq_bulk, bwd_dq_writer, bwd_parts, bwd_pre_post, parts
 from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_ov_dqbulk_dqw_rpf"
@@ -109,10 +109,8 @@ CONSUMER_REGS = 240
 # dQ (TILE_M x HEAD_DIM) of a query block split between the consumers: (64-row block, first
 # column, columns) of consumer 0 and of consumer 1 (column splits at swizzle-atom boundaries of K).
 DQ_PIECES = ((0, 0, 64), (0, 64, 64))
-DQ_ROW_BLOCKS = TILE_M // parts.WG_ROWS
 # dq_bulk: word offset of each consumer's piece in a query block's chunk of dq_accum (and in sdQ).
-DQ_OFFSETS = bwd_parts.bulk_piece_offsets(DQ_PIECES)
-DQ_BULK_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
+DQ_OFFSETS = bwd_dq_bulk.bulk_piece_offsets(DQ_PIECES)
 # dq_warp: "dQ full" of consumer c is named barrier DQ_FULL_BARRIER + c, "dQ empty" DQ_EMPTY_BARRIER + c
 # (the consumer's 128 threads and the writer warp); each piece's size in bytes.
 DQ_FULL_BARRIER = 4
@@ -232,7 +230,7 @@ class Kernel:
 
         @cute.struct
         class PostStorage:
-            sdQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(bwd_pre_post.post_tile_layout(TILE_M, HEAD_DIM))], 128]
 
         self.postprocess(
             mdQaccum, mdQ, softmax_scale,
@@ -257,9 +255,9 @@ class Kernel:
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
         first = bx * ROWS_PER_CTA + (tidx // 32) * ROWS_PER_WARP
-        bwd_parts.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
+        bwd_pre_post.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
         # dq_accum: this CTA's ROWS_PER_CTA x HEAD_DIM words of a chunk, every split (before the main kernel)
-        bwd_parts.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
+        bwd_pre_post.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
 
     @cute.kernel
     def postprocess(
@@ -272,15 +270,15 @@ class Kernel:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         storage = cutlass.utils.SmemAllocator().allocate(PostStorage)
-        sdQ = storage.sdQ.get_tensor(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))
-        bwd_parts.bulk_postprocess_piece(
+        sdQ = storage.sdQ.get_tensor(bwd_pre_post.post_tile_layout(TILE_M, HEAD_DIM))
+        bwd_pre_post.bulk_postprocess_piece(
             dq_mma0, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[0], DQ_OFFSETS[0], DTYPE
         )
-        bwd_parts.bulk_postprocess_piece(
+        bwd_pre_post.bulk_postprocess_piece(
             dq_mma1, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[1], DQ_OFFSETS[1], DTYPE
         )
         cute.arch.barrier()
-        bwd_parts.store_dq_tile(sdQ, mdQ, batch, head, m_block, tidx, TILE_M, HEAD_DIM, parts.WG_THREADS)
+        bwd_pre_post.store_dq_tile(sdQ, mdQ, batch, head, m_block, tidx, TILE_M, HEAD_DIM, parts.WG_THREADS)
 
     @cute.kernel
     def kernel(
@@ -407,14 +405,14 @@ class Kernel:
                 sdQ_addr1 = (sdQ.iterator + DQ_OFFSETS[1]).toint()
                 gdQchunks = mdQaccum[bx * deterministic, batch, head, None, None]
                 # Both buffers start empty.
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=bwd_parts.writer_barrier_threads())
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + 1, number_of_threads=bwd_parts.writer_barrier_threads())
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=bwd_dq_writer.writer_barrier_threads())
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + 1, number_of_threads=bwd_dq_writer.writer_barrier_threads())
                 for it in cutlass.range(my_blocks, unroll=1):
                     n_block = bx + it * grid_x
                     m_begin = 0
                     for m_block in cutlass.range(m_begin, m_blocks, unroll=1):
                         g_chunk = gdQchunks.iterator + cute.crd2idx((m_block, 0), gdQchunks.layout)
-                        bwd_parts.dq_writer_block(
+                        bwd_dq_writer.dq_writer_block(
                             g_chunk, sdQ_addr0, sdQ_addr1, DQ_OFFSETS, DQ_PIECE_BYTES, lane, deterministic,
                             DQ_FULL_BARRIER, DQ_EMPTY_BARRIER,
                         )  # fmt: skip
@@ -459,8 +457,8 @@ class Kernel:
 
             # dQ pieces of consumers 0 and 1 (operands); their shared-memory buffers (32-bit
             # addresses) and this CTA's split of dq_accum (query-block chunks).
-            dq0 = bwd_parts.dq_bulk_operands(dq_mma0, wtid, sdS, sKt[None, None, 0], *DQ_PIECES[0])
-            dq1 = bwd_parts.dq_bulk_operands(dq_mma1, wtid, sdS, sKt[None, None, 0], *DQ_PIECES[1])
+            dq0 = bwd_dq.dq_bulk_operands(dq_mma0, wtid, sdS, sKt[None, None, 0], *DQ_PIECES[0])
+            dq1 = bwd_dq.dq_bulk_operands(dq_mma1, wtid, sdS, sKt[None, None, 0], *DQ_PIECES[1])
             sdQ = storage.sdQ.get_tensor(cute.make_layout(TILE_M * HEAD_DIM))
             sdQ_addr0 = (sdQ.iterator + DQ_OFFSETS[0]).toint()
             sdQ_addr1 = (sdQ.iterator + DQ_OFFSETS[1]).toint()
@@ -548,12 +546,12 @@ class Kernel:
                     # This consumer's dQ piece = dS K over the CTA's TILE_N keys, then dK += dS^T Q;
                     # dQ goes to shared memory for the writer warp while dK runs.
                     if c == 0:
-                        bwd_parts.dq_warp_step_under_dk(
+                        bwd_dq.dq_warp_step_under_dk(
                             dq_mma0, *dq0, dkv_mma, acc_dK, rdS, tdKrQt[None, None, None, handle.index], buf, handle,
                             sdQ_addr0, wtid, DQ_EMPTY_BARRIER, DQ_FULL_BARRIER,
                         )  # fmt: skip
                     else:
-                        bwd_parts.dq_warp_step_under_dk(
+                        bwd_dq.dq_warp_step_under_dk(
                             dq_mma1, *dq1, dkv_mma, acc_dK, rdS, tdKrQt[None, None, None, handle.index], buf, handle,
                             sdQ_addr1, wtid, DQ_EMPTY_BARRIER + 1, DQ_FULL_BARRIER + 1,
                         )  # fmt: skip
@@ -580,6 +578,6 @@ class Kernel:
             # The writer warp's last hand-back of this consumer's buffer (it arrives once more than
             # the loop syncs).
             if c == 0:
-                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=bwd_parts.writer_barrier_threads())
+                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=bwd_dq_writer.writer_barrier_threads())
             else:
-                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + 1, number_of_threads=bwd_parts.writer_barrier_threads())
+                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + 1, number_of_threads=bwd_dq_writer.writer_barrier_threads())

@@ -54,7 +54,7 @@ order), rows padded to whole blocks (padded rows are never read back), so the co
 needs no row guard. Before the next block's barrier of the consumers, that thread waits until its
 previous bulk copy has read the buffer (deterministic=1: until it is complete, so the next add into
 the same chunk lands after it). The postprocess reads each chunk coalesced, maps every value to
-its (row, column) through the same tiled-MMA partition (bwd_parts.bulk_dq_coords) and stages the
+its (row, column) through the same tiled-MMA partition (bwd_dq_bulk.bulk_dq_coords) and stages the
 converted tile in shared memory (rows padded by 16 bytes), then writes dQ rows with 16-byte
 coalesced stores. The preprocess zeroes dq_accum: its grid covers whole query blocks, and CTA x
 zeroes part x % (tile_m / 16) of chunk x / (tile_m / 16), every split, padding rows included.
@@ -78,7 +78,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
-from cutefa.kernels.sm90 import bwd_parts, parts
+from cutefa.kernels.sm90 import bwd_dq, bwd_dq_bulk, bwd_parts, bwd_pre_post, parts
 from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_bf16_hd64_128x128_s2_w12_causal_dqbulk"
@@ -96,9 +96,8 @@ CONSUMER_REGS = 240
 # dQ (TILE_M x HEAD_DIM) of a query block split between the consumers: (64-row block, first
 # column, columns) of consumer 0 and of consumer 1 (column splits at swizzle-atom boundaries of K).
 DQ_PIECES = ((0, 0, 64), (1, 0, 64))
-DQ_ROW_BLOCKS = TILE_M // parts.WG_ROWS
 # dq_bulk: word offset of each consumer's piece in a query block's chunk of dq_accum (and in sdQ).
-DQ_OFFSETS = bwd_parts.bulk_piece_offsets(DQ_PIECES)
+DQ_OFFSETS = bwd_dq_bulk.bulk_piece_offsets(DQ_PIECES)
 DQ_BULK_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
 # Preprocess (and the postprocess without dq_bulk): one warp per query row, ROW_WARPS warps per
@@ -213,7 +212,7 @@ class Kernel:
 
         @cute.struct
         class PostStorage:
-            sdQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(bwd_pre_post.post_tile_layout(TILE_M, HEAD_DIM))], 128]
 
         self.postprocess(
             mdQaccum, mdQ, softmax_scale,
@@ -238,9 +237,9 @@ class Kernel:
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
         first = bx * ROWS_PER_CTA + (tidx // 32) * ROWS_PER_WARP
-        bwd_parts.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
+        bwd_pre_post.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
         # dq_accum: this CTA's ROWS_PER_CTA x HEAD_DIM words of a chunk, every split (before the main kernel)
-        bwd_parts.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
+        bwd_pre_post.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
 
     @cute.kernel
     def postprocess(
@@ -253,15 +252,15 @@ class Kernel:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         storage = cutlass.utils.SmemAllocator().allocate(PostStorage)
-        sdQ = storage.sdQ.get_tensor(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))
-        bwd_parts.bulk_postprocess_piece(
+        sdQ = storage.sdQ.get_tensor(bwd_pre_post.post_tile_layout(TILE_M, HEAD_DIM))
+        bwd_pre_post.bulk_postprocess_piece(
             dq_mma0, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[0], DQ_OFFSETS[0], DTYPE
         )
-        bwd_parts.bulk_postprocess_piece(
+        bwd_pre_post.bulk_postprocess_piece(
             dq_mma1, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[1], DQ_OFFSETS[1], DTYPE
         )
         cute.arch.barrier()
-        bwd_parts.store_dq_tile(sdQ, mdQ, batch, head, m_block, tidx, TILE_M, HEAD_DIM, parts.WG_THREADS)
+        bwd_pre_post.store_dq_tile(sdQ, mdQ, batch, head, m_block, tidx, TILE_M, HEAD_DIM, parts.WG_THREADS)
 
     @cute.kernel
     def kernel(
@@ -415,8 +414,8 @@ class Kernel:
 
             # dQ pieces of consumers 0 and 1 (operands); their shared-memory buffers (32-bit
             # addresses) and this CTA's split of dq_accum (query-block chunks).
-            dq0 = bwd_parts.dq_bulk_operands(dq_mma0, wtid, sdS, sKt[None, None, 0], *DQ_PIECES[0])
-            dq1 = bwd_parts.dq_bulk_operands(dq_mma1, wtid, sdS, sKt[None, None, 0], *DQ_PIECES[1])
+            dq0 = bwd_dq.dq_bulk_operands(dq_mma0, wtid, sdS, sKt[None, None, 0], *DQ_PIECES[0])
+            dq1 = bwd_dq.dq_bulk_operands(dq_mma1, wtid, sdS, sKt[None, None, 0], *DQ_PIECES[1])
             sdQ = storage.sdQ.get_tensor(cute.make_layout(TILE_M * HEAD_DIM))
             sdQ_addr0 = (sdQ.iterator + DQ_OFFSETS[0]).toint()
             sdQ_addr1 = (sdQ.iterator + DQ_OFFSETS[1]).toint()
@@ -499,7 +498,7 @@ class Kernel:
                     # The previous block's bulk copy has read this consumer's dQ buffer before the
                     # barrier lets any of its threads write the buffer again.
                     if wtid == 0:
-                        bwd_parts.bulk_wait(deterministic)
+                        bwd_dq_bulk.bulk_wait(deterministic)
                     # Generic-proxy dS writes -> visible to WGMMA; both warpgroups' dS^T written.
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
@@ -509,11 +508,11 @@ class Kernel:
                     # This consumer's dQ piece = dS K over the CTA's TILE_N keys, into dq_accum by
                     # one bulk reduce-add.
                     if c == 0:
-                        bwd_parts.dq_bulk_step(
+                        bwd_dq.dq_bulk_step(
                             dq_mma0, *dq0, buf, handle, sdQ_addr0, (g_chunk + DQ_OFFSETS[0]).toint(), wtid, DQ_BULK_BARRIER
                         )
                     else:
-                        bwd_parts.dq_bulk_step(
+                        bwd_dq.dq_bulk_step(
                             dq_mma1, *dq1, buf, handle, sdQ_addr1, (g_chunk + DQ_OFFSETS[1]).toint(), wtid, DQ_BULK_BARRIER + 1
                         )
 

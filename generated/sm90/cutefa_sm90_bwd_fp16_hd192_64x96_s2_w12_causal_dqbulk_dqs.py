@@ -66,7 +66,7 @@ until it is complete, so that the adds into a chunk land in a fixed order). The 
 in the WGMMA fragment's order (value 4j + e of thread t at word 4 (128 j + t) + e: 16-byte
 stores), and dq_accum is tiled as with the in-stage staging: one chunk of 64 x head_dim fp32 per
 query block (consumer 0's piece, then consumer 1's), read back by the same postprocess
-(bwd_parts.bulk_dq_coords).
+(bwd_dq_bulk.bulk_dq_coords).
 
 Launch order (deterministic=0): CTA (x, y, z) of the grid takes the key block, head and batch of
 bwd_parts.heavy_first: chunks of about one wave of (batch, head) pairs, within a chunk every pair's
@@ -87,7 +87,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
-from cutefa.kernels.sm90 import bwd_parts, bwd_swap, parts
+from cutefa.kernels.sm90 import bwd_dq, bwd_dq_bulk, bwd_parts, bwd_pre_post, bwd_swap, parts
 from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_fp16_hd192_64x96_s2_w12_causal_dqbulk_dqs"
@@ -107,7 +107,7 @@ CONSUMER_REGS = 240
 # dQ (TILE_M x HEAD_DIM) of a query block split between the consumers: (64-row block, first
 # column, columns) of consumer 0 and of consumer 1, and each piece's word offset in a chunk.
 DQ_PIECES = ((0, 0, 96), (0, 96, 96))
-DQ_OFFSETS = bwd_parts.bulk_piece_offsets(DQ_PIECES)
+DQ_OFFSETS = bwd_dq_bulk.bulk_piece_offsets(DQ_PIECES)
 DQ_PIECE_WORDS = parts.WG_ROWS * DQ_COLS  # one consumer's fp32 dQ piece in its staging buffer
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
 WG_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
@@ -228,7 +228,7 @@ class Kernel:
 
         @cute.struct
         class PostStorage:
-            sdQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(bwd_pre_post.post_tile_layout(TILE_M, HEAD_DIM))], 128]
 
         dq_mma = bwd_swap.swap_dq_tiled_mma(DTYPE, DQ_COLS)
         self.postprocess(mdQaccum, mdQ, softmax_scale, dq_mma, PostStorage).launch(
@@ -251,9 +251,9 @@ class Kernel:
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
         first = bx * ROWS_PER_CTA + (tidx // 32) * ROWS_PER_WARP
-        bwd_parts.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
+        bwd_pre_post.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
         # dq_accum: this CTA's ROWS_PER_CTA x HEAD_DIM words of a chunk, every split (before the main kernel)
-        bwd_parts.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
+        bwd_pre_post.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
 
     @cute.kernel
     def postprocess(
@@ -266,15 +266,15 @@ class Kernel:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         storage = cutlass.utils.SmemAllocator().allocate(PostStorage)
-        sdQ = storage.sdQ.get_tensor(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))
-        bwd_parts.bulk_postprocess_piece(
+        sdQ = storage.sdQ.get_tensor(bwd_pre_post.post_tile_layout(TILE_M, HEAD_DIM))
+        bwd_pre_post.bulk_postprocess_piece(
             dq_mma, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[0], DQ_OFFSETS[0], DTYPE
         )
-        bwd_parts.bulk_postprocess_piece(
+        bwd_pre_post.bulk_postprocess_piece(
             dq_mma, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[1], DQ_OFFSETS[1], DTYPE
         )
         cute.arch.barrier()
-        bwd_parts.store_dq_tile(sdQ, mdQ, batch, head, m_block, tidx, TILE_M, HEAD_DIM, parts.WG_THREADS)
+        bwd_pre_post.store_dq_tile(sdQ, mdQ, batch, head, m_block, tidx, TILE_M, HEAD_DIM, parts.WG_THREADS)
 
     @cute.kernel
     def kernel(
@@ -523,14 +523,14 @@ class Kernel:
                     cute.arch.fence_proxy("async.shared", space="cta")
                     bwd_parts.store_row_slot(row_s, row_active, row_val, 1 - buf, TILE_M)
                     if wtid == 0:
-                        bwd_parts.bulk_wait(deterministic)
+                        bwd_dq_bulk.bulk_wait(deterministic)
                     # Both warpgroups' dS written (each fenced its own writes to the async proxy).
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
 
                     # This consumer's dQ columns = dS K_c over all TILE_N keys, then dK^T += Q^T dS_c:
                     # dO goes back once dV^T is done, dQ is staged and bulk-added while dK^T runs,
                     # Q goes back once dK^T is done.
-                    acc_dq = bwd_parts.issue_dq(dq_mma, tQrdS, tQrKt, acc_dq_shape, 0)
+                    acc_dq = bwd_dq.issue_dq(dq_mma, tQrdS, tQrKt, acc_dq_shape, 0)
                     warpgroup.wait_group(1)  # dV^T done (dQ may still run)
                     do_handle.release()
                     warpgroup.fence()
@@ -538,7 +538,7 @@ class Kernel:
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)  # dQ done; dK^T may still run
                     g_chunk = gdQchunks.iterator + cute.crd2idx((m_block, 0), gdQchunks.layout)
-                    bwd_parts.stage_and_reduce(acc_dq, s_dq, (g_chunk + c * DQ_OFFSETS[1]).toint(), wtid, WG_BARRIER + c)
+                    bwd_dq_bulk.stage_and_reduce(acc_dq, s_dq, (g_chunk + c * DQ_OFFSETS[1]).toint(), wtid, WG_BARRIER + c)
                     warpgroup.wait_group(0)  # dK^T done
                     q_handle.release()
 

@@ -58,7 +58,7 @@ it. dQ and dV form one commit group, dK the next: the piece's first half goes to
 dV is done (dK still running), the second half to Q's columns once dK is done, each out by one bulk
 reduce-add; that thread waits until both have read their source (deterministic=1: until they are
 complete) and the warpgroup meets at its barrier before releasing the stage. The postprocess reads each chunk coalesced, maps every value to its
-(row, column) through the same tiled-MMA partition (bwd_parts.bulk_dq_coords) and stages the
+(row, column) through the same tiled-MMA partition (bwd_dq_bulk.bulk_dq_coords) and stages the
 converted tile in shared memory (rows padded by 16 bytes), then writes dQ rows with 16-byte
 coalesced stores. The preprocess zeroes dq_accum: its grid covers whole query blocks, and CTA x
 zeroes part x % (tile_m / 16) of chunk x / (tile_m / 16), every split, padding rows included.
@@ -82,7 +82,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
-from cutefa.kernels.sm90 import bwd_parts, parts
+from cutefa.kernels.sm90 import bwd_dq_bulk, bwd_parts, bwd_pre_post, parts
 from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_fp16_hd256_64x64_s2_w12_causal_ov_dqbulk"
@@ -102,7 +102,7 @@ CONSUMER_REGS = 240
 # dQ (TILE_M x HEAD_DIM) of a query block: (64-row block, first column, columns) per consumer.
 DQ_PIECES = ((0, 0, 128), (0, 128, 128))
 # dq_bulk: word offset of each consumer's piece in a query block's chunk of dq_accum (and in sdQ).
-DQ_OFFSETS = bwd_parts.bulk_piece_offsets(DQ_PIECES)
+DQ_OFFSETS = bwd_dq_bulk.bulk_piece_offsets(DQ_PIECES)
 DQ_BULK_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 threads
 CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the CTA-wide one)
 # Preprocess (and the postprocess without dq_bulk): one warp per query row, ROW_WARPS warps per
@@ -215,7 +215,7 @@ class Kernel:
 
         @cute.struct
         class PostStorage:
-            sdQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(bwd_pre_post.post_tile_layout(TILE_M, HEAD_DIM))], 128]
 
         self.postprocess(mdQaccum, mdQ, softmax_scale, bwd_parts.dq_tiled_mma(DTYPE, HALF_D), PostStorage).launch(
             grid=(cute.ceil_div(mQ.shape[1], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[0])),
@@ -237,9 +237,9 @@ class Kernel:
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
         first = bx * ROWS_PER_CTA + (tidx // 32) * ROWS_PER_WARP
-        bwd_parts.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
+        bwd_pre_post.preprocess_rows(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, batch, head, first, lane, ROWS_PER_WARP, HEAD_DIM)
         # dq_accum: this CTA's ROWS_PER_CTA x HEAD_DIM words of a chunk, every split (before the main kernel)
-        bwd_parts.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
+        bwd_pre_post.zero_bulk_part(mdQaccum, batch, head, bx, tidx, ROWS_PER_CTA, TILE_M, HEAD_DIM, ROW_WARPS * 32)
 
     @cute.kernel
     def postprocess(
@@ -251,15 +251,15 @@ class Kernel:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         storage = cutlass.utils.SmemAllocator().allocate(PostStorage)
-        sdQ = storage.sdQ.get_tensor(bwd_parts.post_tile_layout(TILE_M, HEAD_DIM))
-        bwd_parts.bulk_postprocess_piece(
+        sdQ = storage.sdQ.get_tensor(bwd_pre_post.post_tile_layout(TILE_M, HEAD_DIM))
+        bwd_pre_post.bulk_postprocess_piece(
             dq_mma, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[0], DQ_OFFSETS[0], DTYPE
         )
-        bwd_parts.bulk_postprocess_piece(
+        bwd_pre_post.bulk_postprocess_piece(
             dq_mma, mdQaccum, sdQ, scale, batch, head, m_block, tidx, *DQ_PIECES[1], DQ_OFFSETS[1], DTYPE
         )
         cute.arch.barrier()
-        bwd_parts.store_dq_tile(sdQ, mdQ, batch, head, m_block, tidx, TILE_M, HEAD_DIM, parts.WG_THREADS)
+        bwd_pre_post.store_dq_tile(sdQ, mdQ, batch, head, m_block, tidx, TILE_M, HEAD_DIM, parts.WG_THREADS)
 
     @cute.kernel
     def kernel(
@@ -521,12 +521,12 @@ class Kernel:
                     g_piece = (gdQchunks.iterator + cute.crd2idx((m_block, 0), gdQchunks.layout) + c * DQ_OFFSETS[1]).toint()
                     s_cols = handle.index * (TILE_M * HEAD_DIM) + c * (TILE_M * HALF_D)
                     if c == 0:
-                        bwd_parts.stage_aliased_and_reduce(
+                        bwd_dq_bulk.stage_aliased_and_reduce(
                             acc_dQ, (sdO_flat.iterator + s_cols).toint(), (sQ_flat.iterator + s_cols).toint(), g_piece,
                             wtid, DQ_BULK_BARRIER, deterministic,
                         )  # fmt: skip
                     else:
-                        bwd_parts.stage_aliased_and_reduce(
+                        bwd_dq_bulk.stage_aliased_and_reduce(
                             acc_dQ, (sdO_flat.iterator + s_cols).toint(), (sQ_flat.iterator + s_cols).toint(), g_piece,
                             wtid, DQ_BULK_BARRIER + 1, deterministic,
                         )  # fmt: skip

@@ -23,8 +23,8 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.mask import apply_mask, causal_key_limit
-from cutefa.kernels.common.softmax import LOG2_E, softmax_state
-from cutefa.kernels.sm90 import fp8, parts
+from cutefa.kernels.common.softmax import LOG2_E, rescale_rows, softmax_state
+from cutefa.kernels.sm90 import fp8, fp8_softmax, fp8_transpose, fp8_two_level, parts
 from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_fwd_e4m3_hd128_192x96_s2_w16_causal_ov_hvt_lres_tlacc"
@@ -37,9 +37,6 @@ STAGES = 2
 CONSUMERS = 3  # consumer warpgroups, 64 query rows each
 THREADS = 512  # one producer warpgroup + the consumers
 CAUSAL = True
-OVERLAP = True  # intra-warpgroup overlap of softmax with the MMAs
-PINGPONG = False  # consumer warpgroups take turns issuing MMAs
-PP_BARRIER = 3  # named barriers 3 and 4 (0: CTA sync)
 # The producer warpgroup keeps enough registers for the V transpose; the consumers get the rest
 # of the CTA's registers (two consumers, 168 x 384 at launch: 40 x 128 + 232 x 256, or 24 x 128 +
 # 240 x 256 for a tile that needs it with the hoisted 32-bit transpose; three, 128 x 512: 32 x 128
@@ -101,7 +98,7 @@ class Kernel:
             sK: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sV_layout)], 1024]
             sVt: cute.struct.Align[cute.struct.MemRange[DTYPE, cute.cosize(sVt_layout)], 1024]
-            sO32: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(fp8.o32_layout(HEAD_DIM, CONSUMERS))], 128]
+            sO32: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(fp8_two_level.o32_layout(HEAD_DIM, CONSUMERS))], 128]
 
         grid = (cute.ceil_div(mQ.shape[1], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         self.kernel(
@@ -214,8 +211,8 @@ class Kernel:
                     v_handle = v_producer.acquire_and_advance()
                     cute.copy(v_tma, tVgV[None, n_blocks - 1], tVsV[None, v_handle.index], tma_bar_ptr=v_handle.barrier)
             # The transpose addresses V and Vt by byte: per-thread swizzled base offsets computed
-            # here once, plus compile-time XOR masks and offsets per access (fp8.TransposeV).
-            transpose = fp8.TransposeV(tidx, sV_layout, sVt_layout, TILE_N, HEAD_DIM, pipelined=PRODUCER_REGS >= 32)
+            # here once, plus compile-time XOR masks and offsets per access (fp8_transpose.TransposeV).
+            transpose = fp8_transpose.TransposeV(tidx, sV_layout, sVt_layout, TILE_N, HEAD_DIM, pipelined=PRODUCER_REGS >= 32)
             v_base = storage.sV.data_ptr().toint()
             vt_base = storage.sVt.data_ptr().toint()
             for i in cutlass.range(n_blocks, unroll=1):
@@ -257,7 +254,7 @@ class Kernel:
             row_max, row_sum = softmax_state(cute.size(o_mn, mode=[0]))
             corr = cute.make_rmem_tensor((cute.size(row_max),), Float32)
             # Two-level accumulation: this thread's fp32 copy of O in shared memory, and its rows' scale.
-            o32 = storage.sO32.get_tensor(fp8.o32_layout(HEAD_DIM, CONSUMERS))[None, wtid, None, c]
+            o32 = storage.sO32.get_tensor(fp8_two_level.o32_layout(HEAD_DIM, CONSUMERS))[None, wtid, None, c]
             o32_scale = cute.make_rmem_tensor((cute.size(row_max),), Float32)
             scale_log2 = scale_log2_base * mQd[batch, head_kv] * mKd[batch, head_kv]
 
@@ -268,7 +265,7 @@ class Kernel:
             pv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
             q_consumer.wait()
-            fp8.zero_o32(o32)
+            fp8_two_level.zero_o32(o32)
             o32_scale.fill(1.0)
             o_keep = cutlass.Boolean(True)  # whether the next P V adds to acc_O (False after a promotion)
             # Prologue: S and P of the last key block (always masked); its P V is issued with the
@@ -284,7 +281,7 @@ class Kernel:
                 warpgroup.wait_group(0)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
-                moved = fp8.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
+                moved = fp8_softmax.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
                 fp8.convert_p(acc_S, rP)
             masked_rest = cutlass.max(n_blocks - n_unmasked - 1, 0)
             unmasked_rest = cutlass.max(n_blocks - 1 - masked_rest, 0)
@@ -306,16 +303,16 @@ class Kernel:
                 warpgroup.wait_group(1)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, mask_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL, cS0_mn)
-                moved = fp8.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
+                moved = fp8_softmax.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
                 warpgroup.wait_group(0)
                 v_handle.release()
                 if moved:  # warp-uniform: some row of this warp raised its max (cutefa/kernels/common/lazy_rescale.py)
-                    fp8.rescale_rows(o_mn, corr)
-                    fp8.scale_rows(o32_scale, corr)
+                    rescale_rows(o_mn, corr)
+                    fp8_two_level.scale_rows(o32_scale, corr)
                 # Warp-uniform: O into its fp32 copy, each consumer warpgroup at another step (so that
                 # their shared-memory bursts do not coincide).
-                if (n + c) % fp8.PROMOTE_BLOCKS == 0:
-                    fp8.promote_o(acc_O, o32, o32_scale)
+                if (n + c) % fp8_two_level.PROMOTE_BLOCKS == 0:
+                    fp8_two_level.promote_o(acc_O, o32, o32_scale)
                     o_keep = cutlass.Boolean(False)  # the next P V restarts the accumulator
                 fp8.convert_p(acc_S, rP)
             for i in cutlass.range(unmasked_rest, unroll=1):
@@ -335,16 +332,16 @@ class Kernel:
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)
                 k_handle.release()
-                moved = fp8.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
+                moved = fp8_softmax.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
                 warpgroup.wait_group(0)
                 v_handle.release()
                 if moved:  # warp-uniform: some row of this warp raised its max (cutefa/kernels/common/lazy_rescale.py)
-                    fp8.rescale_rows(o_mn, corr)
-                    fp8.scale_rows(o32_scale, corr)
+                    rescale_rows(o_mn, corr)
+                    fp8_two_level.scale_rows(o32_scale, corr)
                 # Warp-uniform: O into its fp32 copy, each consumer warpgroup at another step (so that
                 # their shared-memory bursts do not coincide).
-                if (n + c) % fp8.PROMOTE_BLOCKS == 0:
-                    fp8.promote_o(acc_O, o32, o32_scale)
+                if (n + c) % fp8_two_level.PROMOTE_BLOCKS == 0:
+                    fp8_two_level.promote_o(acc_O, o32, o32_scale)
                     o_keep = cutlass.Boolean(False)  # the next P V restarts the accumulator
                 fp8.convert_p(acc_S, rP)
             if n_blocks > 0:  # P V of the first key block
@@ -360,9 +357,9 @@ class Kernel:
 
             # Epilogue: normalise (v_descale folded in), LSE, O stored from registers (bf16) with
             # a row predicate.
-            fp8.promote_o(acc_O, o32, o32_scale, merge=True)  # O = its fp32 copy + the accumulator
+            fp8_two_level.promote_o(acc_O, o32, o32_scale, merge=True)  # O = its fp32 copy + the accumulator
             lse = cute.make_rmem_tensor((cute.size(o_mn, mode=[0]),), Float32)
-            fp8.softmax_finalize(o_mn, row_max, row_sum, scale_log2, mVd[batch, head_kv], lse, lazy=True)
+            fp8_softmax.softmax_finalize(o_mn, row_max, row_sum, scale_log2, mVd[batch, head_kv], lse, lazy=True)
             if wtid % 4 == 0:
                 for r in cutlass.range_constexpr(cute.size(lse)):
                     row = wg_row0 + cS_mn[r, 0][0]

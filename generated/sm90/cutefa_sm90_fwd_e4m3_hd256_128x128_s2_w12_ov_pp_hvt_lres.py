@@ -23,8 +23,8 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.mask import apply_mask, causal_key_limit
-from cutefa.kernels.common.softmax import LOG2_E, softmax_state
-from cutefa.kernels.sm90 import fp8, parts
+from cutefa.kernels.common.softmax import LOG2_E, rescale_rows, softmax_state
+from cutefa.kernels.sm90 import fp8, fp8_softmax, fp8_transpose, parts
 from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_fwd_e4m3_hd256_128x128_s2_w12_ov_pp_hvt_lres"
@@ -37,8 +37,6 @@ STAGES = 2
 CONSUMERS = 2  # consumer warpgroups, 64 query rows each
 THREADS = 384  # one producer warpgroup + the consumers
 CAUSAL = False
-OVERLAP = True  # intra-warpgroup overlap of softmax with the MMAs
-PINGPONG = True  # consumer warpgroups take turns issuing MMAs
 PP_BARRIER = 3  # named barriers 3 and 4 (0: CTA sync)
 # The producer warpgroup keeps enough registers for the V transpose; the consumers get the rest
 # of the CTA's registers (two consumers, 168 x 384 at launch: 40 x 128 + 232 x 256, or 24 x 128 +
@@ -209,8 +207,8 @@ class Kernel:
                     v_handle = v_producer.acquire_and_advance()
                     cute.copy(v_tma, tVgV[None, n_blocks - 1], tVsV[None, v_handle.index], tma_bar_ptr=v_handle.barrier)
             # The transpose addresses V and Vt by byte: per-thread swizzled base offsets computed
-            # here once, plus compile-time XOR masks and offsets per access (fp8.TransposeV).
-            transpose = fp8.TransposeV(tidx, sV_layout, sVt_layout, TILE_N, HEAD_DIM, pipelined=PRODUCER_REGS >= 32)
+            # here once, plus compile-time XOR masks and offsets per access (fp8_transpose.TransposeV).
+            transpose = fp8_transpose.TransposeV(tidx, sV_layout, sVt_layout, TILE_N, HEAD_DIM, pipelined=PRODUCER_REGS >= 32)
             v_base = storage.sV.data_ptr().toint()
             vt_base = storage.sVt.data_ptr().toint()
             for i in cutlass.range(n_blocks, unroll=1):
@@ -272,7 +270,7 @@ class Kernel:
                 warpgroup.wait_group(0)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
-                moved = fp8.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
+                moved = fp8_softmax.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
                 fp8.convert_p(acc_S, rP)
             masked_rest = cutlass.max(n_blocks - n_unmasked - 1, 0)
             unmasked_rest = cutlass.max(n_blocks - 1 - masked_rest, 0)
@@ -294,11 +292,11 @@ class Kernel:
                 warpgroup.wait_group(1)
                 k_handle.release()
                 apply_mask(s_mn, cS_mn, wg_row0, n * TILE_N, seqlen_q, seqlen_k, CAUSAL)
-                moved = fp8.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
+                moved = fp8_softmax.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
                 warpgroup.wait_group(0)
                 v_handle.release()
                 if moved:  # warp-uniform: some row of this warp raised its max (cutefa/kernels/common/lazy_rescale.py)
-                    fp8.rescale_rows(o_mn, corr)
+                    rescale_rows(o_mn, corr)
                 fp8.convert_p(acc_S, rP)
             for i in cutlass.range(unmasked_rest, unroll=1):
                 n = unmasked_rest - 1 - i
@@ -317,11 +315,11 @@ class Kernel:
                 cute.arch.barrier_arrive(barrier_id=PP_BARRIER + 1 - c, number_of_threads=2 * parts.WG_THREADS, aligned=False)
                 warpgroup.wait_group(1)
                 k_handle.release()
-                moved = fp8.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
+                moved = fp8_softmax.online_softmax_step(s_mn, row_max, row_sum, scale_log2, corr, lazy=True)
                 warpgroup.wait_group(0)
                 v_handle.release()
                 if moved:  # warp-uniform: some row of this warp raised its max (cutefa/kernels/common/lazy_rescale.py)
-                    fp8.rescale_rows(o_mn, corr)
+                    rescale_rows(o_mn, corr)
                 fp8.convert_p(acc_S, rP)
             if n_blocks > 0:  # P V of the first key block
                 v_handle = vt_consumer.wait_and_advance()
@@ -339,7 +337,7 @@ class Kernel:
             # Epilogue: normalise (v_descale folded in), LSE, O stored from registers (bf16) with
             # a row predicate.
             lse = cute.make_rmem_tensor((cute.size(o_mn, mode=[0]),), Float32)
-            fp8.softmax_finalize(o_mn, row_max, row_sum, scale_log2, mVd[batch, head_kv], lse, lazy=True)
+            fp8_softmax.softmax_finalize(o_mn, row_max, row_sum, scale_log2, mVd[batch, head_kv], lse, lazy=True)
             if wtid % 4 == 0:
                 for r in cutlass.range_constexpr(cute.size(lse)):
                     row = wg_row0 + cS_mn[r, 0][0]

@@ -38,10 +38,7 @@ STAGES = 2
 CONSUMERS = 2  # consumer warpgroups, 64 query rows each
 THREADS = 384  # one producer warpgroup + the consumers
 CAUSAL = False
-OVERLAP = True  # intra-warpgroup overlap of softmax with the MMAs
-PINGPONG = True  # consumer warpgroups take turns issuing MMAs
 EXP_EMU_PER_16 = 0  # of every 16 scores, exp2 on the FMA units (the rest MUFU)
-PERSISTENT = False  # one CTA per SM walking the tiles longest-first
 PP_BARRIER = CONSUMERS + 1  # named barriers CONSUMERS+1 .. 2 CONSUMERS (0: CTA sync, 1..CONSUMERS: epilogues)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240  # 24 x 128 + CONSUMER_REGS x 128 x CONSUMERS <= 64K

@@ -1,5 +1,6 @@
 """What the GPU test files share: loading a sibling test module by name (its helpers and its
-parametrization lists), and the reasons a file skips on a GPU it does not target."""
+parametrization lists), the committed variants with the measured alternatives, and the reasons a
+file skips on a GPU it does not target."""
 
 from __future__ import annotations
 
@@ -20,6 +21,25 @@ def load_sibling(name: str):
         sys.modules[key] = module
         spec.loader.exec_module(module)
     return sys.modules[key]
+
+
+def alternatives():
+    """tools/alternatives.py (the measured alternatives) as a module, loaded once under the key
+    tests/cpu_support.load_tool gives it."""
+    key = "cutefa_tools_alternatives"
+    if key not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "tools" / "alternatives.py"
+        spec = importlib.util.spec_from_file_location(key, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+def all_variants(arch: str, direction: str | None = None) -> list:
+    """The committed variants of ``arch`` (in ``direction``) and the measured alternatives beside
+    them (tools/alternatives.py: not in generated/, they compile from a fresh rendering), sorted."""
+    return alternatives().all_variants(arch, direction)
 
 
 def _capability_skip_reason(runs_on: Callable[[tuple[int, int]], bool], needs: str) -> str | None:

@@ -1,7 +1,7 @@
-"""The sm90 backward's dq_bulk path (FlashAttention-3's dQ path) on a Hopper GPU.
+"""The sm90 backward's bulk dQ path (DqPath.BULK; FlashAttention-3's dQ path) on a Hopper GPU.
 
 Each committed _dqbulk variant (the hd64/hd128 default tiles and the hd192/hd256 head-dim-split
-tile with the flag, plain and with the overlap schedule, hd256's default with it; hd256 stages dQ in
+tile with it, plain and with the overlap schedule, hd256's default with it; hd256 stages dQ in
 the Q/dO stage)
 is forced: called
 directly with the calling convention of cutefa/backward.py (tests/gpu/test_bwd_sm90.py's
@@ -16,7 +16,7 @@ bitwise equal to the per-thread-reduction twin (the bulk adds land in the same o
 also where each CTA walks several key blocks into one split.
 
 The dQ-writer warp's variants (_dqbulk_dqw) run the same gradient tests, and with deterministic=1
-must be bitwise reproducible and bitwise equal to their dq_bulk twin (the same bulk adds, in the
+must be bitwise reproducible and bitwise equal to their DqPath.BULK twin (the same bulk adds, in the
 same order), also over long query loops and where CTAs have no query block at all.
 
 Run on an H100/H200: ``python -m pytest -q tests/gpu/test_bwd_dqbulk_gpu.py``.
@@ -28,10 +28,17 @@ import math
 
 import pytest
 import torch
+from gpu_support import all_variants
 from gpu_support import hopper_skip_reason as _skip_reason
 from gpu_support import load_sibling as _load
 
-from cutefa import space
+from cutefa.model.budgets_sm90 import (
+    sm90_bwd_dq_bulk_aliases,
+    sm90_bwd_dq_swapped,
+    sm90_bwd_head_split,
+    sm90_bwd_swapped,
+)
+from cutefa.model.options import DqPath
 
 bwd80 = _load("test_bwd_sm80")
 bwd90 = _load("test_bwd_sm90")
@@ -44,14 +51,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, re
 # workspace, deterministic runs against its default twin)
 BULK = [
     s
-    for s in space.default_variants("sm90", "bwd")
-    if s.dq_bulk and not (s.dq_warp or space.sm90_bwd_swapped(s) or space.sm90_bwd_dq_swapped(s))
+    for s in all_variants("sm90", "bwd")
+    if s.options.dq_path is DqPath.BULK and not (sm90_bwd_swapped(s) or sm90_bwd_dq_swapped(s))
 ]
-# The dQ-writer warp's variants (dq_warp, _dqbulk_dqw: bf16 and fp16 hd64/hd128 on the tuned table's tiles):
-# the same adds as their dq_bulk twin, issued by producer warp 1.
-DQW = [s for s in space.default_variants("sm90", "bwd") if s.dq_warp and not s.row_prefetch]
+# The dQ-writer warp's variants (DqPath.BULK_WARP, _dqbulk_dqw: bf16 and fp16 hd64/hd128 on the tuned
+# table's tiles): the same adds as their DqPath.BULK twin, issued by producer warp 1.
+DQW = [
+    s
+    for s in all_variants("sm90", "bwd")
+    if s.options.dq_path is DqPath.BULK_WARP and not s.options.row_prefetch
+]
 # LSE2/D read ahead of the WGMMA waits (row_prefetch, _rpf): on the _dqw tiles, beside their twins.
-RPF = [s for s in space.default_variants("sm90", "bwd") if s.row_prefetch]
+RPF = [s for s in all_variants("sm90", "bwd") if s.options.row_prefetch]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 SHAPES = (
     (1, 1, 1, 2, 2),
@@ -77,16 +88,17 @@ def test_bulk_variants_committed():
     """The defaults at head dims 64/96/128 (both dtypes), the bf16 overlap alternatives there, the
     bf16 head-dim-split variants at 192/256 (plain and overlap), and hd256's default (the split with
     the overlap schedule) and the hd64/hd128 overlap alternatives in fp16."""
-    assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if not s.overlap) == sorted(
+    assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if not s.options.overlap) == sorted(
         [(dt, hd, causal) for dt in ("bf16", "fp16") for hd in (64, 96, 128) for causal in (False, True)]
         + [("bf16", hd, causal) for hd in (192, 256) for causal in (False, True)]
     )
-    assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if s.overlap) == sorted(
+    assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if s.options.overlap) == sorted(
         [("bf16", hd, causal) for hd in (64, 128, 192, 256) for causal in (False, True)]
-        + [("fp16", hd, causal) for hd in (64, 128, 256) for causal in (False, True)]  # 64, 128: BWD_DTYPE_ALTERNATIVES
+        # 64, 128: tools/alternatives.py SM90_FP16_BWD_ALTERNATIVES
+        + [("fp16", hd, causal) for hd in (64, 128, 256) for causal in (False, True)]
     )
-    assert all(space.sm90_bwd_head_split(s) == (s.head_dim >= 192) for s in BULK)
-    assert all(space.sm90_bwd_dq_bulk_aliases(s) == (s.head_dim == 256) for s in BULK)
+    assert all(sm90_bwd_head_split(s) == (s.head_dim >= 192) for s in BULK)
+    assert all(sm90_bwd_dq_bulk_aliases(s) == (s.head_dim == 256) for s in BULK)
 
 
 @pytest.mark.parametrize("spec", BULK + DQW, ids=lambda s: s.name)
@@ -116,7 +128,7 @@ def test_bulk_grads_through_backward(gen, spec):
 
 @pytest.mark.parametrize(
     "spec",
-    [s for s in BULK if s.dtype == "bf16" and (s.head_dim == 128 or (s.head_dim >= 192 and not s.overlap))],
+    [s for s in BULK if s.dtype == "bf16" and (s.head_dim == 128 or s.head_dim > 128 and not s.options.overlap)],
     ids=lambda s: s.name,
 )
 def test_bulk_deterministic(gen, target, spec):
@@ -126,7 +138,7 @@ def test_bulk_deterministic(gen, target, spec):
     split one after the other."""
     from cutefa.compile import get_kernel
 
-    twin = spec.replace(dq_bulk=False, overlap=False)  # the per-thread reductions (committed in bf16)
+    twin = spec.replace(dq_path=DqPath.RED, overlap=False)  # the per-thread reductions (committed in bf16)
     q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, 1, 1000, 4097, 16, 4)
     first = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
     second = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
@@ -138,16 +150,16 @@ def test_bulk_deterministic(gen, target, spec):
 
 
 def test_dqw_variants_committed():
-    for dtype in ("bf16", "fp16"):  # fp16: space.BWD_DTYPE_ALTERNATIVES
-        assert sorted((s.head_dim, s.overlap, s.causal) for s in DQW if s.dtype == dtype) == sorted(
+    for dtype in ("bf16", "fp16"):  # fp16: tools/alternatives.py SM90_FP16_BWD_ALTERNATIVES
+        assert sorted((s.head_dim, s.options.overlap, s.causal) for s in DQW if s.dtype == dtype) == sorted(
             [(hd, ov, c) for hd in (64, 128) for ov in (False, True) for c in (False, True)]
         )
-    assert all(s.dq_bulk and s.replace(dq_warp=False) in BULK for s in DQW)
+    assert all(s.replace(dq_path=DqPath.BULK) in BULK for s in DQW)
 
 
 @pytest.mark.parametrize("spec", DQW, ids=lambda s: s.name)
 def test_dqw_deterministic_matches_twin(gen, target, spec):
-    """deterministic=1: two runs bitwise equal, and bitwise equal to the dq_bulk twin (the writer
+    """deterministic=1: two runs bitwise equal, and bitwise equal to the DqPath.BULK twin (the writer
     warp issues the same bulk adds in the same order, each after the previous one completed). 16
     heads over 4097 keys (several key blocks per split, each adding into the same chunks), 4097
     queries over 200 keys (65 query blocks per key block: a long writer loop), 1 query over 700
@@ -155,7 +167,7 @@ def test_dqw_deterministic_matches_twin(gen, target, spec):
     still match)."""
     from cutefa.compile import get_kernel
 
-    twin = spec.replace(dq_warp=False)
+    twin = spec.replace(dq_path=DqPath.BULK)
     for shape in ((1, 1000, 4097, 16, 4), (1, 4097, 200, 2, 1), (1, 1, 700, 2, 1)):
         q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, *shape)
         first = bwd90.run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
@@ -185,8 +197,8 @@ def test_dqw_repeated_calls(gen, target, spec):
 
 
 def test_rpf_variants_committed():
-    for dtype in ("bf16", "fp16"):  # fp16: space.BWD_DTYPE_ALTERNATIVES
-        assert sorted((s.head_dim, s.overlap, s.causal) for s in RPF if s.dtype == dtype) == sorted(
+    for dtype in ("bf16", "fp16"):  # fp16: tools/alternatives.py SM90_FP16_BWD_ALTERNATIVES
+        assert sorted((s.head_dim, s.options.overlap, s.causal) for s in RPF if s.dtype == dtype) == sorted(
             [(hd, ov, c) for hd in (64, 128) for ov in (False, True) for c in (False, True)]
         )
     assert all(s.replace(row_prefetch=False) in DQW for s in RPF)

@@ -13,10 +13,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_support import all_variants
 from gpu_support import load_sibling as _load
 from gpu_support import sm80_skip_reason as _skip_reason
 
 import cutefa
+from cutefa.model.options import DqLayout, Sm80BwdOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
@@ -238,9 +240,7 @@ def _variant_inputs(gen, spec, batch, seqlen_q, seqlen_k, heads_q, heads_kv):
 
 
 def _variants():
-    from cutefa import space
-
-    return space.default_variants("sm80", "bwd")
+    return all_variants("sm80", "bwd")
 
 
 def _variant_modes():
@@ -271,7 +271,7 @@ def test_bwd_variant(gen, spec, mode):
     from cutefa.backward import dq_accum_workspace, sm80_tail_workspaces
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
-    from cutefa.space import why_not_on
+    from cutefa.model.rules import why_not_on
 
     target = current_target()
     if why_not_on(spec, target) is not None:
@@ -328,53 +328,53 @@ def test_stream_tail_through_the_launch(gen, dtype, monkeypatch):
     dispatch's, which on sm_90a GPUs is the sm90 family's) on a grid that ends on a partial wave
     (2 x 10 heads x 32 key blocks = 640 CTAs), so that the launch path turns the stream-K tail on
     with the GPU's own slots: the gradients against the float32 reference."""
-    from cutefa import backward, space
-    from cutefa.spec import VariantSpec
+    from cutefa import backward
+    from cutefa.model import defaults
 
     dt = DTYPES[dtype]
-    tile = space.DEFAULT_BWD_TILES["sm80"][192]
-    spec = VariantSpec("sm80", "bwd", dtype, 192, *tile, **space.default_extras("sm80", "bwd", 192))
+    spec = backward.choose_bwd("sm_80", dt, 192, False)  # the sm80 family's default
+    tile = (spec.tile_m, spec.tile_n, spec.stages, spec.warps)
+    assert spec.arch == "sm80" and tile == defaults.DEFAULT_BWD_TILES["sm80"][192], spec.name
     monkeypatch.setattr(backward, "choose_bwd", lambda *args, **kwargs: spec)
     q, k, v, _ = random_inputs(gen, dt, 192, 2, 2048, 2048, 10, 10)
     assert backward.device_tail_slots(spec, q.device, False, 2, 10, 2048, 2048) > 0
     check(q, k, v, False, gen)
 
 
+def _natural(spec):
+    """``spec`` with the natural (row-major) dQ accumulator, reduced element-wise."""
+    return spec.replace(dq_layout=DqLayout.ROWS, dq_pipe=False)
+
+
 def _quad_variants():
-    from cutefa import space
-
-    committed = space.default_variants("sm80", "bwd")
-    plain = [s for s in committed if not (s.dq_quad or s.dq_tile)]
-    # every variant whose natural-layout twin (the same tile and dtype) is committed
-    return [
-        s
-        for s in committed
-        if (s.dq_quad or s.dq_tile) and s.replace(dq_quad=False, dq_tile=False, dq_pipe=False) in plain
-    ]
+    variants = all_variants("sm80", "bwd")
+    plain = [s for s in variants if s.options == Sm80BwdOptions()]
+    # every variant whose natural-layout twin (the same tile and dtype) is a variant too
+    return [s for s in variants if s.options.dq_layout is not DqLayout.ROWS and _natural(s) in plain]
 
 
-# Longer shapes for the dq_quad and dq_tile twins: whole and partial query blocks over several key blocks,
+# Longer shapes for the DqLayout.QUAD and TILE twins: whole and partial query blocks over several key blocks,
 # seqlen_q != seqlen_k both ways, grouped-query heads.
 QUAD_SHAPES = ((1, 4097, 4097, 2, 1), (2, 1000, 4097, 4, 2), (1, 4097, 128, 2, 2), (2, 17, 1000, 4, 2))
 
 
 @pytest.mark.parametrize("spec", _quad_variants(), ids=lambda s: s.name)
 def test_bwd_dq_quad_matches_twin(gen, spec):
-    """dq_quad only moves dQ's columns in the fp32 accumulator and adds four per reduction, dq_tile
+    """DqLayout.QUAD only moves dQ's columns in the fp32 accumulator and adds four per reduction, TILE
     moves every value to its fragment-order place in a per-query-block chunk, dq_pipe computes dQ by
     column chunks (each value's k-blocks in the same order) and adds each chunk between the next
     one's MMAs: in deterministic mode
     (each accumulator element summed by one thread in a fixed order, the splits in order) dq, dk and
-    dv are bitwise those of the same tile without the flag; in atomic mode they agree to fp32
+    dv are bitwise those of the same tile with the natural layout; in atomic mode they agree to fp32
     reordering. Each kernel's accumulator is poisoned with NaN in its own layout (no stream-K tail:
     it sums the parts of a key block's dK and dV, which moves their rounding)."""
     from cutefa.backward import dq_accum_workspace, sm80_tail_workspaces
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
-    from cutefa.space import why_not_on
+    from cutefa.model.rules import why_not_on
 
     target = current_target()
-    twin = spec.replace(dq_quad=False, dq_tile=False, dq_pipe=False)
+    twin = _natural(spec)
     if why_not_on(spec, target) is not None:
         pytest.skip(f"{spec.name} does not run on {target}: {why_not_on(spec, target)}")
     kernels = [get_kernel(s, target) for s in (spec, twin)]

@@ -1,13 +1,14 @@
 """The sm90-family (FlashAttention-3 design) backward on a Hopper GPU, variant by variant.
 
-Each committed sm90 backward variant (the defaults and the BWD_ALTERNATIVES) is called directly (not through dispatch) with the calling
+Each sm90 backward variant (the committed defaults and the measured alternatives of
+tools/alternatives.py) is called directly (not through dispatch) with the calling
 convention of cutefa/backward.py: O and the LSE come from the float32 reference forward, dq, dk and
 dv are poisoned with NaN beforehand (an element the kernel does not write fails), and the grouped
 heads of dk/dv are summed as backward.py does. Gradients are judged against float32 autograd of
 the exact attention, with the tolerance of tests/gpu/test_bwd_sm80.py (at most 3x the error of
 PyTorch's own attention on the same low-precision inputs). Shapes: ragged lengths (1, 17, 1000,
 4097), seqlen_q != seqlen_k both ways, GQA and MQA; deterministic=1 must be bitwise reproducible.
-An alternative (another Q/dO ring depth, the overlap schedule, the dq_bulk path, the dQ-writer
+An alternative (another Q/dO ring depth, the overlap schedule, the bulk dQ path, the dQ-writer
 warp) does the same arithmetic in the same order as its default twin, so with deterministic=1
 their gradients must be bitwise equal. (One
 exception: the head-dim split's overlap (head dims 192/256; hd256's default has it) adds consumer
@@ -28,10 +29,12 @@ import math
 
 import pytest
 import torch
+from gpu_support import all_variants, alternatives
 from gpu_support import hopper_skip_reason as _skip_reason
 from gpu_support import load_sibling as _load
 
-from cutefa import space
+from cutefa.model.budgets_sm90 import sm90_bwd_dq_swapped, sm90_bwd_head_split, sm90_bwd_swapped
+from cutefa.model.defaults import DEFAULT_BWD_TILES
 
 bwd80 = _load("test_bwd_sm80")
 reference = _load("reference")
@@ -39,18 +42,16 @@ reference = _load("reference")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
-BACKWARDS = space.default_variants("sm90", "bwd")
+BACKWARDS = all_variants("sm90", "bwd")
 
 
 def _default_twin(spec):
-    """The default variant of spec's dtype, head dim and mask (its tile and default flags)."""
-    tile = space.DEFAULT_BWD_TILES["sm90"][spec.head_dim]
-    extras = space.default_extras("sm90", "bwd", spec.head_dim)
-    return spec.replace(
-        tile_m=tile.tile_m, tile_n=tile.tile_n, stages=tile.stages, warps=tile.warps,
-        overlap=bool(extras.get("overlap")), dq_bulk=bool(extras.get("dq_bulk")), dq_warp=False,
-        row_prefetch=False, dq_stage=bool(extras.get("dq_stage")),
-    )  # fmt: skip
+    """The default variant of spec's dtype, head dim and mask (its tile and default options): the
+    one dispatch picks on sm_90a without a tuned table."""
+    from cutefa import backward
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    return backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal)
 
 
 ALTERNATIVES = [s for s in BACKWARDS if _default_twin(s) != s]
@@ -82,7 +83,7 @@ def run_kernel(kernel, spec, q, k, v, out, lse, dout, *, deterministic=False):
     dv_heads = torch.full_like(dk_heads, nan)
     f32 = {"dtype": torch.float32, "device": q.device}
     # the workspace of the variant's layout, as backward.py allocates it, all NaN: the preprocess
-    # kernel must zero every word the main kernel adds into (dq_bulk: whole chunks, padding rows too)
+    # kernel must zero every word the main kernel adds into (the bulk paths: whole chunks, padding rows too)
     dq_accum = dq_accum_workspace(spec, splits, batch, seqlen_q, heads_q, q.device).fill_(nan)
     lse_log2 = torch.full((batch, heads_q, seqlen_q), nan, **f32)
     dpsum = torch.full((batch, heads_q, seqlen_q), nan, **f32)
@@ -207,7 +208,7 @@ def test_dispatch_picks_sm90_backward(target):
 
     for head_dim in (64, 96, 128, 256):
         spec = choose_bwd(target, torch.bfloat16, head_dim, True)
-        assert spec.arch == ("sm90" if head_dim in space.DEFAULT_BWD_TILES["sm90"] else "sm80"), head_dim
+        assert spec.arch == ("sm90" if head_dim in DEFAULT_BWD_TILES["sm90"] else "sm80"), head_dim
         if spec.arch == "sm90":  # the default, not an alternative, until tuned tables exist
             assert _default_twin(spec) == spec, spec.name
 
@@ -215,9 +216,9 @@ def test_dispatch_picks_sm90_backward(target):
 def test_every_alternative_is_exercised():
     """The alternatives are part of BACKWARDS (so test_variant_grads runs each of them)."""
     assert ALTERNATIVES and all(_default_twin(s) in BACKWARDS for s in ALTERNATIVES)
-    assert len(ALTERNATIVES) == sum(2 * len(a) for a in space.BWD_ALTERNATIVES["sm90"].values()) + sum(
-        2 * len(a) for (arch, _), alts in space.BWD_DTYPE_ALTERNATIVES.items() if arch == "sm90" for a in alts.values()
-    )
+    alts = alternatives()
+    tables = (alts.SM90_BWD_ALTERNATIVES, alts.SM90_FP16_BWD_ALTERNATIVES)  # each entry: causal and not
+    assert len(ALTERNATIVES) == sum(2 * len(entries) for table in tables for entries in table.values())
 
 
 @pytest.mark.parametrize("spec", ALTERNATIVES, ids=lambda s: s.name)
@@ -228,14 +229,14 @@ def test_alternative_matches_default_bitwise(gen, target, spec):
     q, k, v, dout, out, lse = random_inputs(gen, spec, 2, 1000, 777, 4, 2)
     mine = run_kernel(get_kernel(spec, target), spec, q, k, v, out, lse, dout, deterministic=True)
     ref = run_kernel(get_kernel(twin, target), twin, q, k, v, out, lse, dout, deterministic=True)
-    reordered = space.sm90_bwd_head_split(spec) and spec.overlap != twin.overlap
+    reordered = sm90_bwd_head_split(spec) and spec.options.overlap != twin.options.overlap
     half = spec.head_dim // 2
     for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
         assert torch.isfinite(a).all(), f"{spec.name} {name}"
         # Other sums, so close rather than bitwise: the hd192 partitions against each other (64 or 96
-        # keys per CTA) and the swapped one's other dQ paths (dq_stage's bitwise twin test is in
+        # keys per CTA) and the swapped one's other dQ paths (BULK_STAGED's bitwise twin test is in
         # test_bwd_sm90_swapkv.py); 80 query rows per step with dQ transposed.
-        if space.sm90_bwd_swapped(spec) or space.sm90_bwd_swapped(twin) or space.sm90_bwd_dq_swapped(spec):
+        if sm90_bwd_swapped(spec) or sm90_bwd_swapped(twin) or sm90_bwd_dq_swapped(spec):
             assert bwd80.rel(a, b) < 1e-2, f"{spec.name} {name} vs {twin.name}"
         elif reordered and name != "dq":  # consumer 1's columns: its own queries first, then consumer 0's
             assert torch.equal(a[..., :half], b[..., :half]), f"{spec.name} {name} differs from {twin.name}"

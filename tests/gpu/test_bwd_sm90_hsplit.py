@@ -1,9 +1,10 @@
 """The sm90 backward at head dims 192 and 256 (the head-dim split, templates/bwd_sm90_hsplit.py.j2)
 on a Hopper GPU.
 
-Each split variant without dq_bulk (bf16 alternatives at head dims 192 and 256: 64 keys per CTA
+Each split variant with per-thread dQ reductions (DqPath.RED; bf16 alternatives at head dims 192 and
+256: 64 keys per CTA
 shared by both consumer warpgroups, each owning half of the head dim; and its committed overlap
-alternative, _ov; hd256's default, the split with dq_bulk and the overlap schedule, runs in
+alternative, _ov; hd256's default, the split with the bulk dQ path and the overlap schedule, runs in
 tests/gpu/test_bwd_dqbulk_gpu.py) is called directly with the calling convention of
 cutefa/backward.py through tests/gpu/test_bwd_sm90.py's ``run_kernel`` (dq, dk, dv and every
 workspace poisoned with NaN, so an element the kernel does not write fails; grouped heads summed
@@ -22,10 +23,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_support import all_variants
 from gpu_support import hopper_skip_reason as _skip_reason
 from gpu_support import load_sibling as _load
 
-from cutefa import space
+from cutefa.model.budgets_sm90 import sm90_bwd_head_split, sm90_bwd_swapped
+from cutefa.model.options import DqPath
 
 bwd80 = _load("test_bwd_sm80")
 bwd90 = _load("test_bwd_sm90")
@@ -34,8 +37,12 @@ bwd90 = _load("test_bwd_sm90")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
 # The bf16 split alternatives at hd192/hd256, plain and with the overlap schedule.
-# (the dq_bulk twins have their own test: tests/gpu/test_bwd_dqbulk_gpu.py)
-SPLIT = [s for s in space.default_variants("sm90", "bwd") if space.sm90_bwd_head_split(s) and not s.dq_bulk]
+# (the DqPath.BULK twins have their own test: tests/gpu/test_bwd_dqbulk_gpu.py)
+SPLIT = [
+    s
+    for s in all_variants("sm90", "bwd")
+    if sm90_bwd_head_split(s) and s.options.dq_path is DqPath.RED
+]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 SHAPES = bwd90.COMMON_SHAPES + (
     (1, 33, 65, 2, 2),  # one query past consumer 0's half, one key past a block
@@ -53,12 +60,12 @@ def target():
 
 
 def test_split_variants_are_the_defaults_and_overlap():
-    # bf16 alternatives: hd256's default is the split with dq_bulk and the overlap schedule
+    # bf16 alternatives: hd256's default is the split with the bulk dQ path and the overlap schedule
     # (tests/gpu/test_bwd_dqbulk_gpu.py), hd192's the swapped partition
-    assert sorted((s.head_dim, s.dtype, s.causal) for s in SPLIT if not s.overlap) == sorted(
+    assert sorted((s.head_dim, s.dtype, s.causal) for s in SPLIT if not s.options.overlap) == sorted(
         (d, "bf16", c) for d in (192, 256) for c in (False, True)
     )
-    assert sorted((s.head_dim, s.dtype, s.causal) for s in SPLIT if s.overlap) == sorted(
+    assert sorted((s.head_dim, s.dtype, s.causal) for s in SPLIT if s.options.overlap) == sorted(
         (d, "bf16", c) for d in (192, 256) for c in (False, True)
     )
 
@@ -84,7 +91,7 @@ def test_dispatched_backward_runs_the_split(gen, target, head_dim, causal):
     from cutefa.backward import choose_bwd
 
     spec = choose_bwd(target, torch.bfloat16, head_dim, causal, seqlen_k=777)
-    wide = space.sm90_bwd_head_split(spec) or (head_dim == 192 and space.sm90_bwd_swapped(spec))
+    wide = sm90_bwd_head_split(spec) or (head_dim == 192 and sm90_bwd_swapped(spec))
     assert spec.arch == "sm90" and wide, spec.name
     q = torch.randn(2, 500, 4, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 777, 2, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)

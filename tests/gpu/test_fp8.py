@@ -23,11 +23,12 @@ import math
 
 import pytest
 import torch
+from gpu_support import all_variants, sm90_kernel_skip_reason
 from gpu_support import load_sibling as _load
-from gpu_support import sm90_kernel_skip_reason
 
 import cutefa
-from cutefa import fp8, ops, space
+from cutefa import fp8, ops
+from cutefa.model.options import OAccum, Quant, RowSum, Scheduler, VTranspose
 
 ref = _load("reference")
 
@@ -39,7 +40,9 @@ def _skip_reason() -> str | None:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
 # Per-tensor/per-head descales; the block-quantization variants (_blockq): test_fp8_block_gpu.py.
-FP8_VARIANTS = [s for s in space.default_variants("sm90", "fwd") if s.dtype == "e4m3" and not s.block_quant]
+FP8_VARIANTS = [
+    s for s in all_variants("sm90", "fwd") if s.dtype == "e4m3" and s.options.quant is Quant.TENSOR
+]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): partial tiles, sq != sk both ways, GQA, MQA.
 SHAPES = (
     (1, 1, 1, 2, 2),
@@ -54,7 +57,7 @@ EMULATION_FACTOR = 1.25
 EMULATION_FLOOR = 0.005
 EMULATION_MAX_ERROR = 0.10
 LSE_TOL = 0.02
-# sum_mma variants sum the e4m3-rounded P that the P V product uses (the emulation sums P unrounded):
+# RowSum.MMA variants sum the e4m3-rounded P that the P V product uses (the emulation sums P unrounded):
 # each rounded probability is within 2^-4 of its value (3 mantissa bits, round to nearest), so the
 # row sums are too, and the lse moves by up to log(1 + 2^-4) more.
 SUM_MMA_LSE_TOL = LSE_TOL + math.log1p(2.0**-4)
@@ -82,13 +85,13 @@ def quantize(q, k, v, granularity="head", hadamard=False):
 def fp8_kernel(spec):
     """The compiled e4m3 kernel of ``spec``, called as (q, k, v, out, lse, q_descale, k_descale,
     v_descale, scale) (a persistent one's ``fn`` also as that plus the grid); a variant with the
-    v_mean flag is given zero column means there, so that it computes what its twin without the
-    flag does (test_v_mean_variant_adds_the_means gives it others)."""
+    v_mean option is given zero column means there, so that it computes what its twin without the
+    option does (test_v_mean_variant_adds_the_means gives it others)."""
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
 
     kernel = get_kernel(spec, current_target())
-    return _WithZeroMeans(kernel) if spec.v_mean else kernel
+    return _WithZeroMeans(kernel) if spec.options.v_mean else kernel
 
 
 class _WithZeroMeans:
@@ -124,7 +127,7 @@ def emulate_dequantized(q, k, v, *, causal, scale, p_ratio=None):
     """:func:`emulate` from the dequantized q, k and v. P is rounded to e4m3 as P * r * 2^8, where r
     is 1 or, given ``p_ratio`` (batch, heads_kv, seqlen_k), its value for the key (the block
     kernels' ratio of v's block descale to its largest). Returns (out, lse)."""
-    from cutefa.kernels.sm90.fp8 import P_OFFSET_LOG2  # the kernel's shift of P (imports the DSL)
+    from cutefa.kernels.sm90.fp8_softmax import P_OFFSET_LOG2  # the kernel's shift of P (imports the DSL)
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
@@ -193,7 +196,7 @@ def test_variant(gen, spec):
         kernel(*fp8s, out, lse, *kv_head_descales(descales, batch, hkv), scale)
         exact, exact_lse = ref.attention_ref(q, k, v, causal=spec.causal)
         emul, emul_lse = emulate(fp8s, descales, causal=spec.causal, scale=scale)
-        lse_tol = SUM_MMA_LSE_TOL if spec.sum_mma else LSE_TOL
+        lse_tol = SUM_MMA_LSE_TOL if spec.options.row_sum is RowSum.MMA else LSE_TOL
         check(out, lse, exact, exact_lse, emul, emul_lse, what=f"{spec.name} {(batch, sq, sk, hq, hkv)}", lse_tol=lse_tol)
         if spec.causal and sq > sk:
             rows = sq - sk
@@ -241,13 +244,21 @@ def test_v_transpose_places_every_byte(spec):
     assert torch.allclose(lse.double(), expected_lse, atol=1e-3), spec.name
 
 
-# The e4m3 defaults carry hoist_vt; hd128's and hd256's keep a twin without it among the alternatives.
-HOISTED = [s for s in FP8_VARIANTS if s.hoist_vt and s.replace(hoist_vt=False) in FP8_VARIANTS]
+# The e4m3 defaults carry VTranspose.HOISTED; hd128's and hd256's keep a twin with the indexed
+# transpose among the alternatives.
+def _indexed(spec):
+    return spec.replace(v_transpose=VTranspose.INDEXED)
+
+
+HOISTED = [
+    s for s in FP8_VARIANTS if s.options.v_transpose is VTranspose.HOISTED and _indexed(s) in FP8_VARIANTS
+]
 
 
 def test_hoisted_transpose_variants_are_tested():
     assert {(s.head_dim, s.causal) for s in HOISTED} == {(128, False), (128, True), (256, False), (256, True)}
-    assert all(s.hoist_vt for s in FP8_VARIANTS if s.replace(hoist_vt=False) not in FP8_VARIANTS)
+    without_twin = [s for s in FP8_VARIANTS if _indexed(s) not in FP8_VARIANTS]
+    assert all(s.options.v_transpose is not VTranspose.INDEXED for s in without_twin)
 
 
 def _twin_runs(gen, spec, twin):
@@ -279,32 +290,42 @@ def _assert_bitwise_equal_to_twin(gen, spec, twin):
 
 @pytest.mark.parametrize("spec", HOISTED, ids=lambda s: s.name)
 def test_hoisted_transpose_matches_its_twin(gen, spec):
-    """A _hvt variant moves the same V bytes into the same Vt words as its twin without the flag,
-    and nothing else differs: outputs and LSEs bitwise equal."""
-    _assert_bitwise_equal_to_twin(gen, spec, spec.replace(hoist_vt=False))
+    """A _hvt variant moves the same V bytes into the same Vt words as its twin with the indexed
+    transpose, and nothing else differs: outputs and LSEs bitwise equal."""
+    _assert_bitwise_equal_to_twin(gen, spec, _indexed(spec))
 
 
-# The wide transpose (_wvt, 64-bit LDS/STS): committed on the hd128 and hd256 default tiles and
-# schedules, whose _hvt defaults are the twins.
-WIDE = [s for s in FP8_VARIANTS if s.wide_vt]
+# The wide transpose (VTranspose.WIDE, _hvt_wvt: 64-bit LDS/STS): committed on the hd128 and hd256
+# default tiles and schedules, whose _hvt defaults are the twins.
+WIDE = [s for s in FP8_VARIANTS if s.options.v_transpose is VTranspose.WIDE]
+
+# An option checked against its twin, by name token: (which variants have it, the twin's options).
+# (a persistent variant's twin is the one-CTA-per-tile one: test_persistent_matches_its_twin;
+# RowSum.MMA, OAccum.TWO_LEVEL and v_mean are committed with lazy_rescale only, so a lazy one's twin
+# has none of them)
+OPTION_TWINS = {
+    "wvt": (lambda s: s.options.v_transpose is VTranspose.WIDE, {"v_transpose": VTranspose.HOISTED}),
+    "lres": (
+        lambda s: s.options.lazy_rescale,
+        {"lazy_rescale": False, "row_sum": RowSum.FADD, "o_accum": OAccum.ONE_LEVEL, "v_mean": False},
+    ),
+    "smma": (lambda s: s.options.row_sum is RowSum.MMA, {"row_sum": RowSum.FADD}),
+}
 
 
-@pytest.mark.parametrize("flag", ["wide_vt", "lazy_rescale", "sum_mma"])
-def test_flag_variants_are_tested(flag):
+@pytest.mark.parametrize("token", list(OPTION_TWINS))
+def test_option_variants_are_tested(token):
     """The wide transpose, the lazy rescale and the row sums by WGMMA: committed at hd128 and hd256,
-    both masks, each beside its twin without the flag."""
-    flagged = [s for s in FP8_VARIANTS if getattr(s, flag)]
+    both masks, each beside its twin without the option."""
+    has = OPTION_TWINS[token][0]
+    flagged = [s for s in FP8_VARIANTS if has(s)]
     assert {(s.head_dim, s.causal) for s in flagged} == {(128, False), (128, True), (256, False), (256, True)}
-    # (a persistent variant's twin is the one-CTA-per-tile one: test_persistent_matches_its_twin;
-    # sum_mma and two_level are committed with lazy_rescale only, so a lazy one's twin has neither)
-    assert all(_twin(s, flag) in FP8_VARIANTS for s in flagged)
+    assert all(_twin(s, token) in FP8_VARIANTS for s in flagged)
 
 
-def _twin(spec, flag):
-    """``spec`` without ``flag`` (and without persistent; for lazy_rescale without sum_mma,
-    two_level and v_mean too)."""
-    extra = {"sum_mma": False, "two_level": False, "v_mean": False} if flag == "lazy_rescale" else {}
-    return spec.replace(**{flag: False}, persistent=False, **extra)
+def _twin(spec, token):
+    """``spec`` without the option of name token ``token`` (OPTION_TWINS), on the one-CTA-per-tile grid."""
+    return spec.replace(**OPTION_TWINS[token][1], scheduler=Scheduler.GRID)
 
 
 @pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
@@ -313,16 +334,21 @@ def test_wide_transpose_matches_its_twin(gen, spec):
     loads and stores instead of 4x4 with 32-bit ones) and nothing else differs: outputs and LSEs
     bitwise equal. (test_variant and test_v_transpose_places_every_byte take the _wvt variants too:
     they run every committed e4m3 variant.)"""
-    _assert_bitwise_equal_to_twin(gen, spec, spec.replace(wide_vt=False))
+    _assert_bitwise_equal_to_twin(gen, spec, _twin(spec, "wvt"))
 
 
-# The persistent scheduler (_persist): committed on the tuned hd128 192x96 and hd256 128x96 tiles.
-PERSISTENT = [s for s in FP8_VARIANTS if s.persistent]
+# The persistent scheduler (Scheduler.PERSISTENT, _persist): committed on the tuned hd128 192x96 and
+# hd256 128x96 tiles.
+PERSISTENT = [s for s in FP8_VARIANTS if s.options.scheduler is Scheduler.PERSISTENT]
+
+
+def _one_cta_per_tile(spec):
+    return spec.replace(scheduler=Scheduler.GRID)
 
 
 def test_persistent_variants_are_tested():
     assert {(s.head_dim, s.causal) for s in PERSISTENT} == {(128, False), (128, True), (256, False), (256, True)}
-    assert all(s.replace(persistent=False) in FP8_VARIANTS for s in PERSISTENT)
+    assert all(_one_cta_per_tile(s) in FP8_VARIANTS for s in PERSISTENT)
 
 
 @pytest.mark.parametrize("spec", PERSISTENT, ids=lambda s: s.name)
@@ -332,7 +358,7 @@ def test_persistent_matches_its_twin(gen, spec):
     that each CTA walks many tiles (both directions of the boustrophedon order, the pipelines'
     state carried from tile to tile, causal tiles of every length, partial last tiles)."""
 
-    persistent, twin = fp8_kernel(spec), fp8_kernel(spec.replace(persistent=False))
+    persistent, twin = fp8_kernel(spec), fp8_kernel(_one_cta_per_tile(spec))
     scale = ref.default_scale(spec.head_dim)
     for batch, sq, sk, hq, hkv in SHAPES:
         q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
@@ -353,7 +379,7 @@ def test_persistent_matches_its_twin(gen, spec):
 
 
 # lazy_rescale (_lres): committed beside the hd128 and hd256 defaults (and hd256's 128x96 tile).
-LAZY = [s for s in FP8_VARIANTS if s.lazy_rescale]
+LAZY = [s for s in FP8_VARIANTS if s.options.lazy_rescale]
 
 
 @pytest.mark.parametrize("spec", LAZY, ids=lambda s: s.name)
@@ -366,9 +392,10 @@ def test_lazy_rescale_on_rising_maxes(gen, spec):
     test_variant, and against the twin without the flag (same quantized inputs): relative L2
     within the e4m3 rounding of P."""
 
-    # the twin without the flag (of a persistent variant: the committed one-CTA-per-tile twin; of a
-    # sum_mma or two_level one: the twin without those too; sum_mma's row sums are of the rounded P)
-    twin = _twin(spec, "lazy_rescale")
+    # the twin without the option (of a persistent variant: the committed one-CTA-per-tile twin; of
+    # a RowSum.MMA or OAccum.TWO_LEVEL one: the twin without those too; RowSum.MMA's row sums are of
+    # the rounded P)
+    twin = _twin(spec, "lres")
     kernels = (fp8_kernel(spec), fp8_kernel(twin))
     d = spec.head_dim
     scale = ref.default_scale(d)
@@ -404,8 +431,8 @@ def test_lazy_rescale_on_rising_maxes(gen, spec):
         # accumulation (fewer mantissa bits than fp32) moves the lse by up to ~2^-12 of its size,
         # so the bound grows with it as in test_fp8_block_gpu.py. Against the twin (the same S
         # from the same tensor cores; only the fp32 row sums' offsets differ): 1e-3.
-        # (sum_mma: the rounded P's sums, up to log(1 + 2^-4) from the unrounded ones'.)
-        rounded = math.log1p(2.0**-4) if spec.sum_mma else 0.0
+        # (RowSum.MMA: the rounded P's sums, up to log(1 + 2^-4) from the unrounded ones'.)
+        rounded = math.log1p(2.0**-4) if spec.options.row_sum is RowSum.MMA else 0.0
         cases = ((emul_lse, "the emulation", 2.0**-9, LSE_TOL + rounded), (lse_twin, "the twin", 0.0, 1e-3 + rounded))
         for other, against, rel, tol in cases:
             finite = torch.isfinite(other)
@@ -414,8 +441,8 @@ def test_lazy_rescale_on_rising_maxes(gen, spec):
             assert torch.all(err <= tol + rel * other[finite].abs()), f"{what}: lse off {against} by {err.max().item():.4g}"
 
 
-# sum_mma (_smma): the row sums by a P x ones WGMMA, committed on the tuned tiles (with lazy_rescale).
-SUM_MMA = [s for s in FP8_VARIANTS if s.sum_mma]
+# RowSum.MMA (_smma): the row sums by a P x ones WGMMA, committed on the tuned tiles (with lazy_rescale).
+SUM_MMA = [s for s in FP8_VARIANTS if s.options.row_sum is RowSum.MMA]
 
 
 @pytest.mark.parametrize("spec", SUM_MMA, ids=lambda s: s.name)
@@ -429,7 +456,7 @@ def test_sum_mma_sums_the_p_it_uses(gen, spec):
     kernel = fp8_kernel(spec)
     scale = ref.default_scale(spec.head_dim)
     # Up to two key blocks: the P V product's own accumulation in the tensor core (fewer mantissa
-    # bits than fp32, docs/perf-notes.md) stays below 2^-9 there; over thousands of keys it does not.
+    # bits than fp32, docs/log/perf-notes.md) stays below 2^-9 there; over thousands of keys it does not.
     for batch, sq, sk, hq, hkv in [shape for shape in SHAPES if shape[2] <= 2 * spec.tile_n] + [(2, 300, 150, 4, 2)]:
         q, k, _ = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
         v = torch.ones(batch, sk, hkv, spec.head_dim, device="cuda")
@@ -451,7 +478,7 @@ def test_sum_mma_matches_its_twin(gen, spec):
     """A _smma variant against its twin without the flag (same quantized inputs): the same P and O,
     row sums of the rounded instead of the unrounded P, so outputs within 2^-4 (relative L2) and
     lses within log(1 + 2^-4)."""
-    for what, (out, lse), (out_twin, lse_twin) in _twin_runs(gen, spec, spec.replace(sum_mma=False)):
+    for what, (out, lse), (out_twin, lse_twin) in _twin_runs(gen, spec, spec.replace(row_sum=RowSum.FADD)):
         assert not torch.isnan(out).any() and not torch.isnan(lse).any(), what
         diff = ref.rel_l2(out.float(), out_twin.float())
         assert diff <= 2.0**-4, f"{what}: rel L2 {diff:.4g}"
@@ -461,21 +488,21 @@ def test_sum_mma_matches_its_twin(gen, spec):
         assert lse_err <= math.log1p(2.0**-4), f"{what}: lse off by {lse_err:.4g}"
 
 
-# two_level (_tlacc): O accumulated in two levels, committed on hd128's tuned tile.
-TWO_LEVEL = [s for s in FP8_VARIANTS if s.two_level]
+# OAccum.TWO_LEVEL (_tlacc): O accumulated in two levels, committed on hd128's tuned tile.
+TWO_LEVEL = [s for s in FP8_VARIANTS if s.options.o_accum is OAccum.TWO_LEVEL]
 
 
 def test_two_level_variants_are_tested():
     assert {s.causal for s in TWO_LEVEL} == {False, True}
-    assert all(s.replace(two_level=False) in FP8_VARIANTS for s in TWO_LEVEL)
+    assert all(s.replace(o_accum=OAccum.ONE_LEVEL) in FP8_VARIANTS for s in TWO_LEVEL)
 
 
 @pytest.mark.parametrize("spec", TWO_LEVEL, ids=lambda s: s.name)
 def test_two_level_on_long_rows_with_a_mean(gen, spec):
     """V's columns carry a mean (v = 1 + unit noise), so O is about 1 and every key adds to it: the
     tensor cores' accumulation alone would lose a share of O that grows with the number of keys
-    (about 6% at 4k keys, 25% at 16k; docs/perf-notes.md). With O promoted to fp32 every
-    fp8.PROMOTE_BLOCKS key blocks the output is within the e4m3 emulation's error (check_out) of the
+    (about 6% at 4k keys, 25% at 16k; docs/log/perf-notes.md). With O promoted to fp32 every
+    fp8_two_level.PROMOTE_BLOCKS key blocks the output is within the e4m3 emulation's error (check_out) of the
     float32 attention of the unquantized inputs, at 4k and 16k keys."""
 
     kernel = fp8_kernel(spec)
@@ -587,7 +614,7 @@ def test_outlier_channels_hadamard_reduces_error(gen):
 
 
 # v_mean (_vmean): the kernel adds v's column means in its epilogue, for centered v.
-V_MEAN = [s for s in FP8_VARIANTS if s.v_mean]
+V_MEAN = [s for s in FP8_VARIANTS if s.options.v_mean]
 
 
 def test_v_mean_variants_are_tested():

@@ -26,7 +26,10 @@ from gpu_support import load_sibling as _load
 from gpu_support import sm90_kernel_skip_reason
 
 import cutefa
-from cutefa import dispatch, fp8, ops, space
+from cutefa import dispatch, fp8, ops
+from cutefa.model.committed import fp8_block_specs
+from cutefa.model.defaults import DEFAULT_TILES
+from cutefa.model.options import Quant
 
 ref = _load("reference")
 fp8t = _load("test_fp8")
@@ -38,7 +41,7 @@ def _skip_reason() -> str | None:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
-BLOCK_VARIANTS = space.fp8_block_specs("sm90")
+BLOCK_VARIANTS = fp8_block_specs("sm90")
 # test_fp8.py's (batch, seqlen_q, seqlen_k, heads_q, heads_kv): seqlens 1/17/1000/4097 (partial
 # tiles), sq != sk both ways, GQA and MQA.
 SHAPES = fp8t.SHAPES
@@ -106,7 +109,7 @@ def check(out, lse, exact, exact_lse, emul, *, what, bounds):
     # lse there, by 1e-3 where scores stay below 10) and partial sums that cancel: an outlier
     # query's row whose only key is the outlier key (causal, 17 tokens, hd256) came out 0.044 off
     # at lse 8.2 (5e-3 of it, 2^-14.5 of its score bound; the lazy_rescale kernel and its twin
-    # without the flag gave the same lse to 2e-6). The bound per row: LSE_TOL + 2^-9 |lse| + 2^-12
+    # without it gave the same lse to 2e-6). The bound per row: LSE_TOL + 2^-9 |lse| + 2^-12
     # of the row's score bound.
     lse_err = (lse[finite].double() - exact_lse[finite].double()).abs()
     bound = LSE_TOL + LSE_REL_TOL * exact_lse[finite].double().abs() + LSE_SCORE_TOL * bounds[finite].double()
@@ -129,7 +132,7 @@ def test_variant(gen, spec):
     for batch, sq, sk, hq, hkv in SHAPES:
         q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
         fp8s, descales = quantize_blocks(q, k, v, spec.tile_m, spec.tile_n)
-        twin = dispatch.Choice(spec.replace(block_quant=False), target, "test")
+        twin = dispatch.Choice(spec.replace(quant=Quant.TENSOR), target, "test")
         choice, args = ops._fp8_kernel_args(fp8s[0], fp8s[1], descales, twin)
         assert choice.spec == spec
         out = torch.full((batch, sq, hq, spec.head_dim), math.nan, dtype=torch.bfloat16, device="cuda")
@@ -155,7 +158,7 @@ def test_api(gen, head_dim, causal):
     batch, sq, sk, hq, hkv = 2, 300, 777, 6, 2
     q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, head_dim)
     q_block, kv_block = cutefa.fp8_block_sizes(q, k, causal=causal)
-    assert q_block == 128 and kv_block == space.DEFAULT_TILES["sm90"][head_dim].tile_n
+    assert q_block == 128 and kv_block == DEFAULT_TILES["sm90"][head_dim].tile_n
     fp8s, descales = quantize_blocks(q, k, v, q_block, kv_block)
     out, lse = cutefa.flash_attn_func(
         *fp8s,

@@ -20,7 +20,8 @@ import torch
 from gpu_support import load_sibling as _load
 
 import cutefa
-from cutefa import dispatch, fp8, space
+from cutefa import dispatch, fp8
+from cutefa.model.committed import default_variants
 
 fp8t = _load("test_fp8")
 ref = fp8t.ref
@@ -36,7 +37,7 @@ def _skip_reason() -> str | None:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
-FP8_VARIANTS = [s for s in space.default_variants("sm100", "fwd") if s.dtype == "e4m3"]
+FP8_VARIANTS = [s for s in default_variants("sm100", "fwd") if s.dtype == "e4m3"]
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): partial tiles, two Q tiles where the second is
 # past the end, sq != sk both ways (causal rows that see no key), GQA, MQA, long key ranges.
 SHAPES = (
@@ -54,7 +55,7 @@ SHAPES = (
 def test_the_emulation_applies():
     """The sm90 tests' emulation rounds P * 2^P_OFFSET_LOG2; the sm100 kernels shift P the same."""
     from cutefa.compile import load_kernel_module
-    from cutefa.kernels.sm90.fp8 import P_OFFSET_LOG2
+    from cutefa.kernels.sm90.fp8_softmax import P_OFFSET_LOG2
 
     for spec in FP8_VARIANTS:
         module = load_kernel_module(spec)
@@ -114,7 +115,7 @@ def test_against_the_bf16_kernel(gen):
 
     spec = next(s for s in FP8_VARIANTS if s.head_dim == 128 and s.causal)
     twin = spec.replace(dtype="bf16")
-    assert twin in space.default_variants("sm100", "fwd")
+    assert twin in default_variants("sm100", "fwd")
     target = dispatch.current_target()
     batch, sq, sk, hq, hkv = 2, 1000, 1000, 4, 2
     q, k, v = fp8t.make_inputs(gen, batch, sq, sk, hq, hkv, 128)

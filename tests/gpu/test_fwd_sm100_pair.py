@@ -16,9 +16,8 @@ import math
 
 import pytest
 import torch
+from gpu_support import all_variants
 from gpu_support import load_sibling as _load
-
-from cutefa import space
 
 fwd = _load("test_fwd_sm80")
 pytestmark = fwd.pytestmark
@@ -33,7 +32,7 @@ SHAPES = (
     (2, 2048, 2048, 2, 1),
 )
 
-PAIRS = [s for s in space.default_variants("sm100", "fwd") if s.cta_pair]
+PAIRS = [s for s in all_variants("sm100", "fwd") if s.options.cta_pair]
 
 
 def _kernel_or_skip(spec):

@@ -76,7 +76,7 @@ def _jit(spec):
         pytest.skip(f"this process's DSL compiles for {cc.dsl_target()}, not {target}")
     if spec not in _JIT:
         compiled = cc.compile_object(spec, target)
-        _JIT[spec] = cc._with_sm_count(compiled) if spec.persistent else compiled
+        _JIT[spec] = cc._with_sm_count(compiled) if cc.takes_sm_count(spec) else compiled
     return _JIT[spec]
 
 
@@ -93,7 +93,7 @@ def test_pack_kernel_is_bitwise_the_jit_kernel(packed, name, monkeypatch):
     found, refusals = pack.find_kernel(spec.name, target, cc.fingerprint(spec, target))
     assert found is not None and found.pack == out_dir, f"the pack was refused: {refusals}"
     from_pack = cc.load_library(found.path, found.function_name, found.runtime)
-    if spec.persistent:  # its entry also takes the number of CTAs (get_kernel adds it)
+    if cc.takes_sm_count(spec):  # its entry also takes the number of CTAs (get_kernel adds it)
         from_pack = cc._with_sm_count(from_pack)
     q, k, v = _inputs(problem)
     scale = 1.0 / math.sqrt(q.shape[-1])

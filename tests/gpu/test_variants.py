@@ -11,9 +11,8 @@ import math
 
 import pytest
 import torch
+from gpu_support import all_variants
 from gpu_support import load_sibling as _load
-
-from cutefa import space
 
 fwd = _load("test_fwd_sm80")
 pytestmark = fwd.pytestmark
@@ -31,7 +30,7 @@ SHAPES = (
 
 
 FORWARDS = [
-    s for arch in ("sm80", "sm90") for s in space.default_variants(arch, "fwd") if s.dtype != "e4m3"
+    s for arch in ("sm80", "sm90") for s in all_variants(arch, "fwd") if s.dtype != "e4m3"
 ]  # e4m3: test_fp8.py
 
 
@@ -39,7 +38,7 @@ FORWARDS = [
 def test_variant(gen, spec):
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
-    from cutefa.space import why_not_on
+    from cutefa.model.rules import why_not_on
 
     target = current_target()
     if why_not_on(spec, target) is not None:
@@ -54,9 +53,9 @@ def test_variant(gen, spec):
         fwd.check_forward(q, k, v, causal=spec.causal, out=out, lse=lse)
 
 
-# The 16-bit lazy O rescale (lazy_rescale, _lres): committed on the tuned table's hd128 and hd256
-# tiles, each beside its twin without the flag.
-LAZY = [s for s in FORWARDS if s.lazy_rescale]
+# The 16-bit lazy O rescale (Sm90FwdOptions.lazy_rescale, _lres): committed on the tuned table's
+# hd128 and hd256 tiles, each beside its twin without it.
+LAZY = [s for s in FORWARDS if s.arch == "sm90" and s.options.lazy_rescale]
 
 
 def test_lazy_variants_are_tested():
@@ -71,7 +70,7 @@ def test_lazy_rescale_on_rising_maxes(gen, spec):
     """Row maxes that keep rising through the key loop past the 2^8 threshold (keys carry a mean
     that grows toward key 0, the kernel walking the keys from the last block to the first, queries
     a positive mean: about 1 log2 unit per 64 keys), so the lazy variant takes both of its branches
-    many times: checked against the float32 reference, and against its twin without the flag to
+    many times: checked against the float32 reference, and against its twin without it to
     within the 16-bit rounding of P (the kept max shifts P by up to 2^8)."""
     from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target

@@ -7,7 +7,7 @@ its rows of O (one warp-uniform branch around the head_dim / 2 multiplies per th
 else the factor would be exactly 1). Exact: the kept max only offsets the exponents that the row
 sums and the LSE are taken against. P = exp2(score - kept max) then reaches 2^threshold at most:
 the 16-bit forward takes FlashAttention-4's 2^8 (P stays far inside fp16's and bf16's range), the
-e4m3 forward 2^4 with P shifted by 2^4 (cutefa/kernels/sm90/fp8.py).
+e4m3 forward 2^4 with P shifted by 2^4 (cutefa/kernels/sm90/fp8_softmax.py).
 """
 
 import cutlass

@@ -13,7 +13,7 @@ block of 64 rows it computes
 
 so that 48 keys per warpgroup need no M = 64 key slab: fp32 dK^T + dV^T take 2 x 192 x 48 / 128 =
 144 registers per thread. The rest (row staging of LSE2/D, the dQ step, pre/postprocessing) is
-the main backward's (bwd_parts.py).
+the main backward's (bwd_parts.py, bwd_dq.py, bwd_dq_bulk.py, bwd_pre_post.py).
 """
 
 import cutlass
@@ -24,7 +24,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from cutefa.kernels.sm90.bwd_parts import bulk_wait, issue_dq, stage_and_reduce
+from cutefa.kernels.sm90.bwd_dq import issue_dq
+from cutefa.kernels.sm90.bwd_dq_bulk import bulk_wait, stage_and_reduce
 from cutefa.kernels.sm90.parts import WG_ROWS
 
 

@@ -1,0 +1,175 @@
+"""The user-facing functions: :func:`flash_attn_func` and :func:`explain`.
+
+Layout is (batch, seqlen, heads, head_dim) for q, k and v; k and v may have fewer heads than q
+(grouped-query attention: query head ``h`` reads key/value head ``h // (heads_q // heads_kv)``).
+Causal masking is aligned bottom-right: query ``i`` attends key ``j`` iff
+``j <= i + seqlen_k - seqlen_q``.
+
+Edge cases: an empty problem (batch, seqlen_q or heads_q of 0) returns empty results without a
+launch. With ``seqlen_k == 0`` and ``seqlen_q > 0`` every query row attends no key: the output is
+0 and the log-sum-exp is ``-inf``, again without a launch. Inputs whose strides (other than the
+last) are not multiples of 16 bytes, or whose data pointer is not 16-byte aligned, are copied to a
+contiguous tensor first; a last dim that is not contiguous (``stride(-1) != 1``) is an error.
+
+``torch.compile``, autograd and dispatch modes go through the custom ops (``cutefa::flash_fwd``,
+``cutefa::flash_fwd_fp8``). A plain eager call with nothing to differentiate skips the op
+dispatcher (tens of microseconds) and, from its second call on, takes the *call plan* memoized for
+its signature (:mod:`cutefa.api.plans`: shapes of q and k, dtype, device, causal, softmax_scale;
+for fp8 also the kind of each descale). Kernels run on the current torch stream of the tensors'
+device, and nothing on the call path synchronizes with the GPU, so calls can be captured in a
+CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cutefa import dispatch
+from cutefa.api import dense, fp8
+from cutefa.api import plans as _plans
+from cutefa.api.launch import shapes
+from cutefa.api.plans import plain_eager
+from cutefa.api.validate import (
+    FP8_DTYPES,
+    check_deterministic,
+    check_options,
+    check_tensors,
+    default_scale,
+    validate_fp8_inputs,
+    validate_inputs,
+)
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    v_mean: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward on CUDA tensors of shape (batch, seqlen, heads, head_dim).
+
+    ``softmax_scale`` defaults to ``1/sqrt(head_dim)``. Returns ``out`` (like q), or ``(out, lse)``
+    with ``return_lse``: lse is float32 (batch, heads_q, seqlen_q), the natural-log sum of
+    exp(scaled scores) per query row. See the module docstring for masking and edge cases.
+    Differentiable (out and lse); ``deterministic=True`` makes the backward bitwise reproducible.
+
+    fp8: q, k and v of dtype torch.float8_e4m3fn (see :func:`cutefa.quantize_fp8`) with float32
+    ``q_descale``, ``k_descale``, ``v_descale`` of shape () or (batch, heads_kv) (None: 1) attend
+    the dequantized inputs ``x * descale``; the output is ``out_dtype`` (None or torch.bfloat16)
+    and the lse that of the dequantized scores. Forward only: its backward raises
+    NotImplementedError. Runs on the sm90 (Hopper) family, and on the sm100 (Blackwell) family
+    (compiled, not hardware-tested). Block quantization (sm90 family only): any descale may be
+    (batch, heads_kv, blocks), one per block of rows along seqlen (``quantize_fp8(x, "block",
+    block=...)``); q's blocks are the dispatched kernel's tile_m rows and k's and v's its tile_n
+    rows, which :func:`cutefa.fp8_block_sizes` returns (another block count is a ValueError);
+    block descales must be positive. ``v_mean`` (fp8 only): float32 (batch, heads_kv, head_dim),
+    the mean over seqlen that v had taken out before quantization (:func:`cutefa.center_v`), added
+    back to the output of every row that attends a key: on long rows this keeps the e4m3 tensor
+    cores' accumulation from losing the part of the output that V's column means carry. Such calls
+    dispatch among the variants tuned for centered v (a tuned table's ``v_centered`` entries: no
+    two-level accumulation, which centered v does not need; the ``_vmean`` kernels take the mean and
+    add it in their epilogue, after any other kernel it is added in one pass over the output).
+    """
+    if plain_eager(q, k, v):
+        key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)
+        try:
+            plan = _plans._PLANS.get(key)
+        except TypeError:  # an unhashable softmax_scale: validation names it
+            plan = key = None
+        # fp8 inputs never have a plan here (the dtype is in the key): theirs are in _FP8_PLANS.
+        if (
+            plan is not None
+            and _plan_options(causal, softmax_scale, deterministic)
+            and q_descale is None
+            and k_descale is None
+            and v_descale is None
+            and out_dtype is None
+            and v_mean is None
+        ):
+            return plan(q, k, v, return_lse)
+        if key is not None and q.dtype in FP8_DTYPES:
+            kind = _plans.descale_kind
+            kinds = (kind(q_descale), kind(k_descale), kind(v_descale), kind(v_mean))
+            key = None if _plans.NO_PLAN in kinds else (key, *kinds[:3], out_dtype, kinds[3])
+            try:
+                plan = _plans._FP8_PLANS.get(key)
+            except TypeError:  # an unhashable out_dtype: validation names it
+                plan = key = None
+            if plan is not None and _plan_options(causal, softmax_scale, deterministic):
+                return plan(q, k, v, q_descale, k_descale, v_descale, v_mean, return_lse)
+        return _eager(
+            q, k, v, causal, softmax_scale, return_lse, deterministic, key, q_descale, k_descale, v_descale, out_dtype,
+            v_mean,
+        )  # fmt: skip
+    check_tensors((q, k, v))  # the op validates the rest; these are needed to call it at all
+    fp8_options = (q_descale, k_descale, v_descale, out_dtype, v_mean)
+    if q.dtype in FP8_DTYPES or any(o is not None for o in fp8_options):
+        return fp8.call(q, k, v, causal, softmax_scale, return_lse, deterministic, *fp8_options)
+    check_options(causal, softmax_scale)
+    check_deterministic(deterministic)
+    out, lse = dense.flash_fwd(q, k, v, causal, default_scale(softmax_scale, q.shape[-1]), deterministic)
+    return (out, lse) if return_lse else out
+
+
+def _eager(
+    q: object, k: object, v: object, causal: object, softmax_scale: object, return_lse: bool,
+    deterministic: object, key: tuple[object, ...] | None, *fp8_options: object,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A plain eager call without a plan yet: validate, run, and memoize the plan under ``key``.
+    fp8 inputs or options (q_descale, k_descale, v_descale, out_dtype, v_mean) go to
+    :func:`cutefa.api.fp8.call`."""
+    q, k, v = check_tensors((q, k, v))
+    if q.dtype in FP8_DTYPES or any(o is not None for o in fp8_options):
+        fp8_key = key if q.dtype in FP8_DTYPES else None  # (flash_attn_func made it the fp8 plan key)
+        return fp8.call(q, k, v, causal, softmax_scale, return_lse, deterministic, *fp8_options, fp8_key)
+    check_options(causal, softmax_scale)
+    check_deterministic(deterministic)
+    scale = default_scale(softmax_scale, q.shape[-1])  # type: ignore[arg-type]
+    since = _plans.clears()
+    out, lse, launched = dense.forward(q, k, v, causal, scale)  # type: ignore[arg-type]
+    # No plan is made while a CUDA graph is being captured: its allocations would come from the
+    # graph's private pool (warm up before capturing; then the plan exists already).
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if launched is not None and key is not None and not capturing:
+        plan = dense.make_plan(*launched, q, k, causal, scale)  # type: ignore[arg-type]
+        _plans.remember(_plans._PLANS, key, plan, since)
+    return (out, lse) if return_lse else out
+
+
+def _plan_options(causal: object, softmax_scale: object, deterministic: object) -> bool:
+    """Whether options that equal a plan key's are also of the types validation accepts (a key
+    equal to a validated one can still hold causal=1 or softmax_scale=True, which no plan takes)."""
+    return causal.__class__ is bool and softmax_scale.__class__ is not bool and deterministic.__class__ is bool
+
+
+def explain(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, target: str | None = None,
+    v_centered: bool = False,
+) -> str:  # fmt: skip
+    """Which variant :func:`flash_attn_func` would run for these inputs, why, and what was rejected.
+
+    ``target`` (e.g. 'sm_90a') explains for that compile target instead of the tensors' GPU, so
+    the inputs may then be CPU or meta tensors. ``v_centered`` (fp8): for a call with ``v_mean=``,
+    which dispatches among the variants tuned for centered v.
+    """
+    q, k, v = check_tensors((q, k, v))
+    device_types = None if target is None else (q.device.type,)
+    if q.dtype in FP8_DTYPES:
+        validate_fp8_inputs(q, k, v, causal=causal, device_types=device_types)
+    else:
+        validate_inputs(q, k, v, causal=causal, device_types=device_types)
+    gpu_name = None
+    if target is None:
+        target, gpu_name = dispatch.device_target(q.device)
+    return dispatch.explain_problem(
+        target=target, dtype=q.dtype, causal=causal, gpu_name=gpu_name, v_centered=v_centered, **shapes(q, k)
+    )

@@ -1,0 +1,156 @@
+"""The 16-bit forward: the ``cutefa::flash_fwd`` custom op, its fake implementation and autograd,
+and the call plan of a plain eager call.
+
+``flash_fwd(q, k, v, causal, softmax_scale[, deterministic]) -> (out, lse)`` validates, allocates
+and runs the dispatched kernel; an empty problem (batch, seqlen_q or heads_q of 0) returns empty
+results and one without keys a zero output and a ``-inf`` log-sum-exp, neither with a launch.
+Gradients of out and lse come from ``cutefa::flash_bwd`` (:mod:`cutefa.api.backward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cutefa import dispatch
+from cutefa.api import backward as _backward
+from cutefa.api import plans as _plans
+from cutefa.api.launch import aligned, call_on, choose, empty_outputs, outputs
+from cutefa.api.validate import validate_inputs
+from cutefa.compile import get_kernel
+
+
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, softmax_scale: float,
+) -> tuple[dispatch.Choice, Callable[..., Any]]:  # fmt: skip
+    """Dispatch and run the kernel on the current stream of q's device, writing ``out`` and ``lse``.
+
+    Returns what ran: (the dispatch choice, the kernel)."""
+    choice = choose(q, k, causal)
+    kernel = get_kernel(choice.spec, choice.target)
+    q, k, v = aligned(q), aligned(k), aligned(v)
+    call_on(q.device, kernel, q, k, v, out, lse, softmax_scale)
+    dispatch.log_run(choice, q.shape, k.shape, causal)
+    return choice, kernel
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, tuple[dispatch.Choice, Callable[..., Any]] | None]:
+    """Validate, allocate and launch: (out, lse, what ran or None when nothing was launched)."""
+    validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    out, lse, final = outputs(q, k)
+    return out, lse, None if final else _launch(q, k, v, out, lse, causal, softmax_scale)
+
+
+def _flash_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Attention forward: returns (out like q, lse float32 (batch, heads_q, seqlen_q)).
+    ``deterministic`` only selects the backward's mode (saved for autograd)."""
+    out, lse, _ = forward(q, k, v, causal, softmax_scale)
+    return out, lse
+
+
+flash_fwd = torch.library.custom_op("cutefa::flash_fwd", _flash_fwd, mutates_args=())
+
+
+@flash_fwd.register_fake
+def _flash_fwd_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return empty_outputs(q)
+
+
+torch.library.register_autograd("cutefa::flash_fwd", _backward.backward, setup_context=_backward.setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# The call plan
+
+
+def make_plan(
+    choice: dispatch.Choice, kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, causal: bool,
+    softmax_scale: float,
+) -> Callable[..., Any]:  # fmt: skip
+    """The call path of one validated call signature: allocate, launch, return.
+
+    Safe without per-call validation because every call that reaches the plan has the key's
+    shapes of q and k (so its head counts divide and head_dim is supported), dtype of q, device of
+    q, causal and scale, and plain tensors with nothing to differentiate; everything else the
+    kernel's TVM-FFI entry checks before it launches anything: v's shape against k's, the dtypes
+    of k and v, that all tensors are on q's device (it switches to that device itself), 16-byte
+    aligned data pointers and row strides, contiguous last dims. When it refuses, the call goes the
+    validating way, which names the problem or copies misaligned inputs.
+
+    Contiguous q, k, v take the kernel's bound launcher (:meth:`cutefa.ffi.Function.bind`): the
+    argument buffer is laid out once for the key's shapes and each call writes only the five data
+    pointers, after the checks the kernel would make on the fields it no longer reads (v's shape,
+    the dtypes and devices of k and v). Other strides go through the kernel's full call.
+    """
+    batch, seqlen_q, heads_q, _ = q.shape
+    lse_shape = (batch, heads_q, seqlen_q)
+    out_proto = _plans.proto(q.device, q.dtype, q.shape)
+    lse_proto = _plans.proto(q.device, torch.float32, lse_shape)
+    scratch = _plans.scratch_lse(q.device, lse_shape)
+    q_shape, k_shape = tuple(q.shape), tuple(k.shape)
+    empty_like = torch.empty_like
+    fast = bind(kernel, q, k, lse_shape, softmax_scale)
+    dtype, device = q.dtype, q.get_device()
+
+    def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool) -> Any:
+        out = empty_like(out_proto)
+        lse = scratch if scratch is not None and not return_lse else empty_like(lse_proto)
+        try:
+            # The bound launcher takes contiguous q/k/v of the key's layout (v like k) on q's device.
+            if not (
+                fast is not None
+                and q.is_contiguous()
+                and k.is_contiguous()
+                and v.is_contiguous()
+                and k.dtype is dtype
+                and v.dtype is dtype
+                and v.shape == k_shape
+                and k.get_device() == device
+                and v.get_device() == device
+                and fast(q, k, v, out, lse)
+            ):
+                kernel(q, k, v, out, lse, softmax_scale)
+        except (ValueError, TypeError):  # refused before launching: see above
+            out, lse, _ = forward(q, k, v, causal, softmax_scale)
+        else:
+            if dispatch._LOG_RUNS:
+                dispatch.log_run(choice, q_shape, k_shape, causal)
+        return (out, lse) if return_lse else out
+
+    return plan
+
+
+def bind(
+    kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, lse_shape: tuple[int, int, int], softmax_scale: float
+) -> Callable[..., bool] | None:  # fmt: skip
+    """The kernel's launcher for contiguous q, k, v, out, lse of these shapes on q's CUDA device
+    (:meth:`cutefa.ffi.Function.bind`), or None when the kernel cannot bind (kept in memory)."""
+    binder = getattr(kernel, "bind", None)
+    if binder is None or not q.is_cuda:
+        return None
+    from cutefa.ffi import TensorLayout
+
+    device = q.get_device()
+    layouts = [
+        TensorLayout(q.shape, q.dtype, device),
+        TensorLayout(k.shape, q.dtype, device),
+        TensorLayout(k.shape, q.dtype, device),
+        TensorLayout(q.shape, q.dtype, device),
+        TensorLayout(lse_shape, torch.float32, device),
+    ]
+    try:
+        return binder([*layouts, softmax_scale], (0, 1, 2, 3, 4))
+    except AttributeError:
+        return None

@@ -1,0 +1,221 @@
+"""The e4m3 forward: the ``cutefa::flash_fwd_fp8`` custom op, its fake implementation, its
+forward-only autograd, the fp8 route of :func:`cutefa.flash_attn_func` and its call plan.
+
+q, k and v are float8_e4m3fn with float32 descales (:mod:`cutefa.api.descales`); the output is
+bf16 and the lse that of the dequantized scores. With ``v_mean`` (v centered before quantization,
+:func:`cutefa.center_v`) dispatch takes the variants for centered v, and the mean goes back on the
+rows that attend a key: in the kernel's epilogue where the variant takes it, else after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cutefa import dispatch
+from cutefa.api import descales as _descales
+from cutefa.api import plans as _plans
+from cutefa.api.launch import aligned, call_on, choose, empty_outputs, outputs
+from cutefa.api.validate import (
+    FP8_DTYPES,
+    FP8_OUT_DTYPES,
+    check_deterministic,
+    check_options,
+    check_v_mean,
+    default_scale,
+    validate_fp8_inputs,
+)
+from cutefa.compile import get_kernel
+from cutefa.fp8 import add_v_mean
+from cutefa.model.spec import VariantSpec
+
+Descales = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def takes_v_mean(spec: VariantSpec) -> bool:
+    """Whether variant ``spec`` takes v's column means and adds them in its epilogue."""
+    return getattr(spec.options, "v_mean", False)
+
+
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    descales: Descales, causal: bool, softmax_scale: float, v_mean: torch.Tensor | None = None,
+) -> tuple[dispatch.Choice, Callable[..., Any]] | None:  # fmt: skip
+    """Dispatch (an e4m3 variant; its block-quantization variant for 3-D descales) and run the fp8
+    kernel on the current stream of q's device. Returns what ran, (the dispatch choice, the kernel),
+    for per-head descales (the call path a plan can repeat); None for block descales. With
+    ``v_mean`` dispatch asks for centered v; a variant that takes the means adds them itself, after
+    any other :func:`cutefa.fp8.add_v_mean` adds them to ``out``."""
+    choice, args = _descales.kernel_args(q, k, descales, choose(q, k, causal, v_mean is not None))
+    in_kernel = takes_v_mean(choice.spec)
+    if in_kernel:
+        args = (*args, v_mean.contiguous())  # type: ignore[union-attr]
+    kernel = get_kernel(choice.spec, choice.target)
+    q, k, v = aligned(q), aligned(k), aligned(v)
+    call_on(q.device, kernel, q, k, v, out, lse, *args, softmax_scale)
+    if v_mean is not None and not in_kernel:
+        add_v_mean(out, v_mean, k.shape[1], causal)
+    dispatch.log_run(choice, q.shape, k.shape, causal)
+    return (choice, kernel) if all(d.dim() == 2 for d in descales) else None
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: Descales, causal: bool, softmax_scale: float,
+    v_mean: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[dispatch.Choice, Callable[..., Any]] | None]:  # fmt: skip
+    """:func:`_flash_fwd_fp8` on validated inputs, plus what ran: (the dispatch choice, the kernel),
+    or None when nothing was launched (an empty problem, no keys, or block descales)."""
+    out, lse, final = outputs(q, k, FP8_OUT_DTYPES[0])
+    return out, lse, None if final else _launch(q, k, v, out, lse, descales, causal, softmax_scale, v_mean)
+
+
+def _flash_fwd_fp8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor, k_descale: torch.Tensor,
+    v_descale: torch.Tensor, causal: bool, softmax_scale: float, v_mean: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """fp8 attention forward: e4m3 q/k/v, float32 (batch, heads_kv) descales, or (batch, heads_kv,
+    blocks) block descales for any of them (:func:`cutefa.api.descales.kernel_args`); returns (out
+    bf16, lse float32 (batch, heads_q, seqlen_q)) of the dequantized problem. ``v_mean`` (float32
+    (batch, heads_kv, head_dim), validated by the caller): v was centered, the mean goes back on the
+    output."""
+    validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    out, lse, _ = forward(q, k, v, (q_descale, k_descale, v_descale), causal, softmax_scale, v_mean)
+    return out, lse
+
+
+flash_fwd_fp8 = torch.library.custom_op("cutefa::flash_fwd_fp8", _flash_fwd_fp8, mutates_args=())
+
+
+@flash_fwd_fp8.register_fake
+def _flash_fwd_fp8_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor, k_descale: torch.Tensor,
+    v_descale: torch.Tensor, causal: bool, softmax_scale: float, v_mean: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return empty_outputs(q, FP8_OUT_DTYPES[0])
+
+
+def _fp8_backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple[None, ...]:
+    raise NotImplementedError(
+        "cutefa has no backward for the fp8 (float8_e4m3fn) forward; train with float16/bfloat16 "
+        "inputs, or call the fp8 forward on tensors that do not require grad"
+    )
+
+
+torch.library.register_autograd("cutefa::flash_fwd_fp8", _fp8_backward)
+
+
+def call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: object, softmax_scale: object, return_lse: bool,
+    deterministic: object, q_descale: object, k_descale: object, v_descale: object, out_dtype: object,
+    v_mean: object = None, key: tuple[Any, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """flash_attn_func for a call with fp8 inputs or fp8 options: validate, normalise the descales,
+    run ``cutefa::flash_fwd_fp8`` (directly when nothing traces or differentiates). A plain call
+    that launched a kernel leaves its plan under ``key`` (:func:`make_plan`)."""
+    if v_mean is not None:
+        check_v_mean(v_mean, q, k, v)
+    if q.dtype not in FP8_DTYPES:
+        given = [n for n, d in zip(_descales.DESCALE_NAMES, (q_descale, k_descale, v_descale)) if d is not None]
+        given += ["out_dtype"] if out_dtype is not None else []
+        raise ValueError(
+            f"{', '.join(given)} apply to fp8 (torch.float8_e4m3fn) inputs only; got q with dtype {q.dtype}"
+        )
+    check_options(causal, softmax_scale)
+    check_deterministic(deterministic)
+    if out_dtype is not None and out_dtype not in FP8_OUT_DTYPES:
+        if not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"out_dtype must be a torch.dtype or None; got {out_dtype!r}")
+        raise NotImplementedError(f"out_dtype={out_dtype}: the fp8 forward writes {FP8_OUT_DTYPES[0]} output only")
+    validate_fp8_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    given = (q_descale, k_descale, v_descale)
+    descales = tuple(_descales.descale(n, d, q, k) for n, d in zip(_descales.DESCALE_NAMES, given))
+    scale = default_scale(softmax_scale, q.shape[-1])  # type: ignore[arg-type]
+    tensors = (q, k, v, *descales) + ((v_mean,) if v_mean is not None else ())
+    if _plans.plain_eager(*tensors):  # type: ignore[arg-type]
+        since = _plans.clears()
+        out, lse, launched = forward(q, k, v, descales, causal, scale, v_mean)  # type: ignore[arg-type]
+        # No plan while a CUDA graph is being captured (its allocations would come from the graph's pool).
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if launched is not None and key is not None and not capturing:
+            centered = v_mean is not None
+            plan = make_plan(*launched, q, k, causal, softmax_scale, scale, out_dtype, given, centered)  # type: ignore[arg-type]
+            _plans.remember(_plans._FP8_PLANS, key, plan, since)
+    else:
+        out, lse = flash_fwd_fp8(q, k, v, *descales, causal, scale, v_mean)
+    return (out, lse) if return_lse else out
+
+
+def make_plan(
+    choice: dispatch.Choice, kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, causal: bool,
+    softmax_scale: object, scale: float, out_dtype: object, descales: tuple[object, object, object],
+    centered: bool = False,
+) -> Callable[..., Any]:  # fmt: skip
+    """The call path of one validated fp8 call signature (:func:`cutefa.api.dense.make_plan` for
+    e4m3 inputs): allocate, normalise the descales, launch, return.
+
+    The key holds q's and k's shapes, q's dtype and device, causal, the scale, out_dtype and each
+    descale's kind (None, or shape, dtype, device and contiguity), so each descale is one the
+    validating way accepted: None (a ones tensor made here, which the kernel only reads), a
+    one-element per-tensor descale (broadcast per call, as there) or a contiguous (batch, heads_kv)
+    one (passed as it is). What the key does not fix (k's and v's dtypes, v's shape, devices,
+    alignment and strides) the kernel's TVM-FFI entry checks before it launches; when it refuses,
+    the call goes the validating way, which names the problem or copies misaligned inputs.
+    ``centered``: the key's calls pass a v_mean (its kind is in the key too: float32 (batch,
+    heads_kv, head_dim) on q's device, which the validating way accepted): the kernel takes it
+    where its variant does, else it is added after the kernel.
+    """
+    batch, seqlen_q, heads_q, _ = q.shape
+    heads_kv = k.shape[2]
+    seqlen_k = k.shape[1]
+    in_kernel = centered and takes_v_mean(choice.spec)  # the variant adds the means itself
+    lse_shape = (batch, heads_q, seqlen_q)
+    out_proto = _plans.proto(q.device, FP8_OUT_DTYPES[0], q.shape)
+    lse_proto = _plans.proto(q.device, torch.float32, lse_shape)
+    scratch = _plans.scratch_lse(q.device, lse_shape)
+    q_shape, k_shape = tuple(q.shape), tuple(k.shape)
+    empty_like = torch.empty_like
+    ones = torch.ones((batch, heads_kv), dtype=torch.float32, device=q.device)
+    # Per descale, as descales.descale: None -> the ones; a contiguous (batch, heads_kv) one -> itself;
+    # any other (batch, heads_kv) one -> a contiguous copy; one element (per tensor) -> broadcast.
+    forms = tuple(
+        "ones" if d is None else "as is" if d.shape == (batch, heads_kv) and d.is_contiguous()  # type: ignore[union-attr]
+        else "copy" if d.shape == (batch, heads_kv) else "broadcast"  # type: ignore[union-attr]
+        for d in descales
+    )  # fmt: skip
+
+    def descale(d: torch.Tensor | None, form: str) -> torch.Tensor:
+        if form == "as is":
+            return d  # type: ignore[return-value]
+        if form == "ones":
+            return ones
+        if form == "copy":
+            return d.contiguous()  # type: ignore[union-attr]
+        return _descales.per_tensor(d, batch, heads_kv)  # type: ignore[arg-type]
+
+    def plan(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor | None,
+        k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, v_mean: torch.Tensor | None,
+        return_lse: bool,
+    ) -> Any:  # fmt: skip
+        out = empty_like(out_proto)
+        lse = scratch if scratch is not None and not return_lse else empty_like(lse_proto)
+        qd, kd, vd = (descale(d, f) for d, f in zip((q_descale, k_descale, v_descale), forms))
+        try:
+            if in_kernel:
+                kernel(q, k, v, out, lse, qd, kd, vd, v_mean.contiguous(), scale)  # type: ignore[union-attr]
+            else:
+                kernel(q, k, v, out, lse, qd, kd, vd, scale)
+        except (ValueError, TypeError):  # refused before launching: see above
+            return call(
+                q, k, v, causal, softmax_scale, return_lse, False, q_descale, k_descale, v_descale, out_dtype, v_mean
+            )
+        if centered and not in_kernel:
+            add_v_mean(out, v_mean, seqlen_k, causal)  # type: ignore[arg-type]
+        if dispatch._LOG_RUNS:
+            dispatch.log_run(choice, q_shape, k_shape, causal)
+        return (out, lse) if return_lse else out
+
+    return plan

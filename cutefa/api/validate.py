@@ -1,0 +1,171 @@
+"""What the attention API accepts: checks that name the argument, the value and what is accepted.
+
+Only metadata is read, so the checks also run on fake tensors while ``torch.compile`` traces.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from cutefa.fp8 import FP8_DTYPES
+from cutefa.model.spec import HEAD_DIMS
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FP8_INPUT_DTYPE = torch.float8_e4m3fn  # the fp8 format of the sm90 and sm100 fp8 forwards
+FP8_OUT_DTYPES = (torch.bfloat16,)  # the fp8 forward's output dtypes (the kernel writes bf16)
+# Device types the kernels run on; the validation tests widen it.
+DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+NAMES = ("q", "k", "v")
+
+
+def default_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """``softmax_scale`` as a float, or ``1 / sqrt(head_dim)`` when it is None."""
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def check_tensors(tensors: Sequence[object]) -> tuple[torch.Tensor, ...]:
+    for name, t in zip(NAMES, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seqlen, heads, head_dim); got {t.dim()}-D shape {tuple(t.shape)}"
+            )
+    return tuple(tensors)  # type: ignore[arg-type]  # each was checked above
+
+
+def check_dtypes(tensors: Sequence[torch.Tensor], fp8: bool = False) -> None:
+    """16-bit inputs, or with ``fp8`` float8_e4m3fn inputs (the only fp8 format with a kernel)."""
+    for name, t in zip(NAMES, tensors):
+        if fp8:
+            if t.dtype in FP8_DTYPES and t.dtype != FP8_INPUT_DTYPE:
+                raise NotImplementedError(
+                    f"{name} has dtype {t.dtype}: cutefa's fp8 forward takes torch.float8_e4m3fn only"
+                )
+            if t.dtype != FP8_INPUT_DTYPE:
+                raise TypeError(
+                    f"{name} has dtype {t.dtype}; an fp8 call needs q, k and v all torch.float8_e4m3fn"
+                )
+            continue
+        if t.dtype in FP8_DTYPES:
+            raise NotImplementedError(
+                f"{name} has dtype {t.dtype}: fp8 inputs go through the fp8 forward (float8_e4m3fn with "
+                "q_descale/k_descale/v_descale); this path takes torch.float16 or torch.bfloat16"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; cutefa accepts torch.float16 or torch.bfloat16")
+    if len({t.dtype for t in tensors}) > 1:
+        got = ", ".join(f"{n} {t.dtype}" for n, t in zip(NAMES, tensors))
+        raise TypeError(f"q, k and v must have one dtype; got {got}")
+
+
+def check_devices(tensors: Sequence[torch.Tensor], device_types: Sequence[str] | None = None) -> None:
+    """On one device of ``device_types`` (default :data:`DEVICE_TYPES`)."""
+    allowed = DEVICE_TYPES if device_types is None else device_types
+    for name, t in zip(NAMES, tensors):
+        if t.device.type not in allowed:
+            raise ValueError(f"cutefa runs on CUDA tensors; got {name} on {t.device}")
+    if len({t.device for t in tensors}) > 1:
+        got = ", ".join(f"{n} on {t.device}" for n, t in zip(NAMES, tensors))
+        raise ValueError(f"q, k and v must be on one device; got {got}")
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k has {k.shape[0]}, v has {v.shape[0]}")
+    if not q.shape[3] == k.shape[3] == v.shape[3]:
+        raise ValueError(
+            f"head_dim differs: q has {q.shape[3]}, k has {k.shape[3]}, v has {v.shape[3]}; they must be equal"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"q's heads ({heads_q}) must be a multiple of k/v's heads ({heads_kv}) (grouped-query attention)"
+        )
+    if q.shape[3] not in HEAD_DIMS:
+        raise ValueError(f"head_dim={q.shape[3]} is not supported; cutefa supports head_dim in {HEAD_DIMS}")
+
+
+def check_strides(tensors: Sequence[torch.Tensor]) -> None:
+    for name, t in zip(NAMES, tensors):
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}.stride(-1) must be 1 (contiguous head_dim); got {t.stride(-1)}; pass {name}.contiguous()"
+            )
+
+
+def check_options(causal: object, softmax_scale: object) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
+
+
+def check_deterministic(deterministic: object) -> None:
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+
+
+def validate_inputs(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    causal: object = False,
+    softmax_scale: object = None,
+    device_types: Sequence[str] | None = None,
+) -> None:
+    """Raise ``TypeError``/``ValueError``/``NotImplementedError`` naming what is wrong with the inputs.
+
+    ``device_types`` defaults to :data:`DEVICE_TYPES` (CUDA). Only metadata is read.
+    """
+    _validate(q, k, v, False, causal, softmax_scale, device_types)
+
+
+def validate_fp8_inputs(
+    q: object, k: object, v: object, *, causal: object = False, softmax_scale: object = None,
+    device_types: Sequence[str] | None = None,
+) -> None:  # fmt: skip
+    """:func:`validate_inputs` for an fp8 call: q, k and v all float8_e4m3fn."""
+    _validate(q, k, v, True, causal, softmax_scale, device_types)
+
+
+def _validate(
+    q: object, k: object, v: object, fp8: bool, causal: object, softmax_scale: object,
+    device_types: Sequence[str] | None,
+) -> None:  # fmt: skip
+    tensors = check_tensors((q, k, v))
+    check_dtypes(tensors, fp8=fp8)
+    check_devices(tensors, device_types)
+    check_shapes(*tensors)
+    check_strides(tensors)
+    check_options(causal, softmax_scale)
+
+
+def check_v_mean(v_mean: object, q: object, k: object, v: object) -> None:
+    """``v_mean`` fits an fp8 call: a float32 tensor (batch, heads_kv, head_dim) on v's device."""
+    check_tensors((q, k, v))
+    if q.dtype not in FP8_DTYPES:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"v_mean applies to fp8 (torch.float8_e4m3fn) inputs only; got q with dtype {q.dtype}"  # type: ignore[attr-defined]
+        )
+    if not isinstance(v_mean, torch.Tensor):
+        raise TypeError(f"v_mean must be a torch.Tensor or None; got {type(v_mean).__name__}")
+    batch, _, heads_kv, head_dim = v.shape  # type: ignore[attr-defined]
+    if v_mean.dtype != torch.float32 or tuple(v_mean.shape) != (batch, heads_kv, head_dim):
+        raise ValueError(
+            f"v_mean must be float32 of shape (batch, heads_kv, head_dim) = {(batch, heads_kv, head_dim)}; "
+            f"got {v_mean.dtype} {tuple(v_mean.shape)} (cutefa.center_v returns it)"
+        )
+    if v_mean.device != v.device:  # type: ignore[attr-defined]
+        raise ValueError(f"v_mean is on {v_mean.device}, v on {v.device}")  # type: ignore[attr-defined]

@@ -1,0 +1,36 @@
+"""Code-generation policy of the sm80 family (FlashAttention-2 design): the backward's warp grids
+and launch order, decided here and written into the generated module (:mod:`cutefa.templating`
+hands them to the templates).
+"""
+
+from __future__ import annotations
+
+from cutefa.model.options import DqLayout, Mask
+from cutefa.model.spec import VariantSpec
+
+# The backward's warp grids of dV, dK and dQ (S and dP always take (2, warps / 2)):
+SQUARER = "squarer"  # each the squarer of (warps / 2, 2) and (2, warps / 2) (bwd_parts.warp_grid)
+TALL_DK = "tall_dk"  # dV and dQ the squarer one, dK (warps / 2, 2)
+TALL = "tall"  # all three (warps / 2, 2)
+WIDE_HEAD_DIM = 256  # where the fp32 dK and dV accumulators take half the registers
+HEAVY_FIRST_HEAD_DIMS = (192,)
+
+
+def bwd_warp_grids(spec: VariantSpec) -> str:
+    """The sm80 backward's warp grids (:data:`SQUARER`, :data:`TALL_DK` or :data:`TALL`). The
+    squarer grid per warp tile reads less of the operands from shared memory; at head_dim 256 the
+    fp32 dK and dV accumulators take half the registers and the squarer grid for both spills (8-16
+    bytes, sm_80 and sm_90a), so they stay tall, except with the tiled dQ layout: no dQ reduction
+    is guarded there, and the squarer dQ grid fits (sm_90a: 253, no spill), as does the squarer
+    grid for dV alone (FlashAttention-2's dK/dV grid: 12 fewer ldmatrix per warp and step;
+    R250-R252), while dK keeps the tall one (the squarer dK grid spills 15-20 words)."""
+    if spec.head_dim < WIDE_HEAD_DIM:
+        return SQUARER
+    return TALL_DK if spec.options.dq_layout is DqLayout.TILE else TALL
+
+
+def bwd_heavy_first(spec: VariantSpec) -> bool:
+    """Whether the causal sm80 backward launches the longest key blocks of a wave of (batch, head)
+    pairs first (bwd_parts.causal_launch_coords): head_dim 192 only, since elsewhere the remapped
+    coordinates' registers spill (8-56 bytes)."""
+    return spec.mask is Mask.CAUSAL and spec.head_dim in HEAVY_FIRST_HEAD_DIMS

@@ -1,0 +1,114 @@
+"""Code-generation policy of the sm90 family (FlashAttention-3 design): the choices a kernel's
+schedule makes that no option names, decided here and written into the generated module as
+constants (:mod:`cutefa.templating` hands them to the templates): register splits, ptxas options,
+where the WGMMA descriptors are computed, how masks are applied, how tiles are ordered. Each
+function says what measurement settled it.
+"""
+
+from __future__ import annotations
+
+from cutefa.model.budgets_sm90 import (
+    SM90_CONSUMER_REGS,
+    sm90_consumer_regs,
+    sm90_fp8_consumer_regs,
+    sm90_fp8_producer_regs,
+    sm90_fp8_ptxas_options,
+)
+from cutefa.model.options import Mask, Scheduler
+from cutefa.model.spec import VariantSpec
+
+WG_ROWS = 64  # query rows of one consumer warpgroup (WGMMA's M)
+PRODUCER_REGS = 24  # setmaxnreg of the 16-bit producer warpgroup (TMA issue only)
+UNIFORM_DATAPATH_PTXAS = "-regUsageLevel 3"  # ptxas keeps the uniform datapath at levels 0-3
+# Causal two-consumer forwards whose S x O accumulator columns (tile_n x head_dim) reach these lose
+# the uniform datapath with descriptors held across the loop (with / without pair_cvt).
+HOISTED_DESCRIPTOR_COLUMNS = 20480
+HOISTED_DESCRIPTOR_COLUMNS_NO_PCVT = 18432
+
+
+def consumers(spec: VariantSpec) -> int:
+    """Consumer warpgroups of an sm90 forward: one per 64 query rows."""
+    return spec.tile_m // WG_ROWS
+
+
+def fwd_register_split(spec: VariantSpec) -> tuple[int, int]:
+    """(producer, consumer) setmaxnreg budgets of an sm90 forward. 16-bit: the producer keeps 24
+    and each consumer gets :func:`~cutefa.model.budgets_sm90.sm90_consumer_regs` (24 x 128 +
+    240 x 256 fills the 168 x 384 launch allocation; three consumers 160); e4m3: the producer keeps
+    what the V transpose needs (:func:`~cutefa.model.budgets_sm90.sm90_fp8_producer_regs`)."""
+    if spec.dtype == "e4m3":
+        return sm90_fp8_producer_regs(spec), sm90_fp8_consumer_regs(spec)
+    return PRODUCER_REGS, sm90_consumer_regs(spec)
+
+
+def bwd_register_split(spec: VariantSpec) -> tuple[int, int]:
+    """(producer, consumer) setmaxnreg budgets of every sm90 backward: two consumers at 240."""
+    return PRODUCER_REGS, SM90_CONSUMER_REGS
+
+
+def fwd_ptxas_options(spec: VariantSpec) -> str:
+    """Extra ptxas options of an sm90 forward ("" for none; cutefa.compile passes the module's
+    PTXAS_OPTIONS). 16-bit: ``-regUsageLevel 3`` for causal three-consumer tiles with ping-pong or
+    the 1-D longest-first grid: at its default level (above 3) ptxas gives them up the uniform
+    datapath at 160 registers (WGMMA descriptors and pipeline state in regular registers, ~130 R2UR,
+    ~55 more instructions per key block); levels 0-3 keep it. e4m3:
+    :func:`~cutefa.model.budgets_sm90.sm90_fp8_ptxas_options`."""
+    if spec.dtype == "e4m3":
+        return sm90_fp8_ptxas_options(spec)
+    o = spec.options
+    if (
+        consumers(spec) == 3
+        and spec.mask is Mask.CAUSAL
+        and (o.schedule.pingpong or o.scheduler is Scheduler.LPT)
+    ):
+        return UNIFORM_DATAPATH_PTXAS
+    return ""
+
+
+def fwd_hoisted_descriptors(spec: VariantSpec) -> bool:
+    """Whether a 16-bit sm90 forward computes the WGMMA descriptors of Q, K and V once, before the
+    key loop (descriptors.hoisted), rather than at each GEMM issue. Held across the loop, they make
+    ptxas give up the uniform datapath on the causal two-consumer tiles with the widest S and O
+    accumulators (tile_n x head_dim from 20480, from 18432 without pair_cvt: hd192) or the FMA exp2:
+    200-300 R2UR, up to ~110 more instructions per key block, some WGMMAs serialized. Those rebuild
+    them per issue; every other tile hoists them."""
+    o = spec.options
+    columns = spec.tile_n * spec.head_dim
+    wide = columns >= HOISTED_DESCRIPTOR_COLUMNS or (
+        columns >= HOISTED_DESCRIPTOR_COLUMNS_NO_PCVT and not o.pair_cvt
+    )
+    return not (spec.mask is Mask.CAUSAL and consumers(spec) == 2 and (wide or o.exp_emu))
+
+
+def fwd_mask_select(spec: VariantSpec) -> bool:
+    """Whether an sm90 forward masks a key block with one select per score against thread 0's
+    compile-time columns (the row from the thread index: ``apply_mask(..., cS0_mn)``), rather than
+    a branch per score. Causal tiles select; so do the 16-bit three-consumer ones (at 160 registers
+    the branch costs the uniform datapath). A non-causal two-consumer tile masks only its first
+    (last, partial) key block, and there the select made ptxas schedule the unmasked loop worse
+    (hd64 -3 to -11% on the H200), so it keeps the branch; the e4m3 kernel does the same."""
+    if spec.mask is Mask.CAUSAL:
+        return True
+    return spec.dtype != "e4m3" and consumers(spec) == 3
+
+
+def fwd_lpt_single_section(spec: VariantSpec) -> bool:
+    """Whether the persistent e4m3 forward walks all (head, batch) pairs as one section of its
+    longest-first order: causal, so that its boustrophedon rounds run down one order (sections
+    restart it, and a round across a section boundary pairs long tiles with long); non-causal
+    tiles take L2-sized sections (parts.lpt_group)."""
+    return spec.mask is Mask.CAUSAL
+
+
+def bwd_early_dv(spec: VariantSpec) -> bool:
+    """Whether the overlapped sm90 backward issues dV as soon as P^T is formed: at tile_m 64 only.
+    At tile_m 128 the fp32 S^T/dP^T and 16-bit P^T/dS^T of 64 x 128 would not fit beside dK/dV
+    with P^T held for dV, and ptxas would serialize every WGMMA (insufficient register resources)."""
+    return spec.options.overlap and spec.tile_m == WG_ROWS
+
+
+def bwd_dq_transposed(spec: VariantSpec) -> bool:
+    """Whether the sm90 backward (templates/bwd_sm90.py.j2) computes dQ transposed, dQ^T = K^T
+    dS^T, each consumer 64 head-dim columns of all rows: where tile_m is not a multiple of WGMMA's
+    64-row M (80, FlashAttention-4's non-causal hd128 tile)."""
+    return spec.tile_m % WG_ROWS != 0

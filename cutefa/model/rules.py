@@ -1,0 +1,589 @@
+"""The one validity predicate: :func:`why_invalid` decides whether a spec can be built, and
+:func:`why_not_on` whether a valid one runs on a compile target. Enumeration, the CLI, code
+generation and dispatch all ask them.
+
+A spec's option record belongs to its family, so no rule has to say "this option belongs to another
+family" (the record cannot hold it). The rules here relate a record's fields to each other and to
+the tile, and hold each family's tile to its templates and its resource budgets
+(:mod:`cutefa.model.budgets_sm80`, :mod:`~cutefa.model.budgets_sm90`,
+:mod:`~cutefa.model.budgets_sm100`). Each returns a sentence naming what is wrong, or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cutefa.model.budgets import TARGET_SMEM_LIMITS
+from cutefa.model.budgets_sm80 import sm80_over_budget, sm80_registers, sm80_smem_bytes
+from cutefa.model.budgets_sm90 import (
+    SM90_BWD_DQ_SWAP_HEAD_DIMS,
+    SM90_BWD_DQ_SWAP_TILE_M,
+    SM90_BWD_HEAD_DIMS,
+    SM90_BWD_SPLIT_HEAD_DIMS,
+    SM90_BWD_SPLIT_TILE_N,
+    SM90_BWD_SWAP_HEAD_DIMS,
+    SM90_BWD_SWAP_TILE_N,
+    SM90_BWD_TILE_N,
+    SM90_BWD_WARPS,
+    SM90_FP8_MMA_K,
+    SM90_FP8_TRANSPOSE_THREADS,
+    sm90_bwd_dq_pieces,
+    sm90_bwd_dq_swapped,
+    sm90_bwd_head_split,
+    sm90_bwd_over_budget,
+    sm90_bwd_swapped,
+    sm90_fwd_over_budget,
+    sm90_registers,
+    sm90_smem_bytes,
+)
+from cutefa.model.budgets_sm100 import (
+    SM100_BWD_TILE,
+    SM100_FP8_MMA_K,
+    SM100_FP8_V_MN_STEP,
+    SM100_PAIR_MIN_HEAD_DIM,
+    SM100_WARPS,
+    sm100_over_budget,
+    sm100_registers,
+    sm100_smem_bytes,
+)
+from cutefa.model.committed import candidates, default_variants
+from cutefa.model.defaults import FP8_FAMILIES
+from cutefa.model.options import (
+    DqLayout,
+    DqPath,
+    Mask,
+    OAccum,
+    Options,
+    Quant,
+    RowSum,
+    Scheduler,
+    Sm80BwdOptions,
+    Sm80FwdOptions,
+    Sm90BwdOptions,
+    Sm90Fp8FwdOptions,
+    Sm90FwdOptions,
+    Sm100BwdOptions,
+    Sm100FwdOptions,
+    VTranspose,
+)
+from cutefa.model.spec import HEAD_DIMS, VariantSpec
+
+Rule = Callable[[VariantSpec], "str | None"]
+
+# Kernel templates that exist, (arch, direction) -> dtypes they handle. Mirrors templates/.
+IMPLEMENTED: dict[tuple[str, str], tuple[str, ...]] = {
+    ("sm80", "fwd"): ("fp16", "bf16"),
+    ("sm80", "bwd"): ("fp16", "bf16"),
+    ("sm90", "fwd"): ("fp16", "bf16", "e4m3"),
+    ("sm90", "bwd"): ("fp16", "bf16"),
+    ("sm100", "fwd"): ("fp16", "bf16", "e4m3"),
+    ("sm100", "bwd"): ("fp16", "bf16"),
+}
+
+
+def smem_bytes(spec: VariantSpec) -> int:
+    """Shared memory of one CTA of ``spec``, by its family's model."""
+    return {"sm80": sm80_smem_bytes, "sm90": sm90_smem_bytes, "sm100": sm100_smem_bytes}[spec.arch](spec)
+
+
+def est_registers(spec: VariantSpec) -> int:
+    """Estimated registers per thread at the peak (sm90: per consumer thread; sm100 forward: per
+    softmax thread), by its family's model."""
+    return {"sm80": sm80_registers, "sm90": sm90_registers, "sm100": sm100_registers}[spec.arch](spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every family
+
+
+def _fp8_dtype(spec: VariantSpec) -> str | None:
+    if spec.dtype == "e4m3" and (spec.arch not in FP8_FAMILIES or spec.direction != "fwd"):
+        return f"e4m3 is only for sm90/sm100 forward kernels, not {spec.arch} {spec.direction}"
+    return None
+
+
+def _head_dim(spec: VariantSpec) -> str | None:
+    if spec.head_dim not in HEAD_DIMS:
+        return f"head_dim={spec.head_dim} is not one of {HEAD_DIMS}"
+    return None
+
+
+def why_no_kernel(spec: VariantSpec) -> str | None:
+    """Why no template exists yet for this spec (its family, direction and dtype; its mask kind;
+    its feature axes; a separate V head dim), or None."""
+    where = f"{spec.arch} {spec.direction}"
+    dtypes = IMPLEMENTED.get((spec.arch, spec.direction))
+    if dtypes is None:
+        return f"no {where} kernel exists yet"
+    if spec.dtype not in dtypes:
+        return f"no {spec.dtype} {where} kernel exists yet"
+    if spec.mask is Mask.LOCAL:
+        return f"no {where} kernel implements the local (sliding-window) mask yet"
+    if spec.features.any:
+        return f"no {where} kernel implements the {' + '.join(spec.features.tokens)} feature(s) yet"
+    if spec.head_dim_v != spec.head_dim:
+        return f"no {where} kernel takes a V head dim (head_dim_v={spec.head_dim_v}) apart from head_dim={spec.head_dim} yet"
+    return None
+
+
+def _exp_emu_share(spec: VariantSpec) -> str | None:
+    emu = spec.options.exp_emu
+    if emu * 16 % 100:
+        return f"exp_emu={emu} must be a multiple of 6.25% (whole scores of every 16): 0, 25, 50, 75 or 100"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# sm80 (templates/fwd_sm80.py.j2, bwd_sm80.py.j2)
+
+
+def _sm80_dq_layout(spec: VariantSpec) -> str | None:
+    o = spec.options
+    if o.dq_layout is DqLayout.TILE and spec.tile_m * spec.head_dim % (4 * spec.threads):
+        return (
+            f"dq_layout=TILE needs tile_m * head_dim ({spec.tile_m * spec.head_dim}) to be a multiple of 4 x the "
+            f"{spec.threads} threads (whole 16-byte vectors per thread)"
+        )
+    if o.dq_pipe and o.dq_layout is not DqLayout.TILE:
+        return "dq_pipe without dq_layout=TILE: the dQ chunks add into the fragment-order accumulator"
+    if o.dq_pipe and spec.stages != 1:
+        return (
+            "dq_pipe with stages > 1: the double-buffered order already spreads its dQ reductions "
+            "between the dK MMAs"
+        )
+    return None
+
+
+def _sm80_warps(spec: VariantSpec) -> str | None:
+    if spec.direction == "fwd":
+        rows = 16 * spec.warps
+        if spec.tile_m % rows:
+            return (
+                f"tile_m={spec.tile_m} is not a multiple of 16*warps={rows} "
+                f"(each of the {spec.warps} warps owns 16-row MMA slabs)"
+            )
+        return None
+    # Warp grids (2, warps/2) over (tile_m, tile_n) for S and dP, (warps/2, 2) over (tile_n, d)
+    # for dK/dV and over (tile_m, d) for dQ, or (2, warps/2) there where it is valid and reads
+    # less (bwd_parts.warp_grid); each warp owns 16-row by 16-column pieces.
+    if spec.warps not in (4, 8):
+        return f"warps={spec.warps}: the sm80 backward runs 4 or 8 warps"
+    if spec.stages not in (1, 2):
+        return (
+            f"stages={spec.stages}: the sm80 backward loads K and V once per CTA and has 1 or 2 "
+            "buffers for Q (stages=1 or 2)"
+        )
+    for what, value in (("tile_m", spec.tile_m), ("tile_n", spec.tile_n)):
+        if value % (8 * spec.warps) or value % 32:
+            return (
+                f"{what}={value} is not a multiple of {max(32, 8 * spec.warps)} "
+                f"(the backward's warp grids of {spec.warps} warps)"
+            )
+    return None
+
+
+def _sm80_shapes(spec: VariantSpec) -> str | None:
+    if spec.tile_n % 16:
+        return f"tile_n={spec.tile_n} is not a multiple of 16 (the k-step of the P@V MMA)"
+    if spec.head_dim % 32:
+        return f"head_dim={spec.head_dim} is not a multiple of 32 (the narrowest swizzled smem atom)"
+    per_round = spec.threads * (16 // spec.elem_bytes)  # one 128-bit copy per thread
+    for operand, rows in (("Q", spec.tile_m), ("K/V", spec.tile_n)):
+        if rows * spec.head_dim % per_round:
+            return (
+                f"the {operand} tile ({rows}x{spec.head_dim}) does not split into 128-bit copies "
+                f"over {spec.threads} threads ({per_round} elements per round)"
+            )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# sm90 forward (templates/fwd_sm90.py.j2, fwd_sm90_fp8.py.j2)
+
+
+def _sm90_early_rescale(spec: VariantSpec) -> str | None:
+    if not spec.options.early_rescale:
+        return None
+    if not spec.options.schedule.overlap:
+        return (
+            "early_rescale needs overlap: without it O is rescaled inside the softmax step, before its "
+            "P V is issued, already"
+        )
+    if spec.tile_m != 128:
+        return (
+            f"early_rescale needs two consumer warpgroups (tile_m=128), not tile_m={spec.tile_m}: "
+            "not compiled within the three-consumer 160-register budget"
+        )
+    return None
+
+
+def _sm90_lazy_rescale(spec: VariantSpec) -> str | None:
+    if not spec.options.lazy_rescale:
+        return None
+    if not spec.options.schedule.overlap:
+        return "lazy_rescale: the sm90 16-bit forward rescales lazily in the overlap schedule only (its deferred softmax step)"
+    if spec.options.exp_emu:
+        return "lazy_rescale with exp_emu: the lazy softmax step keeps every exp2 on MUFU"
+    return None
+
+
+def _sm90_fp8_wide_transpose(spec: VariantSpec) -> str | None:
+    """The 64-bit V transpose (VTranspose.WIDE) moves 8 keys x 8 head dims a unit."""
+    if spec.options.v_transpose is not VTranspose.WIDE:
+        return None
+    if spec.tile_n % SM90_FP8_MMA_K:
+        return (
+            f"v_transpose=WIDE: tile_n={spec.tile_n} is not a multiple of {SM90_FP8_MMA_K} (the 32-key blocks "
+            "in which V is transposed and permuted; a wide unit spans 8 keys of one block)"
+        )
+    units = (spec.head_dim // 8) * (spec.tile_n // 8)
+    if units % SM90_FP8_TRANSPOSE_THREADS:
+        return (
+            f"v_transpose=WIDE: (head_dim / 8) x (tile_n / 8) = {units} 8x8-byte units (head_dim={spec.head_dim}, "
+            f"tile_n={spec.tile_n}) is not a multiple of the producer warpgroup's {SM90_FP8_TRANSPOSE_THREADS} threads"
+        )
+    return None
+
+
+def _sm90_fp8_accumulation(spec: VariantSpec) -> str | None:
+    """The row sums by a WGMMA against ones, O accumulated in two levels and v's column means added
+    in the epilogue: options of the overlap schedule that the block-quantization path does not take."""
+    o = spec.options
+    block = o.quant is Quant.BLOCK
+    for on, what, why_overlap, why_not_block in (
+        (o.row_sum is RowSum.MMA, "row_sum=MMA", "the block sums are added with the rescale after each step's P V wait",
+         "the block path's row sums undo each key tile's V ratio, which P carries"),
+        (o.o_accum is OAccum.TWO_LEVEL, "o_accum=TWO_LEVEL", "O is promoted after each step's P V wait",
+         "not built for the block path"),
+    ):  # fmt: skip
+        if on and not o.schedule.overlap:
+            return f"{what} needs overlap: {why_overlap}"
+        if on and block:
+            return f"{what} with quant=BLOCK: {why_not_block}"
+    if o.v_mean and o.o_accum is OAccum.TWO_LEVEL:
+        return "v_mean with o_accum=TWO_LEVEL: centered v needs no two-level accumulation"
+    if o.v_mean and block:
+        return "v_mean with quant=BLOCK: not built for the block path"
+    if o.scheduler is Scheduler.LPT:
+        return "scheduler=LPT: the sm90 e4m3 forward has its own grid (GRID or PERSISTENT)"
+    return None
+
+
+def _sm90_roles(spec: VariantSpec) -> str | None:
+    if spec.tile_m % 64 or spec.tile_m // 64 not in (1, 2, 3):
+        return f"tile_m={spec.tile_m} must be 64, 128 or 192 (one consumer warpgroup per 64 query rows)"
+    if spec.options.schedule.pingpong and spec.tile_m not in (128, 192):
+        return (
+            f"pingpong needs two or three consumer warpgroups (tile_m=128 or 192), not tile_m={spec.tile_m}"
+        )
+    if spec.warps != 4 * (spec.tile_m // 64 + 1):
+        return (
+            f"warps={spec.warps} must be {4 * (spec.tile_m // 64 + 1)}: one producer warpgroup plus "
+            f"{spec.tile_m // 64} consumer warpgroup(s) of 4 warps"
+        )
+    if spec.tile_n % 16 or not 16 <= spec.tile_n <= 256:
+        return (
+            f"tile_n={spec.tile_n} must be a multiple of 16 in [16, 256] (WGMMA N, and the k16 steps of P@V)"
+        )
+    if spec.stages < 2:
+        return (
+            f"stages={spec.stages}: the K/V TMA pipelines need at least 2 stages to overlap loads with MMAs"
+        )
+    return None
+
+
+def _sm90_fp8_tile(spec: VariantSpec) -> str | None:
+    """The fp8 forward's own limits (templates/fwd_sm90_fp8.py.j2)."""
+    o = spec.options
+    if spec.tile_m not in (128, 192):
+        return (
+            f"tile_m={spec.tile_m}: the sm90 fp8 forward runs two or three consumer warpgroups of 64 "
+            "query rows (tile_m 128 or 192); its register splits are laid out for those"
+        )
+    if spec.tile_m == 192 and o.schedule.pingpong:
+        return "tile_m=192 with pingpong: the fp8 ping-pong hands the tensor core between two consumers"
+    if spec.tile_m == 192 and spec.head_dim != 128:
+        return (
+            f"tile_m=192 at head_dim {spec.head_dim}: three consumers get 160 registers each, which "
+            "holds O and S at head_dim 128 only (budgets_sm90.sm90_fp8_consumer_regs)"
+        )
+    if spec.tile_n % SM90_FP8_MMA_K:
+        return (
+            f"tile_n={spec.tile_n} is not a multiple of {SM90_FP8_MMA_K} (the k of an fp8 WGMMA, and the "
+            "32-key blocks in which V is transposed and permuted)"
+        )
+    if o.scheduler is Scheduler.PERSISTENT and o.quant is Quant.BLOCK:
+        return (
+            "scheduler=PERSISTENT with quant=BLOCK: the block-quantization path has no persistent scheduler"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# sm90 backward (templates/bwd_sm90.py.j2, bwd_sm90_hsplit.py.j2, bwd_sm90_swapkv.py.j2)
+
+
+def _sm90_bwd_dq_path(spec: VariantSpec) -> str | None:
+    """The dQ-writer warp and the LSE2/D prefetch are built for the main partition (tile_n=128,
+    tile_m 64 or 128) only; the dQ path with its own staging buffer for the swapped one only."""
+    o = spec.options
+    main = not (sm90_bwd_head_split(spec) or sm90_bwd_swapped(spec) or sm90_bwd_dq_swapped(spec))
+    where = f"tile_m={spec.tile_m}, tile_n={spec.tile_n}, head_dim={spec.head_dim}"
+    for on, what in (
+        (o.dq_path is DqPath.BULK_WARP, "dq_path=BULK_WARP (the dQ-writer warp)"),
+        (o.row_prefetch, "row_prefetch"),
+    ):
+        if on and not main:
+            return (
+                f"{what} with {where}: built for the tile_n=128 backward with tile_m 64 or 128 "
+                "(templates/bwd_sm90.py.j2) only"
+            )
+    if o.dq_path is DqPath.BULK_STAGED and not sm90_bwd_swapped(spec):
+        return (
+            f"dq_path=BULK_STAGED with {where}: built for the swapped-dK/dV backward (tile_n=96, head dim 192, "
+            "templates/bwd_sm90_swapkv.py.j2) only"
+        )
+    return None
+
+
+def _sm90_bwd(spec: VariantSpec) -> str | None:
+    if spec.warps == SM90_BWD_WARPS and sm90_bwd_swapped(spec) and spec.head_dim in SM90_BWD_SWAP_HEAD_DIMS:
+        return _sm90_bwd_swap(spec)
+    if spec.warps != SM90_BWD_WARPS or spec.tile_n not in (SM90_BWD_TILE_N, SM90_BWD_SPLIT_TILE_N):
+        return (
+            f"the sm90 backward runs warps={SM90_BWD_WARPS} and tile_n={SM90_BWD_TILE_N} (a producer "
+            "warpgroup and two consumer warpgroups of 64 keys each) or tile_n="
+            f"{SM90_BWD_SPLIT_TILE_N} (head dims {SM90_BWD_SPLIT_HEAD_DIMS}: the two consumers share "
+            f"64 keys and split the head dim) or tile_n={SM90_BWD_SWAP_TILE_N} (head dims "
+            f"{SM90_BWD_SWAP_HEAD_DIMS}: 48 keys per consumer, dK^T/dV^T on WGMMA's M axis)"
+        )
+    if sm90_bwd_head_split(spec):
+        return _sm90_bwd_split(spec) or sm90_bwd_over_budget(spec)
+    if sm90_bwd_dq_swapped(spec):
+        return _sm90_bwd_dq_swap(spec) or sm90_bwd_over_budget(spec)
+    if spec.tile_m not in (64, 128):
+        return (
+            f"tile_m={spec.tile_m} must be 64 or 128 (the two consumers split dQ into 64-row blocks), "
+            f"or {SM90_BWD_DQ_SWAP_TILE_M} with head_dim in {SM90_BWD_DQ_SWAP_HEAD_DIMS} and a bulk dQ path (dQ transposed)"
+        )
+    if spec.head_dim not in SM90_BWD_HEAD_DIMS:
+        return (
+            f"head_dim={spec.head_dim}: the sm90 backward with tile_n={SM90_BWD_TILE_N} handles "
+            f"{SM90_BWD_HEAD_DIMS} (fp32 dK + dV of 64 keys, head_dim registers per thread, must fit "
+            f"beside S^T and dP^T); head dims {SM90_BWD_SPLIT_HEAD_DIMS} run tile_n={SM90_BWD_SPLIT_TILE_N} "
+            "(the head-dim split)"
+        )
+    pieces = sm90_bwd_dq_pieces(spec)
+    if pieces is None:
+        return (
+            f"tile_m=64 with head_dim={spec.head_dim}: the two consumers cannot split dQ's columns at a "
+            "swizzle-atom boundary of K into two pieces (tile_m=128 splits dQ by rows)"
+        )
+    if spec.stages < 2:
+        return f"stages={spec.stages}: the Q/dO TMA ring needs at least 2 stages to overlap loads with MMAs"
+    if spec.options.overlap and pieces[0][2] != pieces[1][2]:
+        return (
+            f"overlap with head_dim={spec.head_dim}, tile_m={spec.tile_m}: the consumers' dQ pieces differ "
+            f"in width ({pieces[0][2]} and {pieces[1][2]} columns) and overlap carries one accumulator shape"
+        )
+    return sm90_bwd_over_budget(spec)
+
+
+def _sm90_bwd_swap(spec: VariantSpec) -> str | None:
+    """The swapped-dK/dV partition (tile_n = 96, head dim 192): 64 query rows per step, 2 stages."""
+    if spec.tile_m != 64:
+        return f"tile_m={spec.tile_m}: the swapped-dK/dV sm90 backward takes 64 query rows per step (WGMMA M of S and dP)"
+    if spec.stages < 2:
+        return f"stages={spec.stages}: the Q/dO TMA ring needs at least 2 stages to overlap loads with MMAs"
+    if spec.options.overlap:
+        return "overlap: the swapped-dK/dV sm90 backward has no overlap schedule (dV and dK read P and dS from shared memory)"
+    return sm90_bwd_over_budget(spec)
+
+
+def _sm90_bwd_split(spec: VariantSpec) -> str | None:
+    """The head-dim split (tile_n = 64): head dims 192 and 256, 64 query rows per step."""
+    if spec.head_dim not in SM90_BWD_SPLIT_HEAD_DIMS:
+        return (
+            f"tile_n={spec.tile_n} with head_dim={spec.head_dim}: the head-dim-split sm90 backward "
+            f"(two warpgroups sharing 64 keys) handles head_dim in {SM90_BWD_SPLIT_HEAD_DIMS}; "
+            f"head dims {SM90_BWD_HEAD_DIMS} run tile_n={SM90_BWD_TILE_N}"
+        )
+    if spec.tile_m != 64:
+        return (
+            f"tile_m={spec.tile_m}: the head-dim-split sm90 backward takes 64 query rows per step "
+            "(32 per warpgroup for S^T and dP^T; the Q/dO ring of 128 rows would not fit in shared memory)"
+        )
+    if spec.stages < 2:
+        return f"stages={spec.stages}: the Q/dO TMA ring needs at least 2 stages to overlap loads with MMAs"
+    return None
+
+
+def _sm90_bwd_dq_swap(spec: VariantSpec) -> str | None:
+    """tile_m = 80 (:func:`~cutefa.model.budgets_sm90.sm90_bwd_dq_swapped`): head dim 128, a bulk dQ
+    path, 2 stages, no overlap."""
+    if spec.head_dim not in SM90_BWD_DQ_SWAP_HEAD_DIMS:
+        return (
+            f"tile_m={spec.tile_m} with head_dim={spec.head_dim}: the transposed-dQ sm90 backward handles "
+            f"head_dim in {SM90_BWD_DQ_SWAP_HEAD_DIMS} (each consumer 64 of the head dim's columns)"
+        )
+    if spec.options.dq_path is DqPath.RED:
+        return (
+            f"tile_m={spec.tile_m} with dq_path=RED: the transposed dQ piece (head-dim columns x queries) "
+            "goes out by a bulk reduce-add only (the per-thread reductions take 64-row pieces)"
+        )
+    if spec.stages != 2:
+        return (
+            f"stages={spec.stages}: tile_m={spec.tile_m} fits the shared memory with a 2-stage Q/dO ring only"
+        )
+    if spec.options.overlap:
+        return f"overlap: tile_m={spec.tile_m} has the default schedule only (its registers are full)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# sm100 (templates/fwd_sm100.py.j2, bwd_sm100.py.j2)
+
+
+def _sm100_fwd(spec: VariantSpec) -> str | None:
+    if spec.warps != SM100_WARPS:
+        return (
+            f"warps={spec.warps} must be {SM100_WARPS} (softmax x2, correction, MMA/load/epilogue warpgroups)"
+        )
+    if spec.tile_m not in (128, 256):
+        return f"tile_m={spec.tile_m} must be 128 or 256 (one or two 128-row Q tiles in flight)"
+    return _sm100_fp8(spec)
+
+
+def _sm100_fp8(spec: VariantSpec) -> str | None:
+    """The e4m3 forward's own limits (tcgen05 kind::f8f6f4, P as four e4m3 per TMEM column)."""
+    if spec.dtype != "e4m3":
+        return None
+    if spec.options.cta_pair:
+        return (
+            "cta_pair: the sm100 e4m3 forward is single-CTA only (no CTA-pair, 2-SM e4m3 UMMA variant "
+            "is built)"
+        )
+    if spec.tile_n % SM100_FP8_MMA_K:
+        return (
+            f"tile_n={spec.tile_n} is not a multiple of {SM100_FP8_MMA_K} (the k of an e4m3 UMMA: P V "
+            "steps over keys 32 at a time, and each 32-score chunk of P fills 8 TMEM columns)"
+        )
+    if spec.head_dim % SM100_FP8_V_MN_STEP:
+        return (
+            f"head_dim={spec.head_dim} is not a multiple of {SM100_FP8_V_MN_STEP} (the N step of an e4m3 "
+            "UMMA whose B operand, V, is MN-major)"
+        )
+    return None
+
+
+def _sm100_tile_n(spec: VariantSpec) -> str | None:
+    if spec.tile_n not in (64, 128):
+        return f"tile_n={spec.tile_n} must be 64 or 128 (UMMA N of S = Q K^T, a multiple of the 32-score P chunk)"
+    if spec.stages < 2:
+        return f"stages={spec.stages}: the K/V TMA ring needs at least 2 stages"
+    return None
+
+
+def _sm100_pair(spec: VariantSpec) -> str | None:
+    """The CTA pair (tcgen05 cta_group::2) splits every V tile by head-dim columns between its
+    two CTAs and every K tile by keys; the UMMAs are M = 256 (128 rows per CTA)."""
+    if not spec.options.cta_pair:
+        return None
+    if spec.head_dim < SM100_PAIR_MIN_HEAD_DIM:
+        return (
+            f"head_dim={spec.head_dim}: cta_pair is for head_dim >= {SM100_PAIR_MIN_HEAD_DIM}: each CTA would load "
+            f"{spec.head_dim // 2} columns of V, under one 128-byte swizzle row (64 elements), and at this head dim "
+            "the K/V traffic the pair halves is small beside its Q and O traffic"
+        )
+    if spec.tile_n == 128 and spec.options.exp_emu == 0 and (spec.tile_m, spec.head_dim) != (128, 128):
+        # Calibrated on compiled SASS (sm_100a, DSL 4.8.1), causal or not: hd128 256x128, hd192 and
+        # hd256 128x128 spill 8-48 B (second softmax and correction warpgroups) with every exp2 on
+        # MUFU, none with exp_emu=25; hd128 128x128 compiles clean either way. The single-CTA
+        # twins spill the same.
+        return (
+            f"tile_n=128 with exp_emu=0 spills registers in the pair's softmax/correction warps at "
+            f"head_dim={spec.head_dim}, tile_m={spec.tile_m} (compiled SASS); exp_emu=25 does not"
+        )
+    return None
+
+
+def _sm100_bwd(spec: VariantSpec) -> str | None:
+    if (spec.tile_m, spec.tile_n, spec.stages, spec.warps) != SM100_BWD_TILE:
+        tile_m, tile_n, stages, warps = SM100_BWD_TILE
+        return (
+            f"the sm100 backward runs tile_m={tile_m} tile_n={tile_n} stages={stages} warps={warps} "
+            "(128-row UMMAs, one TMEM lane per thread)"
+        )
+    if spec.head_dim % 64:
+        return (
+            f"head_dim={spec.head_dim}: the sm100 backward reads Q, dO and K both K-major and MN-major "
+            "from one 128-byte-swizzled buffer, which needs a multiple of 64"
+        )
+    return sm100_over_budget(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# The predicate
+
+# Per option record: the rules relating its fields (run before the kernel check, as a misuse of an
+# option is the first thing to say), then those holding the tile to the templates and the budgets.
+_OPTION_RULES: dict[type[Options], tuple[Rule, ...]] = {
+    Sm80BwdOptions: (_sm80_dq_layout,),
+    Sm90FwdOptions: (_sm90_early_rescale, _sm90_lazy_rescale),
+    Sm90Fp8FwdOptions: (_sm90_fp8_wide_transpose, _sm90_fp8_accumulation),
+    Sm90BwdOptions: (_sm90_bwd_dq_path,),
+}
+_TILE_RULES: dict[type[Options], tuple[Rule, ...]] = {
+    Sm80FwdOptions: (_sm80_warps, _sm80_shapes, sm80_over_budget),
+    Sm80BwdOptions: (_sm80_warps, _sm80_shapes, sm80_over_budget),
+    Sm90FwdOptions: (_sm90_roles, sm90_fwd_over_budget, _exp_emu_share),
+    Sm90Fp8FwdOptions: (_sm90_roles, _sm90_fp8_tile, sm90_fwd_over_budget, _exp_emu_share),
+    Sm90BwdOptions: (_sm90_bwd,),
+    Sm100FwdOptions: (_sm100_fwd, _sm100_tile_n, _exp_emu_share, _sm100_pair, sm100_over_budget),
+    Sm100BwdOptions: (_sm100_bwd,),
+}
+
+
+def why_invalid(spec: VariantSpec) -> str | None:
+    """The first rule ``spec`` breaks, as a sentence naming it; None when the spec can be built."""
+    kind = type(spec.options)
+    for rule in (_fp8_dtype, *_OPTION_RULES.get(kind, ()), _head_dim, why_no_kernel, *_TILE_RULES[kind]):
+        reason = rule(spec)
+        if reason is not None:
+            return reason
+    return None
+
+
+def valid_variants(arch: str, direction: str = "fwd") -> list[VariantSpec]:
+    """The candidates of ``arch``'s ``direction`` kernel that pass :func:`why_invalid`."""
+    return [spec for spec in candidates(arch, direction) if why_invalid(spec) is None]
+
+
+def why_not_on(spec: VariantSpec, target: str) -> str | None:
+    """Why a valid ``spec`` cannot run on compile target ``target`` (its family does not run there,
+    or its shared memory is over the per-block opt-in limit of the target's GPUs,
+    :data:`~cutefa.model.budgets.TARGET_SMEM_LIMITS`), or None when it can."""
+    if not spec.runs_on(target):
+        return f"family {spec.arch} does not run on {target}"
+    needed, limit = smem_bytes(spec), TARGET_SMEM_LIMITS[target]
+    if needed > limit:
+        return (
+            f"needs {needed / 1024:.1f} KiB of shared memory, over the {limit // 1024} KiB "
+            f"per-block opt-in limit of {target} GPUs"
+        )
+    return None
+
+
+def fitting_variant(spec: VariantSpec, target: str) -> VariantSpec | None:
+    """``spec`` where it runs on ``target`` (:func:`why_not_on`); else the committed variant like it
+    (same family, direction, dtype, head dim, mask and options, another tile) with the most shared
+    memory among those that run there: the largest tile the target's GPUs hold (FlashAttention-2's
+    rule on GPUs with less shared memory). None when no committed variant like it runs there."""
+    if why_not_on(spec, target) is None:
+        return spec
+    tile = {"tile_m": spec.tile_m, "tile_n": spec.tile_n, "stages": spec.stages, "warps": spec.warps}
+    alike = [
+        s for s in default_variants(spec.arch, spec.direction)
+        if s.replace(**tile) == spec and why_not_on(s, target) is None
+    ]  # fmt: skip
+    return max(alike, key=smem_bytes, default=None)
