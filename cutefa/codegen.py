@@ -19,9 +19,10 @@ from pathlib import Path
 import jinja2
 
 from cutefa.identity import GENERATED_DIR, REPO_ROOT, TEMPLATES_DIR  # noqa: F401 -- REPO_ROOT: callers of codegen
+from cutefa.model.budgets_sm90 import sm90_bwd_head_split, sm90_bwd_swapped
 from cutefa.model.options import Choice
+from cutefa.model.rules import why_invalid, why_no_kernel
 from cutefa.model.spec import ARCHS, VariantSpec, parse_name
-from cutefa.space import sm90_bwd_head_split, sm90_bwd_swapped, why_invalid, why_no_kernel
 from cutefa.templating import template_context
 
 MANIFEST_NAME = "manifest.json"

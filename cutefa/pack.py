@@ -28,7 +28,7 @@ A pack is a directory of linked TVM-FFI kernels plus a manifest::
       }
     }
 
-``cutefa compile --target T --pack DIR`` writes or extends one (:func:`cutefa.compile.build_pack`,
+``cutefa compile --target T --pack DIR`` writes or extends one (:func:`cutefa.pack_build.build_pack`,
 through a :class:`PackWriter`: each kernel enters the pack, file first and then the manifest, as
 soon as it is built, so an interrupted build leaves a usable pack). At run time
 :func:`find_kernel` looks through each directory of ``CUTEFA_KERNEL_PATH`` (``os.pathsep``-

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cutefa.spec import VariantSpec, parse_name
+from cutefa.model.spec import VariantSpec, parse_name
 
 # Instructions worth counting, per family: the ones that prove the design is in the code.
 EXPECTED = {

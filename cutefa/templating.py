@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cutefa.model import policy_sm80, policy_sm90, policy_sm100
+from cutefa.model.budgets_sm90 import sm90_bwd_dq_bulk_aliases, sm90_bwd_dq_pieces
+from cutefa.model.budgets_sm100 import sm100_tmem_columns
 from cutefa.model.options import (
     DqLayout,
     DqPath,
@@ -32,7 +34,6 @@ from cutefa.model.options import (
     VTranspose,
 )
 from cutefa.model.spec import VariantSpec
-from cutefa.space import sm90_bwd_dq_bulk_aliases, sm90_bwd_dq_pieces, sm100_tmem_columns
 
 Context = dict[str, object]
 

@@ -100,7 +100,7 @@ def measure(
 
     from cutefa.api.fp8 import takes_v_mean
     from cutefa.api.validate import default_scale
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     timer = _timer()
     spec0 = specs[0]

@@ -115,7 +115,7 @@ def assert_not_an_option(arch: str, direction: str, dtype: str, **option: object
     """The option record of the (arch, direction, dtype) family has no field ``option`` names: the
     record refuses it, and a spec of the family refuses another family's record."""
     from cutefa.model.options import Options, options_class
-    from cutefa.spec import VariantSpec
+    from cutefa.model.spec import VariantSpec
 
     ((name, value),) = option.items()
     cls = options_class(arch, direction, dtype)
@@ -197,15 +197,22 @@ def assert_sm90_bwd_stores(report, main_forms: dict, spec) -> None:
     assert not [f for f in main_forms if f.startswith("STG")], main_forms
 
 
-def pretend_h200(monkeypatch, ops, **replaced):
-    """flash_attn_func as on an H200 for CPU tensors: CPU accepted, the sm_90a target and the H200's
-    tuned table, no device switch; ``replaced`` names more attributes of ``ops`` to replace (the
-    kernel getter, a validation counter, an empty plan table). Dispatch caches are cleared."""
-    from cutefa import dispatch
+def replace_in(monkeypatch, modules, name, value):
+    """``monkeypatch.setattr(module, name, value)`` for each of ``modules``: a function that several
+    modules import by name (``from cutefa.loader import get_kernel``) is replaced in every module that
+    looks it up."""
+    for module in modules:
+        assert hasattr(module, name), f"{module.__name__} has no {name}"
+        monkeypatch.setattr(module, name, value)
 
-    monkeypatch.setattr(ops, "DEVICE_TYPES", ("cuda", "cpu"))
-    for name, value in replaced.items():
-        monkeypatch.setattr(ops, name, value)
+
+def pretend_h200(monkeypatch):
+    """flash_attn_func as on an H200 for CPU tensors: CPU accepted, the sm_90a target and the H200's
+    tuned table, no device switch. Dispatch caches are cleared."""
+    from cutefa import dispatch
+    from cutefa.api import validate
+
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(dispatch, "device_target", lambda device=None: ("sm_90a", "NVIDIA H200"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
     dispatch.clear_caches()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from cpu_support import all_variants, load_tool
 
-from cutefa import backward
+from cutefa.api import backward
 
 OV = "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_ov"
 S3 = "cutefa_sm90_bwd_bf16_hd128_64x128_s3_w12"

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from cutefa import cli, space
+from cutefa import cli
+from cutefa.model import committed, rules
 from cutefa.model.options import DqLayout
-from cutefa.spec import VariantSpec
+from cutefa.model.spec import VariantSpec
 
 TEMPLATE = '"""{{ name }}"""\nTHREADS = {{ spec.threads }}\n'
-DEFAULTS = [s for arch in ("sm80", "sm90", "sm100") for s in space.default_variants(arch)]
+DEFAULTS = [s for arch in ("sm80", "sm90", "sm100") for s in committed.default_variants(arch)]
 
 
 @pytest.fixture
@@ -79,7 +80,7 @@ def test_list_glob(capsys, pattern):
 
 def test_list_all_and_invalid(capsys):
     assert cli.main(["list", "--all", "--arch", "sm80"]) == 0
-    assert _names(capsys.readouterr().out) == [s.name for s in space.valid_variants("sm80")]
+    assert _names(capsys.readouterr().out) == [s.name for s in rules.valid_variants("sm80")]
     assert cli.main(["list", "--invalid", "--arch", "sm90", "--kernels", "*hd64_64x64*"]) == 0
     out = capsys.readouterr().out
     assert "cutefa_sm90_fwd_e4m3_hd64_64x64_s2_w8_hvt  " in out  # e4m3 candidates carry their dtype flag
@@ -90,7 +91,7 @@ def test_list_all_and_invalid(capsys):
 
 def test_list_marks_untested_hardware(capsys, monkeypatch):
     blackwell = VariantSpec("sm100", "fwd", "bf16", 128, 128, 128, 2, 16)
-    monkeypatch.setattr(space, "IMPLEMENTED", {("sm100", "fwd"): ("bf16",)})
+    monkeypatch.setattr(rules, "IMPLEMENTED", {("sm100", "fwd"): ("bf16",)})
     assert cli.main(["list", "--all", "--arch", "sm100", "--kernels", blackwell.name]) == 0
     assert "ok (compiled, not hardware-tested)" in capsys.readouterr().out
 
@@ -283,7 +284,9 @@ def _fake_compile(monkeypatch, calls):
 def test_compile_plan_and_summary(capsys, monkeypatch):
     calls = []
     _fake_compile(monkeypatch, calls)
-    planned = space.default_variants("sm90") + space.default_variants("sm80")  # every family sm_90a runs
+    planned = committed.default_variants("sm90") + committed.default_variants(
+        "sm80"
+    )  # every family sm_90a runs
     assert cli.main(["compile", "--target", "sm_90a", "--jobs", "3"]) == 1
     assert calls == [(planned, "sm_90a", 3)]
     captured = capsys.readouterr()

@@ -9,7 +9,8 @@ import os
 import jinja2
 import pytest
 
-from cutefa import codegen, space, templating
+from cutefa import codegen, templating
+from cutefa.model import committed, rules
 from cutefa.model.options import Schedule
 from cutefa.model.spec import VariantSpec
 
@@ -20,7 +21,7 @@ SINGLE_STAGE = {{ single_stage }}
 CAUSAL = {{ causal }}
 '''
 SPEC = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4, causal=True)
-SPECS = space.default_variants("sm80", "fwd")[:6]
+SPECS = committed.default_variants("sm80", "fwd")[:6]
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def test_fp8_forward_has_its_own_template():
 
 
 def test_render_refuses(templates, monkeypatch):
-    monkeypatch.setitem(space.IMPLEMENTED, ("sm100", "fwd"), ("fp16", "bf16"))
+    monkeypatch.setitem(rules.IMPLEMENTED, ("sm100", "fwd"), ("fp16", "bf16"))
     with pytest.raises(NotImplementedError, match=r"fwd_sm100\.py\.j2: no e4m3 sm100 fwd kernel exists yet"):
         codegen.render_source(
             SPEC.replace(arch="sm100", dtype="e4m3", tile_m=128, tile_n=128, warps=16, stages=2),
@@ -187,7 +188,7 @@ def test_check_sees_manifest_drift(out, templates):
 
 
 def test_real_template_renders_every_default_variant():
-    for spec in space.default_variants("sm80"):
+    for spec in committed.default_variants("sm80"):
         text = codegen.render_source(spec)  # also parses it as Python
         assert spec.name in text
 

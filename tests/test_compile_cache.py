@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from cutefa import compile as cc
-from cutefa import ffi, identity
+from cutefa import ffi, identity, loader
+from cutefa.model.options import DqLayout
 from cutefa.model.spec import VariantSpec, parse_name
 
 TINY = Path(__file__).with_name("tiny_kernel.py")
@@ -54,7 +55,7 @@ def sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("CUTEFA_CACHE_DIR", str(root))
-    monkeypatch.setattr(cc, "_KERNELS", {})
+    monkeypatch.setattr(loader, "_KERNELS", {})
     return root
 
 
@@ -70,7 +71,8 @@ def run_script(body: str, sources: Path, cache: Path) -> dict:
         import json, sys
         from pathlib import Path
         import cutefa.compile as cc
-        from cutefa.spec import parse_name
+        import cutefa.loader as loader
+        from cutefa.model.spec import parse_name
         cc.kernel_source_path = lambda spec: Path({str(sources)!r}) / f"{{spec.name}}.py"
     """
     code = textwrap.dedent(prelude) + textwrap.dedent(body)
@@ -219,9 +221,9 @@ def test_entry_rejects_unknown_target_and_family_mismatch(sources, cache):
 
 
 def test_prepare_refuses_a_target_whose_shared_memory_is_too_small(sources, cache):
-    big = VariantSpec("sm80", "bwd", "bf16", 256, 64, 64, 2, 8, dq_tile=True)  # 182 KiB
+    big = VariantSpec("sm80", "bwd", "bf16", 256, 64, 64, 2, 8, dq_layout=DqLayout.TILE)  # 182 KiB
     with pytest.raises(ValueError, match="cannot run on target 'sm_80': needs 182.0 KiB of shared memory, over "):
-        cc._prepare(big, "sm_80")
+        loader._prepare(big, "sm_80")
 
 
 def test_meta_marker_semantics(sources, cache):
@@ -278,7 +280,7 @@ def test_no_linker_keeps_the_kernel_in_memory(sources, cache, monkeypatch, caplo
     monkeypatch.setattr(cc.shutil, "which", lambda name: None)
     monkeypatch.setattr(cc, "can_compile_here", lambda target: True)
     with caplog.at_level("WARNING", logger="cutefa"):
-        assert cc.get_kernel(FP16, "sm_80") is compiled
+        assert loader.get_kernel(FP16, "sm_80") is compiled
     assert "no gcc/cc found" in caplog.text
     assert cc._entry(FP16, "sm_80").read_meta() is None
     assert cc.compile_variant(FP16, "sm_80") is None
@@ -286,10 +288,12 @@ def test_no_linker_keeps_the_kernel_in_memory(sources, cache, monkeypatch, caplo
 
 def test_get_kernel_is_memoized(sources, cache, monkeypatch):
     calls = []
-    monkeypatch.setattr(cc, "_prepare", lambda spec, target: calls.append((spec.name, target)) or object())
-    first = cc.get_kernel(FP16, "sm_80")
-    assert cc.get_kernel(FP16, "sm_80") is first
-    assert cc.get_kernel(FP16, "sm_90a") is not first
+    monkeypatch.setattr(
+        loader, "_prepare", lambda spec, target: calls.append((spec.name, target)) or object()
+    )
+    first = loader.get_kernel(FP16, "sm_80")
+    assert loader.get_kernel(FP16, "sm_80") is first
+    assert loader.get_kernel(FP16, "sm_90a") is not first
     assert calls == [(FP16.name, "sm_80"), (FP16.name, "sm_90a")]
 
 
@@ -468,7 +472,7 @@ def test_sm80_compile_export_link_and_tvm_ffi_load(sources, cache):
         import time, torch
         spec = parse_name("cutefa_sm80_fwd_fp16_hd64_128x128_s1_w4")
         start = time.perf_counter()
-        fn = cc.get_kernel(spec, "sm_80")
+        fn = loader.get_kernel(spec, "sm_80")
         seconds = time.perf_counter() - start
         q = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
         try:
@@ -515,7 +519,7 @@ def test_concurrent_compiles_of_one_entry_leave_one_valid_entry(sources, cache):
         import json
         from pathlib import Path
         import cutefa.compile as cc
-        from cutefa.spec import parse_name
+        from cutefa.model.spec import parse_name
         cc.kernel_source_path = lambda spec: Path({str(sources)!r}) / f"{{spec.name}}.py"
         compiles = []
         real = cc._compile

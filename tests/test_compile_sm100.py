@@ -18,7 +18,7 @@ from cpu_support import all_variants, assert_not_an_option, compile_sample
 from cutefa import sass
 from cutefa.model.budgets_sm100 import SM100_SMEM_LIMIT, sm100_smem_bytes, sm100_tmem_columns
 from cutefa.model.rules import est_registers, why_invalid
-from cutefa.spec import VariantSpec
+from cutefa.model.spec import VariantSpec
 
 ALL_FWD = all_variants("sm100", "fwd")
 # one CTA per UMMA; e4m3: test_compile_sm100_fp8.py

@@ -21,7 +21,7 @@ from cutefa.model.budgets_sm100 import sm100_smem_bytes
 from cutefa.model.committed import default_variants
 from cutefa.model.defaults import default_config
 from cutefa.model.rules import why_invalid
-from cutefa.spec import VariantSpec
+from cutefa.model.spec import VariantSpec
 
 FP8_DEFAULTS = [s for s in default_variants("sm100", "fwd") if s.dtype == "e4m3"]
 # Two Q tiles (hd64, hd128) and one (hd256), causal and not.

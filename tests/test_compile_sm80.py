@@ -78,7 +78,7 @@ def test_aot_export_loads_without_the_compiler(tmp_path):
     assert meta["name"] == name and meta["target"] == "sm_90a"
     probe = (
         "import sys, ctypes\n"
-        "from cutefa.compile import runtime_library\n"
+        "from cutefa.ffi import runtime_library\n"
         f"ctypes.CDLL(str(runtime_library({meta['runtime']!r})), ctypes.RTLD_GLOBAL)\n"
         "import tvm_ffi\n"
         f"fn = tvm_ffi.load_module({str(so)!r})[{name!r}]\n"

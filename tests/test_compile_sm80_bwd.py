@@ -23,7 +23,7 @@ from cutefa.kernels.sm80 import bwd_parts
 from cutefa.model.budgets import bwd_dq_accum_shape
 from cutefa.model.options import DqLayout
 from cutefa.model.rules import why_invalid, why_not_on
-from cutefa.spec import VariantSpec
+from cutefa.model.spec import VariantSpec
 
 pytestmark = pytest.mark.compile
 

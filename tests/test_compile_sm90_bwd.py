@@ -128,7 +128,7 @@ def test_alternatives_are_bf16_schedules_beside_the_defaults():
     with no tuned table picks the default."""
     import torch
 
-    from cutefa import backward
+    from cutefa.api import backward
 
     bf16 = [s for s in ALTERNATIVES if s.dtype == "bf16"]
     fp16 = [s for s in ALTERNATIVES if s.dtype == "fp16"]

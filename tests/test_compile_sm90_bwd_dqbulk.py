@@ -45,7 +45,7 @@ from cutefa.model.budgets_sm90 import (
 from cutefa.model.defaults import DEFAULT_BWD_TILES
 from cutefa.model.options import DqPath, Sm90BwdOptions
 from cutefa.model.rules import why_invalid
-from cutefa.spec import VariantSpec
+from cutefa.model.spec import VariantSpec
 
 # (the swapped-dK/dV partition at head dim 192 has its own checks: test_compile_sm90_bwd_swapkv.py)
 # (the tile_m=80 tile, dQ transposed: test_compile_sm90_bwd_dqswap.py)
@@ -82,7 +82,7 @@ def test_bulk_is_the_default_where_the_tile_is_not_the_head_split():
     timed beside it; dispatch picks the default without a tuned table's entry."""
     import torch
 
-    from cutefa import backward
+    from cutefa.api import backward
 
     default_specs = [s for s in BULK if not s.options.overlap and s.head_dim <= 128]
     assert sorted((s.dtype, s.head_dim, s.causal) for s in default_specs) == [
@@ -168,7 +168,7 @@ def test_host_allocates_the_variant_layout():
     layout for every other variant (uninitialized either way: the preprocess kernels zero it)."""
     import torch
 
-    from cutefa.backward import dq_accum_workspace
+    from cutefa.api.backward import dq_accum_workspace
 
     spec = next(s for s in BULK if s.head_dim == 64)
     ws = dq_accum_workspace(spec, 2, 3, 130, 4, torch.device("cpu"))

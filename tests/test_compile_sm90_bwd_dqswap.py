@@ -41,7 +41,7 @@ from cutefa.model.budgets_sm90 import (
 )
 from cutefa.model.options import DqPath
 from cutefa.model.rules import smem_bytes, why_invalid
-from cutefa.spec import VariantSpec
+from cutefa.model.spec import VariantSpec
 
 SWAPPED = [s for s in all_variants("sm90", "bwd") if sm90_bwd_dq_swapped(s)]
 
@@ -76,7 +76,7 @@ def test_predicate_admits_the_tile_with_dq_bulk_only():
 def test_committed_as_bf16_alternatives_not_dispatched():
     import torch
 
-    from cutefa import backward
+    from cutefa.api import backward
 
     assert sorted((s.dtype, s.head_dim, s.causal, s.tile_m) for s in SWAPPED) == [
         ("bf16", 128, False, 80),

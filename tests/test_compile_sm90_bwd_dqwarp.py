@@ -41,7 +41,7 @@ from cutefa.model.budgets_sm90 import (
 )
 from cutefa.model.options import DqPath
 from cutefa.model.rules import why_invalid
-from cutefa.spec import VariantSpec, parse_name
+from cutefa.model.spec import VariantSpec, parse_name
 
 DQW = [
     s

@@ -55,7 +55,7 @@ def test_split_defaults():
     beside the swapped default; bf16, both masks)."""
     import torch
 
-    from cutefa import backward
+    from cutefa.api import backward
 
     assert sorted((s.dtype, s.head_dim, s.causal) for s in SPLIT) == [
         ("bf16", d, c) for d in (192, 256) for c in (False, True)

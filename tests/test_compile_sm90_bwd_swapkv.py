@@ -42,7 +42,7 @@ from cutefa.model.budgets_sm90 import (
 )
 from cutefa.model.options import DqPath
 from cutefa.model.rules import why_invalid
-from cutefa.spec import VariantSpec
+from cutefa.model.spec import VariantSpec
 
 COMMITTED = [s for s in all_variants("sm90", "bwd") if sm90_bwd_swapped(s)]
 # the committed bf16 causal variant, the fp16 non-causal twin (fp16 and bf16 differ only in the
@@ -60,7 +60,7 @@ def test_swapped_variants_committed_and_the_staged_one_dispatched():
     last also in fp16: it is head dim 192's default, which dispatch picks without a tuned entry."""
     import torch
 
-    from cutefa import backward
+    from cutefa.api import backward
 
     assert sorted(s.name for s in COMMITTED) == [
         "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12",

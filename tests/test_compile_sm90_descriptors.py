@@ -17,7 +17,7 @@ import pytest
 from cpu_support import step_loop
 
 from cutefa import codegen, sass
-from cutefa.spec import parse_name
+from cutefa.model.spec import parse_name
 
 pytestmark = pytest.mark.compile
 

@@ -15,7 +15,7 @@ from cutefa import codegen, sass
 from cutefa.model.budgets_sm90 import sm90_consumer_regs, sm90_fp8_ptxas_options
 from cutefa.model.options import Schedule, Scheduler
 from cutefa.model.rules import why_invalid
-from cutefa.spec import parse_name
+from cutefa.model.spec import parse_name
 
 pytestmark = pytest.mark.compile
 

@@ -17,7 +17,7 @@ from cpu_support import all_variants, assert_not_an_option, skipped_fmuls
 from cutefa import sass
 from cutefa.model.options import Schedule, Scheduler
 from cutefa.model.rules import why_invalid
-from cutefa.spec import VariantSpec
+from cutefa.model.spec import VariantSpec
 
 LAZY = [s for s in all_variants("sm90", "fwd") if s.dtype != "e4m3" and s.options.lazy_rescale]
 # hd256 non-causal with the early rescale (bf16) and hd128 causal without it (fp16)

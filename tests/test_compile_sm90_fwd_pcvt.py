@@ -20,7 +20,7 @@ from cutefa import sass
 from cutefa.model.budgets_sm90 import SM90_CONSUMER_REGS
 from cutefa.model.options import Scheduler
 from cutefa.model.rules import est_registers, why_invalid
-from cutefa.spec import parse_name
+from cutefa.model.spec import parse_name
 
 pytestmark = pytest.mark.compile
 

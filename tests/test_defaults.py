@@ -82,9 +82,8 @@ def test_default_configs(key):
     assert defaults.default_config("sm90", "bwd", "e4m3", 128) is None
 
 
-def test_transition_views_of_the_defaults():
-    """DEFAULT_TILES, DEFAULT_BWD_TILES, default_tile and default_extras (option fields by name) read
-    the default configs."""
+def test_views_of_the_defaults():
+    """DEFAULT_TILES, DEFAULT_BWD_TILES and default_tile read the default configs."""
     for arch in ARCHS:
         for hd in HEAD_DIMS:
             fwd, bwd = default_config(arch, "fwd", "fp16", hd), default_config(arch, "bwd", "fp16", hd)
@@ -92,21 +91,7 @@ def test_transition_views_of_the_defaults():
                 defaults.DEFAULT_TILES[arch].get(hd) == (fwd and fwd.tile) == defaults.default_tile(arch, hd)
             )
             assert defaults.DEFAULT_BWD_TILES[arch].get(hd) == (bwd and bwd.tile)
-            for direction, dtype in (("fwd", "bf16"), ("fwd", "e4m3"), ("bwd", "bf16")):
-                config = default_config(arch, direction, dtype, hd)
-                if config is not None:
-                    extras = defaults.default_extras(arch, direction, hd, dtype)
-                    assert config.spec(arch, direction, dtype, hd) == VariantSpec(
-                        arch, direction, dtype, hd, *config.tile, **extras
-                    )
     assert defaults.default_tile("sm90", 256, "e4m3") == Tile(128, 64, 3, 12)
-    assert defaults.default_extras("sm90", "fwd", 128, "e4m3") == {
-        "schedule": OV,
-        "v_transpose": VTranspose.HOISTED,
-    }
-    assert defaults.default_extras("sm80", "bwd", 96) == {"dq_layout": DqLayout.TILE, "dq_pipe": True}
-    assert defaults.default_extras("sm80", "bwd", 96, stages=2) == {"dq_layout": DqLayout.TILE}
-    assert defaults.default_extras("sm100", "bwd", 64) == {}
 
 
 def test_sm80_defaults_and_fallbacks():

@@ -4,7 +4,7 @@ The stand-in is a ctypes callback with the kernels' signature (``int fn(void*, c
 int32_t, TVMFFIAny*)``): it decodes what it was given (type indices, DLTensor fields, shapes,
 strides, scalars) and the environment stream during the call, or raises an error through
 libtvm_ffi like a kernel that refuses its arguments. Real kernels are called this way in
-tests/test_pack.py and tests/test_compile_cache.py (CPU) and on the GPU.
+tests/test_pack_build.py and tests/test_compile_cache.py (CPU) and on the GPU.
 """
 
 from __future__ import annotations

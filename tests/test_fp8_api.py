@@ -341,7 +341,7 @@ def fp8_plans(monkeypatch):
         validations.append(args[0].shape)
         return real_validate(*args, **kwargs)
 
-    pretend_h200(monkeypatch, validate)
+    pretend_h200(monkeypatch)
     monkeypatch.setattr(fp8_api, "get_kernel", lambda spec, target: kernel)
     monkeypatch.setattr(fp8_api, "validate_fp8_inputs", count)
     monkeypatch.setattr(plans, "_FP8_PLANS", {})

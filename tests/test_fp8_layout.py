@@ -362,7 +362,7 @@ STAGE_START = 3 * 1024  # a ring's shared-memory start: 1024-byte aligned, not 0
 
 def test_wide_tiles_are_the_valid_ones():
     from cutefa.model import rules
-    from cutefa.spec import VariantSpec
+    from cutefa.model.spec import VariantSpec
 
     def valid(tile_n, head_dim, stages):
         # the wide transpose's own rule (a tile may still fail the register budget, e.g. hd256 x 96

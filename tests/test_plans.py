@@ -13,7 +13,7 @@ from cpu_support import pretend_h200
 
 import cutefa
 from cutefa import dispatch
-from cutefa.api import dense, plans, validate
+from cutefa.api import dense, plans
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_planned_calls_from_several_threads_while_caches_are_cleared(monkeypatch
     another thread clears the dispatch caches (and with them the plans): every call returns its
     result, the memo stays bounded, and calls after the clears make plans again."""
     kernel = NullKernel()
-    pretend_h200(monkeypatch, validate)
+    pretend_h200(monkeypatch)
     monkeypatch.setattr(dense, "get_kernel", lambda spec, target: kernel)
     monkeypatch.setattr(plans, "_PLANS", {})
     monkeypatch.setattr(plans, "MAX_PLANS", 3)
@@ -137,7 +137,7 @@ def test_a_plan_made_across_a_clear_is_not_kept(monkeypatch):
             dispatch.clear_caches()
         kernel(*args)
 
-    pretend_h200(monkeypatch, validate)
+    pretend_h200(monkeypatch)
     monkeypatch.setattr(dense, "get_kernel", lambda spec, target: clearing_kernel)
     monkeypatch.setattr(plans, "_PLANS", {})
     q, k, v = (torch.randn(1, 8, 2, 64, dtype=torch.bfloat16) for _ in range(3))

@@ -60,13 +60,14 @@ ffi.load = lambda path, name: lambda *args: calls.append(len(args))
 import torch
 import cutefa
 fn = cutefa.flash_attn_func  # imports cutefa.api
-from cutefa import dispatch, ops, profile
-from test_pack import write_pack
+from cutefa import dispatch, profile
+from cutefa.api import launch, validate
+from pack_support import write_pack
 dispatch.device_target = lambda device=None: ("sm_90a", "NVIDIA H200")
-ops.DEVICE_TYPES = ("cuda", "cpu")
+validate.DEVICE_TYPES = ("cuda", "cpu")
 torch.cuda.current_device = lambda: None
 q = torch.zeros(1, 128, 16, 128, dtype=torch.bfloat16)
-write_pack(Path({pack!r}), [ops._choose(q, q, True).spec])
+write_pack(Path({pack!r}), [launch.choose(q, q, True).spec])
 for _ in range(3):
     fn(q, q, q, causal=True)
 print(json.dumps({{"phases": profile.phases(), "totals": profile.totals(), "report": profile.report(),
@@ -92,7 +93,9 @@ def test_first_call_reports_its_phases_in_order_without_the_dsl(tmp_path):
     assert names[first:] == FIRST_CALL_PHASES[1:], names  # later calls take the plan: no phases
     assert all(ms >= 0 for _, ms in got["phases"])
     assert list(got["totals"]) == FIRST_CALL_PHASES
-    assert "kernel library (dlopen libtvm_ffi and the kernel)" in got["report"] and got["report"].splitlines()[-1].startswith("total")
+    assert "kernel library (dlopen libtvm_ffi and the kernel)" in got["report"] and got[
+        "report"
+    ].splitlines()[-1].startswith("total")
 
 
 def test_nothing_is_recorded_when_off(tmp_path):

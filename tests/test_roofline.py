@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cpu_support import load_tool
 
-from cutefa.spec import VariantSpec
+from cutefa.model.spec import VariantSpec
 
 SINGLE = VariantSpec("sm100", "fwd", "bf16", 128, 256, 128, 3, 16)
 PAIR = SINGLE.replace(cta_pair=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cutefa import cli, dispatch, pack, selection
+from cutefa import cli, dispatch, pack, pack_build, selection
 from cutefa import compile as cc
 from cutefa.model.committed import default_variants
 from cutefa.model.defaults import default_spec
@@ -41,7 +41,7 @@ def built(monkeypatch, tmp_path):
             )
         return [cc.CompileResult(s, True, 0.5, None, Path(pack_dir) / f"{s.name}.so") for s in specs]
 
-    monkeypatch.setattr(cc, "build_pack", build_pack)
+    monkeypatch.setattr(pack_build, "build_pack", build_pack)
     return calls
 
 

@@ -121,7 +121,7 @@ def _bwd_variant_list(text: str) -> list[str]:
     from alternatives import all_variants
 
     from cutefa.model import rules
-    from cutefa.spec import ARCHS, parse_name
+    from cutefa.model.spec import ARCHS, parse_name
 
     names: list[str] = []
     for item in (x.strip() for x in text.split(",")):
@@ -299,7 +299,7 @@ def markdown_table(rows: list[Row], backends: list[str]) -> str:
 
 def variant_serves(name: str, cell: Cell) -> bool:
     """Whether backward variant ``name`` runs the backward of ``cell`` (dtype, head dim, mask)."""
-    from cutefa.spec import parse_name
+    from cutefa.model.spec import parse_name
 
     spec = parse_name(name)
     return (
@@ -312,7 +312,17 @@ def variant_serves(name: str, cell: Cell) -> bool:
 
 def bwd_variants_table(rows: list[Row]) -> str:
     """One row per (--bwd-variants variant, cell): its TFLOP/s beside FA4 and cutefa's default."""
-    head = ["variant", "hdim", "causal", "seqlen", "TFLOP/s", "FA4", "variant/FA4", "cutefa default", "variant/default"]
+    head = [
+        "variant",
+        "hdim",
+        "causal",
+        "seqlen",
+        "TFLOP/s",
+        "FA4",
+        "variant/FA4",
+        "cutefa default",
+        "variant/default",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         c = row.cell
@@ -337,7 +347,11 @@ def report_markdown(meta: dict, rows: list[Row], backends: list[str], notes: lis
         f"Layout (batch, seqlen, heads, hdim), batch x seqlen = {TOKENS}, heads x hdim = {MODEL_DIM}; "
         "TFLOP/s = 4*b*h*s^2*d / time for the forward (2.5x that for the backward), halved when causal; median of "
         f"{meta.get('timer', 'do_bench')}"
-        + (f", the median of {meta['rounds']} rounds in turns across backends" if meta.get("rounds", 1) > 1 else "")
+        + (
+            f", the median of {meta['rounds']} rounds in turns across backends"
+            if meta.get("rounds", 1) > 1
+            else ""
+        )
         + ". WRONG: cutefa's output failed the check against SDPA "
         f"(rel err > {meta.get('check_tol')}); err: the backend raised (see notes); empty: not installed."
     )
@@ -507,8 +521,8 @@ class Backend:
 @contextlib.contextmanager
 def forced_bwd_variant(name: str):
     """Within the block, cutefa's backward runs variant ``name`` whatever dispatch would choose."""
-    from cutefa import backward
-    from cutefa.spec import parse_name
+    from cutefa.api import backward
+    from cutefa.model.spec import parse_name
 
     spec = parse_name(name)
     saved = backward.choose_bwd
@@ -516,7 +530,9 @@ def forced_bwd_variant(name: str):
     def choose(target, dtype, head_dim, causal, **where):
         wanted = saved(target, dtype, head_dim, causal, **where)
         if (wanted.dtype, wanted.head_dim, wanted.causal) != (spec.dtype, spec.head_dim, spec.causal):
-            raise ValueError(f"--bwd-variants: {name} does not serve this problem (dispatch wants {wanted.name})")
+            raise ValueError(
+                f"--bwd-variants: {name} does not serve this problem (dispatch wants {wanted.name})"
+            )
         return spec
 
     backward.choose_bwd = choose
@@ -528,7 +544,9 @@ def forced_bwd_variant(name: str):
 
 def bwd_variant_backend(name: str, cutefa_backend: "Backend") -> "Backend":
     """cutefa's backend with the backward forced to variant ``name``."""
-    return Backend(name, cutefa_backend.make, context=lambda: forced_bwd_variant(name), missing=cutefa_backend.missing)
+    return Backend(
+        name, cutefa_backend.make, context=lambda: forced_bwd_variant(name), missing=cutefa_backend.missing
+    )
 
 
 def load_backends(wanted: list[str]) -> list[Backend]:
@@ -784,10 +802,11 @@ def ensure_pack(pack_dir: Path, q, k, causal: bool) -> str:
 
     Sets ``CUTEFA_KERNEL_PATH`` to the pack for this process and its children.
     """
-    from cutefa import dispatch, ops, pack
+    from cutefa import dispatch, pack, pack_build
+    from cutefa.api.launch import choose
     from cutefa.compile import fingerprint
 
-    choice = ops._choose(q, k, causal)
+    choice = choose(q, k, causal)
     target = dispatch.current_target(q.device)
     os.environ["CUTEFA_KERNEL_PATH"] = str(pack_dir.resolve())
     found, refused = pack.find_kernel(choice.spec.name, target, fingerprint(choice.spec, target))
@@ -797,7 +816,7 @@ def ensure_pack(pack_dir: Path, q, k, causal: bool) -> str:
         print(
             f"building {choice.spec.name} for {target} into the pack {pack_dir}", file=sys.stderr, flush=True
         )
-        (result,) = pack.build_pack([choice.spec], target=target, pack_dir=pack_dir, progress=False)
+        (result,) = pack_build.build_pack([choice.spec], target=target, pack_dir=pack_dir, progress=False)
         if not result.ok:
             raise RuntimeError(f"could not build {choice.spec.name}: {result.error}")
     return choice.spec.name
@@ -811,15 +830,17 @@ def _raw_kernel(q, k, v, causal, how="call"):
     import torch
 
     from cutefa import compile as cc
-    from cutefa import ffi, ops
+    from cutefa import ffi, loader
+    from cutefa.api.dense import bind
+    from cutefa.api.launch import choose
 
-    choice = ops._choose(q, k, causal)
-    kernel = cc.get_kernel(choice.spec, choice.target)
+    choice = choose(q, k, causal)
+    kernel = loader.get_kernel(choice.spec, choice.target)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if how == "bound":
-        bound = ops._bind(kernel, q, k, tuple(lse.shape), scale)
+        bound = bind(kernel, q, k, tuple(lse.shape), scale)
         if bound is None:
             raise RuntimeError("the kernel cannot bind (not loaded from a file)")
 
@@ -832,9 +853,13 @@ def _raw_kernel(q, k, v, causal, how="call"):
     if how == "tvm_ffi":
         import tvm_ffi
 
-        path = next(p for p in ffi._LIBRARIES if p.stem == choice.spec.name or p.parent.name.startswith(choice.spec.name))
+        path = next(
+            p
+            for p in ffi._LIBRARIES
+            if p.stem == choice.spec.name or p.parent.name.startswith(choice.spec.name)
+        )
         fn = tvm_ffi.load_module(str(path))[choice.spec.name]
-        kernel = cc._with_sm_count(fn) if cc.takes_sm_count(choice.spec) else fn
+        kernel = loader._with_sm_count(fn) if cc.takes_sm_count(choice.spec) else fn
 
     def run():
         kernel(q, k, v, out, lse, scale)
@@ -903,7 +928,7 @@ def run_enqueue(args: argparse.Namespace) -> int:
 
     meta = environment() | {"shape": sh, "dtype": args.dtype[0], "iters": iters}
     if "cutefa" in args.backends:
-        from cutefa.compile import loaded_kernels
+        from cutefa.loader import loaded_kernels
 
         meta["cutefa_kernels"] = {
             f"{name} ({target})": where for (name, target), where in loaded_kernels().items()
@@ -976,8 +1001,9 @@ report = {"torch_ms": (t1 - t0) * 1e3, "import_ms": (t2 - t1) * 1e3, "first_call
 if which == "cutefa":
     import importlib.util, os
     import cutefa.compile as cc
+    import cutefa.loader as loader
     import cutefa.profile as prof
-    report["origins"] = sorted(cc.loaded_kernels().values())
+    report["origins"] = sorted(loader.loaded_kernels().values())
     phases = {"import cutefa": (t2 - t1) * 1e3, **prof.totals()}
     phases["synchronize"] = (t3 - t_call) * 1e3
     phases["other (validation, allocation, Python)"] = (t3 - t1) * 1e3 - sum(phases.values())
@@ -997,7 +1023,7 @@ if which == "cutefa":
         t5 = time.perf_counter()
         fn = ffi.load(copy, so_path.stem)
         if cc.takes_sm_count(cc.parse_name(so_path.stem)):
-            fn = cc._with_sm_count(fn)
+            fn = loader._with_sm_count(fn)
         t6 = time.perf_counter()
         fn(q, k, v, o, lse, 1 / math.sqrt(q.shape[-1]))
         torch.cuda.synchronize()

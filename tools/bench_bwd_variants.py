@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     from alternatives import all_variants
 
     import cutefa
-    from cutefa.backward import device_tail_slots, dq_accum_workspace, sm80_tail_workspaces
-    from cutefa.compile import get_kernel
+    from cutefa.api.backward import device_tail_slots, dq_accum_workspace, sm80_tail_workspaces
     from cutefa.dispatch import current_target
+    from cutefa.loader import get_kernel
     from cutefa.model.defaults import default_spec
     from cutefa.model.rules import why_not_on
 
@@ -149,11 +149,11 @@ def _ab(args) -> int:
     import torch
 
     import cutefa
-    from cutefa.backward import device_tail_slots, dq_accum_workspace, sm80_tail_workspaces
-    from cutefa.compile import get_kernel
+    from cutefa.api.backward import device_tail_slots, dq_accum_workspace, sm80_tail_workspaces
     from cutefa.dispatch import current_target
+    from cutefa.loader import get_kernel
     from cutefa.model.rules import why_invalid
-    from cutefa.spec import parse_name
+    from cutefa.model.spec import parse_name
 
     specs = [parse_name(n).replace(causal=False) for n in args.variants.split(",") if n]
     for spec in specs:

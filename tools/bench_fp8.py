@@ -64,12 +64,16 @@ def _names(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hdim", type=_ints, default=None, help="head dims (default 64,128,256; with variants: theirs)")
+    p.add_argument(
+        "--hdim", type=_ints, default=None, help="head dims (default 64,128,256; with variants: theirs)"
+    )
     p.add_argument("--seqlen", type=_ints, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--causal", type=_ints, default=[0, 1])
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
-    p.add_argument("--v-offset", type=float, default=0.0, help="added to v's random normal values (default 0)")
+    p.add_argument(
+        "--v-offset", type=float, default=0.0, help="added to v's random normal values (default 0)"
+    )
     p.add_argument("--out", type=Path, default=None, help="folder for bench_fp8.md and bench_fp8.png")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--variants", type=_names, default=None, help="e4m3 variant names, comma-separated")
@@ -232,7 +236,7 @@ def variant_columns(names: list[str] | None, hdims: list[int] | None) -> dict[in
 
     from cutefa.model.defaults import default_spec
     from cutefa.model.rules import why_invalid
-    from cutefa.spec import parse_name
+    from cutefa.model.spec import parse_name
 
     if names is None:
         specs = [s for s in all_variants("sm90", "fwd") if s.dtype == "e4m3"]
@@ -312,15 +316,18 @@ def _variant_row(torch, cutefa, get_kernel, target, time_ms, specs, hdim: int, c
 def _block_arguments(cutefa, blocks: dict, q, k, v, spec, target: str):
     """(e4m3 q, k, v) quantized in blocks of ``spec``'s tiles and the _blockq kernel's descale
     arguments (built as flash_attn_func builds them)."""
-    from cutefa import dispatch, ops
+    from cutefa import dispatch
+    from cutefa.api.descales import kernel_args
     from cutefa.model.options import Quant
 
     tiles = (spec.tile_m, spec.tile_n)
     if tiles not in blocks:
-        blocks[tiles] = tuple(cutefa.quantize_fp8(x, "block", block=b) for x, b in zip((q, k, v), (*tiles, tiles[1])))
+        blocks[tiles] = tuple(
+            cutefa.quantize_fp8(x, "block", block=b) for x, b in zip((q, k, v), (*tiles, tiles[1]))
+        )
     (qq, qd), (kq, kd), (vq, vd) = blocks[tiles]
     twin = dispatch.Choice(spec.replace(quant=Quant.TENSOR), target, "bench")
-    _, args = ops._fp8_kernel_args(qq, kq, (qd, kd, vd), twin)
+    _, args = kernel_args(qq, kq, (qd, kd, vd), twin)
     return (qq, kq, vq), args
 
 
@@ -328,8 +335,8 @@ def _side_by_side(args) -> int:
     import torch
 
     import cutefa
-    from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
+    from cutefa.loader import get_kernel
 
     columns = variant_columns(args.variants if not args.all_variants else None, args.hdim)
     if not columns:

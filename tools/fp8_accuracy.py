@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     import torch
 
     import cutefa
-    from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
-    from cutefa.spec import parse_name
+    from cutefa.loader import get_kernel
+    from cutefa.model.spec import parse_name
 
     specs = [parse_name(n.strip()) for n in args.variants.split(",") if n.strip()]
     bad = [s.name for s in specs if s.dtype != "e4m3" or s.direction != "fwd"]

@@ -24,7 +24,7 @@ target=$(python3 -c 'from cutefa.dispatch import current_target; print(current_t
 if has compile; then
     python3 -m cutefa compile --target "$target" --jobs "$jobs" 2>&1 | tail -n 3 | tee "$out/compile.log"
     # the measured alternatives (tools/alternatives.py, not in generated/): the GPU tests run them too
-    for arch in $(python3 -c "from cutefa.spec import families_for_target as f; print(*f('$target'))"); do
+    for arch in $(python3 -c "from cutefa.model.spec import families_for_target as f; print(*f('$target'))"); do
         python3 tools/alternatives.py --list --arch "$arch" | awk '!/committed/ {print $1}'
     done | xargs -r -P "$jobs" -I{} python3 -m cutefa compile --target "$target" --kernels {} --jobs 1 \
         >> "$out/compile.log" 2>&1
@@ -35,7 +35,7 @@ if has tests; then
     tests_rc=${PIPESTATUS[0]}
 fi
 if has tune; then
-    for arch in $(python3 -c "from cutefa.spec import families_for_target as f; print(*f('$target'))"); do
+    for arch in $(python3 -c "from cutefa.model.spec import families_for_target as f; print(*f('$target'))"); do
         for direction in fwd bwd; do
             dtypes=fp16,bf16
             [[ $direction == fwd ]] && dtypes=fp16,bf16,e4m3  # the fp8 forward (no fp8 backward)

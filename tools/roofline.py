@@ -35,7 +35,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # tools/alternatives.p
 
 from alternatives import all_variants
 
-from cutefa.spec import VariantSpec
+from cutefa.model.spec import VariantSpec
 
 # B200 (published): 148 SMs, ~1.85 GHz boost under tensor load, 2.25 PFLOP/s dense FP16/BF16 with
 # FP32 accumulate, 8 TB/s HBM3e. Per-SM per-clock rates follow from these.

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cutefa.model.spec import parse_name
 from cutefa.sass import _cuobjdump, disassemble, dump_cubins, setmaxnreg_regions
-from cutefa.spec import parse_name
 
 # Opcodes of the tensor-core MMAs whose loop is the main loop (HMMA: the sm80 family).
 _MMA_OPS = ("HGMMA", "QGMMA", "UTCHMMA", "HMMA")

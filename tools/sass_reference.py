@@ -152,12 +152,8 @@ def registers(cubin: Path) -> int:
 
 def _parse(sample: Sample):
     """The variant of ``sample`` as the tree on the import path names it: its name, else the former."""
-    import cutefa
+    from cutefa.model.spec import parse_name
 
-    if (Path(cutefa.__file__).parent / "model" / "spec.py").is_file():
-        from cutefa.model.spec import parse_name
-    else:  # a tree from before cutefa.model
-        from cutefa.spec import parse_name
     try:
         return parse_name(sample.name)
     except ValueError:

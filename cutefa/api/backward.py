@@ -20,7 +20,7 @@ import torch
 
 from cutefa import dispatch
 from cutefa.api.launch import aligned, call_on
-from cutefa.compile import get_kernel
+from cutefa.loader import get_kernel
 from cutefa.model.budgets import bwd_dq_accum_shape
 from cutefa.model.defaults import default_spec
 from cutefa.model.rules import fitting_variant, smem_bytes, why_invalid, why_not_on

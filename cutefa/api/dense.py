@@ -19,7 +19,7 @@ from cutefa.api import backward as _backward
 from cutefa.api import plans as _plans
 from cutefa.api.launch import aligned, call_on, choose, empty_outputs, outputs
 from cutefa.api.validate import validate_inputs
-from cutefa.compile import get_kernel
+from cutefa.loader import get_kernel
 
 
 def _launch(

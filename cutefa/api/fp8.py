@@ -27,8 +27,8 @@ from cutefa.api.validate import (
     default_scale,
     validate_fp8_inputs,
 )
-from cutefa.compile import get_kernel
 from cutefa.fp8 import add_v_mean
+from cutefa.loader import get_kernel
 from cutefa.model.spec import VariantSpec
 
 Descales = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -243,26 +243,6 @@ def default_tile(arch: str, head_dim: int, dtype: str | None = None) -> Tile | N
     return None if config is None else config.tile
 
 
-def default_extras(
-    arch: str, direction: str, head_dim: int, dtype: str | None = None, stages: int | None = None
-) -> dict[str, object]:
-    """TRANSITION: the option fields (by name, those that differ from the record's defaults) of the
-    default ``direction`` kernel of ``arch`` at ``head_dim`` for ``dtype`` (a 16-bit dtype when
-    None); the sm80 backward's for a tile of ``stages`` Q buffers when given. Use
-    :func:`default_config` instead."""
-    config = default_config(arch, direction, dtype or "fp16", head_dim)
-    if config is None:
-        return {}
-    options = config.options
-    if arch == "sm80" and direction == "bwd" and stages is not None:
-        options = sm80_bwd_options(head_dim, stages)
-    return {
-        f.name: getattr(options, f.name)
-        for f in dataclasses.fields(options)
-        if getattr(options, f.name) != f.default
-    }
-
-
 # Read-only views of the default tiles per family and head dim (16-bit forward; backward).
 DEFAULT_TILES: dict[str, dict[int, Tile]] = {
     arch: {hd: c.tile for hd in HEAD_DIMS if (c := default_config(arch, "fwd", "fp16", hd)) is not None}

@@ -18,9 +18,6 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from cutefa.model.legacy import LEGACY_FLAGS as _LEGACY_FLAGS
-from cutefa.model.legacy import option_fields as _legacy_fields
-from cutefa.model.legacy import read_flag as _read_flag
 from cutefa.model.options import Mask, Options, option_tokens, options_class, parse_option_tokens
 
 # Kernel families (the design a kernel uses). A family runs on any compile target at or above it.
@@ -149,13 +146,6 @@ class VariantSpec:
             raise TypeError(
                 f"VariantSpec.options={options!r}: a {arch} {direction} {dtype} variant takes {cls.__name__}"
             )
-        legacy_flags = {k: option_fields.pop(k) for k in list(option_fields) if k in _LEGACY_FLAGS or k == "exp_emu"}
-        if legacy_flags:  # TRANSITION: old boolean flags translated into the record
-            option_fields = {**_legacy_fields(arch, direction, dtype, legacy_flags), **option_fields}
-            if "exp_emu" in legacy_flags and "exp_emu" not in {f.name for f in dataclasses.fields(cls)}:
-                if legacy_flags["exp_emu"]:
-                    raise ValueError(f"exp_emu={legacy_flags['exp_emu']}: emulated exp2 is an sm90/sm100 forward option only")
-                option_fields.pop("exp_emu", None)
         if option_fields:
             known = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(set(option_fields) - known)
@@ -209,17 +199,13 @@ class VariantSpec:
                 fields[key] = changes.pop(key)
         if "causal" in changes:
             fields["mask"] = None
-        family_changed = options_class(positional["arch"], positional["direction"], positional["dtype"]) is not type(self.options)
-        if family_changed and fields["options"] is self.options:
-            fields["options"] = None
-        legacy = {k: changes.pop(k) for k in list(changes) if k in _LEGACY_FLAGS or k == "exp_emu"}
-        if legacy and fields["options"] is not None:  # TRANSITION: old flags on top of the current ones
-            current = {f: _read_flag(self.options, f) for f in _LEGACY_FLAGS}
-            current["exp_emu"] = getattr(self.options, "exp_emu", 0)
-            changes.update({k: v for k, v in {**current, **legacy}.items() if v})
-            fields["options"] = None
-        elif legacy:
-            changes.update(legacy)
+        family = (positional["arch"], positional["direction"], positional["dtype"])
+        if family != (self.arch, self.direction, self.dtype) and fields["options"] is self.options:
+            # another family's record, unless both take the same one (e.g. sm100 fp16 -> e4m3)
+            same = family[0] in ARCHS and family[1] in DIRECTIONS and family[2] in DTYPES and (
+                options_class(*family) is type(self.options)
+            )
+            fields["options"] = self.options if same else None
         return VariantSpec(*positional.values(), **fields, **changes)
 
     def runs_on(self, target: str) -> bool:
@@ -233,13 +219,6 @@ class VariantSpec:
 
     def __str__(self) -> str:
         return self.name
-
-    def __getattr__(self, name: str) -> object:  # TRANSITION: old flag names read from the record
-        if name in _LEGACY_FLAGS:
-            return _read_flag(self.options, name)
-        if name == "exp_emu":
-            return getattr(self.options, "exp_emu", 0)
-        raise AttributeError(f"VariantSpec has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"VariantSpec({self.name!r})"

@@ -54,7 +54,7 @@ def fake_arguments(spec, cutlass, cute):
     shape-polymorphic compile: e4m3 q/k/v, bf16 o; fp32 q_descale (batch, heads_kv, query tiles),
     kv_scales (batch, heads_kv, key tiles, 4) contiguous in its last two dims: per key tile (k
     descale, log2 r, 1 / r, 0) with r = v's tile descale over its largest, and v_descale (batch,
-    heads_kv), that largest one (see cutefa.ops._block_descales)."""
+    heads_kv), that largest one (see cutefa.api.descales.kernel_args)."""
     batch, seqlen_q, seqlen_k = cute.sym_int(symbol="b"), cute.sym_int(symbol="sq"), cute.sym_int(symbol="sk")
     heads_q, heads_kv = cute.sym_int(symbol="hq"), cute.sym_int(symbol="hkv")
 

@@ -103,7 +103,7 @@ def test_bulk_variants_committed():
 
 @pytest.mark.parametrize("spec", BULK + DQW, ids=lambda s: s.name)
 def test_bulk_grads_direct(gen, target, spec):
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     kernel = get_kernel(spec, target)
     for shape in SHAPES:
@@ -116,7 +116,7 @@ def test_bulk_grads_direct(gen, target, spec):
 @pytest.mark.parametrize("spec", BULK + DQW, ids=lambda s: s.name)
 def test_bulk_grads_through_backward(gen, spec):
     """backward.gradients with the variant forced: the host allocates the tiled workspace."""
-    from cutefa import backward
+    from cutefa.api import backward
 
     for shape in ((1, 17, 1000, 4, 2), (2, 1000, 777, 4, 4)):
         q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, *shape)
@@ -136,7 +136,7 @@ def test_bulk_deterministic(gen, target, spec):
     same order; at hd192/hd256 the head-dim split's default, 64 keys per CTA). 16 heads over 4097 keys:
     fewer splits than key blocks, so each CTA adds several key blocks into the same chunks of its
     split one after the other."""
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     twin = spec.replace(dq_path=DqPath.RED, overlap=False)  # the per-thread reductions (committed in bf16)
     q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, 1, 1000, 4097, 16, 4)
@@ -165,7 +165,7 @@ def test_dqw_deterministic_matches_twin(gen, target, spec):
     queries over 200 keys (65 query blocks per key block: a long writer loop), 1 query over 700
     keys (causal: most CTAs have no query block, the writer's and consumers' barrier counts must
     still match)."""
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     twin = spec.replace(dq_path=DqPath.BULK)
     for shape in ((1, 1000, 4097, 16, 4), (1, 4097, 200, 2, 1), (1, 1, 700, 2, 1)):
@@ -183,7 +183,7 @@ def test_dqw_deterministic_matches_twin(gen, target, spec):
 def test_dqw_repeated_calls(gen, target, spec):
     """Twenty non-deterministic calls in a row on one stream, each judged: a barrier protocol that
     lost a generation would hang or leave a piece un-added (dq off by a whole piece)."""
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     kernel = get_kernel(spec, target)
     q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, 2, 1000, 1000, 4, 2)
@@ -209,7 +209,7 @@ def test_rpf_matches_twin(gen, target, spec):
     """Reading LSE2 and D into registers earlier changes when they are read, not what is computed:
     deterministic gradients bitwise equal to the twin's on ragged shapes (partial query and key
     blocks, GQA, seqlen_q != seqlen_k both ways)."""
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     twin = spec.replace(row_prefetch=False)
     for shape in ((1, 1000, 4097, 16, 4), (1, 4097, 200, 2, 1), (2, 17, 333, 3, 3), (1, 1, 700, 2, 1)):

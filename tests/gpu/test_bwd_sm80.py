@@ -267,10 +267,10 @@ def test_bwd_variant(gen, spec, mode):
     the stream-K tail on 2-7 slots, so that CTAs cover parts of key blocks and several key blocks
     of different heads and batches: its parts workspace is poisoned with NaN and its counters with
     garbage (the preprocess must zero them), and most shapes must have a tail."""
-    from cutefa import backward
-    from cutefa.backward import dq_accum_workspace, sm80_tail_workspaces
-    from cutefa.compile import get_kernel
+    from cutefa.api import backward
+    from cutefa.api.backward import dq_accum_workspace, sm80_tail_workspaces
     from cutefa.dispatch import current_target
+    from cutefa.loader import get_kernel
     from cutefa.model.rules import why_not_on
 
     target = current_target()
@@ -328,7 +328,7 @@ def test_stream_tail_through_the_launch(gen, dtype, monkeypatch):
     dispatch's, which on sm_90a GPUs is the sm90 family's) on a grid that ends on a partial wave
     (2 x 10 heads x 32 key blocks = 640 CTAs), so that the launch path turns the stream-K tail on
     with the GPU's own slots: the gradients against the float32 reference."""
-    from cutefa import backward
+    from cutefa.api import backward
     from cutefa.model import defaults
 
     dt = DTYPES[dtype]
@@ -368,9 +368,9 @@ def test_bwd_dq_quad_matches_twin(gen, spec):
     dv are bitwise those of the same tile with the natural layout; in atomic mode they agree to fp32
     reordering. Each kernel's accumulator is poisoned with NaN in its own layout (no stream-K tail:
     it sums the parts of a key block's dK and dV, which moves their rounding)."""
-    from cutefa.backward import dq_accum_workspace, sm80_tail_workspaces
-    from cutefa.compile import get_kernel
+    from cutefa.api.backward import dq_accum_workspace, sm80_tail_workspaces
     from cutefa.dispatch import current_target
+    from cutefa.loader import get_kernel
     from cutefa.model.rules import why_not_on
 
     target = current_target()

@@ -48,7 +48,7 @@ BACKWARDS = all_variants("sm90", "bwd")
 def _default_twin(spec):
     """The default variant of spec's dtype, head dim and mask (its tile and default options): the
     one dispatch picks on sm_90a without a tuned table."""
-    from cutefa import backward
+    from cutefa.api import backward
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
     return backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal)
@@ -70,7 +70,7 @@ SHAPES = COMMON_SHAPES + ((2, 333, 257, 6, 2), (1, 128, 4097, 8, 1))
 
 def run_kernel(kernel, spec, q, k, v, out, lse, dout, *, deterministic=False):
     """dq, dk, dv from one variant, allocated and reduced like cutefa/backward.py does."""
-    from cutefa.backward import dq_accum_workspace, dq_splits
+    from cutefa.api.backward import dq_accum_workspace, dq_splits
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -149,7 +149,7 @@ def check_variant(spec, kernel, batch, sq, sk, hq, hkv, gen, *, deterministic=Fa
 
 def check_shapes(spec, target, shapes, gen):
     """The variant's kernel for ``target`` through :func:`check_variant` at each of ``shapes``."""
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     kernel = get_kernel(spec, target)
     for shape in shapes:
@@ -160,8 +160,8 @@ def check_deterministic_split(spec, target, gen):
     """deterministic=1 with 32 (batch, head) pairs over 1000 keys, fewer dq_accum splits than key
     blocks (each CTA walks several key blocks into one split): judged by :func:`check_variant`; then
     :func:`check_deterministic`."""
-    from cutefa.backward import dq_splits
-    from cutefa.compile import get_kernel
+    from cutefa.api.backward import dq_splits
+    from cutefa.loader import get_kernel
 
     kernel = get_kernel(spec, target)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -197,14 +197,14 @@ def test_variant_grads(gen, target, spec):
 
 @pytest.mark.parametrize("spec", [s for s in BACKWARDS if s.causal], ids=lambda s: s.name)
 def test_variant_deterministic(gen, target, spec):
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     check_deterministic(spec, get_kernel(spec, target), gen)
 
 
 def test_dispatch_picks_sm90_backward(target):
     """On a Hopper GPU the API's backward runs the sm90 family for head dims 64 and 128."""
-    from cutefa.backward import choose_bwd
+    from cutefa.api.backward import choose_bwd
 
     for head_dim in (64, 96, 128, 256):
         spec = choose_bwd(target, torch.bfloat16, head_dim, True)
@@ -223,7 +223,7 @@ def test_every_alternative_is_exercised():
 
 @pytest.mark.parametrize("spec", ALTERNATIVES, ids=lambda s: s.name)
 def test_alternative_matches_default_bitwise(gen, target, spec):
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     twin = _default_twin(spec)
     q, k, v, dout, out, lse = random_inputs(gen, spec, 2, 1000, 777, 4, 2)

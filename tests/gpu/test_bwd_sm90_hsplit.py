@@ -88,7 +88,7 @@ def test_dispatched_backward_runs_the_split(gen, target, head_dim, causal):
     """cutefa.flash_attn_func's backward picks a Hopper kernel built for wide heads (the head-dim
     split; at hd192 the tuned table may take the swapped 64x96 tile instead) and matches the
     reference."""
-    from cutefa.backward import choose_bwd
+    from cutefa.api.backward import choose_bwd
 
     spec = choose_bwd(target, torch.bfloat16, head_dim, causal, seqlen_k=777)
     wide = sm90_bwd_head_split(spec) or (head_dim == 192 and sm90_bwd_swapped(spec))

@@ -96,7 +96,7 @@ def _head_split_twin(spec):
 @pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
 def test_swapped_matches_head_split(gen, target, spec):
     """The same gradients as the head-dim split (another partition: close, not bitwise)."""
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     twin = _head_split_twin(spec)
     assert sm90_bwd_head_split(twin) and why_invalid(twin) is None, twin.name
@@ -120,7 +120,7 @@ def test_dq_stage_matches_in_stage_twin_bitwise(gen, target, spec):
     the one dS
     buffer reused every query block, and over several key blocks per CTA). deterministic=0: dK and
     dV (no atomics) still bitwise, dQ close."""
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     twin = spec.replace(dq_path=DqPath.BULK)
     assert twin in SWAPPED, twin.name
@@ -144,7 +144,7 @@ def test_dq_stage_matches_in_stage_twin_bitwise(gen, target, spec):
 @pytest.mark.parametrize("spec", SWAPPED, ids=lambda s: s.name)
 def test_swapped_through_backward(gen, spec):
     """backward.gradients with the variant forced (the host allocates the workspace), both modes."""
-    from cutefa import backward
+    from cutefa.api import backward
 
     for batch, sq, sk, hq, hkv in ((1, 17, 1000, 4, 2), (2, 1000, 777, 4, 4)):
         q, k, v, dout, out, lse = bwd90.random_inputs(gen, spec, batch, sq, sk, hq, hkv)

@@ -27,7 +27,8 @@ from gpu_support import all_variants, sm90_kernel_skip_reason
 from gpu_support import load_sibling as _load
 
 import cutefa
-from cutefa import fp8, ops
+from cutefa import fp8
+from cutefa.api import plans
 from cutefa.model.options import OAccum, Quant, RowSum, Scheduler, VTranspose
 
 ref = _load("reference")
@@ -87,8 +88,8 @@ def fp8_kernel(spec):
     v_descale, scale) (a persistent one's ``fn`` also as that plus the grid); a variant with the
     v_mean option is given zero column means there, so that it computes what its twin without the
     option does (test_v_mean_variant_adds_the_means gives it others)."""
-    from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
+    from cutefa.loader import get_kernel
 
     kernel = get_kernel(spec, current_target())
     return _WithZeroMeans(kernel) if spec.options.v_mean else kernel
@@ -197,7 +198,16 @@ def test_variant(gen, spec):
         exact, exact_lse = ref.attention_ref(q, k, v, causal=spec.causal)
         emul, emul_lse = emulate(fp8s, descales, causal=spec.causal, scale=scale)
         lse_tol = SUM_MMA_LSE_TOL if spec.options.row_sum is RowSum.MMA else LSE_TOL
-        check(out, lse, exact, exact_lse, emul, emul_lse, what=f"{spec.name} {(batch, sq, sk, hq, hkv)}", lse_tol=lse_tol)
+        check(
+            out,
+            lse,
+            exact,
+            exact_lse,
+            emul,
+            emul_lse,
+            what=f"{spec.name} {(batch, sq, sk, hq, hkv)}",
+            lse_tol=lse_tol,
+        )
         if spec.causal and sq > sk:
             rows = sq - sk
             assert torch.all(out[:, :rows] == 0) and torch.all(torch.isneginf(lse[:, :, :rows]))
@@ -347,7 +357,12 @@ def _one_cta_per_tile(spec):
 
 
 def test_persistent_variants_are_tested():
-    assert {(s.head_dim, s.causal) for s in PERSISTENT} == {(128, False), (128, True), (256, False), (256, True)}
+    assert {(s.head_dim, s.causal) for s in PERSISTENT} == {
+        (128, False),
+        (128, True),
+        (256, False),
+        (256, True),
+    }
     assert all(_one_cta_per_tile(s) in FP8_VARIANTS for s in PERSISTENT)
 
 
@@ -433,12 +448,17 @@ def test_lazy_rescale_on_rising_maxes(gen, spec):
         # from the same tensor cores; only the fp32 row sums' offsets differ): 1e-3.
         # (RowSum.MMA: the rounded P's sums, up to log(1 + 2^-4) from the unrounded ones'.)
         rounded = math.log1p(2.0**-4) if spec.options.row_sum is RowSum.MMA else 0.0
-        cases = ((emul_lse, "the emulation", 2.0**-9, LSE_TOL + rounded), (lse_twin, "the twin", 0.0, 1e-3 + rounded))
+        cases = (
+            (emul_lse, "the emulation", 2.0**-9, LSE_TOL + rounded),
+            (lse_twin, "the twin", 0.0, 1e-3 + rounded),
+        )
         for other, against, rel, tol in cases:
             finite = torch.isfinite(other)
             assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse finite where {against}'s is not"
             err = (lse[finite] - other[finite]).abs()
-            assert torch.all(err <= tol + rel * other[finite].abs()), f"{what}: lse off {against} by {err.max().item():.4g}"
+            assert torch.all(err <= tol + rel * other[finite].abs()), (
+                f"{what}: lse off {against} by {err.max().item():.4g}"
+            )
 
 
 # RowSum.MMA (_smma): the row sums by a P x ones WGMMA, committed on the tuned tiles (with lazy_rescale).
@@ -457,7 +477,9 @@ def test_sum_mma_sums_the_p_it_uses(gen, spec):
     scale = ref.default_scale(spec.head_dim)
     # Up to two key blocks: the P V product's own accumulation in the tensor core (fewer mantissa
     # bits than fp32, docs/log/perf-notes.md) stays below 2^-9 there; over thousands of keys it does not.
-    for batch, sq, sk, hq, hkv in [shape for shape in SHAPES if shape[2] <= 2 * spec.tile_n] + [(2, 300, 150, 4, 2)]:
+    for batch, sq, sk, hq, hkv in [shape for shape in SHAPES if shape[2] <= 2 * spec.tile_n] + [
+        (2, 300, 150, 4, 2)
+    ]:
         q, k, _ = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
         v = torch.ones(batch, sk, hkv, spec.head_dim, device="cuda")
         fp8s, descales = quantize(q, k, v)
@@ -564,15 +586,15 @@ def test_api(gen, head_dim, causal, granularity):
     check(out, lse, exact, exact_lse, emul, emul_lse, what=f"api hd{head_dim} {granularity}")
     # The same call again takes its plan (no validation or dispatch): the same result, bitwise,
     # on new NaN-poisoned outputs; new descale values of the same kind go through the plan too.
-    ops.clear_plans()
+    plans.clear_plans()
     kwargs = {"causal": causal, "q_descale": descales[0], "k_descale": descales[1], "return_lse": True}
     first = cutefa.flash_attn_func(*fp8s, v_descale=descales[2], **kwargs)
-    assert len(ops._FP8_PLANS) == 1
+    assert len(plans._FP8_PLANS) == 1
     again = cutefa.flash_attn_func(*fp8s, v_descale=descales[2], **kwargs)
     for a, b in zip(first, again):
         assert a.data_ptr() != b.data_ptr() and torch.equal(a, b), f"api hd{head_dim} {granularity} plan"
     doubled, _ = cutefa.flash_attn_func(*fp8s, v_descale=2 * descales[2], **kwargs)
-    assert len(ops._FP8_PLANS) == 1
+    assert len(plans._FP8_PLANS) == 1
     torch.testing.assert_close(doubled.float(), 2 * first[0].float(), rtol=1e-2, atol=1e-2)
 
 
@@ -628,8 +650,8 @@ def test_v_mean_variant_adds_the_means(gen, spec):
     each kv head's means on the rows that attend a key: within the bf16 rounding of the twin's
     output, which is rounded before the means are added; rows that attend no key (causal, more
     queries than keys) stay exactly 0 with lse -inf; the lse is the twin's."""
-    from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
+    from cutefa.loader import get_kernel
 
     kernel, twin = get_kernel(spec, current_target()), fp8_kernel(spec.replace(v_mean=False))
     scale = ref.default_scale(spec.head_dim)

@@ -26,7 +26,8 @@ from gpu_support import load_sibling as _load
 from gpu_support import sm90_kernel_skip_reason
 
 import cutefa
-from cutefa import dispatch, fp8, ops
+from cutefa import dispatch, fp8
+from cutefa.api.descales import kernel_args
 from cutefa.model.committed import fp8_block_specs
 from cutefa.model.defaults import DEFAULT_TILES
 from cutefa.model.options import Quant
@@ -122,9 +123,9 @@ def check(out, lse, exact, exact_lse, emul, *, what, bounds):
 
 @pytest.mark.parametrize("spec", BLOCK_VARIANTS, ids=lambda s: s.name)
 def test_variant(gen, spec):
-    """Each committed _blockq kernel, called directly (arguments from ops._fp8_kernel_args) on
+    """Each committed _blockq kernel, called directly (arguments from cutefa.api.descales.kernel_args) on
     NaN-poisoned outputs, on every shape."""
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     target = dispatch.current_target()
     kernel = get_kernel(spec, target)
@@ -133,7 +134,7 @@ def test_variant(gen, spec):
         q, k, v = make_inputs(gen, batch, sq, sk, hq, hkv, spec.head_dim)
         fp8s, descales = quantize_blocks(q, k, v, spec.tile_m, spec.tile_n)
         twin = dispatch.Choice(spec.replace(quant=Quant.TENSOR), target, "test")
-        choice, args = ops._fp8_kernel_args(fp8s[0], fp8s[1], descales, twin)
+        choice, args = kernel_args(fp8s[0], fp8s[1], descales, twin)
         assert choice.spec == spec
         out = torch.full((batch, sq, hq, spec.head_dim), math.nan, dtype=torch.bfloat16, device="cuda")
         lse = torch.full((batch, hq, sq), math.nan, device="cuda")
@@ -193,7 +194,15 @@ def test_api_mixed_granularities(gen):
     v_blocks = vd.reshape(1, 1, 1).expand(batch, hkv, -(-sk // kv_block))
     emul, _ = emulate(deq, v_blocks, kv_block, causal=False, scale=ref.default_scale(d))
     _, lse = cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
-    check(out, lse, exact, exact_lse, emul, what="mixed granularities", bounds=score_bounds(deq, ref.default_scale(d)))
+    check(
+        out,
+        lse,
+        exact,
+        exact_lse,
+        emul,
+        what="mixed granularities",
+        bounds=score_bounds(deq, ref.default_scale(d)),
+    )
 
 
 def test_block_size_mismatch_is_refused(gen):

@@ -66,7 +66,7 @@ def test_the_emulation_applies():
 @pytest.mark.parametrize("spec", FP8_VARIANTS, ids=lambda s: s.name)
 def test_variant(gen, spec):
     """Each committed sm100 e4m3 kernel, called directly on NaN-poisoned outputs, on every shape."""
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     kernel = get_kernel(spec, dispatch.current_target())
     scale = ref.default_scale(spec.head_dim)
@@ -111,7 +111,7 @@ def test_api(gen, head_dim, causal, granularity):
 def test_against_the_bf16_kernel(gen):
     """The e4m3 kernel and the sm100 bf16 kernel on the same dequantized inputs agree to e4m3
     rounding of P (a few percent relative L2), and their LSEs to 0.02."""
-    from cutefa.compile import get_kernel
+    from cutefa.loader import get_kernel
 
     spec = next(s for s in FP8_VARIANTS if s.head_dim == 128 and s.causal)
     twin = spec.replace(dtype="bf16")

@@ -36,8 +36,8 @@ PAIRS = [s for s in all_variants("sm100", "fwd") if s.options.cta_pair]
 
 
 def _kernel_or_skip(spec):
-    from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
+    from cutefa.loader import get_kernel
 
     target = current_target()
     if not spec.runs_on(target):

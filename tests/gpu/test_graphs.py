@@ -2,7 +2,7 @@
 
 Inputs live in static tensors that each replay reads after they are overwritten in place. Every
 kernel is loaded and every call plan made during the warm-up on a side stream, as torch asks
-before capturing; during capture nothing may load or compile a kernel (``cutefa.compile`` is set
+before capturing; during capture nothing may load or compile a kernel (``cutefa.loader`` is set
 to fail if asked to), and a host synchronization would fail the capture itself. A replay
 must then give bitwise what an eager call gives on the same inputs (with ``deterministic=True``
 for the backward, whose default mode adds dQ with atomics in any order).
@@ -17,7 +17,7 @@ import torch
 from gpu_support import sm80_skip_reason as _skip_reason
 
 import cutefa
-from cutefa import compile as cc
+from cutefa import loader
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
@@ -37,8 +37,8 @@ def nothing_compiles(monkeypatch):
         raise AssertionError("a kernel was prepared (loaded or compiled) inside CUDA graph capture")
 
     with monkeypatch.context() as m:
-        m.setattr(cc, "_prepare", refuse)
-        m.setattr(cc, "_jit", refuse)
+        m.setattr(loader, "_prepare", refuse)
+        m.setattr(loader, "_jit", refuse)
         yield
 
 

@@ -21,7 +21,8 @@ from gpu_support import sm80_skip_reason as _skip_reason
 
 import cutefa
 from cutefa import compile as cc
-from cutefa import dispatch, ops, pack
+from cutefa import dispatch, loader, pack, pack_build
+from cutefa.api import launch, plans
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
@@ -41,7 +42,7 @@ def _inputs(problem, seed=0):
 
 def _choice(problem):
     q, k, _ = _inputs(problem)
-    return ops._choose(q, k, problem[-1])
+    return launch.choose(q, k, problem[-1])
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def packed(tmp_path_factory):
     chosen = {name: _choice(problem).spec for name, problem in PROBLEMS.items()}
     out = tmp_path_factory.mktemp("pack")
     specs = sorted(set(chosen.values()))
-    results = pack.build_pack(specs, target=target, pack_dir=out, jobs=len(specs), progress=False)
+    results = pack_build.build_pack(specs, target=target, pack_dir=out, jobs=len(specs), progress=False)
     failed = {r.spec.name: r.error for r in results if not r.ok}
     assert not failed, f"building the pack failed: {failed}"
     return out, chosen
@@ -76,7 +77,7 @@ def _jit(spec):
         pytest.skip(f"this process's DSL compiles for {cc.dsl_target()}, not {target}")
     if spec not in _JIT:
         compiled = cc.compile_object(spec, target)
-        _JIT[spec] = cc._with_sm_count(compiled) if cc.takes_sm_count(spec) else compiled
+        _JIT[spec] = loader._with_sm_count(compiled) if cc.takes_sm_count(spec) else compiled
     return _JIT[spec]
 
 
@@ -92,9 +93,9 @@ def test_pack_kernel_is_bitwise_the_jit_kernel(packed, name, monkeypatch):
     monkeypatch.setenv("CUTEFA_KERNEL_PATH", str(out_dir))
     found, refusals = pack.find_kernel(spec.name, target, cc.fingerprint(spec, target))
     assert found is not None and found.pack == out_dir, f"the pack was refused: {refusals}"
-    from_pack = cc.load_library(found.path, found.function_name, found.runtime)
+    from_pack = loader.load_library(found.path, found.function_name, found.runtime)
     if cc.takes_sm_count(spec):  # its entry also takes the number of CTAs (get_kernel adds it)
-        from_pack = cc._with_sm_count(from_pack)
+        from_pack = loader._with_sm_count(from_pack)
     q, k, v = _inputs(problem)
     scale = 1.0 / math.sqrt(q.shape[-1])
     packed_out, packed_lse = _run(from_pack, q, k, v, scale)
@@ -115,7 +116,7 @@ causal = sys.argv[2] == "1"
 torch.cuda.synchronize()
 ready = time.perf_counter()
 import cutefa
-import cutefa.compile as cc
+import cutefa.loader as loader
 out = cutefa.flash_attn_func(q, k, v, causal=causal)
 torch.cuda.synchronize()
 first = time.perf_counter()
@@ -124,7 +125,7 @@ torch.save((out, again), sys.argv[3])
 print(json.dumps({
     "first_ms": (first - ready) * 1e3,
     "dsl": sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "iket")),
-    "origins": sorted(cc.loaded_kernels().values()),
+    "origins": sorted(loader.loaded_kernels().values()),
 }))
 """
 
@@ -162,16 +163,16 @@ def test_call_plan_runs_the_pack_kernel_on_the_current_stream(packed, monkeypatc
     name = "bf16-hd128-causal-tiny"
     spec, problem = chosen[name], PROBLEMS[name]
     monkeypatch.setenv("CUTEFA_KERNEL_PATH", str(out_dir))
-    monkeypatch.setattr(cc, "_KERNELS", {})
-    monkeypatch.setattr(cc, "_ORIGINS", {})
-    monkeypatch.setattr(ops, "_PLANS", {})
+    monkeypatch.setattr(loader, "_KERNELS", {})
+    monkeypatch.setattr(loader, "_ORIGINS", {})
+    monkeypatch.setattr(plans, "_PLANS", {})
     q, k, v = _inputs(problem)
     jit_out, _ = _run(_jit(spec), q, k, v, 1.0 / math.sqrt(q.shape[-1]))
     first = cutefa.flash_attn_func(q, k, v, causal=True)  # validating way, makes the plan
     second = cutefa.flash_attn_func(q, k, v, causal=True)  # the plan
     assert (
-        len(ops._PLANS) == 1
-        and cc.loaded_kernels()[(spec.name, dispatch.current_target())] == f"pack {out_dir}"
+        len(plans._PLANS) == 1
+        and loader.loaded_kernels()[(spec.name, dispatch.current_target())] == f"pack {out_dir}"
     )
     assert _same(first, jit_out) and _same(second, jit_out)
 
@@ -207,18 +208,20 @@ def test_call_plan_uses_the_bound_launcher_and_is_thread_safe(packed, monkeypatc
     out_dir, _ = packed
     problem = PROBLEMS["bf16-hd128-causal-tiny"]
     monkeypatch.setenv("CUTEFA_KERNEL_PATH", str(out_dir))
-    monkeypatch.setattr(cc, "_KERNELS", {})
-    monkeypatch.setattr(ops, "_PLANS", {})
+    monkeypatch.setattr(loader, "_KERNELS", {})
+    monkeypatch.setattr(plans, "_PLANS", {})
     inputs = [_inputs(problem, seed=i) for i in range(4)]
     bound_calls = []
     real_bind = ffi.Function.bind
 
     def counting_bind(self, args, slots):
-        launch = real_bind(self, args, slots)
-        return lambda *t: bound_calls.append(1) or launch(*t)
+        launcher = real_bind(self, args, slots)
+        return lambda *t: bound_calls.append(1) or launcher(*t)
 
     monkeypatch.setattr(ffi.Function, "bind", counting_bind)
-    expected = [cutefa.flash_attn_func(q, k, v, causal=True).clone() for q, k, v in inputs]  # 1st: makes the plan
+    expected = [
+        cutefa.flash_attn_func(q, k, v, causal=True).clone() for q, k, v in inputs
+    ]  # 1st: makes the plan
     assert bound_calls == [1, 1, 1]  # calls 2-4 took the plan's bound launcher
     assert _same(cutefa.flash_attn_func(*inputs[1], causal=True), expected[1]) and len(bound_calls) == 4
 

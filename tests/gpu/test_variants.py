@@ -36,8 +36,8 @@ FORWARDS = [
 
 @pytest.mark.parametrize("spec", FORWARDS, ids=lambda s: s.name)
 def test_variant(gen, spec):
-    from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
+    from cutefa.loader import get_kernel
     from cutefa.model.rules import why_not_on
 
     target = current_target()
@@ -72,8 +72,8 @@ def test_lazy_rescale_on_rising_maxes(gen, spec):
     a positive mean: about 1 log2 unit per 64 keys), so the lazy variant takes both of its branches
     many times: checked against the float32 reference, and against its twin without it to
     within the 16-bit rounding of P (the kept max shifts P by up to 2^8)."""
-    from cutefa.compile import get_kernel
     from cutefa.dispatch import current_target
+    from cutefa.loader import get_kernel
 
     target = current_target()
     kernels = (get_kernel(spec, target), get_kernel(spec.replace(lazy_rescale=False), target))

@@ -21,7 +21,7 @@ partial wave exit at once: the grid keeps its shape.
 
 Every quantity here is CTA-uniform integer arithmetic on the grid's shape; the host passes
 ``slots`` (0: tail off, as in deterministic mode) and keeps ``(rem + slots) * m_blocks * slots``
-within 32 bits (:func:`cutefa.backward.tail_slots`).
+within 32 bits (:func:`cutefa.api.backward.tail_slots`).
 """
 
 import cutlass
