@@ -13,11 +13,13 @@ from pathlib import Path
 from cutefa import cli_compile, codegen
 from cutefa.cli_common import UsageError, positive_int, print_table, spec_from_argument
 from cutefa.model import committed, rules
+from cutefa.model.options import Choice, Options
 from cutefa.model.spec import (
     ARCHS,
     DIRECTIONS,
     DTYPES,
     TARGETS,
+    Features,
     VariantSpec,
     target_for_capability,
 )
@@ -141,11 +143,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _field_text(value: object) -> str:
+    """A spec field as ``cutefa show`` prints it: enum members and records by their values."""
+    if isinstance(value, Choice):
+        return value.name.lower()
+    if isinstance(value, Features):
+        return ", ".join(value.tokens) or "none"
+    if isinstance(value, Options):
+        fields = dataclasses.fields(value)
+        return f"{type(value).__name__}(" + ", ".join(f"{f.name}={_field_text(getattr(value, f.name))}" for f in fields) + ")"
+    return str(value)
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     spec = spec_from_argument(args.name)
     path = codegen.module_path(spec, args.out_dir)
     reason = rules.why_invalid(spec)
-    rows = [(field.name, str(getattr(spec, field.name))) for field in dataclasses.fields(spec)]
+    rows = [(field.name, _field_text(getattr(spec, field.name))) for field in dataclasses.fields(spec)]
     rows += [
         ("threads", str(spec.threads)),
         ("smem_bytes", f"{rules.smem_bytes(spec)} ({rules.smem_bytes(spec) / 1024:.1f} KiB)"),
@@ -218,7 +232,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     path = tune(args.arch, out_dir=args.out, seqlens=tuple(args.seqlens), dtypes=tuple(args.dtype),
                 head_dims=tuple(args.hdim) if args.hdim else None, direction=args.direction,
-                rounds=args.rounds)  # fmt: skip
+                rounds=args.rounds, pool=_all_variants(args.arch))  # fmt: skip
     print(f"wrote {path}")
     return 0
 
@@ -287,7 +301,7 @@ def _subcommands() -> dict[str, tuple[Callable[[argparse.Namespace], int], str]]
         "show": (_cmd_show, "show one variant: fields, budgets, validity, generated file"),
         "explain": (_cmd_explain, "say which variant would run for a problem shape, and why"),
         "bench": (_cmd_bench, "run tools/bench.py with the remaining arguments (needs a CUDA GPU)"),
-        "tune": (_cmd_tune, "measure the default variants on this GPU and write its dispatch table"),
+        "tune": (_cmd_tune, "measure the committed variants and the measured alternatives on this GPU and write its dispatch table"),
     }
 
 

@@ -286,15 +286,23 @@ def _git_commit() -> str:
 
 
 def tuning_candidates(
-    arch: str, direction: str, dtypes: tuple[str, ...], head_dims: tuple[int, ...] | None, target: str
+    arch: str,
+    direction: str,
+    dtypes: tuple[str, ...],
+    head_dims: tuple[int, ...] | None,
+    target: str,
+    pool: list[VariantSpec] | None = None,
 ) -> list[VariantSpec]:
-    """The committed variants :func:`tune` times for ``target``: ``arch``'s default variants of
+    """The variants :func:`tune` times for ``target``: those of ``pool`` (default: ``arch``'s
+    committed variants; ``cutefa tune`` passes the measured alternatives too) of ``arch`` and
     ``direction`` in ``dtypes`` (and ``head_dims``, None: all) that run there, without the
     block-quantization ones (the API derives those from the pick: :mod:`cutefa.api.descales`).
     Which of the e4m3 ones a table entry may name: :func:`table_entries`."""
+    pool = default_variants(arch, direction) if pool is None else pool
     specs = [
-        s for s in default_variants(arch, direction)
-        if s.dtype in dtypes and getattr(s.options, "quant", Quant.TENSOR) is Quant.TENSOR
+        s for s in pool
+        if (s.arch, s.direction) == (arch, direction) and s.dtype in dtypes
+        and getattr(s.options, "quant", Quant.TENSOR) is Quant.TENSOR
     ]  # fmt: skip
     specs = [s for s in specs if head_dims is None or s.head_dim in head_dims]
     return [s for s in specs if why_not_on(s, target) is None]
@@ -310,8 +318,9 @@ def tune(
     progress: bool = True,
     direction: str = "fwd",
     rounds: int = 1,
+    pool: list[VariantSpec] | None = None,
 ) -> Path:
-    """Measure ``arch``'s default variants of ``direction`` on this GPU; write
+    """Measure ``arch``'s variants of ``direction`` (:func:`tuning_candidates` of ``pool``) on this GPU; write
     ``<out_dir>/<arch>_<gpu>.json`` (backward: ``<arch>_bwd_<gpu>.json``). Each time is the median
     of ``rounds`` samples, taken in turns with the other variants of its problem."""
     if rounds < 1:
@@ -324,7 +333,7 @@ def tune(
     if not torch.cuda.is_available():
         raise RuntimeError("tuning needs a CUDA GPU, and torch sees none")
     target = current_target()
-    specs = tuning_candidates(arch, direction, dtypes, head_dims, target)
+    specs = tuning_candidates(arch, direction, dtypes, head_dims, target, pool)
     if not specs:
         raise ValueError(
             f"no default {arch} {direction} variant runs on {target} for dtypes {dtypes} and head dims {head_dims}"

@@ -39,19 +39,19 @@ def test_bad_names_are_refused(bad, capsys):
 
 
 def test_a_variant_serves_its_own_cells_only():
-    bench = load_tool("bench")
-    assert bench.variant_serves(OV, bench.Cell("bf16", 128, False, 2048, "bwd"))
-    assert not bench.variant_serves(OV, bench.Cell("bf16", 128, True, 2048, "bwd"))
-    assert not bench.variant_serves(OV, bench.Cell("bf16", 64, False, 2048, "bwd"))
-    assert not bench.variant_serves(OV, bench.Cell("fp16", 128, False, 2048, "bwd"))
-    assert not bench.variant_serves(OV, bench.Cell("bf16", 128, False, 2048, "fwd"))
+    bench_grid = load_tool("bench_grid")
+    assert bench_grid.variant_serves(OV, bench_grid.Cell("bf16", 128, False, 2048, "bwd"))
+    assert not bench_grid.variant_serves(OV, bench_grid.Cell("bf16", 128, True, 2048, "bwd"))
+    assert not bench_grid.variant_serves(OV, bench_grid.Cell("bf16", 64, False, 2048, "bwd"))
+    assert not bench_grid.variant_serves(OV, bench_grid.Cell("fp16", 128, False, 2048, "bwd"))
+    assert not bench_grid.variant_serves(OV, bench_grid.Cell("bf16", 128, False, 2048, "fwd"))
 
 
 def test_forced_variant_replaces_the_backward_choice_and_restores_it():
-    bench = load_tool("bench")
+    bench_backends = load_tool("bench_backends")
     default = backward.choose_bwd("sm_90a", torch.bfloat16, 128, False)
     assert default.name == "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk"  # the default (DqPath.BULK)
-    with bench.forced_bwd_variant(OV):
+    with bench_backends.forced_bwd_variant(OV):
         assert backward.choose_bwd("sm_90a", torch.bfloat16, 128, False).name == OV
         # the backward passes the key length and the GPU (for tuned tables): forced all the same
         forced = backward.choose_bwd("sm_90a", torch.bfloat16, 128, False, seqlen_k=4096, gpu_name="NVIDIA H200")
@@ -62,15 +62,15 @@ def test_forced_variant_replaces_the_backward_choice_and_restores_it():
 
 
 def test_table_has_one_row_per_variant_with_ratios():
-    bench = load_tool("bench")
-    row = bench.Row(bench.Cell("bf16", 128, False, 2048, "bwd"))
-    row.results["FA4"] = bench.Result("ok", ms=1.0, tflops=500.0)
-    row.results["cutefa"] = bench.Result("ok", ms=1.0, tflops=400.0)
-    row.bwd_variants[OV] = bench.Result("ok", ms=1.0, tflops=450.0)
-    row.bwd_variants[S3] = bench.Result("err", error="boom")
-    lines = bench.bwd_variants_table([row]).splitlines()
+    bench_grid, bench_report = load_tool("bench_grid"), load_tool("bench_report")
+    row = bench_grid.Row(bench_grid.Cell("bf16", 128, False, 2048, "bwd"))
+    row.results["FA4"] = bench_grid.Result("ok", ms=1.0, tflops=500.0)
+    row.results["cutefa"] = bench_grid.Result("ok", ms=1.0, tflops=400.0)
+    row.bwd_variants[OV] = bench_grid.Result("ok", ms=1.0, tflops=450.0)
+    row.bwd_variants[S3] = bench_grid.Result("err", error="boom")
+    lines = bench_report.bwd_variants_table([row]).splitlines()
     assert len(lines) == 2 + 2
     assert lines[2].split(" | ")[1:] == ["128", "0", "2048", "450", "500", "0.90", "400", "1.12 |"]
     assert lines[3].startswith(f"| {S3} |") and "| err |" in lines[3]
-    text = bench.report_markdown({"check_tol": 0.02}, [row], ["cutefa", "FA4"], [])
+    text = bench_report.report_markdown({"check_tol": 0.02}, [row], ["cutefa", "FA4"], [])
     assert "## Backward variants" in text

@@ -110,3 +110,28 @@ def test_e4m3_entries_accumulate_in_two_levels_or_take_the_means():
     ]
     bf16 = tune.tuning_candidates("sm90", "fwd", ("bf16",), (128,), "sm_90a")
     assert bf16 and not any(hasattr(s.options, "o_accum") or hasattr(s.options, "v_mean") for s in bf16)
+
+
+def test_tuning_candidates_take_a_pool_with_the_measured_alternatives():
+    """``cutefa tune`` times the measured alternatives too (the committed set holds only what
+    dispatch can run, so a re-tune could otherwise never pick a new variant): a pool's variants of
+    other families, directions, dtypes, head dims, block quantization or that do not fit the
+    target are left out."""
+    import importlib.util
+    import sys
+
+    from cutefa import cli, tune
+    from cutefa.model.committed import default_variants
+
+    module_spec = importlib.util.spec_from_file_location("alternatives_for_test", cli.ALTERNATIVES_SCRIPT)
+    tool = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = tool
+    module_spec.loader.exec_module(tool)
+    pool = tool.all_variants(None)
+    picked = tune.tuning_candidates("sm90", "fwd", ("bf16",), (128,), "sm_90a", pool)
+    committed = set(tune.tuning_candidates("sm90", "fwd", ("bf16",), (128,), "sm_90a"))
+    assert committed < set(picked), "the alternatives join the committed variants"
+    assert set(default_variants("sm90", "fwd")) >= committed
+    assert all((s.arch, s.direction, s.dtype, s.head_dim) == ("sm90", "fwd", "bf16", 128) for s in picked)
+    fp8 = tune.tuning_candidates("sm90", "fwd", ("e4m3",), None, "sm_90a", pool)
+    assert fp8 and all(s.options.quant is Quant.TENSOR for s in fp8)

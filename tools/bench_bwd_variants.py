@@ -126,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load_bench():
-    """tools/bench.py (its timer, FA2 backend, backward closure and error measure)."""
+    """tools/bench_backends.py (the benchmark's timer, FA2 backend, backward closure and error measure)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("cutefa_tools_bench", Path(__file__).with_name("bench.py"))
+    path = Path(__file__).with_name("bench_backends.py")
+    spec = importlib.util.spec_from_file_location("cutefa_tools_bench_backends", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -48,7 +48,8 @@ MAX_REL_ERR = 0.10
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("cutefa_tools_bench", Path(__file__).with_name("bench.py"))
+    path = Path(__file__).with_name("bench_backends.py")
+    spec = importlib.util.spec_from_file_location("cutefa_tools_bench_backends", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         attention = cutefa.flash_attn_func
         if args.bwd_variant:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from bench import forced_bwd_variant
+            from bench_backends import forced_bwd_variant
 
             context = functools.partial(forced_bwd_variant, args.bwd_variant)
 
