@@ -44,11 +44,16 @@ def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: bool = False,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
-    return_lse: bool = False,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
@@ -57,10 +62,19 @@ def flash_attn_func(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on CUDA tensors of shape (batch, seqlen, heads, head_dim).
 
+    The positional arguments are flash-attn's (``flash_attn_func(q, k, v, dropout_p,
+    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)``),
+    so code written for it runs unchanged; cutefa's own options are keyword-only. Not implemented
+    yet, each a NotImplementedError naming the argument: ``dropout_p`` other than 0, a sliding
+    ``window_size`` (``(-1, -1)`` or ``(None, None)`` is no window; ``(-1, 0)`` is the causal mask),
+    ``softcap`` other than 0 and ``alibi_slopes``.
+
     ``softmax_scale`` defaults to ``1/sqrt(head_dim)``. Returns ``out`` (like q), or ``(out, lse)``
-    with ``return_lse``: lse is float32 (batch, heads_q, seqlen_q), the natural-log sum of
-    exp(scaled scores) per query row. See the module docstring for masking and edge cases.
-    Differentiable (out and lse); ``deterministic=True`` makes the backward bitwise reproducible.
+    with ``return_lse``, or flash-attn's ``(out, lse, None)`` with ``return_attn_probs`` (no
+    dropout, so no probabilities are returned): lse is float32 (batch, heads_q, seqlen_q), the
+    natural-log sum of exp(scaled scores) per query row. See the module docstring for masking and
+    edge cases. Differentiable (out and lse); ``deterministic=True`` makes the backward bitwise
+    reproducible.
 
     fp8: q, k and v of dtype torch.float8_e4m3fn (see :func:`cutefa.quantize_fp8`) with float32
     ``q_descale``, ``k_descale``, ``v_descale`` of shape () or (batch, heads_kv) (None: 1) attend
@@ -79,6 +93,14 @@ def flash_attn_func(
     two-level accumulation, which centered v does not need; the ``_vmean`` kernels take the mean and
     add it in their epilogue, after any other kernel it is added in one pass over the output).
     """
+    if dropout_p != 0.0 or window_size != (-1, -1) or softcap != 0.0 or alibi_slopes is not None:
+        causal = flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slopes)
+    if return_attn_probs:
+        out, lse = flash_attn_func(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, return_lse=True,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype, v_mean=v_mean,
+        )  # fmt: skip
+        return out, lse, None
     if plain_eager(q, k, v):
         key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)
         try:
@@ -143,6 +165,34 @@ def _eager(
         plan = dense.make_plan(*launched, q, k, causal, scale)  # type: ignore[arg-type]
         _plans.remember(_plans._PLANS, key, plan, since)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_options(
+    dropout_p: object, causal: object, window_size: object, softcap: object, alibi_slopes: object
+) -> object:
+    """flash-attn's options that cutefa does not implement yet, each refused by name; returns the
+    mask's ``causal`` (a ``window_size`` of ``(-1, 0)`` is the causal mask, as in flash-attn)."""
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p!r}: cutefa has no attention dropout yet (pass 0.0, as at inference)"
+        )
+    if softcap != 0.0:
+        raise NotImplementedError(f"softcap={softcap!r}: logit softcapping is not implemented yet (pass 0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not implemented yet (pass None)")
+    try:
+        left, right = window_size  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size={window_size!r} must be a pair (left, right) of ints or None") from None
+    unbounded = (-1, None)
+    if left in unbounded and right in unbounded:
+        return causal
+    if left in unbounded and right == 0 and (causal is False or causal is True):
+        return True  # flash-attn: window_size=(-1, 0) is the causal mask
+    raise NotImplementedError(
+        f"window_size={window_size!r}: sliding-window (local) attention is not implemented yet; "
+        "(-1, -1) attends every key, (-1, 0) is the causal mask"
+    )
 
 
 def _plan_options(causal: object, softmax_scale: object, deterministic: object) -> bool:
