@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
 from cutefa import dispatch, fp8
+from cutefa.api import descales as descales_api
 from cutefa.api import fp8 as fp8_api
 from cutefa.api import launch, plans, validate
 from cutefa.model.options import OAccum
@@ -424,8 +425,10 @@ def test_an_fp8_plan_never_accepts_what_validation_refuses(fp8_plans, change, er
         cutefa.flash_attn_func(args.pop("q"), args.pop("k"), args.pop("v"), **args)
 
 
-def test_fp8_planned_call_host_overhead_is_small(fp8_plans):
-    """Pure Python cost of a planned fp8 call with a no-op kernel (the GPU adds the launch)."""
+def test_fp8_planned_call_host_overhead_is_small(fp8_plans, monkeypatch):
+    """Host cost of a planned fp8 call with a no-op kernel (the GPU adds the launch): the plan's
+    Python path, and the check of the descales' values (cutefa.api.descales.assert_finite_positive:
+    one fused device-side assert per call, a few small torch ops: launches on a GPU)."""
     import timeit
 
     _, ((qq, qd), (kq, kd), (vq, vd)) = fp8_inputs()
@@ -433,14 +436,23 @@ def test_fp8_planned_call_host_overhead_is_small(fp8_plans):
     (key,) = plans._FP8_PLANS
     choice = launch.choose(qq, kq, True)
     given = (qd, kd, vd)
-    plans._FP8_PLANS[key] = fp8_api.make_plan(choice, lambda *args: None, qq, kq, True, None, 0.125, None, given)
     n = 2000
 
     def call():
         return cutefa.flash_attn_func(qq, kq, vq, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
 
-    seconds = min(timeit.repeat(call, number=n, repeat=5)) / n
-    assert seconds < 30e-6, f"{seconds * 1e6:.1f} us per planned fp8 call on the host"
+    def seconds(checked):
+        with monkeypatch.context() as m:
+            if not checked:
+                m.setattr(descales_api, "assert_finite_positive", lambda names, values: None)
+            plan = fp8_api.make_plan(choice, lambda *args: None, qq, kq, True, None, 0.125, None, given)
+        plans._FP8_PLANS[key] = plan
+        return min(timeit.repeat(call, number=n, repeat=5)) / n
+
+    unchecked, checked = seconds(False), seconds(True)
+    print(f"planned fp8 call on the host: {unchecked * 1e6:.1f} us, {checked * 1e6:.1f} us with the check")
+    assert unchecked < 30e-6, f"{unchecked * 1e6:.1f} us per planned fp8 call on the host (no descale check)"
+    assert checked < 50e-6, f"{checked * 1e6:.1f} us per planned fp8 call on the host"
 
 
 def test_center_v_and_add_v_mean():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-parts = pytest.importorskip("cutefa.kernels.sm90.parts")
+from cutefa.kernels.sm90 import parts  # the CuTe DSL is a dependency: a broken import fails
 
 
 @pytest.mark.parametrize(("num_m", "heads", "batch", "group"), [(8, 16, 4, 3), (1, 1, 1, 1), (5, 3, 2, 4), (16, 7, 1, 2)])

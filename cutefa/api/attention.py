@@ -85,7 +85,7 @@ def flash_attn_func(
     (batch, heads_kv, blocks), one per block of rows along seqlen (``quantize_fp8(x, "block",
     block=...)``); q's blocks are the dispatched kernel's tile_m rows and k's and v's its tile_n
     rows, which :func:`cutefa.fp8_block_sizes` returns (another block count is a ValueError);
-    block descales must be positive. ``v_mean`` (fp8 only): float32 (batch, heads_kv, head_dim),
+    every descale must be finite and positive (checked on the device without a host sync). ``v_mean`` (fp8 only): float32 (batch, heads_kv, head_dim),
     the mean over seqlen that v had taken out before quantization (:func:`cutefa.center_v`), added
     back to the output of every row that attends a key: on long rows this keeps the e4m3 tensor
     cores' accumulation from losing the part of the output that V's column means carry. Such calls

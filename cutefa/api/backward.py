@@ -20,6 +20,7 @@ import torch
 
 from cutefa import dispatch
 from cutefa.api.launch import aligned, call_on
+from cutefa.api.validate import check_grid_limits
 from cutefa.loader import get_kernel
 from cutefa.model.budgets import bwd_dq_accum_shape
 from cutefa.model.defaults import default_spec
@@ -162,7 +163,10 @@ def gradients(
     spec: VariantSpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`_flash_bwd`'s work, with the backward variant ``spec`` instead of the dispatched one
-    when given (tuning and benchmarks time each variant this way)."""
+    when given (tuning and benchmarks time each variant this way). ValueError, before anything is
+    allocated, where q's batch or heads are over the launch grid's limits (the forward's
+    validation refuses them too)."""
+    check_grid_limits(q)
     dq, dk, dv = _empty_grads(q, k, v)
     batch, _, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]

@@ -22,13 +22,31 @@ from cutefa.model.options import Quant
 from cutefa.model.rules import why_invalid
 
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+# A float32 x is finite and positive iff clamping it to [the smallest positive float32 (a
+# subnormal), the largest finite one] leaves it unchanged (NaN is unequal to anything).
+_SMALLEST, _LARGEST = 2.0**-149, torch.finfo(torch.float32).max
+
+
+def assert_finite_positive(names: Sequence[str], descales: Sequence[torch.Tensor]) -> None:
+    """Assert, on the descales' device and without waiting for it, that every element of
+    ``descales`` (float32, named ``names``) is finite and positive: one check over all of them
+    (a clamp, a comparison and a reduction, then ``torch._assert_async``), nothing the host waits
+    for, so calls stay capturable in a CUDA graph. On a CUDA device a bad value stops the
+    assert's kernel: a device-side assert, reported as a CUDA error by the next call that
+    synchronizes (the CUDA context is then unusable, as after any device-side assert). On the
+    CPU it raises RuntimeError at once."""
+    values = descales[0].reshape(-1) if len(descales) == 1 else torch.cat([d.reshape(-1) for d in descales])
+    finite_positive = torch.eq(values.clamp(_SMALLEST, _LARGEST), values).all()
+    what = names[0] if len(names) == 1 else f"one of {', '.join(names)}"
+    torch._assert_async(finite_positive, f"cutefa: {what} is not finite and positive (fp8 descales must be)")
 
 
 def descale(name: str, d: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """A float32 (batch, heads_kv) descale on q's device from None (1), a 0-d/1-element tensor
     (per tensor) or a (batch, heads_kv) tensor; a (batch, heads_kv, blocks) block descale is
     passed on (contiguous) as it is: its block count is checked against the kernel's tiles at
-    launch (:func:`kernel_args`)."""
+    launch (:func:`kernel_args`). A given descale's values must be finite and positive
+    (:func:`assert_finite_positive`: asserted on its device, without a host sync)."""
     batch, heads_kv = q.shape[0], k.shape[2]
     if d is None:
         return torch.ones((batch, heads_kv), dtype=torch.float32, device=q.device)
@@ -39,6 +57,7 @@ def descale(name: str, d: object, q: torch.Tensor, k: torch.Tensor) -> torch.Ten
     if d.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}; got {d.device}")
     if d.numel() == 1 and d.dim() <= 2:
+        assert_finite_positive((name,), (d,))
         return per_tensor(d, batch, heads_kv)
     if tuple(d.shape) != (batch, heads_kv) and not (d.dim() == 3 and tuple(d.shape[:2]) == (batch, heads_kv)):
         raise ValueError(
@@ -46,6 +65,7 @@ def descale(name: str, d: object, q: torch.Tensor, k: torch.Tensor) -> torch.Ten
             f"= {(batch, heads_kv, 'blocks')} for block quantization; got {tuple(d.shape)} (with grouped-query "
             "attention q's descale is per kv head too: quantize q with group=heads_q // heads_kv)"
         )
+    assert_finite_positive((name,), (d,))
     return d if d.is_contiguous() else d.clone(memory_format=torch.contiguous_format)
 
 
@@ -118,7 +138,8 @@ def kernel_args(
     v_descale (batch, heads_kv)): per key block (k descale, log2 r, 1 / r, 0), r = v's block descale
     over its largest one, that largest one being v_descale (the kernel folds log2 r into the exp2
     of the block's probabilities, which then stay normal e4m3 numbers, and O is multiplied by the
-    largest descale at the end; templates/fwd_sm90_fp8.py.j2). Descales must be positive.
+    largest descale at the end; templates/fwd_sm90_fp8.py.j2). The descales are finite and positive
+    (:func:`descale` asserts it).
     """
     if all(d.dim() == 2 for d in descales):
         return choice, tuple(descales)

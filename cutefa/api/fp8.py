@@ -154,7 +154,8 @@ def make_plan(
     centered: bool = False,
 ) -> Callable[..., Any]:  # fmt: skip
     """The call path of one validated fp8 call signature (:func:`cutefa.api.dense.make_plan` for
-    e4m3 inputs): allocate, normalise the descales, launch, return.
+    e4m3 inputs): allocate, check the given descales' values (one device-side assert, no host sync)
+    and normalise them, launch, return.
 
     The key holds q's and k's shapes, q's dtype and device, causal, the scale, out_dtype and each
     descale's kind (None, or shape, dtype, device and contiguity), so each descale is one the
@@ -185,6 +186,11 @@ def make_plan(
         else "copy" if d.shape == (batch, heads_kv) else "broadcast"  # type: ignore[union-attr]
         for d in descales
     )  # fmt: skip
+    # The given descales' values are checked as descales.descale checks them, in one device-side
+    # assert over all of them (no host sync; the ones made for None need none).
+    given = tuple(i for i, f in enumerate(forms) if f != "ones")
+    given_names = tuple(_descales.DESCALE_NAMES[i] for i in given)
+    assert_finite_positive = _descales.assert_finite_positive
 
     def descale(d: torch.Tensor | None, form: str) -> torch.Tensor:
         if form == "as is":
@@ -202,6 +208,9 @@ def make_plan(
     ) -> Any:  # fmt: skip
         out = empty_like(out_proto)
         lse = scratch if scratch is not None and not return_lse else empty_like(lse_proto)
+        if given:
+            passed = (q_descale, k_descale, v_descale)
+            assert_finite_positive(given_names, [passed[i] for i in given])  # type: ignore[misc]
         qd, kd, vd = (descale(d, f) for d, f in zip((q_descale, k_descale, v_descale), forms))
         try:
             if in_kernel:

@@ -20,6 +20,14 @@ FP8_OUT_DTYPES = (torch.bfloat16,)  # the fp8 forward's output dtypes (the kerne
 # Device types the kernels run on; the validation tests widen it.
 DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 NAMES = ("q", "k", "v")
+# The launch grids (templates/*.j2): the sm80 and sm100 forwards, the sm90 forwards other than the
+# persistent and longest-first (1-D) ones, and every kernel of every backward (preprocess, main,
+# postprocess) launch (tiles, heads_q, batch): heads_q in grid y and batch in grid z, each at most
+# 65535. Grid x (at most 2^31 - 1) takes the tiles, which no problem that fits in GPU memory
+# fills. The persistent and 1-D forwards would take more, but the backward cannot and tuned tables
+# decide which forward runs, so one limit holds for every call; lifting it means folding batch and
+# heads into grid x (or a loop over grid slices) in the kernels.
+GRID_YZ_LIMIT = 65535
 
 
 def default_scale(softmax_scale: float | None, head_dim: int) -> float:
@@ -90,6 +98,20 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if q.shape[3] not in HEAD_DIMS:
         raise ValueError(f"head_dim={q.shape[3]} is not supported; cutefa supports head_dim in {HEAD_DIMS}")
+    check_grid_limits(q)
+
+
+def check_grid_limits(q: torch.Tensor) -> None:
+    """q's batch and heads fit the kernels' launch grids (:data:`GRID_YZ_LIMIT`)."""
+    batch, _, heads_q, _ = q.shape
+    limited = (("heads_q", heads_q, "q's heads", "y"), ("batch", batch, "the batch", "z"))
+    for name, value, what, axis in limited:
+        if value > GRID_YZ_LIMIT:
+            raise ValueError(
+                f"{name}={value} is over cutefa's limit of {GRID_YZ_LIMIT}: its kernels take {what} as "
+                f"the launch grid's {axis} dimension, which holds at most {GRID_YZ_LIMIT}; split the call "
+                f"along {what}"
+            )
 
 
 def check_strides(tensors: Sequence[torch.Tensor]) -> None:

@@ -202,15 +202,48 @@ def test_variant_deterministic(gen, target, spec):
     check_deterministic(spec, get_kernel(spec, target), gen)
 
 
-def test_dispatch_picks_sm90_backward(target):
-    """On a Hopper GPU the API's backward runs the sm90 family for head dims 64 and 128."""
-    from cutefa.api.backward import choose_bwd
+def test_dispatch_picks_sm90_backward(gen, target, monkeypatch):
+    """On a Hopper GPU the API's backward runs the sm90 family for the head dims it has tiles for,
+    and where the tuned backward table has an entry for the problem, that entry (else the default).
+    Checked on the production path: a backward through cutefa.flash_attn_func, whose variant choice
+    passes seqlen_k and the GPU's name so that the table is consulted; the variant that ran is taken
+    from its run log."""
+    import cutefa
+    from cutefa import dispatch
 
-    for head_dim in (64, 96, 128, 256):
-        spec = choose_bwd(target, torch.bfloat16, head_dim, True)
-        assert spec.arch == ("sm90" if head_dim in DEFAULT_BWD_TILES["sm90"] else "sm80"), head_dim
-        if spec.arch == "sm90":  # the default, not an alternative, until tuned tables exist
-            assert _default_twin(spec) == spec, spec.name
+    ran = []
+    log_run = dispatch.log_run
+
+    def logged(choice, *args):
+        ran.append(choice)
+        log_run(choice, *args)
+
+    monkeypatch.setattr(dispatch, "log_run", logged)
+    gpu_name = dispatch.device_target(torch.device("cuda"))[1]
+    seqlen, tuned_picks = 1000, 0
+    for head_dim in (64, 96, 128, 192, 256):
+        shape = (1, seqlen, 2, head_dim)
+        q, k, v = (
+            torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            for _ in range(3)
+        )
+        ran.clear()
+        cutefa.flash_attn_func(q, k, v, causal=True).backward(torch.ones_like(q))
+        (spec,) = [c.spec for c in ran if c.spec.direction == "bwd"]
+        assert spec.arch == ("sm90" if head_dim in DEFAULT_BWD_TILES["sm90"] else "sm80"), spec.name
+        tuned = dispatch.tuned_backward(
+            "sm90", target=target, dtype=torch.bfloat16, head_dim=head_dim, causal=True, seqlen_k=seqlen,
+            gpu_name=gpu_name,
+        )  # fmt: skip
+        if tuned is not None and tuned[0] is not None:
+            assert spec == tuned[0], f"hd{head_dim}: ran {spec.name}, the tuned table names {tuned[0].name}"
+            tuned_picks += spec != _default_twin(spec)
+        else:  # no entry (or an unusable one): the default
+            assert spec == _default_twin(spec), spec.name
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v)), spec.name
+    # The committed H200 table (used on every sm_90a GPU) picks an alternative for at least one of
+    # these problems (hd128): the table was consulted, not only the defaults.
+    assert tuned_picks > 0, "no problem here ran a tuned pick other than its default"
 
 
 def test_every_alternative_is_exercised():

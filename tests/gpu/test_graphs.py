@@ -5,7 +5,9 @@ kernel is loaded and every call plan made during the warm-up on a side stream, a
 before capturing; during capture nothing may load or compile a kernel (``cutefa.loader`` is set
 to fail if asked to), and a host synchronization would fail the capture itself. A replay
 must then give bitwise what an eager call gives on the same inputs (with ``deterministic=True``
-for the backward, whose default mode adds dQ with atomics in any order).
+for the backward, whose default mode adds dQ with atomics in any order). The backward test skips
+only where no committed backward variant runs on the GPU for its problem; anywhere else a missing
+backward (NotImplementedError) fails. An e4m3 call is captured with its descale check (Hopper).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import pytest
 import torch
 from gpu_support import sm80_skip_reason as _skip_reason
+from gpu_support import sm90_kernel_skip_reason
 
 import cutefa
 from cutefa import loader
@@ -110,6 +113,30 @@ def test_graph_of_several_calls_and_other_work(gen, monkeypatch):
     assert torch.equal(captured, block())
 
 
+def _missing_backward(dtype, head_dim, causal):
+    """Why this GPU has no backward kernel for the problem, or None: no committed backward variant
+    of its dtype, head dim and mask, in any family that runs on the GPU's compile target, fits it
+    (its family runs there and its shared memory is within the target's per-block limit). Every
+    target cutefa knows has one for PROBLEMS; where one exists the backward must run."""
+    from cutefa.dispatch import current_target
+    from cutefa.model.committed import default_variants
+    from cutefa.model.rules import why_not_on
+    from cutefa.model.spec import TORCH_DTYPE_NAMES, families_for_target
+
+    target = current_target()
+    token = TORCH_DTYPE_NAMES[str(dtype).removeprefix("torch.")]
+    found, reasons = [], []
+    for family in families_for_target(target):
+        alike = [
+            s for s in default_variants(family, "bwd") if (s.dtype, s.head_dim, s.causal) == (token, head_dim, causal)
+        ]  # fmt: skip
+        found += [s for s in alike if why_not_on(s, target) is None]
+        reasons += [f"{s.name}: {why_not_on(s, target)}" for s in alike] or [f"{family}: no such variant"]
+    if found:
+        return None
+    return f"no committed {token} head_dim={head_dim} causal={causal} backward runs on {target}: {reasons}"
+
+
 @pytest.mark.parametrize("problem", PROBLEMS.values(), ids=PROBLEMS.keys())
 def test_forward_and_backward_graph_replays(gen, monkeypatch, problem):
     *shape, dtype, causal = problem
@@ -123,10 +150,10 @@ def test_forward_and_backward_graph_replays(gen, monkeypatch, problem):
         out.backward(dout)
         return out
 
-    try:
-        _warm_up(step)
-    except NotImplementedError as exc:  # a GPU or problem the backward pass does not cover yet
-        pytest.skip(f"backward pass not available here: {exc}")
+    missing = _missing_backward(dtype, q.shape[-1], causal)
+    if missing is not None:
+        pytest.skip(missing)
+    _warm_up(step)  # where a backward variant exists, NotImplementedError or any other error fails
     for t in (q, k, v):
         t.grad = None
     graph = torch.cuda.CUDAGraph()
@@ -144,3 +171,42 @@ def test_forward_and_backward_graph_replays(gen, monkeypatch, problem):
         expected = (expect_out, q.grad, k.grad, v.grad)
         for name, got, want in zip(("out", "dq", "dk", "dv"), results, expected):
             assert torch.equal(got, want), f"replay {replay}: {name} differs from an eager step"
+
+
+def _quantized(gen, batch, sq, sk, hq, hkv, d):
+    """Fresh e4m3 q, k, v (per-head descales, q's per kv head; v's per tensor) and their descales."""
+    q, k, v = _static_inputs(gen, batch, sq, sk, hq, hkv, d, torch.float32)
+    (qq, qd), (kq, kd), (vq, vd) = (
+        cutefa.quantize_fp8(q, "head", group=hq // hkv),
+        cutefa.quantize_fp8(k, "head"),
+        cutefa.quantize_fp8(v),
+    )
+    return (qq, kq, vq), (qd, kd, vd)
+
+
+@pytest.mark.skipif(
+    sm90_kernel_skip_reason("fp8 forward") is not None, reason=str(sm90_kernel_skip_reason("fp8 forward"))
+)
+def test_fp8_forward_graph_replays_with_its_descale_check(gen, monkeypatch):
+    """An e4m3 call with descales, captured: its check of the descales' values (a device-side
+    assert, no host sync) is captured with it, and replays on new inputs and descales give bitwise
+    what an eager call gives."""
+    shape = (2, 1000, 1000, 8, 2, 128)
+    tensors, descales = _quantized(gen, *shape)
+
+    def forward():
+        qd, kd, vd = descales
+        return cutefa.flash_attn_func(*tensors, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    _warm_up(forward)
+    graph = torch.cuda.CUDAGraph()
+    with nothing_compiles(monkeypatch), torch.cuda.graph(graph):
+        captured = forward()
+    for replay in range(3):
+        new_tensors, new_descales = _quantized(gen, *shape)
+        for static, new in zip((*tensors, *descales), (*new_tensors, *new_descales)):
+            static.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(captured).all(), f"replay {replay}: non-finite output"
+        assert torch.equal(captured, forward()), f"replay {replay}: output differs from an eager call"
