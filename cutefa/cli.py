@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,7 +34,6 @@ HARDWARE_STATUS: dict[str, str] = {
 
 BENCH_SCRIPT = codegen.REPO_ROOT / "tools" / "bench.py"
 ALTERNATIVES_SCRIPT = codegen.REPO_ROOT / "tools" / "alternatives.py"
-TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 SHAPE_FIELDS = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim")
 
 
@@ -233,7 +233,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     path = tune(args.arch, out_dir=args.out, seqlens=tuple(args.seqlens), dtypes=tuple(args.dtype),
                 head_dims=tuple(args.hdim) if args.hdim else None, direction=args.direction,
                 rounds=args.rounds, pool=_all_variants(args.arch))  # fmt: skip
-    print(f"wrote {path}")
+    print(f"wrote {path}; dispatch reads it with CUTEFA_TUNED_DIR={shlex.quote(str(path.parent))}")
     return 0
 
 
@@ -371,7 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp16, bf16, e4m3 (forward; inputs quantized per head), comma-separated (default: fp16,bf16)",
     )
     p.add_argument("--hdim", type=_int_list, help="head dims (default: every one with a variant)")
-    p.add_argument("--out", type=Path, default=TUNED_DIR, help="table folder (default: cutefa/tuned)")
+    p.add_argument(
+        "--out", type=Path, default=None,
+        help="table folder (default: $CUTEFA_TUNED_DIR, else <cache dir>/tuned; never the installed package)",
+    )  # fmt: skip
     p.add_argument(
         "--rounds", type=positive_int, default=1,
         help="samples per variant, taken in turns with the problem's other variants; the median is kept "

@@ -9,9 +9,15 @@ the DSL compiler, takes torch tensors directly and runs on the caller's current 
 Disk layout (``CUTEFA_CACHE_DIR``, default ``~/.cache/cutefa``)::
 
     <dir>/<target>/<name>-<fingerprint[:16]>/kernel.so   the linked kernel
-                                            /meta.json   written last: the commit marker
+                                            /meta.json   written last: the commit marker, with
+                                                         kernel.so's sha256
                                             /.lock       flock'ed while building
     <dir>/sources/<render digest[:16]>/<arch>/<name>.py   modules rendered on demand
+    <dir>/quarantine/<target>/<entry>.<time>.<pid>/       damaged entries, moved aside
+
+kernel.so and its folder are fsynced before meta.json is written (and fsynced): after a power loss
+an entry is whole or not committed. How entries are checked, quarantined and where a build goes
+when the cache dir is read-only, full or not trusted: :mod:`cutefa.cache`.
 
 ``generated/`` commits the modules of the dispatchable variants. Any other valid variant (a
 measured alternative, a tuned-table pick of another GPU) is rendered on first use into
@@ -48,7 +54,8 @@ from types import ModuleType
 from typing import Any
 
 from cutefa import identity
-from cutefa.identity import GENERATED_DIR, atomic_write, cache_dir, locked
+from cutefa.cache import Entry, build_home, warn_cache
+from cutefa.identity import GENERATED_DIR, KernelFile, atomic_write, cache_dir, locked
 from cutefa.model.options import Scheduler
 from cutefa.model.spec import VariantSpec, parse_name, target_cc
 
@@ -72,39 +79,6 @@ class CompileResult:
     path: Path | None = None
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """One cache entry: a variant's source compiled for one target."""
-
-    name: str
-    target: str
-    source: Path
-    fingerprint: str
-    root: Path
-
-    @property
-    def dir(self) -> Path:
-        return self.root / self.target / f"{self.name}-{self.fingerprint[:16]}"
-
-    @property
-    def so_path(self) -> Path:
-        return self.dir / "kernel.so"
-
-    @property
-    def meta_path(self) -> Path:
-        return self.dir / "meta.json"
-
-    def read_meta(self) -> dict[str, Any] | None:
-        """The committed meta.json, or None when the entry is not (validly) committed."""
-        try:
-            meta = json.loads(self.meta_path.read_text())
-        except (OSError, ValueError):
-            return None
-        if meta.get("fingerprint") != self.fingerprint or not self.so_path.is_file():
-            return None
-        return meta
-
-
 # ---------------------------------------------------------------------------------------------
 # Paths, sources and fingerprints
 
@@ -120,9 +94,23 @@ def kernel_source_path(spec: VariantSpec) -> Path:
 
 def rendered_source_path(spec: VariantSpec) -> Path:
     """``<cache dir>/sources/<render digest[:16]>/<arch>/<name>.py``, rendered from the templates the
-    first time it is asked for (FlashInfer's JIT keeps its generated sources the same way). Raises
-    what :func:`cutefa.codegen.render_source` raises for a spec with no kernel or an invalid one."""
-    path = cache_dir() / "sources" / identity.render_digest()[:16] / spec.arch / f"{spec.name}.py"
+    first time it is asked for (FlashInfer's JIT keeps its generated sources the same way). Such a
+    module is imported, so one in a cache dir that is not trusted is not used (one warning): it is
+    rendered into a private temporary folder instead, as when the cache dir cannot be written.
+    Raises what :func:`cutefa.codegen.render_source` raises for a spec with no kernel or an invalid one."""
+    relative = Path("sources") / identity.render_digest()[:16] / spec.arch / f"{spec.name}.py"
+    root = cache_dir()
+    why = identity.why_untrusted_under(root, root / relative)
+    if why is None:
+        try:
+            return _rendered(spec, root / relative)
+        except OSError as exc:
+            why = f"cannot write it: {exc.strerror or exc}"
+    warn_cache(root, why)
+    return _rendered(spec, identity.private_dir("cache") / relative)
+
+
+def _rendered(spec: VariantSpec, path: Path) -> Path:
     if not path.is_file():
         from cutefa import codegen
 
@@ -148,12 +136,12 @@ def takes_sm_count(spec: VariantSpec) -> bool:
     return getattr(spec.options, "scheduler", None) is Scheduler.PERSISTENT
 
 
-def _entry(spec: VariantSpec, target: str) -> _Entry:
+def _entry(spec: VariantSpec, target: str) -> Entry:
     target_cc(target)  # raises ValueError naming the known targets
     if not spec.runs_on(target):
         raise ValueError(f"{spec.name}: kernel family {spec.arch} does not run on target {target!r}")
     source = kernel_source_path(spec)
-    return _Entry(spec.name, target, source, identity.fingerprint(source.read_text(), target), cache_dir())
+    return Entry(spec.name, target, source, identity.fingerprint(source.read_text(), target), cache_dir())
 
 
 def _import_file(path: Path, module_name: str) -> ModuleType:
@@ -223,7 +211,7 @@ def compile_object(spec: VariantSpec, target: str) -> Any:
     return _compile(_entry(spec, target))
 
 
-def _compile(entry: _Entry) -> Any:
+def _compile(entry: Entry) -> Any:
     """Trace and compile the entry's kernel module in this process; returns the DSL's compiled object."""
     cutlass, cute = _import_dsl(entry.target)
     module = _import_file(entry.source, entry.name)
@@ -247,30 +235,50 @@ def _compile(entry: _Entry) -> Any:
 # Building an entry: lock, compile, export, link, commit
 
 
-def _build(entry: _Entry, force: bool = False) -> Any:
+def _build(entry: Entry, force: bool = False) -> Any:
     """Compile ``entry`` here and commit it to disk unless already committed.
 
     Returns the compiled object when this call compiled it, None when the entry was already
-    committed (perhaps by another process while we waited for the lock).
+    committed (perhaps by another process while we waited for the lock). When the cache cannot
+    be written (a full disk, a read-only cache), the compiled object is returned uncommitted, with
+    one warning, and no temporary file is left.
     """
-    if not force and entry.read_meta():
+    if not force and entry.committed():
         return None
-    entry.dir.mkdir(parents=True, exist_ok=True)
-    with locked(entry.dir / ".lock"):
-        if not force and entry.read_meta():
-            return None
-        entry.meta_path.unlink(missing_ok=True)
+    with contextlib.ExitStack() as held:
+        try:
+            identity.make_dirs(entry.dir)
+            held.enter_context(locked(entry.dir / ".lock"))
+            if not force and entry.committed():
+                return None
+            entry.meta_path.unlink(missing_ok=True)
+        except OSError as exc:
+            warn_cache(entry.root, f"cannot write it: {exc.strerror or exc}")
+            return _compile(entry)
         start = time.perf_counter()
         compiled = _compile(entry)
         seconds = time.perf_counter() - start
-        runtime = _export(compiled, entry)
-        if runtime is not None:
-            _commit(entry, runtime, seconds)
+        try:
+            runtime = _export(compiled, entry)
+            if runtime is not None:
+                _commit(entry, runtime, seconds)
+        except OSError as exc:  # the disk filled up or the cache became read-only meanwhile
+            with contextlib.suppress(OSError):
+                entry.so_path.unlink(missing_ok=True)
+            warn_cache(entry.root, f"cannot write it: {exc.strerror or exc}")
         return compiled
 
 
-def _export(compiled: Any, entry: _Entry) -> Path | None:
-    """Export the TVM-FFI object and link ``kernel.so``; returns the DSL runtime library linked against.
+def _runtime_libraries() -> list[Path]:
+    """The libraries a kernel links against: the DSL runtime and ``libtvm_ffi.so``."""
+    from cutlass import cute
+
+    return [Path(p) for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)]
+
+
+def _export(compiled: Any, entry: Entry) -> Path | None:
+    """Export the TVM-FFI object and link ``kernel.so`` (fsynced, with its folder); returns the DSL
+    runtime library linked against.
 
     Returns None (after a warning) when no linker is available or linking fails.
     """
@@ -278,9 +286,7 @@ def _export(compiled: Any, entry: _Entry) -> Path | None:
     if linker is None:
         log.warning("cutefa: no gcc/cc found; %s stays in memory and is not cached on disk", entry.name)
         return None
-    from cutlass import cute
-
-    libs = [Path(p) for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)]
+    libs = _runtime_libraries()
     runtime = next((p for p in libs if p.name.startswith("libcute_dsl_runtime")), None)
     if runtime is None:
         raise RuntimeError(
@@ -299,19 +305,23 @@ def _export(compiled: Any, entry: _Entry) -> Path | None:
         if proc.returncode != 0:
             log.warning("cutefa: linking %s failed; keeping it in memory only:\n%s", entry.name, proc.stderr)
             return None
-        os.replace(so, entry.so_path)
+        identity.commit_file(so, entry.so_path, 0o755)
     finally:
         obj.unlink(missing_ok=True)
         so.unlink(missing_ok=True)
     return runtime
 
 
-def _commit(entry: _Entry, runtime: Path, seconds: float) -> None:
-    """Write meta.json last and atomically: its presence means kernel.so is complete."""
+def _commit(entry: Entry, runtime: Path, seconds: float) -> None:
+    """Write meta.json last, atomically and durably: its presence means kernel.so is complete, and
+    it records kernel.so's sha256."""
+    kernel = KernelFile(entry.so_path)
+    kernel.close()
     meta = {
         "name": entry.name,
         "target": entry.target,
         "fingerprint": entry.fingerprint,
+        "sha256": kernel.sha256,
         "function_name": entry.name,
         "dsl_version": identity.dsl_version(),
         "abi": identity.ABI,
@@ -333,6 +343,7 @@ def compile_variant(spec: VariantSpec, target: str, *, force: bool = False) -> P
     Compiler errors propagate; from a child process (another target) they come as ``RuntimeError``.
     """
     entry = _entry(spec, target)
+    entry = entry if not force and entry.committed() else build_home(entry)
     if can_compile_here(target):
         _build(entry, force)
     else:
@@ -358,17 +369,18 @@ def _compile_all(
     jobs: int,
     progress: bool,
     force: bool,
-    keep: Callable[[CompileResult, _Entry], CompileResult] | None,
+    keep: Callable[[CompileResult, Entry], CompileResult] | None,
 ) -> list[CompileResult]:
     """:func:`compile_variants`; ``keep(result, entry)`` sees each successful build as it finishes
     (in this thread) and returns the result to report for it."""
     from tqdm import tqdm
 
     results: dict[int, CompileResult] = {}
-    entries: dict[int, _Entry] = {}
+    entries: dict[int, Entry] = {}
     for i, spec in enumerate(specs):
         try:
-            entries[i] = _entry(spec, target)
+            entry = _entry(spec, target)
+            entries[i] = entry if not force and entry.committed() else build_home(entry)
         except Exception as exc:  # noqa: BLE001 -- a broken render or bad target fails that variant only
             results[i] = CompileResult(spec, False, 0.0, _describe(exc))
     here = jobs <= 1 and can_compile_here(target)
@@ -395,7 +407,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _build_outcome(entry: _Entry, force: bool) -> _Outcome:
+def _build_outcome(entry: Entry, force: bool) -> _Outcome:
     """Build one entry in this process, catching its failure."""
     start = time.perf_counter()
     try:
@@ -405,12 +417,12 @@ def _build_outcome(entry: _Entry, force: bool) -> _Outcome:
     return True, time.perf_counter() - start, None
 
 
-def _run_here(entries: dict[int, _Entry], force: bool) -> Iterator[tuple[int, _Outcome]]:
+def _run_here(entries: dict[int, Entry], force: bool) -> Iterator[tuple[int, _Outcome]]:
     for i, entry in entries.items():
         yield i, _build_outcome(entry, force)
 
 
-def _run_in_processes(entries: dict[int, _Entry], force: bool, jobs: int) -> Iterator[tuple[int, _Outcome]]:
+def _run_in_processes(entries: dict[int, Entry], force: bool, jobs: int) -> Iterator[tuple[int, _Outcome]]:
     """Build each entry in its own child process, ``jobs`` at a time. When the consumer stops early
     or an interrupt arrives, the builds not started are cancelled and the running ones terminated."""
     stop = threading.Event()
@@ -431,7 +443,7 @@ def _run_in_processes(entries: dict[int, _Entry], force: bool, jobs: int) -> Ite
 
 
 def _build_isolated(
-    entry: _Entry,
+    entry: Entry,
     force: bool,
     stop: threading.Event | None = None,
     running: set[subprocess.Popen] | None = None,
@@ -484,7 +496,7 @@ def _worker_main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument(flag, required=True)
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
-    entry = _Entry(args.name, args.target, Path(args.source), args.fingerprint, Path(args.cache_dir))
+    entry = Entry(args.name, args.target, Path(args.source), args.fingerprint, Path(args.cache_dir))
     ok, seconds, error = _build_outcome(entry, args.force)
     print(_RESULT_TAG + json.dumps([ok, seconds, error]), flush=True)
     return 0 if ok else 1

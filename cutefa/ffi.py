@@ -11,7 +11,9 @@ included), sets the environment stream to torch's current stream for the call, a
 the kernel raised into the matching Python exception (``ValueError``, ``TypeError``, ...) with the
 kernel's message.
 
-:func:`load_library` loads a kernel file after the DSL runtime library it was linked against;
+:func:`load_library` loads a kernel file after the DSL runtime library it was linked against
+(found in the installed DSL wheel: a kernel names only its flavour), from the sealed in-memory copy
+its checksum was computed over (:class:`cutefa.identity.KernelFile`);
 :class:`WithSmCount` calls a persistent kernel, whose entry also takes the GPU's SM count.
 
 :meth:`Function.bind` goes further for one call signature that repeats: the buffer is laid out
@@ -35,6 +37,7 @@ import builtins
 import ctypes
 import importlib.util
 import logging
+import os
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -42,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from cutefa import profile
-from cutefa.identity import DSL_DIST
+from cutefa.identity import DSL_DIST, RUNTIME_FLAVOUR, KernelFile
 
 log = logging.getLogger("cutefa")
 
@@ -54,7 +57,9 @@ _ANY_SIZE, _DLTENSOR_SIZE, _OBJECT_HEADER = 16, 48, 24
 
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
-_LIBRARIES: dict[Path, ctypes.CDLL] = {}
+_LIBRARIES: dict[Path, ctypes.CDLL] = {}  # kernel file -> its library
+_DIGESTS: dict[Path, str] = {}  # kernel file -> the sha256 of the bytes loaded for it
+_HELD: list[KernelFile | int] = []  # descriptors that name loaded libraries: open for good
 _DSL_RUNTIMES: dict[Path, ctypes.CDLL] = {}
 
 
@@ -121,54 +126,98 @@ def runtime() -> ctypes.CDLL:
     return _LIB
 
 
-def load(path: Path | str, function_name: str) -> Function:
-    """The exported function ``function_name`` of the linked kernel library at ``path``."""
+class KernelLoadError(RuntimeError):
+    """A kernel file the dynamic loader refuses (not a shared object, truncated, missing symbols) or
+    that exports no entry of the expected name."""
+
+
+def load(path: Path | str | KernelFile, function_name: str) -> Function:
+    """The exported function ``function_name`` of the linked kernel library at ``path``, or of a
+    checked :class:`cutefa.identity.KernelFile` (what it holds is loaded: the bytes checked).
+    Raises :class:`KernelLoadError` when the dynamic loader refuses the file or it has no such entry."""
     rt = runtime()
-    path = Path(path)
+    kernel = path if isinstance(path, KernelFile) else KernelFile(path)
     with _LOCK:
-        lib = _LIBRARIES.get(path)
-        if lib is None:
-            lib = _LIBRARIES[path] = ctypes.PyDLL(str(path))
+        lib = _LIBRARIES.get(kernel.path)
+        if lib is None or _DIGESTS[kernel.path] != kernel.sha256:
+            lib = _LIBRARIES[kernel.path] = _dlopen(kernel)
+            _DIGESTS[kernel.path] = kernel.sha256
     try:
         symbol = getattr(lib, f"__tvm_ffi_{function_name}")
     except AttributeError:
-        raise RuntimeError(f"{path} exports no TVM-FFI function {function_name!r}") from None
+        raise KernelLoadError(f"{kernel.path} exports no TVM-FFI function {function_name!r}") from None
     # No argtypes: every call passes (None, a ctypes buffer, a small int, a ctypes buffer), which
     # ctypes converts to (NULL, its address, int32, its address) without a conversion table.
     symbol.restype = ctypes.c_int
     return Function(symbol, function_name, rt)
 
 
-def runtime_library(flavour: str) -> Path:
-    """``libcute_dsl_runtime.so`` of the installed DSL wheel for ``flavour`` (e.g. 'cu12')."""
+def _dlopen(kernel: KernelFile) -> ctypes.CDLL:
+    """dlopen what ``kernel`` holds open (its checked in-memory copy) as ``/proc/self/fd/N``. The
+    dynamic loader knows a library by the name it was opened with, so that descriptor stays open for
+    good (a later file opened under a reused number would be taken for this one), and a number some
+    other code already opened a library under is not used. Without ``/proc``, the path (checked a
+    moment ago) is loaded."""
+    name = str(kernel.path)
+    if os.path.isdir("/proc/self/fd"):
+        for _ in range(8):
+            name = f"/proc/self/fd/{kernel.fd}"
+            try:
+                ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
+            except OSError:
+                break  # no library loaded under this name: it is ours
+            previous, kernel.fd = kernel.fd, os.dup(kernel.fd)
+            _HELD.append(previous)  # closing it would free the number for a third file
+    try:
+        lib = ctypes.PyDLL(name)
+    except OSError as exc:
+        raise KernelLoadError(str(exc).replace(name, str(kernel.path))) from None
+    _HELD.append(kernel)
+    return lib
+
+
+def installed_runtimes() -> dict[str, Path]:
+    """flavour (e.g. 'cu12') -> ``libcute_dsl_runtime.so`` of each flavour the installed DSL wheel has."""
     import nvidia_cutlass_dsl
 
+    found: dict[str, Path] = {}
     for base in nvidia_cutlass_dsl.__path__:
-        path = Path(base) / flavour / "lib" / "libcute_dsl_runtime.so"
-        if path.is_file():
-            return path
-    raise RuntimeError(f"the installed {DSL_DIST} has no {flavour}/lib/libcute_dsl_runtime.so")
+        for path in sorted(Path(base).glob("*/lib/libcute_dsl_runtime.so")):
+            if RUNTIME_FLAVOUR.fullmatch(path.parent.parent.name):
+                found.setdefault(path.parent.parent.name, path)
+    return found
+
+
+def runtime_library(flavour: str) -> Path:
+    """``libcute_dsl_runtime.so`` of the installed DSL wheel for ``flavour`` (e.g. 'cu12'): a token
+    matching :data:`cutefa.identity.RUNTIME_FLAVOUR`, never a path."""
+    if not RUNTIME_FLAVOUR.fullmatch(flavour):
+        raise ValueError(f"DSL runtime flavour {flavour!r} is not one (cu12, cu13, ...)")
+    path = installed_runtimes().get(flavour)
+    if path is None:
+        raise RuntimeError(f"the installed {DSL_DIST} has no {flavour}/lib/libcute_dsl_runtime.so")
+    return path
 
 
 def _runtime_for(flavour: str) -> Path:
     """The DSL runtime to load for a kernel linked against ``flavour``; another flavour of the same
     DSL version when that one is not installed (a kernel names the runtime by soname only, and the
-    flavours export one ABI: a cu12-linked kernel was seen running on a cu13 runtime)."""
+    flavours export one ABI: a cu12-linked kernel was seen running on a cu13 runtime). Only the
+    installed DSL's libraries are candidates: a kernel's ``runtime`` is a token, never a path."""
     try:
         return runtime_library(flavour)
     except RuntimeError:
-        import nvidia_cutlass_dsl
-
-        for base in nvidia_cutlass_dsl.__path__:
-            for path in sorted(Path(base).glob("*/lib/libcute_dsl_runtime.so")):
-                log.debug("cutefa: no %s DSL runtime installed; using %s", flavour, path)
-                return path
+        for other, path in installed_runtimes().items():
+            log.debug("cutefa: no %s DSL runtime installed; using %s's %s", flavour, other, path)
+            return path
         raise
 
 
-def load_library(so_path: Path, function_name: str, runtime: str) -> Function:
-    """Load a linked kernel ``.so`` after the DSL runtime library it was linked against (flavour
-    ``runtime``, e.g. 'cu12') and return its function (the ``tvm_ffi`` package is not imported)."""
+def load_library(so_path: Path | KernelFile, function_name: str, runtime: str) -> Function:
+    """Load a linked kernel (a checked :class:`cutefa.identity.KernelFile`, or a path) after the DSL
+    runtime library it was linked against (flavour ``runtime``, e.g. 'cu12') and return its function
+    (the ``tvm_ffi`` package is not imported). Raises :class:`KernelLoadError` when the kernel file
+    does not load."""
     with profile.phase("DSL runtime library (find, dlopen)"):
         lib = _runtime_for(runtime)
         with _LOCK:

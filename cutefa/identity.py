@@ -7,6 +7,11 @@ variant not committed to ``generated/``) is kept under :func:`render_digest`, th
 rendering reads (the templates, the cutefa modules that render them, jinja2's version), so a
 later process finds it without rendering again.
 
+It also says how the cache and packs handle files: they write them whole and durably, never
+group- or world-writable (:func:`write_file`); they use a cache file only when it is yours and no
+one else can write it (:func:`why_untrusted`); and a kernel file is hashed through the descriptor
+it is then loaded from (:class:`KernelFile`).
+
 This module is a leaf: it imports nothing from cutefa (it reads cutefa's files as text), so the
 compile cache, packs and codegen can all use it without importing one another.
 """
@@ -14,14 +19,21 @@ compile cache, packs and codegen can all use it without importing one another.
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
 import importlib.metadata
 import os
+import re
+import shlex
+import shutil
+import stat
+import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -35,6 +47,8 @@ KERNELS_DIR = PACKAGE_DIR / "kernels"  # the CuTe DSL building blocks generated 
 ABI = "tvm-ffi-v1"
 DSL_DIST = "nvidia-cutlass-dsl"
 CACHE_ENV = "CUTEFA_CACHE_DIR"
+# The DSL runtime flavours a kernel may name (its CUDA major version): a token, never a path.
+RUNTIME_FLAVOUR = re.compile(r"cu[0-9]{2,3}")
 
 
 def dsl_version() -> str:
@@ -199,30 +213,235 @@ def _module_files(module: str, root: str, root_dir: Path) -> set[Path] | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Files that the cache and packs write
+# Files that the cache and packs write: whole or not at all, on disk before their commit marker
+
+FILE_MODE, DIR_MODE = 0o644, 0o755  # what cutefa creates: never group- or world-writable, whatever the umask
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to a temp file next to ``path`` and rename it into place: a reader sees the
-    old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+def make_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents with :data:`DIR_MODE`."""
+    missing = []
+    here = path
+    while not here.is_dir() and here != here.parent:
+        missing.append(here)
+        here = here.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, DIR_MODE)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames into folder ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_file(path: Path, chunks: Iterable[bytes], mode: int = FILE_MODE) -> str:
+    """Write ``chunks`` to a temp file next to ``path``, fsync it, rename it into place and fsync the
+    folder: a reader sees the old file or the new one, never half of one, and a power loss leaves
+    one of them whole. A failed write (a full disk) leaves the old file and no temp file. Returns
+    the sha256 of what was written."""
+    make_dirs(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    digest = hashlib.sha256()
+    try:
+        tmp.unlink(missing_ok=True)  # left by a killed process that had this pid and thread id
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            for chunk in chunks:
+                digest.update(chunk)
+                _write_all(fd, chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+    return digest.hexdigest()
+
+
+def atomic_write(path: Path, text: str | bytes, mode: int = FILE_MODE) -> None:
+    """:func:`write_file` of one text or bytes."""
+    write_file(path, [text.encode() if isinstance(text, str) else text], mode)
+
+
+def commit_file(tmp: Path, dest: Path, mode: int) -> None:
+    """Give ``tmp`` (written by another program, e.g. the linker) ``mode``, fsync it, rename it to
+    ``dest`` and fsync the folder: durable before any commit marker that names it is written."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
 
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``path`` (created if missing)."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def private_dir(kind: str) -> Path:
+    """A folder of this process only (mode 0700, in the system's temp folder), removed at exit: where
+    cutefa builds what a read-only, full or untrusted cache dir cannot take."""
+    path = Path(tempfile.mkdtemp(prefix=f"cutefa-{kind}-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that the cache and packs read: whose they are, and the bytes that were checked
+
+
+def trusted_owners() -> set[int]:
+    """The users whose cache files cutefa uses: you (the effective user) and root."""
+    return {os.geteuid(), 0}
+
+
+def why_untrusted(path: Path, st: os.stat_result | None = None, *, follow: bool = False) -> str | None:
+    """Why cutefa must not use ``path`` (a cache folder, or a file it loads or imports): it is a
+    symbolic link (unless ``follow``), belongs to someone else than you or root, or its group or
+    others may write it. None when none of these holds, or nothing is there. ``st``: its stat, when
+    the caller holds it open."""
+    if st is None:
+        try:
+            st = os.stat(path) if follow else os.lstat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return f"cannot inspect {path}: {exc.strerror or exc}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link"
+    if st.st_uid not in trusted_owners():
+        return f"{path} belongs to user id {st.st_uid}, not to you (user id {os.geteuid()})"
+    if st.st_mode & 0o022:
+        who = {0o022: "its group and others", 0o020: "its group", 0o002: "others"}[st.st_mode & 0o022]
+        fix = shlex.join(["chmod", "go-w", str(path)])
+        return f"{path} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}; to trust it: {fix})"
+    return None
+
+
+def why_untrusted_under(root: Path, path: Path, st: os.stat_result | None = None) -> str | None:
+    """:func:`why_untrusted` of the cache dir ``root`` (a symbolic link to it is followed) and of each
+    folder and file from there down to ``path`` (``st``: the stat of ``path`` itself, if held)."""
+    why = why_untrusted(root, follow=True)
+    if why is not None:
+        return why
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        return None
+    here = root
+    for i, part in enumerate(parts):
+        here = here / part
+        why = why_untrusted(here, st if i == len(parts) - 1 else None)
+        if why is not None:
+            return why
+    return None
+
+
+def cache_problem() -> str | None:
+    """Why the cache dir must not be used at all (:func:`why_untrusted`), or None."""
+    return why_untrusted(cache_dir(), follow=True)
+
+
+_MFD_EXEC = 0x10  # memfd_create: executable (Linux 6.3+; older kernels refuse the flag, and their memfds are)
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+def _memfd(name: str) -> int | None:
+    """A new executable, sealable in-memory file, or None where the system offers none."""
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    for extra in (_MFD_EXEC, 0):
+        try:
+            return os.memfd_create(f"cutefa:{name}", flags | extra)
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+class UnsafeFileError(ValueError):
+    """A file cutefa refuses to read as a kernel: a symbolic link, or not a regular file."""
+
+
+class KernelFile:
+    """A kernel file read once, without following a symbolic link, into a sealed in-memory copy
+    (``memfd``), hashed on the way. :func:`cutefa.ffi.load` loads that copy (``/proc/self/fd/N``), so
+    the bytes checked are the bytes loaded: replacing, rewriting or truncating the file afterwards
+    (a rebuild, a ``cp`` over it) changes nothing in this process. Where the kernel allows no
+    executable in-memory file, the file's own descriptor stands in (safe from a replaced path, not
+    from a rewrite in place). A loaded one stays open for the life of the process; :meth:`close`
+    releases others.
+
+    Raises :class:`UnsafeFileError` for a symbolic link or anything but a regular file, ``OSError``
+    when the file cannot be read."""
+
+    __slots__ = ("fd", "path", "sha256", "stat")
+
+    def __init__(self, path: Path | str) -> None:
+        self.fd = -1
+        self.path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafeFileError(
+                    f"{path} is a symbolic link; a kernel file must be a regular file"
+                ) from None
+            raise
+        self.fd = fd
+        try:
+            self.stat = os.fstat(fd)
+            if not stat.S_ISREG(self.stat.st_mode):
+                raise UnsafeFileError(f"{path} is not a regular file")
+            copy = _memfd(self.path.name)
+            digest = hashlib.sha256()
+            for chunk in self.chunks():
+                digest.update(chunk)
+                if copy is not None:
+                    _write_all(copy, chunk)
+            self.sha256 = digest.hexdigest()
+            if copy is not None:
+                fcntl.fcntl(copy, fcntl.F_ADD_SEALS, _SEALS)
+                self.fd = copy
+                os.close(fd)
+        except BaseException:
+            self.close()
+            raise
+
+    def chunks(self) -> Iterator[bytes]:
+        """The file's bytes from its descriptor, in blocks (to copy exactly what was checked)."""
+        offset = 0
+        while chunk := os.pread(self.fd, 1 << 20, offset):
+            offset += len(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()

@@ -22,7 +22,8 @@ A pack is a directory of linked TVM-FFI kernels plus a manifest::
           "fingerprint": "<the variant's source fingerprint: generated module, building blocks,
                           DSL version, target and calling convention>",
           "function_name": "<exported function>",
-          "runtime": "cu12",          the DSL runtime flavour it was linked against
+          "runtime": "cu12",          the DSL runtime flavour it was linked against (a token: the
+                                      library is the installed DSL's)
           "compile_seconds": 3.2
         }
       }
@@ -31,12 +32,17 @@ A pack is a directory of linked TVM-FFI kernels plus a manifest::
 ``cutefa compile --target T --pack DIR`` writes or extends one (:func:`cutefa.pack_build.build_pack`,
 through a :class:`PackWriter`: each kernel enters the pack, file first and then the manifest, as
 soon as it is built, so an interrupted build leaves a usable pack). At run time
-:func:`find_kernel` looks through each directory of ``CUTEFA_KERNEL_PATH`` (``os.pathsep``-
-separated; a directory is a pack or holds packs one level down), then ``<cache dir>/packs``. A
-pack that has the kernel is refused, with the reason, when it is built for another target, with
-another DSL version, calling convention or manifest format, when the kernel file's sha256 differs
-from the manifest (tampered or truncated), or when the kernel's fingerprint differs from the one
-this cutefa computes for it (a stale pack, built from other kernel sources).
+:func:`candidates` looks through each directory of ``CUTEFA_KERNEL_PATH`` (``os.pathsep``-
+separated; a directory is a pack or holds packs one level down), then ``<cache dir>/packs``
+(unless ``CUTEFA_TRUSTED_PACKS_ONLY=1``). A pack that has the kernel is refused, with the reason,
+when it is built for another target, with another DSL version, calling convention or manifest
+format, when the manifest names anything but a plain file name inside the pack or a runtime
+flavour that is not one (``cu12``), when the kernel file is a symbolic link or not a regular file,
+when its sha256 differs from the manifest (tampered or truncated), or when the kernel's
+fingerprint differs from the one this cutefa computes for it (a stale pack, built from other
+kernel sources). A pack under the cache dir is used only when the cache dir, the pack's folder,
+manifest and kernel file are yours and no one else can write them. A kernel that passes is handed
+over open (:class:`cutefa.identity.KernelFile`): the file hashed is the file loaded.
 
 Nothing here imports the DSL or the compiler: reading, checking and loading a pack needs only
 ``libtvm_ffi.so`` and the DSL's runtime library.
@@ -45,21 +51,21 @@ Nothing here imports the DSL or the compiler: reading, checking and loading a pa
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import shutil
-import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cutefa import identity, profile
+from cutefa.identity import KernelFile, UnsafeFileError
 
 FORMAT = "cutefa-pack/1"
 MANIFEST = "manifest.json"
 PATH_ENV = "CUTEFA_KERNEL_PATH"
+TRUSTED_ONLY_ENV = "CUTEFA_TRUSTED_PACKS_ONLY"
 
 
 class PackError(ValueError):
@@ -112,12 +118,14 @@ class Pack:
 
 @dataclass(frozen=True)
 class Found:
-    """A kernel that passed every check: where it is and how to load it."""
+    """A kernel that passed every check: where it is, how to load it, and the file, open (the
+    bytes whose checksum passed)."""
 
     pack: Path
     path: Path
     function_name: str
     runtime: str
+    file: KernelFile
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,11 +133,10 @@ class Found:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """The sha256 of the regular file ``path`` (a symbolic link is refused: UnsafeFileError)."""
+    kernel = KernelFile(path)
+    kernel.close()
+    return kernel.sha256
 
 
 def read_pack(path: Path | str) -> Pack:
@@ -186,33 +193,73 @@ def why_refused(pack: Pack, target: str) -> str | None:
     return None
 
 
-def verify_kernel(pack: Pack, record: KernelRecord, fingerprint: str | None) -> str | None:
-    """Why the kernel file of ``record`` must not be loaded, or None. ``fingerprint`` is the one
-    this cutefa computes for the variant (None: its source is not available, not checked)."""
-    path = pack.path / record.file
-    if Path(record.file).name != record.file:
+def plain_name(name: str) -> bool:
+    """Whether ``name`` names a file directly inside a folder: no separator, no ``..``, not absolute."""
+    return name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
+def why_malformed(record: KernelRecord) -> str | None:
+    """Why the manifest entry ``record`` must not be followed: a file that is not a plain file name
+    inside the pack, a runtime flavour that is not one, a function name that is no identifier."""
+    if not plain_name(record.file):
         return f"{record.name}: file {record.file!r} is not a plain file name inside the pack"
+    if not identity.RUNTIME_FLAVOUR.fullmatch(record.runtime):
+        return (
+            f"{record.name}: runtime {record.runtime!r} is not a DSL runtime flavour (cu12, cu13, ...); "
+            "the runtime library always comes from the installed DSL"
+        )
+    if not record.function_name.isidentifier():
+        return f"{record.name}: function name {record.function_name!r} is not an identifier"
+    return None
+
+
+def open_kernel(pack: Pack, record: KernelRecord, fingerprint: str | None) -> KernelFile | str:
+    """The kernel file of ``record``, open and checked (see the module docs), or why it must not be
+    loaded. ``fingerprint`` is the one this cutefa computes for the variant (None: its source is not
+    available, not checked)."""
+    why = why_malformed(record)
+    if why is not None:
+        return why
     try:
-        digest = sha256_file(path)
+        kernel = KernelFile(pack.path / record.file)
+    except UnsafeFileError as exc:
+        return f"{record.name}: {exc}"
     except OSError as exc:
         return f"{record.name}: cannot read {record.file}: {exc.strerror or exc}"
-    if digest != record.sha256:
+    if kernel.sha256 != record.sha256:
+        kernel.close()
         return (
-            f"{record.name}: checksum mismatch: {record.file} has sha256 {digest[:16]}..., the manifest "
+            f"{record.name}: checksum mismatch: {record.file} has sha256 {kernel.sha256[:16]}..., the manifest "
             f"says {record.sha256[:16]}... (the file changed after the pack was built)"
         )
     if fingerprint is not None and record.fingerprint != fingerprint:
+        kernel.close()
         return (
             f"{record.name}: stale: built from other kernel sources than this cutefa's (fingerprint "
             f"{record.fingerprint[:16]}..., expected {fingerprint[:16]}...); rebuild the pack"
         )
+    return kernel
+
+
+def verify_kernel(pack: Pack, record: KernelRecord, fingerprint: str | None) -> str | None:
+    """Why the kernel file of ``record`` must not be loaded (:func:`open_kernel`), or None."""
+    kernel = open_kernel(pack, record, fingerprint)
+    if isinstance(kernel, str):
+        return kernel
+    kernel.close()
     return None
 
 
+def trusted_only() -> bool:
+    """Whether only the packs on ``CUTEFA_KERNEL_PATH`` are searched (``CUTEFA_TRUSTED_PACKS_ONLY=1``)."""
+    return os.environ.get(TRUSTED_ONLY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def search_dirs() -> list[Path]:
-    """The directories searched for packs: ``CUTEFA_KERNEL_PATH``'s, then ``<cache dir>/packs``."""
+    """The directories searched for packs: ``CUTEFA_KERNEL_PATH``'s, then ``<cache dir>/packs``
+    (not with ``CUTEFA_TRUSTED_PACKS_ONLY=1``)."""
     entries = [Path(p).expanduser() for p in os.environ.get(PATH_ENV, "").split(os.pathsep) if p.strip()]
-    return [*entries, identity.cache_dir() / "packs"]
+    return entries if trusted_only() else [*entries, identity.cache_dir() / "packs"]
 
 
 def default_pack_dir(target: str) -> Path:
@@ -250,14 +297,20 @@ def _cached_read(path: Path) -> Pack | PackError:
     return _MANIFESTS[key]
 
 
-def find_kernel(name: str, target: str, fingerprint: str | None) -> tuple[Found | None, list[str]]:
-    """The first pack on the search path that has a usable kernel ``name`` for ``target``.
-
-    Returns (the kernel or None, why each pack that has it, or could not be read, was refused).
-    """
-    refusals: list[str] = []
+def candidates(name: str, target: str, fingerprint: str | None, refusals: list[str]) -> Iterator[Found]:
+    """Each pack on the search path that has a usable kernel ``name`` for ``target``, in order, its
+    file open; why each pack that has it (or could not be read) was refused goes into ``refusals``."""
     for directory in search_dirs():
+        implicit = not trusted_only() and directory == identity.cache_dir() / "packs"
+        problem = identity.cache_problem() if implicit else None
+        if problem is not None:
+            refusals.append(f"packs under {directory}: not used: {problem}")
+            continue
         for path in pack_dirs(directory):
+            why = identity.why_untrusted_under(identity.cache_dir(), path / MANIFEST) if implicit else None
+            if why is not None:
+                refusals.append(f"pack {path}: not trusted: {why}")
+                continue
             with profile.phase("pack manifest"):
                 pack = _cached_read(path)
             if isinstance(pack, PackError):
@@ -268,14 +321,27 @@ def find_kernel(name: str, target: str, fingerprint: str | None) -> tuple[Found 
                 continue
             with profile.phase("pack checks (target, DSL version)"):
                 why = why_refused(pack, target)
-            if why is None:
-                with profile.phase("pack kernel sha256"):
-                    why = verify_kernel(pack, record, fingerprint)
             if why is not None:
                 refusals.append(f"pack {path}: {why}")
                 continue
-            return Found(path, path / record.file, record.function_name, record.runtime), refusals
-    return None, refusals
+            with profile.phase("pack kernel sha256"):
+                kernel = open_kernel(pack, record, fingerprint)
+            if isinstance(kernel, str):
+                refusals.append(f"pack {path}: {kernel}")
+                continue
+            why = identity.why_untrusted(kernel.path, kernel.stat) if implicit else None
+            if why is not None:
+                kernel.close()
+                refusals.append(f"pack {path}: not trusted: {why}")
+                continue
+            yield Found(path, kernel.path, record.function_name, record.runtime, kernel)
+
+
+def find_kernel(name: str, target: str, fingerprint: str | None) -> tuple[Found | None, list[str]]:
+    """The first of :func:`candidates`, and why each pack before it that has the kernel (or could
+    not be read) was refused."""
+    refusals: list[str] = []
+    return next(candidates(name, target, fingerprint, refusals), None), refusals
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,15 +380,19 @@ def _cutefa_version() -> str:
     return __version__
 
 
-def _copy_into(src: Path, dest: Path) -> None:
-    """Copy ``src`` to ``dest`` through a temp file and a rename: a reader never sees half a file."""
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+def _copy_into(src: Path, dest: Path, sha256: str | None) -> str:
+    """Copy the regular file ``src`` to ``dest`` through a temp file, fsynced and renamed (a reader
+    never sees half a file; a failed write leaves no temp file); returns the sha256 of the bytes
+    copied, which must be ``sha256`` when given."""
+    kernel = KernelFile(src)
     try:
-        shutil.copyfile(src, tmp)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, dest)
+        if sha256 is not None and kernel.sha256 != sha256:
+            raise PackError(
+                f"{src} changed since it was built: sha256 {kernel.sha256[:16]}..., expected {sha256[:16]}..."
+            )
+        return identity.write_file(dest, kernel.chunks(), 0o755)
     finally:
-        tmp.unlink(missing_ok=True)
+        kernel.close()
 
 
 class PackWriter:
@@ -362,16 +432,17 @@ class PackWriter:
         function_name: str,
         runtime: str,
         compile_seconds: float | None = None,
+        sha256: str | None = None,
     ) -> Path:
-        """Copy the linked kernel ``so_path`` into the pack as ``<name>.so`` and list it in the
-        manifest; returns the file inside the pack."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        """Copy the linked kernel ``so_path`` (whose sha256 must be ``sha256`` when given) into the
+        pack as ``<name>.so``, durably, then list it in the manifest; returns the file inside the pack."""
+        identity.make_dirs(self.path)
         with identity.locked(self.path / ".lock"):
             pack = _pack_for_update(self.path, self.target)
             dest = self.path / f"{name}.so"
-            _copy_into(so_path, dest)
+            digest = _copy_into(so_path, dest, sha256)
             record = KernelRecord(
-                name=name, family=family, direction=direction, file=dest.name, sha256=sha256_file(dest),
+                name=name, family=family, direction=direction, file=dest.name, sha256=digest,
                 fingerprint=fingerprint, function_name=function_name, runtime=runtime,
                 compile_seconds=compile_seconds,
             )  # fmt: skip
@@ -383,5 +454,6 @@ class PackWriter:
 def size_on_disk(pack_dir: Path | str) -> int:
     """Bytes of the pack's manifest and the kernel files it lists."""
     pack = read_pack(pack_dir)
-    files = [pack.path / MANIFEST, *(pack.path / record.file for record in pack.kernels.values())]
+    kernels = [pack.path / record.file for record in pack.kernels.values() if plain_name(record.file)]
+    files = [pack.path / MANIFEST, *kernels]
     return sum(path.stat().st_size for path in files if path.is_file())

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
+from cutefa import cache, pack
 from cutefa import compile as cc
-from cutefa import pack
 from cutefa.compile import CompileResult
 from cutefa.model.spec import VariantSpec
 
@@ -47,17 +47,21 @@ def build_pack(
                     held[i] = CompileResult(spec, True, 0.0, None, path)
     todo = [spec for i, spec in enumerate(specs) if i not in held]
 
-    def keep(result: CompileResult, entry: cc._Entry) -> CompileResult:
-        meta = entry.read_meta()
+    def keep(result: CompileResult, entry: cache.Entry) -> CompileResult:
+        meta = entry.committed()  # kernel.so checked against its recorded sha256
         if result.path is None or meta is None:
-            error = "compiled, but no linked kernel.so was produced (is gcc installed?)"
+            error = "compiled, but no linked kernel.so was committed (is gcc installed? see the warnings)"
             return dataclasses.replace(result, ok=False, error=error, path=None)
         spec = result.spec
-        dest = writer.add(
-            spec.name, spec.arch, spec.direction, entry.so_path, fingerprint=entry.fingerprint,
-            function_name=meta["function_name"], runtime=meta["runtime"],
-            compile_seconds=meta.get("compile_seconds"),
-        )  # fmt: skip
+        try:
+            dest = writer.add(
+                spec.name, spec.arch, spec.direction, entry.so_path, fingerprint=entry.fingerprint,
+                function_name=meta["function_name"], runtime=meta["runtime"],
+                compile_seconds=meta.get("compile_seconds"), sha256=meta["sha256"],
+            )  # fmt: skip
+        except (OSError, pack.PackError) as exc:  # e.g. a full disk: the pack keeps what it had
+            error = f"compiled, but not added to the pack: {cc._describe(exc)}"
+            return dataclasses.replace(result, ok=False, error=error, path=None)
         return dataclasses.replace(result, path=dest)
 
     built = iter(cc._compile_all(todo, target, jobs, progress, force, keep))

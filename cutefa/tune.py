@@ -13,6 +13,7 @@ import datetime
 import functools
 import json
 import math
+import os
 import statistics
 import subprocess
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cutefa import identity
 from cutefa.model.committed import default_variants
 from cutefa.model.options import OAccum, Quant
 from cutefa.model.rules import why_not_on
@@ -311,7 +313,7 @@ def tuning_candidates(
 def tune(
     arch: str,
     *,
-    out_dir: Path,
+    out_dir: Path | None = None,
     seqlens: tuple[int, ...] = DEFAULT_SEQLENS,
     dtypes: tuple[str, ...] = ("fp16", "bf16"),
     head_dims: tuple[int, ...] | None = None,
@@ -320,9 +322,10 @@ def tune(
     rounds: int = 1,
     pool: list[VariantSpec] | None = None,
 ) -> Path:
-    """Measure ``arch``'s variants of ``direction`` (:func:`tuning_candidates` of ``pool``) on this GPU; write
-    ``<out_dir>/<arch>_<gpu>.json`` (backward: ``<arch>_bwd_<gpu>.json``). Each time is the median
-    of ``rounds`` samples, taken in turns with the other variants of its problem."""
+    """Measure ``arch``'s variants of ``direction`` (:func:`tuning_candidates` of ``pool``) on this GPU;
+    write the table with :func:`write_table` (into ``out_dir``, default :func:`default_table_dir`).
+    Each time is the median of ``rounds`` samples, taken in turns with the other variants of its
+    problem."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: at least one sample per variant")
     import torch
@@ -365,8 +368,21 @@ def tune(
         "entries": table_entries(measurements),
         "measurements": [m.__dict__ for m in measurements],
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    kind = "" if direction == "fwd" else f"{direction}_"
-    path = out_dir / f"{arch}_{kind}{gpu_token(name).lower()}.json"
-    path.write_text(json.dumps(table, indent=1) + "\n")
+    return write_table(table, out_dir)
+
+
+def default_table_dir() -> Path:
+    """Where :func:`tune` writes without ``out_dir``: ``$CUTEFA_TUNED_DIR`` (which dispatch reads
+    first), else ``<cache dir>/tuned``; never the installed package."""
+    return Path(os.environ.get("CUTEFA_TUNED_DIR") or identity.cache_dir() / "tuned").expanduser()
+
+
+def write_table(table: dict[str, Any], out_dir: Path | None = None) -> Path:
+    """Write ``table`` to ``<out_dir>/<arch>_<gpu>.json`` (backward: ``<arch>_bwd_<gpu>.json``;
+    ``out_dir`` None: :func:`default_table_dir`) atomically: a failed write (a full disk) leaves the
+    table that was there and no temp file. Returns the path."""
+    out_dir = default_table_dir() if out_dir is None else Path(out_dir)
+    kind = "" if table["direction"] == "fwd" else f"{table['direction']}_"
+    path = out_dir / f"{table['arch']}_{kind}{table['gpu'].lower()}.json"
+    identity.atomic_write(path, json.dumps(table, indent=1) + "\n")
     return path

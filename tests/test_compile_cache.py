@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pack_support import commit_fake
 
 from cutefa import compile as cc
 from cutefa import ffi, identity, loader
@@ -86,13 +87,6 @@ def run_script(body: str, sources: Path, cache: Path) -> dict:
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def commit_fake(entry: cc._Entry) -> None:
-    """Make ``entry`` look committed without compiling (a dummy kernel.so and a matching meta)."""
-    entry.dir.mkdir(parents=True, exist_ok=True)
-    entry.so_path.write_bytes(b"not really an ELF")
-    entry.meta_path.write_text(json.dumps({"fingerprint": entry.fingerprint, "function_name": entry.name}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,10 +228,15 @@ def test_meta_marker_semantics(sources, cache):
     assert entry.read_meta() is None  # kernel.so without meta.json is not committed
     entry.meta_path.write_text("{not json")
     assert entry.read_meta() is None
-    entry.meta_path.write_text(json.dumps({"fingerprint": "0" * 64}))
+    good = {"fingerprint": entry.fingerprint, "sha256": "0" * 64, "function_name": entry.name, "runtime": "cu12"}
+    entry.meta_path.write_text(json.dumps(good | {"fingerprint": "0" * 64}))
     assert entry.read_meta() is None  # meta of another fingerprint
-    entry.meta_path.write_text(json.dumps({"fingerprint": entry.fingerprint}))
-    assert entry.read_meta() == {"fingerprint": entry.fingerprint}
+    for bad in ({"sha256": None}, {"runtime": "../../evil"}, {"function_name": "x; rm"}):
+        entry.meta_path.write_text(json.dumps(good | bad))
+        assert entry.read_meta() is None  # no checksum recorded, a runtime or name that is not a token
+    entry.meta_path.write_text(json.dumps(good))
+    assert entry.read_meta() == good
+    assert entry.committed() is None  # committed, but kernel.so fails the recorded checksum
     entry.so_path.unlink()
     assert entry.read_meta() is None  # meta without its kernel.so is not committed either
 

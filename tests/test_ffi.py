@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from pack_support import build_so
 
 from cutefa import ffi
 
@@ -114,7 +115,10 @@ def test_errors_raised_by_the_kernel_become_python_exceptions(kind, expected):
 def test_bound_launch_writes_only_the_data_pointers(monkeypatch):
     stand_in = StandIn()
     monkeypatch.setattr(ffi, "_current_stream", lambda device: 0x5000 + device)
-    layouts = [ffi.TensorLayout((2, 5, 3, 8), torch.bfloat16, 0), ffi.TensorLayout((2, 3, 5), torch.float32, 0)]
+    layouts = [
+        ffi.TensorLayout((2, 5, 3, 8), torch.bfloat16, 0),
+        ffi.TensorLayout((2, 3, 5), torch.float32, 0),
+    ]
     bound = stand_in.function.bind([*layouts, 0.5, 132], (0, 1))
     assert stand_in.calls == []  # binding calls nothing
     a, b = torch.empty(2, 5, 3, 8, dtype=torch.bfloat16), torch.empty(2, 3, 5)
@@ -163,21 +167,33 @@ def test_loading_needs_no_tvm_ffi_package():
         "import sys, cutefa.ffi as f; f.runtime(); "
         "print('tvm_ffi' in sys.modules, f.tvm_ffi_library_path().name)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out == ["False", "libtvm_ffi.so"]
 
 
 def test_a_library_without_the_function_is_refused(tmp_path):
-    path = ffi.tvm_ffi_library_path()  # a real shared object that exports no kernel
-    with pytest.raises(RuntimeError, match="exports no TVM-FFI function 'nothing'"):
+    path = build_so(tmp_path / "k.so", "something")  # a real shared object that exports another entry
+    with pytest.raises(ffi.KernelLoadError, match=f"{path} exports no TVM-FFI function 'nothing'"):
         ffi.load(path, "nothing")
+    assert ffi.load(path, "something")() is None
+
+
+def test_a_file_that_is_no_library_is_a_load_error(tmp_path):
+    path = tmp_path / "k.so"
+    path.write_bytes(b"\x7fELF but not really")
+    with pytest.raises(ffi.KernelLoadError, match=str(path)):  # the file's name, not /proc/self/fd/N
+        ffi.load(path, "k")
 
 
 def test_full_calls_of_a_seen_signature_reuse_its_buffer(monkeypatch):
     stand_in = StandIn()
     packs = []
     real_pack = ffi.Function._pack
-    monkeypatch.setattr(ffi.Function, "_pack", lambda self, args: packs.append(len(args)) or real_pack(self, args))
+    monkeypatch.setattr(
+        ffi.Function, "_pack", lambda self, args: packs.append(len(args)) or real_pack(self, args)
+    )
     a, b = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 3, 8)
     lse = torch.empty(2, 3, 5)
     stand_in.function(a, lse, 0.5, 7)

@@ -10,7 +10,7 @@ import json
 import logging
 
 import pytest
-from pack_support import OTHER, SPEC, TARGET, stub_loader, use_path, write_pack
+from pack_support import OTHER, SPEC, TARGET, commit_fake, stub_loader, use_path, write_pack
 
 from cutefa import codegen, ffi, identity, loader, pack
 from cutefa import compile as cc
@@ -169,14 +169,6 @@ def test_get_kernel_prefers_a_pack_and_records_the_origin(env, tmp_path, monkeyp
     assert loader.get_kernel(SPEC, TARGET) == ("kernel", p / f"{SPEC.name}.so")
     assert env == [(p / f"{SPEC.name}.so", SPEC.name, "cu12")]
     assert loader.loaded_kernels() == {(SPEC.name, TARGET): f"pack {p}"}
-
-
-def commit_fake(entry: cc._Entry) -> None:
-    entry.dir.mkdir(parents=True, exist_ok=True)
-    entry.so_path.write_bytes(b"x")
-    entry.meta_path.write_text(
-        json.dumps({"fingerprint": entry.fingerprint, "function_name": entry.name, "runtime": "cu12"})
-    )
 
 
 def test_get_kernel_falls_back_to_the_cache(env, tmp_path, monkeypatch):
