@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cutefa import cli_compile, codegen
+from cutefa import __version__, cli_compile, codegen
 from cutefa.cli_common import UsageError, positive_int, print_table, spec_from_argument
 from cutefa.model import committed, rules
 from cutefa.model.options import Choice, Options
@@ -194,13 +194,20 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     target = args.gpu or _local_target()
     if target is None:
         raise UsageError(f"this machine has no CUDA GPU: give --gpu (one of {TARGETS})")
-    from cutefa.dispatch import explain_problem
+    import torch
 
+    from cutefa.api.attention import explain
+
+    # The same checks as a call of flash_attn_func (heads ratio, head dim, grid limits), on meta
+    # tensors of the problem's shape: nothing is allocated.
+    shape = args.shape
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}[args.dtype]
+    q_shape = (shape["batch"], shape["seqlen_q"], shape["heads_q"], shape["head_dim"])
+    kv_shape = (shape["batch"], shape["seqlen_k"], shape["heads_kv"], shape["head_dim"])
+    q, k, v = (torch.empty(s, dtype=dtype, device="meta") for s in (q_shape, kv_shape, kv_shape))
     try:
-        text = explain_problem(
-            target=target, dtype=args.dtype, causal=args.causal, v_centered=args.v_centered, **args.shape
-        )
-    except (ValueError, TypeError) as exc:
+        text = explain(q, k, v, causal=args.causal, target=target, v_centered=args.v_centered)
+    except (ValueError, TypeError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
     print(text)
     return 0
@@ -310,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cutefa", description="FlashAttention kernels generated in CuTe DSL."
     )
+    parser.add_argument("--version", action="version", version=f"cutefa {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     made = {}
     for name, (func, summary) in _subcommands().items():

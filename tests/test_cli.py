@@ -224,16 +224,22 @@ def test_bench_needs_a_gpu(capsys, monkeypatch):
 
 
 def test_explain(capsys, monkeypatch):
+    """cutefa explain asks dispatch through the API's explain (its checks on meta tensors)."""
+    import torch
+
+    from cutefa.api import attention
+
     calls = []
-    fake = types.ModuleType("cutefa.dispatch")
-    fake.explain_problem = lambda **kwargs: calls.append(kwargs) or "would run X"
-    monkeypatch.setitem(sys.modules, "cutefa.dispatch", fake)
+    monkeypatch.setattr(
+        attention.dispatch, "explain_problem", lambda **kwargs: calls.append(kwargs) or "would run X"
+    )
     assert cli.main(["explain", "--shape", "2,1024,4096,32,8,128", "--causal", "--gpu", "sm_90a"]) == 0
     assert capsys.readouterr().out == "would run X\n"
     assert calls == [
         {
             "target": "sm_90a",
-            "dtype": "bf16",
+            "gpu_name": None,
+            "dtype": torch.bfloat16,
             "causal": True,
             "batch": 2,
             "seqlen_q": 1024,
@@ -246,7 +252,7 @@ def test_explain(capsys, monkeypatch):
     ]
     argv = ["explain", "--shape", "1,4096,4096,8,8,128", "--dtype", "e4m3", "--v-centered", "--gpu", "sm_90a"]
     assert cli.main(argv) == 0
-    assert calls[-1]["dtype"] == "e4m3" and calls[-1]["v_centered"] is True
+    assert calls[-1]["dtype"] == torch.float8_e4m3fn and calls[-1]["v_centered"] is True
 
 
 def test_explain_user_errors(capsys, monkeypatch):
@@ -350,3 +356,27 @@ def test_compile_rejects_bad_jobs(capsys):
     with pytest.raises(SystemExit):
         cli.main(["compile", "--arch", "sm80", "--jobs", "0"])
     assert "argument --jobs: '0' is not a positive integer" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import cutefa
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cutefa {cutefa.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ("2,4096,4096,30,8,128", "multiple of k/v's heads"),
+        ("2,4096,4096,32,8,100", "head_dim=100 is not supported"),
+        ("1,1,1,70000,1,64", "heads_q=70000 is over"),
+    ],
+)
+def test_explain_refuses_what_the_api_refuses(capsys, shape, message):
+    """cutefa explain --shape runs the API's checks (on meta tensors): a one-line error, no traceback."""
+    assert cli.main(["explain", "--shape", shape, "--gpu", "sm_90a"]) != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
