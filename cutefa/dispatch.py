@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cutefa.identity import TUNED_DIR
 from cutefa.model.defaults import default_spec
 from cutefa.model.rules import fitting_variant, why_invalid, why_no_kernel, why_not_on
 from cutefa.model.spec import (
@@ -37,7 +38,6 @@ from cutefa.model.spec import (
 
 log = logging.getLogger("cutefa")
 
-TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 # Problems are bucketed by seqlen_k rounded up to a power of two; longer ones share one bucket.
 MAX_SEQLEN_BUCKET = 65536
 MIN_CC = 80

@@ -40,6 +40,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
 TEMPLATES_DIR = REPO_ROOT / "templates"
 GENERATED_DIR = REPO_ROOT / "generated"  # the committed, dispatchable modules
+TUNED_DIR = PACKAGE_DIR / "tuned"  # the committed dispatch tables (per GPU model)
 KERNELS_DIR = PACKAGE_DIR / "kernels"  # the CuTe DSL building blocks generated modules import
 
 # The calling convention of compiled kernels (fake-tensor signature, export flavour): bump it when

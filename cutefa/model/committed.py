@@ -24,6 +24,7 @@ import functools
 import json
 from pathlib import Path
 
+from cutefa.identity import TUNED_DIR
 from cutefa.model.defaults import (
     FP8_FAMILIES,
     candidate_grid,
@@ -33,7 +34,6 @@ from cutefa.model.defaults import (
 from cutefa.model.options import Mask, Quant, options_class
 from cutefa.model.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, VariantSpec, parse_name
 
-TUNED_DIR = Path(__file__).resolve().parent.parent / "tuned"
 MASKS = (Mask.NONE, Mask.CAUSAL)
 
 # Families whose e4m3 forward takes block descales (its option record has a quantization granularity).
