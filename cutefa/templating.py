@@ -113,9 +113,22 @@ _SWITCHES: dict[type[Options], Callable[..., Context]] = {
 
 
 def switches(spec: VariantSpec) -> Context:
-    """The flat switches of ``spec``'s family: ``causal`` and its option record's choices as
-    booleans (``exp_emu`` as its percentage)."""
-    return {"causal": spec.mask is Mask.CAUSAL, **_SWITCHES[type(spec.options)](spec.options)}
+    """The flat switches of ``spec``'s family: ``causal``, ``local`` (the sliding-window mask), the
+    feature axes (``varlen``, ``paged_kv``, ``split_kv``, ``softcap``, ``alibi``, ``sinks``) and
+    its option record's choices as booleans (``exp_emu`` as its percentage). The runtime values
+    of the features are kernel arguments in the order of :mod:`cutefa.api.features`."""
+    f = spec.features
+    return {
+        "causal": spec.mask is Mask.CAUSAL,
+        "local": spec.mask is Mask.LOCAL,
+        "varlen": f.varlen,
+        "paged_kv": f.paged_kv,
+        "split_kv": f.split_kv,
+        "softcap": f.softcap,
+        "alibi": f.alibi,
+        "sinks": f.sinks,
+        **_SWITCHES[type(spec.options)](spec.options),
+    }
 
 
 def exp_emu_per_16(spec: VariantSpec) -> int:

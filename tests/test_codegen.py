@@ -59,7 +59,8 @@ def test_paths():
     assert codegen.module_path(SPEC) == codegen.GENERATED_DIR / "sm80" / f"{SPEC.name}.py"
     assert codegen.TEMPLATES_DIR.name == "templates"
     assert templating.template_context(SPEC, codegen.template_name(SPEC)) == {
-        "spec": SPEC, "name": SPEC.name, "causal": True, "single_stage": True,
+        "spec": SPEC, "name": SPEC.name, "causal": True, "single_stage": True, "local": False, "varlen": False,
+        "paged_kv": False, "split_kv": False, "softcap": False, "alibi": False, "sinks": False,
     }  # fmt: skip
 
 

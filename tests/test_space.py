@@ -226,11 +226,10 @@ def test_a_kernel_that_does_not_exist_says_so(monkeypatch):
 @pytest.mark.parametrize(
     ("changes", "reason"),
     [
-        ({"mask": Mask.LOCAL}, "no sm90 fwd kernel implements the local (sliding-window) mask yet"),
-        ({"features": Features(varlen=True)}, "no sm90 fwd kernel implements the varlen feature(s) yet"),
+        ({"features": Features(paged_kv=True)}, "no bf16 sm90 fwd kernel implements the paged feature(s) yet"),
         (
-            {"features": Features(paged_kv=True, softcap=True)},
-            "no sm90 fwd kernel implements the paged + softcap feature(s) yet",
+            {"features": Features(paged_kv=True, softcap=True, split_kv=True)},
+            "no bf16 sm90 fwd kernel implements the paged + split feature(s) yet",
         ),
         (
             {"head_dim_v": 64},
@@ -239,8 +238,8 @@ def test_a_kernel_that_does_not_exist_says_so(monkeypatch):
     ],
 )
 def test_the_new_axes_have_no_kernel_yet(changes, reason):
-    """Mask kinds, feature axes and a separate V head dim have a place in the spec but no template:
-    each says so (the codegen raises NotImplementedError for it)."""
+    """Feature axes and a separate V head dim that have a place in the spec but no template: each
+    says which is missing (the codegen raises NotImplementedError for it)."""
     spec = default_config("sm90", "fwd", "bf16", 128).spec("sm90", "fwd", "bf16", 128).replace(**changes)
     assert rules.why_invalid(spec) == rules.why_no_kernel(spec) == reason
 

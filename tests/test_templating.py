@@ -12,8 +12,8 @@ import jinja2
 import pytest
 
 from cutefa import codegen, templating
-from cutefa.model.options import DqLayout, DqPath, Quant, Schedule, Scheduler, VTranspose
-from cutefa.model.spec import VariantSpec, parse_name
+from cutefa.model.options import DqLayout, DqPath, Mask, Quant, Schedule, Scheduler, VTranspose
+from cutefa.model.spec import Features, VariantSpec, parse_name
 
 # The switches each family's templates see (every family also has causal, from the mask).
 SWITCHES = {
@@ -32,6 +32,8 @@ SWITCHES = {
     "Sm100BwdOptions": {"causal"},
 }  # fmt: skip
 ALL_SWITCHES = set().union(*SWITCHES.values())
+# Every family's context has the mask and feature-axis switches.
+FEATURE_SWITCHES = {"local", "varlen", "paged_kv", "split_kv", "softcap", "alibi", "sinks"}
 # The boolean flags of the old one-record spec (and exp_emu, causal): templates read switches instead.
 OLD_FLAGS = (
     "overlap", "pingpong", "persistent", "early_rescale", "pair_cvt", "cta_pair", "block_quant", "dq_bulk",
@@ -81,9 +83,14 @@ def test_switches_follow_the_option_record():
         scheduler=Scheduler.LPT,
     )
     assert templating.switches(sm90) == {
-        "causal": False, "overlap": True, "pingpong": True, "persistent": False, "lpt_grid": True,
-        "early_rescale": False, "pair_cvt": False, "lazy_rescale": False, "exp_emu": 0,
+        "causal": False, "local": False, "varlen": False, "paged_kv": False, "split_kv": False,
+        "softcap": False, "alibi": False, "sinks": False, "overlap": True, "pingpong": True,
+        "persistent": False, "lpt_grid": True, "early_rescale": False, "pair_cvt": False,
+        "lazy_rescale": False, "exp_emu": 0,
     }  # fmt: skip
+    windowed = sm90.replace(mask=Mask.LOCAL, features=Features(varlen=True, sinks=True))
+    on = {k for k, v in templating.switches(windowed).items() if v is True}
+    assert on >= {"local", "varlen", "sinks"} and not on & {"causal", "softcap", "alibi", "paged_kv", "split_kv"}
     persistent = templating.switches(sm90.replace(schedule=Schedule.PINGPONG, scheduler=Scheduler.PERSISTENT))
     assert (persistent["overlap"], persistent["pingpong"], persistent["persistent"], persistent["lpt_grid"]) == (
         False, True, True, False,
@@ -96,7 +103,9 @@ def test_switches_follow_the_option_record():
     bwd = VariantSpec("sm90", "bwd", "bf16", 128, 64, 128, 2, 12, causal=True, dq_path=DqPath.BULK_WARP)
     assert {k for k, v in templating.switches(bwd).items() if v} == {"causal", "dq_bulk", "dq_warp"}
     sm80 = VariantSpec("sm80", "bwd", "bf16", 128, 64, 64, 1, 8, dq_layout=DqLayout.TILE, dq_pipe=True)
-    assert templating.switches(sm80) == {"causal": False, "dq_quad": False, "dq_tile": True, "dq_pipe": True}
+    assert {k: v for k, v in templating.switches(sm80).items() if k not in FEATURE_SWITCHES} == {
+        "causal": False, "dq_quad": False, "dq_tile": True, "dq_pipe": True,
+    }  # fmt: skip
 
 
 def test_a_template_cannot_read_another_familys_switch(tmp_path):

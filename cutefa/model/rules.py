@@ -11,6 +11,8 @@ the tile, and hold each family's tile to its templates and its resource budgets
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 
 from cutefa.model.budgets import TARGET_SMEM_LIMITS
@@ -81,6 +83,16 @@ IMPLEMENTED: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
+# The feature axes (Features field names) and the local mask ("local") each template implements,
+# (arch, direction, dtype) -> names. A spec asking for one outside its entry has no kernel.
+_SCORE_FEATURES = frozenset({"local", "varlen", "softcap", "alibi", "sinks"})
+FEATURES_IMPLEMENTED: dict[tuple[str, str, str], frozenset[str]] = {
+    (arch, direction, dtype): _SCORE_FEATURES
+    for arch, direction in (("sm80", "fwd"), ("sm80", "bwd"), ("sm90", "fwd"), ("sm90", "bwd"), ("sm100", "fwd"))
+    for dtype in ("fp16", "bf16")
+}
+
+
 def smem_bytes(spec: VariantSpec) -> int:
     """Shared memory of one CTA of ``spec``, by its family's model."""
     return {"sm80": sm80_smem_bytes, "sm90": sm90_smem_bytes, "sm100": sm100_smem_bytes}[spec.arch](spec)
@@ -117,10 +129,15 @@ def why_no_kernel(spec: VariantSpec) -> str | None:
         return f"no {where} kernel exists yet"
     if spec.dtype not in dtypes:
         return f"no {spec.dtype} {where} kernel exists yet"
-    if spec.mask is Mask.LOCAL:
-        return f"no {where} kernel implements the local (sliding-window) mask yet"
-    if spec.features.any:
-        return f"no {where} kernel implements the {' + '.join(spec.features.tokens)} feature(s) yet"
+    implemented = FEATURES_IMPLEMENTED.get((spec.arch, spec.direction, spec.dtype), frozenset())
+    if spec.mask is Mask.LOCAL and "local" not in implemented:
+        return f"no {spec.dtype} {where} kernel implements the local (sliding-window) mask yet"
+    missing = [
+        f.metadata["token"] for f in dataclasses.fields(spec.features)
+        if getattr(spec.features, f.name) and f.name not in implemented
+    ]  # fmt: skip
+    if missing:
+        return f"no {spec.dtype} {where} kernel implements the {' + '.join(missing)} feature(s) yet"
     if spec.head_dim_v != spec.head_dim:
         return f"no {where} kernel takes a V head dim (head_dim_v={spec.head_dim_v}) apart from head_dim={spec.head_dim} yet"
     return None
