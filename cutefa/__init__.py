@@ -9,14 +9,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cutefa.api import explain, flash_attn_func, fp8_block_sizes
+    from cutefa.api import explain, flash_attn_func, flash_attn_varlen_func, fp8_block_sizes
     from cutefa.fp8 import center_v, quantize_fp8
 
-__all__ = ["__version__", "center_v", "explain", "flash_attn_func", "fp8_block_sizes", "quantize_fp8"]
+__all__ = [
+    "__version__", "center_v", "explain", "flash_attn_func", "flash_attn_varlen_func", "fp8_block_sizes",
+    "quantize_fp8",
+]
 
 __version__ = "0.1.0"  # keep equal to pyproject.toml's version (a test checks)
 
-_LAZY = {"flash_attn_func", "explain", "fp8_block_sizes"}
+_LAZY = {"flash_attn_func", "flash_attn_varlen_func", "explain", "fp8_block_sizes"}
 
 
 def __getattr__(name: str) -> Any:

@@ -24,12 +24,14 @@ from typing import Any
 
 from cutefa.identity import TUNED_DIR
 from cutefa.model.defaults import default_spec
+from cutefa.model.options import Mask
 from cutefa.model.rules import fitting_variant, why_invalid, why_no_kernel, why_not_on
 from cutefa.model.spec import (
     ARCHS,
     DIRECTIONS,
     TARGETS,
     TORCH_DTYPE_NAMES,
+    Features,
     VariantSpec,
     families_for_target,
     parse_name,
@@ -61,6 +63,23 @@ class Problem:
     # the kernel's epilogue or after it), so the tensor cores sum no mean share of O and a table's
     # v_centered entries apply.
     v_centered: bool = False
+    # A sliding window (Mask.LOCAL; ``causal`` then says whether it is capped at the diagonal) and
+    # the feature axes of the call. A varlen problem's seqlens are its max_seqlen_q/k and its batch
+    # the number of sequences.
+    local: bool = False
+    features: Features = Features()
+
+    @property
+    def mask(self) -> Mask:
+        if self.local:
+            return Mask.LOCAL
+        return Mask.CAUSAL if self.causal else Mask.NONE
+
+    def with_features(self, spec: VariantSpec) -> VariantSpec:
+        """``spec`` (a dense variant of this problem's table or default) with its mask and features."""
+        if not self.local and not self.features.any:
+            return spec
+        return spec.replace(mask=self.mask, features=self.features)
 
     @property
     def bucket(self) -> int | None:
@@ -69,10 +88,21 @@ class Problem:
 
     def describe(self) -> str:
         where = f"{self.target} ({self.gpu_name})" if self.gpu_name else self.target
+        extras = ([" sliding window"] if self.local else []) + [f" {t}" for t in self.features.tokens]
+        if self.features.varlen:
+            shapes = (
+                f"varlen: {self.batch} sequences, max_seqlen_q={self.seqlen_q} max_seqlen_k={self.seqlen_k}, "
+                f"heads {self.heads_q}/{self.heads_kv}, head_dim {self.head_dim}"
+            )
+            extras = [e for e in extras if e != " varlen"]
+        else:
+            shapes = (
+                f"q=({self.batch}, {self.seqlen_q}, {self.heads_q}, {self.head_dim}) "
+                f"k=({self.batch}, {self.seqlen_k}, {self.heads_kv}, {self.head_dim})"
+            )
         return (
-            f"q=({self.batch}, {self.seqlen_q}, {self.heads_q}, {self.head_dim}) "
-            f"k=({self.batch}, {self.seqlen_k}, {self.heads_kv}, {self.head_dim}) "
-            f"{self.dtype} causal={self.causal}{' v centered' if self.v_centered else ''} on {where}"
+            f"{shapes} {self.dtype} causal={self.causal}{''.join(extras)}"
+            f"{' v centered' if self.v_centered else ''} on {where}"
         )
 
 
@@ -344,16 +374,28 @@ def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpe
 
 
 def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpec | None, str]]:
-    """A family's candidates in preference order: (label, spec or None, reason)."""
-    probe = VariantSpec(family, "fwd", problem.dtype, problem.head_dim, 128, 64, 1, 4, causal=problem.causal)
+    """A family's candidates in preference order: (label, spec or None, reason). A problem with a
+    window or features takes the dense candidate's variant with them (the tuned tables are measured
+    on dense problems); where a dense variant's options do not take them, the family's default."""
+    probe = VariantSpec(
+        family, "fwd", problem.dtype, problem.head_dim, 128, 64, 1, 4, mask=problem.mask, features=problem.features
+    )
     missing = why_no_kernel(probe)
     if missing:
         yield family, None, missing
         return
     from_table = _table_candidate(family, problem)
-    if from_table:
-        yield from_table
-    yield _heuristic_candidate(family, problem)
+    dense = [from_table] if from_table else []
+    dense.append(_heuristic_candidate(family, problem))
+    for label, spec, reason in dense:
+        if spec is None:
+            yield label, spec, reason
+            continue
+        featured = problem.with_features(spec)
+        if featured is not spec:
+            asked = ["local window"] * problem.local + problem.features.tokens
+            reason += f"; the same variant with {' + '.join(asked)}"
+        yield featured.name, featured, reason
 
 
 def _search(problem: Problem) -> tuple[Choice | None, list[tuple[str, str]]]:
@@ -386,22 +428,25 @@ def choose(
     heads_kv: int,
     gpu_name: str | None = None,
     v_centered: bool = False,
+    local: bool = False,
+    features: Features = Features(),
 ) -> Choice:
     """Pick the variant for a problem; memoized per (target, GPU, dtype, head_dim, causal, seqlen_k
-    bucket, v_centered).
+    bucket, v_centered, local, features).
 
     ``dtype`` is a spec token ('bf16') or a torch dtype; ``gpu_name`` picks among tuned tables and
     names the GPU in errors; ``v_centered`` (fp8) says v was centered before quantization
-    (:attr:`Problem.v_centered`). Raises ``NotImplementedError`` when no family has a kernel.
+    (:attr:`Problem.v_centered`); ``local`` a sliding window, ``features`` the call's feature axes
+    (:class:`Problem`). Raises ``NotImplementedError`` when no family has a kernel.
     """
     if v_centered is not False:
         _v_centered(v_centered, dtype)
-    key = (target, gpu_name, dtype, head_dim, causal, seqlen_bucket(seqlen_k), v_centered)
+    key = (target, gpu_name, dtype, head_dim, causal, seqlen_bucket(seqlen_k), v_centered, local, features)
     choice = _CHOICES.get(key)
     if choice is None:
         since = _CLEARS
         p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
-                    gpu_name, v_centered)  # fmt: skip
+                    gpu_name, v_centered, local, features)  # fmt: skip
         choice, rejected = _search(p)
         if choice is None:
             lost = "; ".join(f"{label}: {why}" for label, why in rejected)
@@ -425,10 +470,12 @@ def explain_problem(
     heads_kv: int,
     gpu_name: str | None = None,
     v_centered: bool = False,
+    local: bool = False,
+    features: Features = Features(),
 ) -> str:
     """Human-readable account of :func:`choose` for a problem: the pick, why, and every rejection."""
     p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
-                gpu_name, _v_centered(v_centered, dtype))  # fmt: skip
+                gpu_name, _v_centered(v_centered, dtype), local, features)  # fmt: skip
     lines = [f"cutefa forward: {p.describe()}"]
     try:
         choice, rejected = _search(p)
@@ -482,12 +529,15 @@ def set_logging(enabled: bool) -> None:
             log.addHandler(_HANDLER)
 
 
-def log_run(choice: Choice, q_shape: tuple[int, ...], k_shape: tuple[int, ...], causal: bool) -> None:
-    """Record one kernel run (a no-op unless logging is enabled)."""
+def log_run(
+    choice: Choice, q_shape: tuple[int, ...], k_shape: tuple[int, ...], causal: bool, extra: str = ""
+) -> None:
+    """Record one kernel run (a no-op unless logging is enabled); ``extra`` says more about the call
+    (a varlen call's sequences, a window)."""
     if _LOG_RUNS:
         log.info(
-            "cutefa: ran %s on %s for q=%s k=%s causal=%s",
-            choice.spec.name, choice.target, tuple(q_shape), tuple(k_shape), causal,
+            "cutefa: ran %s on %s for q=%s k=%s causal=%s%s",
+            choice.spec.name, choice.target, tuple(q_shape), tuple(k_shape), causal, extra and f" {extra}",
         )  # fmt: skip
 
 

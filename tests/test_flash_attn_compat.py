@@ -1,6 +1,7 @@
 """flash-attn's calling convention: ``flash_attn_func(q, k, v, dropout_p, softmax_scale, causal,
 window_size, softcap, alibi_slopes, deterministic, return_attn_probs)`` runs unchanged, cutefa's
-own options are keyword-only, and what cutefa does not implement yet is refused by name."""
+own options are keyword-only, the masks and score modifiers take the feature op, and what cutefa
+does not implement (dropout) is refused by name."""
 
 from __future__ import annotations
 
@@ -28,26 +29,42 @@ def test_the_positional_parameters_are_flash_attns():
     assert {"return_lse", "q_descale", "k_descale", "v_descale", "out_dtype", "v_mean"} <= set(extras)
 
 
+def test_dropout_is_refused_by_name():
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
+        cutefa.flash_attn_func(q, k, v, dropout_p=0.1)
+
+
 @pytest.mark.parametrize(
-    ("options", "named"),
+    ("options", "expected"),
     [
-        ({"dropout_p": 0.1}, "dropout_p=0.1"),
-        ({"softcap": 30.0}, "softcap=30.0"),
-        ({"alibi_slopes": torch.ones(4)}, "alibi_slopes"),
-        ({"window_size": (128, 0)}, "window_size=(128, 0)"),
-        ({"window_size": (-1, 64)}, "window_size=(-1, 64)"),
-        ({"window_size": (256, 256), "causal": True}, "window_size=(256, 256)"),
+        ({"softcap": 30.0}, (False, -1, -1, 30.0, False, False)),
+        ({"alibi_slopes": torch.ones(4)}, (False, -1, -1, 0.0, True, False)),
+        ({"sinks": torch.ones(4)}, (False, -1, -1, 0.0, False, True)),
+        ({"window_size": (128, 0)}, (False, 128, 0, 0.0, False, False)),
+        ({"window_size": (-1, 64)}, (False, -1, 64, 0.0, False, False)),
+        ({"window_size": (256, 256), "causal": True}, (True, 256, 0, 0.0, False, False)),
     ],
 )
-def test_what_is_not_implemented_yet_is_refused_by_name(options, named):
+def test_windows_softcap_alibi_and_sinks_take_the_feature_op(monkeypatch, options, expected):
+    from cutefa.api import feature_ops, validate
+
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
+    seen = []
+
+    def fake_attn_fwd(q, k, v, cu_q, cu_k, su_q, su_k, max_q, max_k, causal, scale, left, right, cap, alibi, sinks, det):
+        seen.append((causal, left, right, cap, alibi is not None, sinks is not None))
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(feature_ops, "attn_fwd", fake_attn_fwd)
     q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match=named.replace("(", r"\(").replace(")", r"\)")):
-        cutefa.flash_attn_func(q, k, v, **options)
+    cutefa.flash_attn_func(q, k, v, **options)
+    assert seen == [expected]
 
 
 def test_a_window_size_that_is_not_a_pair_is_a_type_error():
     q, k, v = qkv()
-    with pytest.raises(TypeError, match="window_size=5 must be a pair"):
+    with pytest.raises(TypeError, match="window_size must be a pair"):
         cutefa.flash_attn_func(q, k, v, window_size=5)
 
 

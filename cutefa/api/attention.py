@@ -1,4 +1,5 @@
-"""The user-facing functions: :func:`flash_attn_func` and :func:`explain`.
+"""The user-facing functions: :func:`flash_attn_func` and :func:`explain` (packed sequences:
+:func:`cutefa.api.varlen.flash_attn_varlen_func`).
 
 Layout is (batch, seqlen, heads, head_dim) for q, k and v; k and v may have fewer heads than q
 (grouped-query attention: query head ``h`` reads key/value head ``h // (heads_q // heads_kv)``).
@@ -29,6 +30,8 @@ from cutefa.api import dense, fp8
 from cutefa.api import plans as _plans
 from cutefa.api.launch import shapes
 from cutefa.api.plans import plain_eager
+from cutefa.api.validate_features import check_dropout
+from cutefa.api.varlen import dense_with_features, has_features
 from cutefa.api.validate import (
     FP8_DTYPES,
     check_deterministic,
@@ -53,6 +56,7 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     *,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
@@ -64,10 +68,17 @@ def flash_attn_func(
 
     The positional arguments are flash-attn's (``flash_attn_func(q, k, v, dropout_p,
     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)``),
-    so code written for it runs unchanged; cutefa's own options are keyword-only. Not implemented
-    yet, each a NotImplementedError naming the argument: ``dropout_p`` other than 0, a sliding
-    ``window_size`` (``(-1, -1)`` or ``(None, None)`` is no window; ``(-1, 0)`` is the causal mask),
-    ``softcap`` other than 0 and ``alibi_slopes``.
+    so code written for it runs unchanged; cutefa's own options are keyword-only. ``dropout_p``
+    other than 0 is a NotImplementedError.
+
+    Masks and score modifiers (16-bit inputs), aligned bottom-right like the causal mask:
+    ``window_size=(left, right)``: query ``i`` attends key ``j`` when ``i + sk - sq - left <= j <= i +
+    sk - sq + right`` (-1 or None: unbounded; with ``causal`` right is 0; ``(-1, 0)`` is the causal
+    mask); key blocks outside the band are skipped. ``softcap=c > 0``: scores become ``c *
+    tanh(score / c)``. ``alibi_slopes`` float32 (heads_q,) or (batch, heads_q): ``- slope * |i + sk
+    - sq - j|`` is added to each score. ``sinks`` (keyword) float (heads_q,): one extra logit per
+    head in each row's softmax denominator that takes no value (gpt-oss's learned sinks), with its
+    gradient. A row that attends no key has output 0 and lse ``-inf`` (with sinks: the sink).
 
     ``softmax_scale`` defaults to ``1/sqrt(head_dim)``. Returns ``out`` (like q), or ``(out, lse)``
     with ``return_lse``, or flash-attn's ``(out, lse, None)`` with ``return_attn_probs`` (no
@@ -93,8 +104,22 @@ def flash_attn_func(
     two-level accumulation, which centered v does not need; the ``_vmean`` kernels take the mean and
     add it in their epilogue, after any other kernel it is added in one pass over the output).
     """
-    if dropout_p != 0.0 or window_size != (-1, -1) or softcap != 0.0 or alibi_slopes is not None:
-        causal = flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slopes)
+    if window_size != (-1, -1) or softcap != 0.0 or alibi_slopes is not None or sinks is not None:
+        if has_features(window_size, softcap, alibi_slopes, sinks):
+            check_dropout(dropout_p)
+            if q_descale is not None or k_descale is not None or v_descale is not None or v_mean is not None:
+                raise NotImplementedError(
+                    "window_size, softcap, alibi_slopes and sinks are not implemented for fp8 inputs yet"
+                )
+            out, lse = dense_with_features(
+                q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, deterministic
+            )
+            if return_attn_probs:
+                return out, lse, None
+            return (out, lse) if return_lse else out
+        causal = flash_attn_options(dropout_p, causal, window_size)
+    elif dropout_p != 0.0:
+        check_dropout(dropout_p)
     if return_attn_probs:
         out, lse = flash_attn_func(
             q, k, v, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, return_lse=True,
@@ -167,32 +192,13 @@ def _eager(
     return (out, lse) if return_lse else out
 
 
-def flash_attn_options(
-    dropout_p: object, causal: object, window_size: object, softcap: object, alibi_slopes: object
-) -> object:
-    """flash-attn's options that cutefa does not implement yet, each refused by name; returns the
-    mask's ``causal`` (a ``window_size`` of ``(-1, 0)`` is the causal mask, as in flash-attn)."""
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p!r}: cutefa has no attention dropout yet (pass 0.0, as at inference)"
-        )
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap!r}: logit softcapping is not implemented yet (pass 0.0)")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not implemented yet (pass None)")
-    try:
-        left, right = window_size  # type: ignore[misc]
-    except (TypeError, ValueError):
-        raise TypeError(f"window_size={window_size!r} must be a pair (left, right) of ints or None") from None
-    unbounded = (-1, None)
-    if left in unbounded and right in unbounded:
-        return causal
-    if left in unbounded and right == 0 and (causal is False or causal is True):
-        return True  # flash-attn: window_size=(-1, 0) is the causal mask
-    raise NotImplementedError(
-        f"window_size={window_size!r}: sliding-window (local) attention is not implemented yet; "
-        "(-1, -1) attends every key, (-1, 0) is the causal mask"
-    )
+def flash_attn_options(dropout_p: object, causal: object, window_size: object) -> object:
+    """flash-attn's options of a call without features (:func:`cutefa.api.varlen.has_features`):
+    dropout refused by name; returns the mask's ``causal`` (``window_size=(-1, 0)`` is the causal
+    mask, as in flash-attn)."""
+    check_dropout(dropout_p)
+    _, right = window_size  # type: ignore[misc]  # has_features let only (-1|None, -1|None|0) through
+    return True if right == 0 and isinstance(causal, bool) else causal
 
 
 def _plan_options(causal: object, softmax_scale: object, deterministic: object) -> bool:

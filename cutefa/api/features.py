@@ -3,8 +3,9 @@
 A spec's compile-time feature axes (:class:`cutefa.model.spec.Features`, and ``Mask.LOCAL``) say
 *which* arguments its kernel takes; their values are arguments, never constants of the kernel.
 Calling convention, every family and direction: after the kernel's own scalars (forward:
-``softmax_scale`` and, for a persistent kernel, the SM count; backward: ``softmax_scale``,
-``deterministic`` and the family's own) and before the stream, in this order, those its spec has:
+``softmax_scale``; backward: ``softmax_scale``, ``deterministic`` and the family's own), in this
+order, those its spec has; a persistent forward's SM count comes last, after them (the loader
+appends it: :class:`cutefa.ffi.WithSmCount`), and the stream is the caller's current one:
 
 1. varlen: ``cu_seqlens_q``, ``cu_seqlens_k`` int32 (batch + 1,) prefix sums of the sequences'
    spans in the packed tensors; ``seqused_q``, ``seqused_k`` int32 (batch,) the rows of each span

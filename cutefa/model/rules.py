@@ -88,7 +88,7 @@ IMPLEMENTED: dict[tuple[str, str], tuple[str, ...]] = {
 _SCORE_FEATURES = frozenset({"local", "varlen", "softcap", "alibi", "sinks"})
 FEATURES_IMPLEMENTED: dict[tuple[str, str, str], frozenset[str]] = {
     (arch, direction, dtype): _SCORE_FEATURES
-    for arch, direction in (("sm80", "fwd"), ("sm80", "bwd"), ("sm90", "fwd"), ("sm90", "bwd"), ("sm100", "fwd"))
+    for arch, direction in (("sm80", "fwd"), ("sm80", "bwd"), ("sm90", "fwd"), ("sm100", "fwd"))
     for dtype in ("fp16", "bf16")
 }
 

@@ -1,0 +1,109 @@
+"""The user-facing calls with features: :func:`flash_attn_varlen_func` (packed sequences) and
+:func:`dense_with_features` (what :func:`cutefa.flash_attn_func` runs for a window, softcap,
+ALiBi or sinks). Both validate, then call the ``cutefa::attn_fwd`` op (:mod:`cutefa.api.feature_ops`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cutefa.api import feature_ops
+from cutefa.api.validate import default_scale
+from cutefa.api.validate_features import (
+    assert_lengths_async,
+    check_dropout,
+    check_features,
+    mask_options,
+    validate_dense,
+    validate_varlen,
+)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Attention over packed sequences, as flash-attn's ``flash_attn_varlen_func``.
+
+    q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim), fp16/bf16 CUDA tensors;
+    sequence ``b`` holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and likewise of k, v):
+    ``cu_seqlens_*`` int32 (batch + 1,) on q's device. ``max_seqlen_q``/``max_seqlen_k`` (ints) bound
+    every sequence's length (the launch grid is sized by them; a longer sequence is an error).
+    ``seqused_q``/``seqused_k`` int32 (batch,): how many rows of each span are used (buffers with
+    slack); the rest of the span is ignored. Causal masking and windows are aligned bottom-right
+    per sequence, with its own lengths. ``window_size``, ``softcap``, ``alibi_slopes`` and
+    ``sinks`` as in :func:`cutefa.flash_attn_func`.
+
+    Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse`` (lse float32 (heads_q,
+    total_q)), or flash-attn's ``(out, lse, None)`` with ``return_attn_probs``. Packed rows of no
+    sequence (past ``cu_seqlens_q[-1]`` or a sequence's ``seqused_q``) are 0 with lse ``-inf`` and
+    get zero gradients. Differentiable in q, k, v and sinks.
+
+    The lengths are GPU values and are never read on the host: their consistency (non-decreasing,
+    within the packed rows and ``max_seqlen_*``, seqused within the span) is checked on the device
+    without a sync, as a device-side assert that ends the CUDA context when it fails (what reading
+    out of bounds would do, reported instead of happening). So calls can be captured in CUDA graphs.
+    """
+    check_dropout(dropout_p)
+    batch = validate_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
+        softmax_scale, deterministic,
+    )  # fmt: skip
+    causal, left, right = mask_options(causal, window_size)
+    softcap = check_features(q, batch, softcap, alibi_slopes, sinks)
+    if not torch.compiler.is_compiling() and q.is_cuda:
+        assert_lengths_async(cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q, "q")
+        assert_lengths_async(cu_seqlens_k, seqused_k, k.shape[0], max_seqlen_k, "k")
+    out, lse = feature_ops.attn_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, int(max_seqlen_q), int(max_seqlen_k), causal,
+        default_scale(softmax_scale, q.shape[-1]), left, right, softcap, alibi_slopes,
+        None if sinks is None else sinks.float(), deterministic,
+    )  # fmt: skip
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_lse else out
+
+
+def dense_with_features(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, causal: bool,
+    window_size: object, softcap: object, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out, lse) of a (batch, seqlen, heads, head_dim) call with a window, softcap, ALiBi or sinks."""
+    causal, left, right = mask_options(causal, window_size)
+    validate_dense(q, k, v, causal, softmax_scale)
+    softcap = check_features(q, q.shape[0], softcap, alibi_slopes, sinks)
+    return feature_ops.attn_fwd(
+        q, k, v, None, None, None, None, q.shape[1], k.shape[1], causal, default_scale(softmax_scale, q.shape[-1]),
+        left, right, softcap, alibi_slopes, None if sinks is None else sinks.float(), deterministic,
+    )  # fmt: skip
+
+
+def has_features(window_size: object, softcap: object, alibi_slopes: object, sinks: object) -> bool:
+    """Whether a flash_attn_func call needs the feature path (anything but (-1, -1)/(-1, 0) windows,
+    or a softcap, slopes or sinks)."""
+    if softcap != 0.0 or alibi_slopes is not None or sinks is not None:
+        return True
+    try:
+        left, right = window_size  # type: ignore[misc]
+    except (TypeError, ValueError):
+        return True  # validation names it
+    return not (left in (-1, None) and right in (-1, None, 0))
