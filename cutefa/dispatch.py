@@ -375,8 +375,8 @@ def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpe
 
 def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpec | None, str]]:
     """A family's candidates in preference order: (label, spec or None, reason). A problem with a
-    window or features takes the dense candidate's variant with them (the tuned tables are measured
-    on dense problems); where a dense variant's options do not take them, the family's default."""
+    window or features takes the family's default variant with them (the tuned tables are measured
+    on dense problems; a pack's feature variants are the defaults' (:mod:`cutefa.model.feature_sets`))."""
     probe = VariantSpec(
         family, "fwd", problem.dtype, problem.head_dim, 128, 64, 1, 4, mask=problem.mask, features=problem.features
     )
@@ -384,18 +384,18 @@ def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpe
     if missing:
         yield family, None, missing
         return
-    from_table = _table_candidate(family, problem)
-    dense = [from_table] if from_table else []
-    dense.append(_heuristic_candidate(family, problem))
-    for label, spec, reason in dense:
-        if spec is None:
-            yield label, spec, reason
-            continue
-        featured = problem.with_features(spec)
-        if featured is not spec:
+    if problem.local or problem.features.any:
+        label, spec, reason = _heuristic_candidate(family, problem)
+        if spec is not None:
             asked = ["local window"] * problem.local + problem.features.tokens
-            reason += f"; the same variant with {' + '.join(asked)}"
-        yield featured.name, featured, reason
+            spec = problem.with_features(spec)
+            label, reason = spec.name, f"{reason}; with {' + '.join(asked)}"
+        yield label, spec, reason
+        return
+    from_table = _table_candidate(family, problem)
+    if from_table:
+        yield from_table
+    yield _heuristic_candidate(family, problem)
 
 
 def _search(problem: Problem) -> tuple[Choice | None, list[tuple[str, str]]]:

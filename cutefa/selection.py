@@ -13,9 +13,11 @@ measured on any GPU) plus the family's default (what dispatch runs where no tabl
 Only the causal kernels are selected unless ``--mask`` says otherwise: a decoder's training and
 prefill run causal, and so do its decode steps (one query row, aligned to the last key, sees the
 whole cache); encoders and cross-attention need ``--mask none``. Both directions are selected
-unless ``--direction fwd`` (inference only). Needs no kernel covers yet (a sliding window, a
-logit softcap, ALiBi, a head dim without kernels, a V head dim other than the Q/K one) each get
-a note; the pack is built from what exists. ``final_logit_softcapping`` caps the LM head's logits,
+unless ``--direction fwd`` (inference only). The model's calls with features are selected too:
+packed batches (the varlen call padded batches reach), its sliding window, logit softcap and
+ALiBi, on the family's default (what dispatch runs for them). Needs no kernel covers yet (a head
+dim without kernels, a V head dim other than the Q/K one, a feature no template implements) each
+get a note; the pack is built from what exists. ``final_logit_softcapping`` caps the LM head's logits,
 not attention scores: it needs nothing here.
 """
 
@@ -31,6 +33,7 @@ from pathlib import Path
 from cutefa import dispatch
 from cutefa.model.committed import default_variants
 from cutefa.model.defaults import default_spec
+from cutefa.model.feature_sets import feature_variants
 from cutefa.model.options import Mask
 from cutefa.model.rules import fitting_variant, why_invalid, why_not_on
 from cutefa.model.spec import (
@@ -271,10 +274,13 @@ class ModelPlan:
 
 
 def committed_for(target: str, families: Iterable[str] | None = None) -> list[VariantSpec]:
-    """The committed variants of the families that run on ``target`` (or of ``families``) whose
-    shared memory the target's GPUs hold."""
+    """The committed variants of the families that run on ``target`` (or of ``families``), and their
+    shipped feature variants (:func:`cutefa.model.feature_sets.feature_variants`), whose shared
+    memory the target's GPUs hold."""
     names = families_for_target(target) if families is None else list(families)
-    return [spec for family in names for spec in default_variants(family) if why_not_on(spec, target) is None]
+    specs = [spec for family in names for spec in default_variants(family)]
+    specs += [spec for family in names for d in DIRECTIONS for spec in feature_variants(family, d)]
+    return [spec for spec in specs if why_not_on(spec, target) is None]
 
 
 def _usable(spec: VariantSpec | None, target: str) -> bool:
@@ -354,6 +360,7 @@ def model_plan(model: ModelAttention, target: str, selection: Selection = Select
                 found.update(dict.fromkeys(got))
                 if not got:
                     lacking.append(f"{direction} {dtype} {mask.name.lower()}")
+    found.update(dict.fromkeys(_model_feature_variants(model, target, families, selection, dtypes, masks)))
     if lacking and model.head_dim in HEAD_DIMS:
         notes.append(
             f"no kernel on {target} ({'/'.join(families)}) for head_dim {model.head_dim}: {', '.join(lacking)}"
@@ -368,6 +375,33 @@ def model_plan(model: ModelAttention, target: str, selection: Selection = Select
         )
         raise SelectionError(f"nothing to build for {model.source} on {target}: {why}")
     return ModelPlan(model, tuple(sorted(specs)), tuple(notes))
+
+
+def _model_feature_variants(
+    model: ModelAttention, target: str, families: Sequence[str], selection: Selection, dtypes: Sequence[str],
+    masks: Sequence[Mask],
+) -> list[VariantSpec]:  # fmt: skip
+    """What dispatch runs for the model's calls with features: packed (padded) batches, its sliding
+    window, softcap and ALiBi; per direction, the first family (newest first) whose default takes them."""
+    extra = Features(softcap=bool(model.softcap), alibi=model.alibi)
+    wanted = [(m, dataclasses.replace(extra, varlen=True)) for m in masks]
+    if extra.any:
+        wanted += [(m, extra) for m in masks]
+    if model.sliding_window:
+        wanted += [(Mask.LOCAL, extra), (Mask.LOCAL, dataclasses.replace(extra, varlen=True))]
+    found = []
+    for direction in selection.directions or DIRECTIONS:
+        for dtype in dtypes:
+            for mask, features in wanted:
+                for family in families:
+                    spec = _default_variant(family, direction, target, dtype, model.head_dim, mask is Mask.CAUSAL)
+                    if spec is None:
+                        continue
+                    spec = spec.replace(mask=mask, features=features)
+                    if _usable(spec, target):
+                        found.append(spec)
+                        break
+    return found
 
 
 def _gaps(model: ModelAttention, universe: Sequence[VariantSpec]) -> list[str]:

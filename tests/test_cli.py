@@ -12,7 +12,7 @@ import pytest
 from cutefa import cli
 from cutefa.model import committed, rules
 from cutefa.model.options import DqLayout
-from cutefa.model.spec import VariantSpec
+from cutefa.model.spec import Features, VariantSpec
 
 TEMPLATE = '"""{{ name }}"""\nTHREADS = {{ spec.threads }}\n'
 DEFAULTS = [s for arch in ("sm80", "sm90", "sm100") for s in committed.default_variants(arch)]
@@ -248,6 +248,8 @@ def test_explain(capsys, monkeypatch):
             "heads_kv": 8,
             "head_dim": 128,
             "v_centered": False,
+            "local": False,
+            "features": Features(),
         }
     ]
     argv = ["explain", "--shape", "1,4096,4096,8,8,128", "--dtype", "e4m3", "--v-centered", "--gpu", "sm_90a"]

@@ -266,8 +266,14 @@ def test_llama_needs_the_causal_bf16_hd128_kernels_dispatch_can_pick():
     plan = selection.model_plan(selection.read_model_config(MODELS / "llama3_8b.json"), TARGET)
     names = {s.name for s in plan.specs}
     assert plan.notes == ()
-    assert {(s.arch, s.dtype, s.head_dim, s.causal) for s in plan.specs} == {("sm90", "bf16", 128, True)}
-    assert {s.direction for s in plan.specs} == {"fwd", "bwd"}
+    dense = [s for s in plan.specs if not s.features.any]
+    assert {(s.arch, s.dtype, s.head_dim, s.causal) for s in dense} == {("sm90", "bf16", 128, True)}
+    assert {s.direction for s in dense} == {"fwd", "bwd"}
+    # padded and packed batches: the varlen forward of the sm90 default; the sm90 backward has no
+    # varlen axis yet, so the sm80 family's serves
+    packed = {(s.arch, s.direction) for s in plan.specs if s.features.any}
+    assert packed == {("sm90", "fwd"), ("sm80", "bwd")}
+    assert all(s.features == Features(varlen=True) and s.causal for s in plan.specs if s.features.any)
     for direction in ("fwd", "bwd"):  # every tuned entry
         entries = table_entries("sm90", direction, TARGET, "bf16", 128, True)
         assert entries and entries <= names
@@ -277,12 +283,13 @@ def test_llama_needs_the_causal_bf16_hd128_kernels_dispatch_can_pick():
     tables = table_entries("sm90", "fwd", TARGET, "bf16", 128, True) | table_entries(
         "sm90", "bwd", TARGET, "bf16", 128, True
     )
-    assert len(plan.specs) - len(tables) <= 2  # at most the two defaults beyond the tables
+    assert len(dense) - len(tables) <= 2  # at most the two defaults beyond the tables
 
 
 def test_a_model_on_an_older_target_gets_that_targets_kernels():
     plan = selection.model_plan(selection.read_model_config(MODELS / "llama3_8b.json"), "sm_80")
     assert {s.arch for s in plan.specs} == {"sm80"} and {s.direction for s in plan.specs} == {"fwd", "bwd"}
+    assert {s.features for s in plan.specs} == {Features(), Features(varlen=True)}
     assert dispatch_picks("sm_80", "bf16", 128, True) <= set(plan.specs)
     assert all(why_not_on(s, "sm_80") is None for s in plan.specs)
 
@@ -291,22 +298,28 @@ def test_mistral_and_qwen_need_what_llama_needs_with_their_notes():
     llama = selection.model_plan(selection.read_model_config(MODELS / "llama3_8b.json"), TARGET)
     mistral = selection.model_plan(selection.read_model_config(MODELS / "mistral_7b.json"), TARGET)
     qwen = selection.model_plan(selection.read_model_config(MODELS / "qwen2_7b.json"), TARGET)
-    assert mistral.specs == llama.specs == qwen.specs  # GQA ratios are runtime arguments
-    assert len(mistral.notes) == 1 and mistral.notes[0].startswith(
-        "sliding_window 4096: no kernel implements the local (sliding-window) mask yet"
-    )
-    assert qwen.notes == ()
+    assert llama.specs == qwen.specs  # GQA ratios are runtime arguments
+    # Mistral: Llama's kernels and its sliding window's, dense and packed
+    windowed = set(mistral.specs) - set(llama.specs)
+    assert set(llama.specs) < set(mistral.specs) and windowed
+    assert {(s.mask, s.features) for s in windowed} == {(Mask.LOCAL, Features()), (Mask.LOCAL, Features(varlen=True))}
+    assert {(s.arch, s.direction) for s in windowed} == {("sm90", "fwd"), ("sm80", "bwd")}
+    assert mistral.notes == () and qwen.notes == ()
 
 
 def test_gemma2_gets_hd256_kernels_and_a_note_per_gap():
     plan = selection.model_plan(selection.read_model_config(MODELS / "gemma2_9b.json"), TARGET)
-    assert {(s.arch, s.dtype, s.head_dim, s.causal) for s in plan.specs} == {("sm90", "bf16", 256, True)}
+    dense = [s for s in plan.specs if s.mask is not Mask.LOCAL and not s.features.any]
+    assert {(s.arch, s.dtype, s.head_dim, s.causal) for s in dense} == {("sm90", "bf16", 256, True)}
     assert {s.direction for s in plan.specs} == {"fwd", "bwd"}
     assert dispatch_picks(TARGET, "bf16", 256, True) <= set(plan.specs)
+    # its softcap on every layer, its window on the local ones, dense and packed
+    featured = {(s.mask, s.features) for s in plan.specs if s not in dense}
+    assert featured == {
+        (mask, Features(softcap=True, varlen=varlen)) for mask in (Mask.CAUSAL, Mask.LOCAL) for varlen in (False, True)
+    }
     text = "\n".join(plan.notes)
-    assert len(plan.notes) == 3
-    assert "sliding_window 4096: no kernel implements the local" in text
-    assert "attn_logit_softcapping 50.0: no kernel implements softcap yet" in text
+    assert len(plan.notes) == 1
     assert "torch_dtype float32" in text and "selecting bf16" in text
     assert "final_logit" not in text  # the LM head's cap, not attention's
 
@@ -326,8 +339,12 @@ def test_model_selection_takes_the_other_flags():
     assert {s.arch for s in sm80.specs} == {"sm80"}
     with pytest.raises(selection.SelectionError, match="--head-dim 64 keeps none of its"):
         selection.model_plan(model, TARGET, selection.Selection(head_dims=(64,)))
-    with pytest.raises(selection.SelectionError, match="no kernel implements softcap yet"):
+    with pytest.raises(selection.SelectionError, match="--feature softcap keeps none of its"):
         selection.model_plan(model, TARGET, selection.Selection(features=("softcap",)))
+    with pytest.raises(selection.SelectionError, match="no kernel implements paged_kv yet"):
+        selection.model_plan(model, TARGET, selection.Selection(features=("paged_kv",)))
+    packed = selection.model_plan(model, TARGET, selection.Selection(features=("varlen",)))
+    assert packed.specs and all(s.features.varlen for s in packed.specs)
 
 
 def test_for_model_command_prints_the_selection_and_the_warnings(built, capsys, tmp_path):
@@ -341,8 +358,12 @@ def test_for_model_command_prints_the_selection_and_the_warnings(built, capsys, 
     assert (
         f"model {MODELS / 'mistral_7b.json'}: head_dim 128, 32 heads, 8 kv heads, torch_dtype bfloat16" in out
     )
-    assert f"selected {len(specs)} kernel(s) for {TARGET}: {fwd} sm90 fwd, {len(specs) - fwd} sm90 bwd" in out
-    assert err.count("warning: ") == 1 and "warning: sliding_window 4096" in err
+    bwd80 = sum(s.direction == "bwd" and s.arch == "sm80" for s in specs)
+    assert (
+        f"selected {len(specs)} kernel(s) for {TARGET}: {fwd} sm90 fwd, {len(specs) - fwd - bwd80} sm90 bwd, "
+        f"{bwd80} sm80 bwd" in out
+    )
+    assert err.count("warning: ") == 0
     assert f"{len(specs)} kernel(s), " in out and len(pack.read_pack(out_dir).kernels) == len(specs)
 
 
@@ -362,8 +383,8 @@ def test_a_separate_v_head_dim_is_a_need_no_kernel_covers(tmp_path):
 def test_for_model_with_nothing_selectable_is_an_error(built, capsys):
     code, _, err = run(capsys, "--for-model", str(MODELS / "phi2.json"))
     assert code == 2 and "nothing to build for" in err and "head_dim 80: no kernel covers it yet" in err
-    code, _, err = run(capsys, "--for-model", str(MODELS / "llama3_8b.json"), "--feature", "softcap")
-    assert code == 2 and "no kernel implements softcap yet" in err
+    code, _, err = run(capsys, "--for-model", str(MODELS / "llama3_8b.json"), "--feature", "paged")
+    assert code == 2 and "no kernel implements paged_kv yet" in err
     assert cli.main(["compile", "--for-model", str(MODELS / "llama3_8b.json")]) == 2
     assert "--for-model: give --target" in capsys.readouterr().err
     assert built == []

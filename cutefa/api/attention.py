@@ -30,7 +30,8 @@ from cutefa.api import dense, fp8
 from cutefa.api import plans as _plans
 from cutefa.api.launch import shapes
 from cutefa.api.plans import plain_eager
-from cutefa.api.validate_features import check_dropout
+from cutefa.api.validate_features import check_dropout, check_softcap, mask_options
+from cutefa.model.spec import Features
 from cutefa.api.varlen import dense_with_features, has_features
 from cutefa.api.validate import (
     FP8_DTYPES,
@@ -209,13 +210,17 @@ def _plan_options(causal: object, softmax_scale: object, deterministic: object) 
 
 def explain(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, target: str | None = None,
-    v_centered: bool = False,
+    v_centered: bool = False, window_size: tuple[int | None, int | None] = (-1, -1), softcap: float = 0.0,
+    alibi: bool = False, sinks: bool = False, varlen: bool = False,
 ) -> str:  # fmt: skip
     """Which variant :func:`flash_attn_func` would run for these inputs, why, and what was rejected.
 
     ``target`` (e.g. 'sm_90a') explains for that compile target instead of the tensors' GPU, so
     the inputs may then be CPU or meta tensors. ``v_centered`` (fp8): for a call with ``v_mean=``,
-    which dispatches among the variants tuned for centered v.
+    which dispatches among the variants tuned for centered v. ``window_size``, ``softcap``,
+    ``alibi`` and ``sinks``: a call with those options (any slopes or sinks); ``varlen``: a
+    :func:`cutefa.flash_attn_varlen_func` call whose sequences are q's batch (every one of q's and
+    k's lengths at most, max_seqlen_q/k being q's and k's seqlen).
     """
     q, k, v = check_tensors((q, k, v))
     device_types = None if target is None else (q.device.type,)
@@ -223,9 +228,12 @@ def explain(
         validate_fp8_inputs(q, k, v, causal=causal, device_types=device_types)
     else:
         validate_inputs(q, k, v, causal=causal, device_types=device_types)
+    causal, left, right = mask_options(causal, window_size)
+    features = Features(varlen=varlen, softcap=check_softcap(softcap) != 0.0, alibi=alibi, sinks=sinks)
     gpu_name = None
     if target is None:
         target, gpu_name = dispatch.device_target(q.device)
     return dispatch.explain_problem(
-        target=target, dtype=q.dtype, causal=causal, gpu_name=gpu_name, v_centered=v_centered, **shapes(q, k)
-    )
+        target=target, dtype=q.dtype, causal=causal, gpu_name=gpu_name, v_centered=v_centered,
+        local=(left, right) != (-1, -1), features=features, **shapes(q, k),
+    )  # fmt: skip
