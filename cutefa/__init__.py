@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cutefa.api import explain, flash_attn_func, flash_attn_varlen_func, fp8_block_sizes
+    from cutefa.api.padding import pad_input, unpad_input
     from cutefa.fp8 import center_v, quantize_fp8
 
 __all__ = [
     "__version__", "center_v", "explain", "flash_attn_func", "flash_attn_varlen_func", "fp8_block_sizes",
-    "quantize_fp8",
+    "pad_input", "quantize_fp8", "unpad_input",
 ]
 
 __version__ = "0.1.0"  # keep equal to pyproject.toml's version (a test checks)
@@ -27,6 +28,12 @@ def __getattr__(name: str) -> Any:
         from cutefa import fp8
 
         value = getattr(fp8, name)
+        globals()[name] = value
+        return value
+    if name in ("unpad_input", "pad_input"):
+        from cutefa.api import padding
+
+        value = getattr(padding, name)
         globals()[name] = value
         return value
     if name in _LAZY:
