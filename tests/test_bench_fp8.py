@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpu_support import all_variants, load_tool
+from cpu_support import all_variants, load_tool, reference
 
 from cutefa.model.defaults import default_spec
 from cutefa.model.rules import why_invalid
@@ -49,7 +49,10 @@ def test_named_variants_get_the_default_beside_them():
     ("name", "match"),
     [
         ("cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_ov_pp", "not an sm90 e4m3 forward variant"),
-        ("cutefa_sm90_fwd_e4m3_hd128_64x128_s2_w8_ov_pp", "cannot be built: pingpong needs two or three consumer"),
+        (
+            "cutefa_sm90_fwd_e4m3_hd128_64x128_s2_w8_ov_pp",
+            "cannot be built: pingpong needs two or three consumer",
+        ),
     ],
 )
 def test_bad_variant_names_raise(name, match):
@@ -82,3 +85,38 @@ def load_tool_fp8_accuracy():
     from cpu_support import load_tool
 
     return load_tool("fp8_accuracy")
+
+
+def test_fp8_columns_are_checked_against_the_dequantized_inputs():
+    """The main table's checks on the CPU: the attention of the dequantized e4m3 inputs (rounded to
+    bf16, as a kernel stores it) passes the fp8 check; the same with its centered v's mean left out
+    fails the v_mean check; a NaN fails; the bar comes from the e4m3 rounding of P."""
+    tool = _bench()
+    from cutefa.fp8 import dequantize_fp8
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 96, 2, 32, generator=gen) for _ in range(3))
+    v = v + 0.5
+    ex = tool._expectations(torch, cutefa_module(), q, k, v, True, 2)
+    _, quant, (vc, vcd), v_mean = ex["inputs"]
+    deq = [dequantize_fp8(x, d) for x, d in quant]
+    out, lse = reference(*deq, True, 1 / 32**0.5)
+    assert tool._judge(ex["fp8"])((out.bfloat16(), lse)).ok
+    assert tool._judge(ex["bf16"])((out.bfloat16(), lse)).errors["O"]["rel"] > 0  # other inputs
+    centered, lse_c = reference(deq[0], deq[1], dequantize_fp8(vc, vcd), True, 1 / 32**0.5)
+    assert not tool._judge(ex["v_mean"])((centered.bfloat16(), lse_c)).ok
+    assert tool._judge(ex["v_mean"])(((centered + v_mean[:, None]).bfloat16(), lse_c)).ok
+    bad = out.bfloat16().clone()
+    bad[0, 5, 1, 3] = float("nan")
+    assert not tool._judge(ex["fp8"])((bad, lse)).ok
+    bar = ex["fp8"].bars["O"]
+    assert 3 * 2.0**-9 < bar.rel < 0.2  # P in e4m3 (3 mantissa bits) is far coarser than bf16
+    info = {}
+    tool._judge(ex["fp8"], ex["exact"], info, "fp8")((out.bfloat16(), lse))
+    assert 0 < info["fp8"] < 0.2  # what quantizing the inputs costs
+
+
+def cutefa_module():
+    import cutefa
+
+    return cutefa

@@ -1,18 +1,28 @@
-"""Side-by-side attention benchmark on one GPU: cutefa vs FA4, cuDNN and FA2, in one run.
+"""Side-by-side attention benchmark on one GPU: cutefa vs FA4, SDPA's cuDNN, FlashAttention-2 and
+memory-efficient backends, and FlexAttention, in one run.
 
 Grid (as in the anchor figures): layout (batch, seqlen, heads, head_dim) with batch x seqlen =
-16384 tokens and heads x head_dim = 2048, random normal inputs, median time of
-``triton.testing.do_bench`` (CUDA events when triton is missing). TFLOP/s counts 4*b*h*s^2*d for
-the forward, halved when causal. The dense bf16 matmul rate (8192^3) is measured in the same run:
-that is the ceiling the attention figures are read against.
+16384 tokens; heads (``--heads``) "mha" = 2048 / head_dim query and key/value heads, grouped-query
+"32/8" (Llama 3 8B) and "64/8" (Llama 3 70B), "mqa" = 2048 / head_dim query heads over one key/value
+head. Random normal inputs; median time of ``triton.testing.do_bench`` (CUDA events when triton is
+missing). TFLOP/s counts 4*b*hq*s^2*d for the forward (2.5x for the backward), halved when causal.
+The dense bf16 matmul rate (8192^3) is measured in the same run: the ceiling the attention figures
+are read against.
 
-Before cutefa is timed on a cell, its output is checked against SDPA; a cell whose relative error
-exceeds the tolerance is reported as WRONG and its speed is not. A backend that raises is shown as
-"err" with the message in the notes; a backend that is not installed leaves its column empty.
+Every backend is checked before it is timed, on every cell (tools/bench_check.py): its outputs
+(forward: O and its log-sum-exp; backward: dQ, dK and dV), allocated NaN-poisoned, against a
+float32 reference on a sample of (batch, head) slices (``--slices``), each within a bar set from the
+error of the same reference computed in the inputs' 16-bit dtype (3x it, plus an epsilon). A cell
+that fails prints FAIL and no speed; a backend that raises prints "err" (the message in the notes);
+one that is not installed leaves its column empty. Every backend is timed the same way
+(tools/bench_run.py): through its library's own call (which allocates its outputs), forward as a
+plain call, backward as autograd over a graph its forward built once, all backends of a cell in
+turns for ``--rounds`` rounds (default 3), the median kept.
 
     python3 tools/bench.py                      # full grid, bf16, causal and not
     python3 tools/bench.py --quick              # a few cells
-    python3 tools/bench.py --hdim 128 --seqlen 4096,8192 --causal 1 --dtype bf16,fp16
+    python3 tools/bench.py --hdim 128 --seqlen 4096,8192 --causal 1 --dtype bf16,fp16 --heads mha,32/8
+    python3 tools/bench.py --pass both --plot bench_out/bench.png
     python3 tools/bench.py --enqueue            # host cost per call, all backends
     python3 tools/bench.py --enqueue --pack DIR # ... with cutefa's kernel from a kernel pack
     python3 tools/bench.py --startup            # import cutefa -> first result from a pack, ms
@@ -21,24 +31,24 @@ exceeds the tolerance is reported as WRONG and its speed is not. A backend that 
 
 ``--bwd-variants NAME,...`` times each named backward variant (or ``sm90`` / ``ARCH``: every
 committed backward variant of that family and the measured alternatives, tools/alternatives.py) on
-the backward cells whose dtype, head dim and mask it serves, exactly as the cutefa column is timed
-(cutefa's forward, then autograd's backward, checked against SDPA) but with the backward forced to
-that variant; each gets a row of its own in a "Backward variants" table beside FA4 and the default
-cutefa backward of the same cell.
+the backward cells whose dtype, head dim and mask it serves, as one more backend of the cell
+(cutefa's forward, autograd's backward forced to that variant, checked and timed in the same turns);
+each gets a row of its own in a "Backward variants" table beside FA4 and the default cutefa backward.
 
-Writes ``bench.md``, ``bench.json`` and ``bench.png`` (``enqueue.md``/``enqueue.json`` for
-``--enqueue``, ``startup.md``/``startup.json`` for ``--startup``) under ``--out`` (default
-``bench_out/``). ``--pack DIR`` (default for ``--startup``: ``<out>/pack``) names the kernel pack
-cutefa runs from; the kernel of the tiny problem is compiled into it first when it lacks it.
+Writes ``bench.md`` and ``bench.json`` (``enqueue.md``/``enqueue.json`` for ``--enqueue``,
+``startup.md``/``startup.json`` for ``--startup``) under ``--out`` (default ``bench_out/``);
+``--plot FILE.png`` also draws the grid side by side (needs matplotlib). ``--pack DIR`` (default for
+``--startup``: ``<out>/pack``) names the kernel pack cutefa runs from; the kernel of the tiny
+problem is compiled into it first when it lacks it. ``cutefa bench ARGS`` runs this with ARGS.
 
 This file holds the command line and the grid's run; beside it: bench_grid.py (shapes, cells,
-results), bench_backends.py (timer, backends, checks against SDPA), bench_report.py (tables, JSON,
-plot) and bench_host.py (--enqueue, --startup).
+results), bench_backends.py (timer, backends), bench_check.py (the reference and the bars),
+bench_run.py (check, then time in turns), bench_report.py (tables, JSON, plot) and bench_host.py
+(--enqueue, --startup).
 """
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -47,30 +57,30 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # tools/alternatives.p
 
 from bench_backends import (
     _first_line,
-    _sdpa_dq,
-    _sdpa_out,
     _variant,
     bwd_variant_backend,
     environment,
     load_backends,
     make_timer,
     measure_matmul,
-    run_backend,
 )
+from bench_check import SLICES
 from bench_grid import (
     BACKENDS,
     DTYPE_NAMES,
     HDIMS,
+    HEADS,
     QUICK_HDIMS,
+    QUICK_HEADS,
     QUICK_SEQLENS,
     SEQLENS,
-    Row,
     grid,
-    tflops,
+    parse_heads,
     variant_serves,
 )
 from bench_host import run_enqueue, run_startup
-from bench_report import plot, report_json, report_markdown
+from bench_report import check_plot, plot, report_json, report_markdown
+from bench_run import ROUNDS, run_cell
 
 # ----------------------------------------------------------------------------------------------
 # arguments
@@ -120,6 +130,16 @@ def _backend_list(text: str) -> list[str]:
     return [by_lower[x] for x in values]
 
 
+def _heads_list(text: str) -> list[str]:
+    try:
+        values = [parse_heads(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"--heads takes mha, mqa or HQ/HKV entries, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
 def _bwd_variant_list(text: str) -> list[str]:
     """Backward variant names, checked: a comma list of names and/or family names (sm90: every
     committed sm90 backward variant and the measured alternatives)."""
@@ -153,25 +173,38 @@ def _bwd_variant_list(text: str) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench.py",
-        description="cutefa vs FA4 / cuDNN / FA2 attention throughput, side by side on one GPU.",
+        description="cutefa vs FA4 / cuDNN / FA2 / efficient / FlexAttention, checked and timed side by "
+        "side on one GPU.",
     )
     p.add_argument("--hdim", type=_int_list, default=None, help="head dims, e.g. 64,128,256 (default)")
     p.add_argument("--seqlen", type=_int_list, default=None, help="seqlens (default 1024..16384)")
+    p.add_argument(
+        "--heads", type=_heads_list, default=None,
+        help=f"head layouts: mha, mqa or HQ/HKV (default {','.join(HEADS)}; --quick {','.join(QUICK_HEADS)})",
+    )  # fmt: skip
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")
     p.add_argument("--dtype", type=_dtype_list, default=["bf16"], help="bf16 (default), fp16 or bf16,fp16")
     p.add_argument("--pass", dest="passes", type=_pass_list, default=["fwd"], help="fwd, bwd or both (fwd)")
-    p.add_argument("--quick", action="store_true", help="small grid: hdim 128, seqlen 1024,4096")
+    p.add_argument(
+        "--quick", action="store_true", help="small grid: hdim 128, seqlen 1024,4096, heads mha,32/8"
+    )
     p.add_argument("--backends", type=_backend_list, default=list(BACKENDS), help="subset of backends")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (bench_out/)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument(
-        "--rounds", type=_positive_int, default=1,
-        help="time every backend of a cell this many times, in turns (backend after backend, round "
-        "after round), and report the median: clock and power drift then falls on all backends alike",
+        "--rounds", type=_positive_int, default=ROUNDS,
+        help=f"time every backend of a cell this many times, in turns (backend after backend, round "
+        f"after round), and report the median: clock and power drift then falls on all backends alike "
+        f"(default {ROUNDS})",
     )  # fmt: skip
-    p.add_argument("--check-tol", type=float, default=2e-2, help="max rel error of cutefa vs SDPA")
-    p.add_argument("--no-plot", action="store_true", help="skip bench.png")
+    p.add_argument(
+        "--slices", type=_positive_int, default=SLICES,
+        help=f"(batch, head) slices of each cell checked against the float32 reference (default {SLICES})",
+    )  # fmt: skip
+    p.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE.png", help="draw the grid side by side (matplotlib)"
+    )
     p.add_argument("--enqueue", action="store_true", help="measure host cost per call instead of the grid")
     p.add_argument("--enqueue-iters", type=int, default=1000, help="calls per enqueue loop")
     p.add_argument(
@@ -189,18 +222,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "each timed on the matching bwd cells, one row per variant (implies --pass bwd)",
     )
     args = p.parse_args(argv)
+    if args.plot is not None:
+        why = check_plot(args.plot)
+        if why:
+            p.error(f"--plot: {why}")
     if args.bwd_variants and "bwd" not in args.passes:
         args.passes = [*args.passes, "bwd"]
     if args.hdim is None:
         args.hdim = list(QUICK_HDIMS if args.quick else HDIMS)
     if args.seqlen is None:
         args.seqlen = list(QUICK_SEQLENS if args.quick else SEQLENS)
+    if args.heads is None:
+        args.heads = list(QUICK_HEADS if args.quick else HEADS)
     return args
 
 
 def run_grid(args: argparse.Namespace) -> int:
-    import torch
-
+    """Every cell of the grid: each backend checked, then timed in turns (tools/bench_run.py).
+    Returns 1 when cutefa (or a --bwd-variants variant) failed a check on some cell, else 0."""
     backends = load_backends(args.backends)
     names = [b.name for b in backends]
     for b in backends:
@@ -210,7 +249,7 @@ def run_grid(args: argparse.Namespace) -> int:
     if args.bwd_variants and cutefa_backend is None:
         (cutefa_backend,) = load_backends(["cutefa"])
     timer_name, time_ms = make_timer(args.warmup, args.rep)
-    meta = environment() | {"timer": timer_name, "rounds": args.rounds, "check_tol": args.check_tol}
+    meta = environment() | {"timer": timer_name, "rounds": args.rounds, "slices": args.slices}
     meta["argv"] = sys.argv[1:]
     notes: list[str] = []
     try:
@@ -221,74 +260,50 @@ def run_grid(args: argparse.Namespace) -> int:
         notes.append(f"dense matmul: {_first_line(exc)}")
 
     rows = []
+    no_lse: dict[str, int] = {}
     for cell in grid(args):
-        dtype = getattr(torch, DTYPE_NAMES[cell.dtype])
-        shape = (cell.batch, cell.seqlen, cell.heads, cell.hdim)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
-        row = Row(cell)
-        dout = torch.randn_like(q) if cell.pass_ == "bwd" else None
-        try:
-            expect = _sdpa_out(q, k, v, cell.causal) if dout is None else _sdpa_dq(q, k, v, cell.causal, dout)
-        except Exception as exc:  # noqa: BLE001 - reported in the notes
-            expect = None
-            notes.append(f"{cell.label}: SDPA reference failed, cutefa unchecked: {_first_line(exc)}")
-        for _ in range(args.rounds):
-            for b in backends:
-                first = row.results.get(b.name)
-                if first is not None and first.ms is None:
-                    continue  # failed or missing in an earlier round
-                check = expect if b.name == "cutefa" and first is None else None
-                res = run_backend(b, q, k, v, cell.causal, time_ms, check, args.check_tol, dout)
-                if first is not None:
-                    first.rounds_ms.append(res.ms)  # None: this round failed
-                    continue
-                if res.ms is not None:
-                    res.rounds_ms.append(res.ms)
-                row.results[b.name] = res
-        for b in backends:
-            res = row.results[b.name]
-            if res.ms is not None:
-                if None in res.rounds_ms:
-                    res.status, res.ms, res.error = "err", None, f"failed in a later round: {res.rounds_ms}"
-                else:
-                    res.ms = statistics.median(res.rounds_ms)
-            if res.ms is not None:
-                res.tflops = tflops(cell.flops, res.ms)
-            if b.name == "cutefa" and expect is None and res.status == "ok":
-                res.status = "unchecked"
-            if res.status in ("WRONG", "err"):
-                notes.append(f"{b.name} {cell.label}: {res.error}")
-        for vname in [n for n in args.bwd_variants if variant_serves(n, cell)]:
-            vb = bwd_variant_backend(vname, cutefa_backend)
-            res = run_backend(vb, q, k, v, cell.causal, time_ms, expect, args.check_tol, dout)
-            if res.ms is not None:
-                res.tflops = tflops(cell.flops, res.ms)
-            if expect is None and res.status == "ok":
-                res.status = "unchecked"
-            if res.status in ("WRONG", "err"):
-                notes.append(f"{vname} {cell.label}: {res.error}")
-            row.bwd_variants[vname] = res
-            print(f"    {vname}: {res.text() or '-'}", file=sys.stderr, flush=True)
-        if "cutefa" in names:
-            row.variant = _variant(q, k, v, cell.causal)
+        variants = [
+            bwd_variant_backend(n, cutefa_backend) for n in args.bwd_variants if variant_serves(n, cell)
+        ]
+        describe = (lambda q, k, v, *_, c=cell.causal: _variant(q, k, v, c)) if "cutefa" in names else None
+        row = run_cell(
+            cell,
+            backends,
+            time_ms,
+            rounds=args.rounds,
+            slices=args.slices,
+            variants=variants,
+            describe=describe,
+        )
+        for name, res in [*row.results.items(), *row.bwd_variants.items()]:
+            if res.status in ("FAIL", "err"):
+                notes.append(f"{name} {cell.label}: {res.status}: {res.error}")
+            if res.checks.get("LSE") == "not returned":
+                no_lse[name] = no_lse.get(name, 0) + 1
+        for name, res in row.bwd_variants.items():
+            print(f"    {name}: {res.text() or '-'}", file=sys.stderr, flush=True)
         rows.append(row)
         shown = ", ".join(f"{n} {row.results[n].text() or '-'}" for n in names)
-        print(
-            f"[{len(rows)}] {cell.label} b={cell.batch} h={cell.heads}: {shown}", file=sys.stderr, flush=True
-        )
-        del q, k, v, expect
+        print(f"[{len(rows)}] {cell.label} b={cell.batch}: {shown}", file=sys.stderr, flush=True)
 
+    notes += [
+        f"{name} returned no log-sum-exp on {n} forward cell(s): O checked alone there"
+        for name, n in no_lse.items()
+    ]
     md_text = report_markdown(meta, rows, names, notes)
     print()
     print(md_text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.md").write_text(md_text + "\n")
     (args.out / "bench.json").write_text(json.dumps(report_json(meta, rows, notes), indent=1) + "\n")
-    if not args.no_plot:
-        why = plot(rows, names, meta.get("matmul_tflops"), args.out / "bench.png")
-        print(why or f"plot: {args.out / 'bench.png'}")
+    if args.plot is not None:
+        plot(rows, names, meta.get("matmul_tflops"), args.plot)
+        print(f"plot: {args.plot}")
     print(f"wrote {args.out / 'bench.md'} and {args.out / 'bench.json'}")
-    return 0
+    ours = [
+        r for row in rows for r in [row.results.get("cutefa"), *row.bwd_variants.values()] if r is not None
+    ]
+    return 1 if any(r.status == "FAIL" for r in ours) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

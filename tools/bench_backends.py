@@ -1,12 +1,23 @@
-"""The benchmark's GPU side (tools/bench.py): the timer, the backends (cutefa, FA4, cuDNN, FA2; a
-backward forced to one variant), the check of an output against SDPA, one backend timed on one
-cell, the dense matmul ceiling and the run's environment."""
+"""The benchmark's backends (tools/bench.py) and GPU helpers: the timer, cutefa, FA4
+(``flash_attn.cute``), SDPA's cuDNN, FlashAttention-2 and memory-efficient backends, FlexAttention,
+a cutefa backward forced to one variant, the dense matmul ceiling and the run's environment.
+
+Every backend is called at its library's own level, which allocates its outputs, and returns its
+log-sum-exp with its output (so that both are checked): ``cutefa.flash_attn_func(...,
+return_lse=True)``; FA4's ``flash_attn_func(..., return_lse=True)``; SDPA's backend ops
+(``torch.ops.aten._scaled_dot_product_{cudnn,flash,efficient}_attention``, what
+``F.scaled_dot_product_attention`` runs, with the log-sum-exp asked for) on (batch, heads, seqlen,
+head_dim) views, or on grouped-query cells ``F.scaled_dot_product_attention(..., enable_gqa=True)``
+under ``sdpa_kernel`` (torch refuses a backend that cannot; no log-sum-exp is returned there, so only
+the output is checked); FlexAttention compiled once, its block mask built outside the timed call.
+SDPA's causal mask is aligned top-left: the grid's cells have seqlen_q == seqlen_k.
+"""
 
 # No `from __future__ import annotations`: tools load this file by path, not always registering it
 # in sys.modules, and dataclasses cannot resolve string annotations then.
 import contextlib
 import datetime
-import math
+import inspect
 import re
 import statistics
 import sys
@@ -17,12 +28,8 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:  # the bench_* siblings, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from bench_grid import Result, tflops
-
-
-def _first_line(exc: BaseException, limit: int = 200) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+from bench_grid import tflops
+from bench_run import first_line as _first_line
 
 
 def make_timer(warmup: int, rep: int) -> tuple[str, Callable[[Callable[[], object]], float]]:
@@ -73,24 +80,60 @@ def make_timer(warmup: int, rep: int) -> tuple[str, Callable[[Callable[[], objec
 
 @dataclass
 class Backend:
+    """``make(q, k, v, causal)`` -> a no-argument callable running the forward once (q, k, v in
+    (batch, seqlen, heads, head_dim)); ``outputs(raw)`` -> (out (b, sq, hq, d), lse (b, hq, sq) or
+    None) of what that callable returned (views, outside the timed call); ``context``: entered
+    around every call; ``missing``: why the backend is absent."""
+
     name: str
-    # make(q, k, v, causal) -> a no-argument callable that runs the attention forward once
     make: Callable | None
+    outputs: Callable = None  # type: ignore[assignment]
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     missing: str | None = None
 
+    def __post_init__(self):
+        if self.outputs is None:
+            self.outputs = pair
+
+
+def pair(raw):
+    """(out, lse or None) of a result that is a tensor or a tuple (out, lse, ...)."""
+    if isinstance(raw, (tuple, list)):
+        return raw[0], (raw[1] if len(raw) > 1 else None)
+    return raw, None
+
+
+def canonical_lse(lse, batch: int, heads: int, seqlen: int):
+    """A backend's log-sum-exp as (batch, heads, seqlen): trailing unit dims dropped, padding past
+    seqlen cut (SDPA's efficient backend pads it), a (batch, seqlen, heads) one transposed; None stays None.
+    ValueError for any other shape."""
+    if lse is None:
+        return None
+    x = lse
+    while x.dim() > 3 and x.shape[-1] == 1:
+        x = x.squeeze(-1)
+    if x.dim() == 3 and tuple(x.shape[:2]) == (batch, heads) and x.shape[2] >= seqlen:
+        return x[:, :, :seqlen]
+    if x.dim() == 3 and tuple(x.shape) == (batch, seqlen, heads):
+        return x.transpose(1, 2)
+    raise ValueError(
+        f"a log-sum-exp of shape {tuple(lse.shape)} for batch={batch} heads={heads} seqlen={seqlen}"
+    )
+
 
 @contextlib.contextmanager
-def forced_bwd_variant(name: str):
-    """Within the block, cutefa's backward runs variant ``name`` whatever dispatch would choose."""
+def forced_bwd_variant(name: str, tail: bool | None = None):
+    """Within the block, cutefa's backward runs variant ``name`` whatever dispatch would choose
+    (ValueError for a problem it does not serve); ``tail`` False turns the sm80 non-causal
+    backward's stream-K tail off (None: as dispatch runs it)."""
     from cutefa.api import backward
     from cutefa.model.spec import parse_name
 
     spec = parse_name(name)
-    saved = backward.choose_bwd
+    saved = backward.choose_bwd, backward.TAIL_SLOTS
 
     def choose(target, dtype, head_dim, causal, **where):
-        wanted = saved(target, dtype, head_dim, causal, **where)
+        wanted = saved[0](target, dtype, head_dim, causal, **where)
         if (wanted.dtype, wanted.head_dim, wanted.causal) != (spec.dtype, spec.head_dim, spec.causal):
             raise ValueError(
                 f"--bwd-variants: {name} does not serve this problem (dispatch wants {wanted.name})"
@@ -98,80 +141,128 @@ def forced_bwd_variant(name: str):
         return spec
 
     backward.choose_bwd = choose
+    if tail is False:
+        backward.TAIL_SLOTS = 0
     try:
         yield
     finally:
-        backward.choose_bwd = saved
+        backward.choose_bwd, backward.TAIL_SLOTS = saved
 
 
-def bwd_variant_backend(name: str, cutefa_backend: "Backend") -> "Backend":
-    """cutefa's backend with the backward forced to variant ``name``."""
+def bwd_variant_backend(name: str, cutefa_backend: "Backend", label: str | None = None,
+                        tail: bool | None = None) -> "Backend":  # fmt: skip
+    """cutefa's backend with the backward forced to variant ``name`` (named ``label``, default the variant)."""
     return Backend(
-        name, cutefa_backend.make, context=lambda: forced_bwd_variant(name), missing=cutefa_backend.missing
-    )
+        label or name, cutefa_backend.make, cutefa_backend.outputs,
+        context=lambda: forced_bwd_variant(name, tail), missing=cutefa_backend.missing,
+    )  # fmt: skip
 
 
-def load_backends(wanted: list[str]) -> list[Backend]:
+def _cutefa() -> Backend:
+    try:
+        import cutefa
+    except Exception as exc:  # noqa: BLE001 - a broken import is a table entry, not a crash
+        return Backend("cutefa", None, missing=f"cutefa not importable: {_first_line(exc)}")
+
+    def make(q, k, v, causal, _f=cutefa.flash_attn_func):
+        return lambda: _f(q, k, v, causal=causal, return_lse=True)
+
+    return Backend("cutefa", make)
+
+
+def _fa4() -> Backend:
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except Exception:  # noqa: BLE001 - absent or broken: either way no FA4 column
+        return Backend("FA4", None, missing="FA4 not installed")
+    try:
+        takes_lse = "return_lse" in inspect.signature(fa4).parameters
+    except (TypeError, ValueError):
+        takes_lse = False
+    extra = {"return_lse": True} if takes_lse else {}
+
+    def make(q, k, v, causal):
+        return lambda: fa4(q, k, v, causal=causal, **extra)
+
+    return Backend("FA4", make)
+
+
+SDPA_OPS = {"cuDNN": "CUDNN_ATTENTION", "FA2": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+def _sdpa(name: str) -> Backend:
+    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    out = []
-    for name in wanted:
-        if name == "cutefa":
-            try:
-                import cutefa
+    kind = getattr(SDPBackend, SDPA_OPS[name])
+    aten = torch.ops.aten
 
-                def make(q, k, v, causal, _f=cutefa.flash_attn_func):
-                    return lambda: _f(q, k, v, causal=causal)
+    def make(q, k, v, causal):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        if q.shape[2] != k.shape[2]:
+            return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
+        if name == "FA2":
+            return lambda: aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal)
+        if name == "cuDNN":
+            return lambda: aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, causal)
+        return lambda: aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, causal)
 
-                out.append(Backend(name, make))
-            except Exception as exc:  # noqa: BLE001 - a broken import is a table entry, not a crash
-                out.append(Backend(name, None, missing=f"cutefa not importable: {_first_line(exc)}"))
-        elif name == "FA4":
-            try:
-                from flash_attn.cute import flash_attn_func as fa4
-            except Exception:  # noqa: BLE001 - absent or broken: either way no FA4 column
-                out.append(Backend(name, None, missing="FA4 not installed"))
-                continue
+    def outputs(raw):
+        out, lse = pair(raw)
+        b, h, s = out.shape[:3]
+        return out.transpose(1, 2), canonical_lse(lse, b, h, s)
 
-            def make(q, k, v, causal, _f=fa4):
-                return lambda: _f(q, k, v, causal=causal)
-
-            out.append(Backend(name, make))
-        else:
-            kind = SDPBackend.CUDNN_ATTENTION if name == "cuDNN" else SDPBackend.FLASH_ATTENTION
-
-            def make(q, k, v, causal):
-                qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-                return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-
-            out.append(Backend(name, make, context=lambda kind=kind: sdpa_kernel(kind)))
-    return out
+    return Backend(name, make, outputs, context=lambda: sdpa_kernel(kind))
 
 
-def _output(value):
-    """Backends return out, or (out, lse): the attention output either way, as (b, s, h, d)."""
-    return value[0] if isinstance(value, (tuple, list)) else value
+_FLEX: dict = {}
 
 
-def _sdpa_out(q, k, v, causal):
-    import torch.nn.functional as F
+def _flex() -> Backend:
+    try:
+        import torch
+        from torch.nn.attention import flex_attention as fa
+    except Exception:  # noqa: BLE001 - absent: no column
+        return Backend("Flex", None, missing="FlexAttention not available in this torch")
+    aux = getattr(fa, "AuxRequest", None)
+    if "compiled" not in _FLEX:
+        # one compiled function for every cell's shapes: enough recompilations allowed for a grid
+        for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 512))
+        _FLEX["compiled"] = torch.compile(fa.flex_attention, dynamic=False)
+    flex = _FLEX["compiled"]
 
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
-    )
-    return o.transpose(1, 2)
+    def make(q, k, v, causal):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        sq, sk = q.shape[1], k.shape[1]
+        mask = None
+        if causal:
+            shift = sk - sq
+
+            def bottom_right(b, h, i, j):
+                return j <= i + shift
+
+            mask = fa.create_block_mask(bottom_right, None, None, sq, sk, device=q.device)
+        gqa = q.shape[2] != k.shape[2]
+        if aux is not None:
+            return lambda: flex(qt, kt, vt, block_mask=mask, enable_gqa=gqa, return_aux=aux(lse=True))
+        return lambda: flex(qt, kt, vt, block_mask=mask, enable_gqa=gqa, return_lse=True)
+
+    def outputs(raw):
+        out, extra = pair(raw)
+        lse = getattr(extra, "lse", extra)
+        b, h, s = out.shape[:3]
+        return out.transpose(1, 2), canonical_lse(lse, b, h, s)
+
+    return Backend("Flex", make, outputs)
 
 
-def rel_err(out, ref) -> float:
-    import torch
-
-    if out.shape != ref.shape:
-        return math.inf
-    diff = torch.linalg.vector_norm(out.float() - ref.float()).item()
-    norm = torch.linalg.vector_norm(ref.float()).item()
-    err = diff / norm if norm else (0.0 if diff == 0 else math.inf)
-    return math.inf if math.isnan(err) else err
+def load_backends(wanted: list[str]) -> list[Backend]:
+    """The named backends (tools/bench_grid.BACKENDS), each present or with its ``missing`` reason."""
+    makers = {"cutefa": _cutefa, "FA4": _fa4, "Flex": _flex}
+    return [makers[name]() if name in makers else _sdpa(name) for name in wanted]
 
 
 def _variant(q, k, v, causal) -> str | None:
@@ -182,45 +273,6 @@ def _variant(q, k, v, causal) -> str | None:
         return m.group(0) if m else None
     except Exception:  # noqa: BLE001 - the variant name is a label only
         return None
-
-
-def _backward(make, q, k, v, causal, dout):
-    """A closure timing the backward only: the forward runs once here, the closure re-runs
-    autograd over its graph (retain_graph) and returns dQ."""
-    import torch
-
-    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-    out = _output(make(qq, kk, vv, causal)())
-    if out.shape != dout.shape:  # SDPA backends return (b, h, s, d)
-        dout = dout.transpose(1, 2)
-    return lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True)[0]
-
-
-def _sdpa_dq(q, k, v, causal, dout):
-    import torch
-
-    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-    return torch.autograd.grad(_sdpa_out(qq, kk, vv, causal), qq, dout)[0]
-
-
-def run_backend(backend: Backend, q, k, v, causal, time_ms, expect, check_tol, dout=None) -> Result:
-    if backend.make is None:
-        return Result("missing", error=backend.missing)
-    try:
-        with backend.context():
-            if dout is None:
-                fn = backend.make(q, k, v, causal)
-            else:
-                fn = _backward(backend.make, q, k, v, causal, dout)
-            err = None
-            if expect is not None:
-                err = rel_err(_output(fn()), expect)
-                if not err <= check_tol:
-                    return Result("WRONG", rel_err=err, error=f"rel err {err:.3g} vs SDPA > {check_tol}")
-            ms = time_ms(fn)
-        return Result("ok", ms=ms, rel_err=err)
-    except Exception as exc:  # noqa: BLE001 - one failing backend must not kill the table
-        return Result("err", error=_first_line(exc))
 
 
 def measure_matmul(time_ms) -> float:
@@ -247,7 +299,7 @@ def environment() -> dict:
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         meta["gpu"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    for dist in ("cutefa", "nvidia-cutlass-dsl", "flash-attn-4", "triton"):
+    for dist in ("cutefa", "nvidia-cutlass-dsl", "flash-attn-4", "triton", "nvidia-cudnn-cu12"):
         try:
             meta[dist] = md.version(dist)
         except md.PackageNotFoundError:

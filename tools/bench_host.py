@@ -18,8 +18,10 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:  # the bench_* siblings, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from bench_backends import Backend, _first_line, _output, _sdpa_out, environment, load_backends, rel_err
+import bench_check
+from bench_backends import Backend, _first_line, environment, load_backends
 from bench_grid import DTYPE_NAMES
+from bench_run import Entry, Preallocated, run_entries
 
 ENQUEUE_SHAPE = {"batch": 1, "seqlen": 128, "heads": 16, "hdim": 128, "causal": True}
 
@@ -61,7 +63,8 @@ def ensure_pack(pack_dir: Path, q, k, causal: bool) -> str:
 
 
 def _raw_kernel(q, k, v, causal, how="call"):
-    """A call of cutefa's kernel alone (outputs allocated once): the floor under the API's cost.
+    """A call of cutefa's kernel alone (outputs allocated once, :class:`bench_run.Preallocated`,
+    giving (out, lse)): the floor under the API's cost.
     ``how``: "call" (the loaded kernel's full call: arguments laid out per call), "bound" (the
     launcher the API's call plans use: data pointers only) or "tvm_ffi" (the same kernel file
     loaded and called through the tvm_ffi package, for comparison)."""
@@ -82,12 +85,11 @@ def _raw_kernel(q, k, v, causal, how="call"):
         if bound is None:
             raise RuntimeError("the kernel cannot bind (not loaded from a file)")
 
-        def run():
+        def launch():
             if not bound(q, k, v, out, lse):
                 raise RuntimeError("bound launcher busy")
-            return out
 
-        return run
+        return Preallocated(launch, (out, lse))
     if how == "tvm_ffi":
         import tvm_ffi
 
@@ -99,20 +101,21 @@ def _raw_kernel(q, k, v, causal, how="call"):
         fn = tvm_ffi.load_module(str(path))[choice.spec.name]
         kernel = loader._with_sm_count(fn) if cc.takes_sm_count(choice.spec) else fn
 
-    def run():
-        kernel(q, k, v, out, lse, scale)
-        return out
-
-    return run
+    return Preallocated(lambda: kernel(q, k, v, out, lse, scale), (out, lse))
 
 
 def run_enqueue(args: argparse.Namespace) -> int:
-    """Host time per call of a tiny problem: a loop of N calls timed on the host, one sync at the end."""
+    """Host time per call of a tiny problem: loops of N calls timed on the host, one sync at the end
+    of each. Every backend is first checked (O and log-sum-exp against the float32 reference on
+    every (batch, head), outputs poisoned: tools/bench_check.py) and then timed in turns,
+    ``--rounds`` rounds of 5 loops (tools/bench_run.py)."""
     import torch
 
     sh = ENQUEUE_SHAPE
     q, k, v, causal = _tiny_problem(args.dtype[0])
-    expect = _sdpa_out(q, k, v, causal)
+    expect = bench_check.expectation(
+        q, k, v, causal=causal, scale=1.0 / math.sqrt(sh["hdim"]), slices=sh["batch"] * sh["heads"]
+    )
     iters = max(1, args.enqueue_iters)
     notes = []
     if args.pack is not None and "cutefa" in args.backends:
@@ -128,41 +131,51 @@ def run_enqueue(args: argparse.Namespace) -> int:
                            ("cutefa kernel via tvm_ffi", "tvm_ffi")):  # fmt: skip
             backends.insert(at, Backend(label, functools.partial(_raw_kernel, how=how)))
             at += 1
-    results = {}
     for b in backends:
         if b.missing:
             print(b.missing)
-            results[b.name] = {"status": "missing", "error": b.missing}
-            continue
-        try:
-            with b.context():
-                fn = b.make(q, k, v, causal)
-                err = rel_err(_output(fn()), expect)
-                if b.name.startswith("cutefa") and not err <= args.check_tol:
-                    results[b.name] = {"status": "WRONG", "rel_err": err}
-                    continue
-                for _ in range(50):
-                    fn()
-                torch.cuda.synchronize()
-                host, total = [], []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        fn()
-                    t1 = time.perf_counter()
-                    torch.cuda.synchronize()
-                    t2 = time.perf_counter()
-                    host.append((t1 - t0) / iters * 1e6)
-                    total.append((t2 - t0) / iters * 1e6)
-            results[b.name] = {
-                "status": "ok",
-                "host_us": statistics.median(host),
-                "total_us": statistics.median(total),
-                "rel_err": err,
-            }
-        except Exception as exc:  # noqa: BLE001 - one failing backend must not kill the table
-            results[b.name] = {"status": "err", "error": _first_line(exc)}
-        print(f"{b.name}: {results[b.name]}", file=sys.stderr, flush=True)
+    totals: dict[int, list[float]] = {}
+    timed: dict[str, int] = {}
+
+    def host_us(fn) -> float:
+        """Median host microseconds per call over 5 loops (the total, with the final sync, kept aside)."""
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        host, total = [], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            host.append((t1 - t0) / iters * 1e6)
+            total.append((t2 - t0) / iters * 1e6)
+        totals.setdefault(id(fn), []).append(statistics.median(total))
+        return statistics.median(host)
+
+    def entry(b: Backend) -> Entry:
+        def make():
+            fn = b.make(q, k, v, causal)
+            timed[b.name] = id(fn)
+            return fn
+
+        return Entry(
+            b.name, make if b.make else None, lambda raw: expect.judge(b.outputs(raw)), b.context, b.missing
+        )
+
+    found = run_entries([entry(b) for b in backends], host_us, rounds=args.rounds)
+    results = {}
+    for name, res in found.items():
+        if res.status == "ok":
+            results[name] = {
+                "status": "ok", "host_us": res.ms, "total_us": statistics.median(totals[timed[name]]),
+                "rounds_host_us": res.rounds_ms, "checks": res.checks,
+            }  # fmt: skip
+        else:
+            results[name] = {"status": res.status, "error": res.error, "checks": res.checks}
+        print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
 
     meta = environment() | {"shape": sh, "dtype": args.dtype[0], "iters": iters}
     if "cutefa" in args.backends:
@@ -178,11 +191,14 @@ def run_enqueue(args: argparse.Namespace) -> int:
         f"GPU: {meta.get('gpu', '?')}; torch {meta['torch']}; {meta['date']}",
         (
             f"b={sh['batch']} s={sh['seqlen']} h={sh['heads']} d={sh['hdim']} causal, {args.dtype[0]}; "
-            f"median of 5 loops of {iters} calls; host = loop time on the host / calls, "
+            f"median of {args.rounds} rounds (backends in turns) of the median of 5 loops of {iters} calls; "
+            "host = loop time on the host / calls, "
             "total = including the final synchronize. 'cutefa kernel alone' calls the loaded kernel "
             "with preallocated outputs, with its arguments laid out per call (full call) or only its "
             "data pointers written (bound, as the API's call plans do): the floor under cutefa's own "
-            "call path; 'via tvm_ffi' is the same kernel file called through the tvm_ffi package."
+            "call path; 'via tvm_ffi' is the same kernel file called through the tvm_ffi package. Each "
+            "backend's output and log-sum-exp were checked first against the float32 reference (FAIL: "
+            "outside the bar or not finite; no time is taken)."
         ),
         "",
         "| backend | host us/call | total us/call |",
@@ -192,9 +208,7 @@ def run_enqueue(args: argparse.Namespace) -> int:
         if r["status"] == "ok":
             lines.append(f"| {name} | {r['host_us']:.1f} | {r['total_us']:.1f} |")
         else:
-            shown = {"missing": "", "WRONG": f"WRONG (rel err {r.get('rel_err', 0):.3g})"}.get(
-                r["status"], f"{r['status']}: {r.get('error', '')}"
-            )
+            shown = "" if r["status"] == "missing" else f"{r['status']}: {r.get('error', '')}"
             lines.append(f"| {name} | {shown} | |")
     if notes:
         lines += ["", *(f"- {n}" for n in notes)]
@@ -206,35 +220,46 @@ def run_enqueue(args: argparse.Namespace) -> int:
     blob = {"meta": meta, "results": results, "notes": notes}
     (args.out / "enqueue.json").write_text(json.dumps(blob, indent=1) + "\n")
     print(f"wrote {args.out / 'enqueue.md'} and {args.out / 'enqueue.json'}")
-    return 0
+    return 1 if any(r["status"] == "FAIL" for n, r in results.items() if n.startswith("cutefa")) else 0
 
 
 # One fresh process: torch's own start-up (import, CUDA context, the inputs), then either
-# `import cutefa` + the first call, or torch's own first attention call (SDPA, FA2 backend).
+# `import cutefa` + the first call, or torch's own first attention call (SDPA, FA2 backend). The
+# first call writes into NaN-poisoned allocations (tools/bench_check.py, its fill kernel warmed up
+# before the clock starts) and its result is checked against the float32 reference afterwards.
 _STARTUP_CHILD = """
-import json, sys, time
+import json, math, sys, time
+shape, dtype, causal, which, tools = json.loads(sys.argv[1])
+sys.path.insert(0, tools)
+import bench_check
 t0 = time.perf_counter()
 import torch
-shape, dtype, causal, which = json.loads(sys.argv[1])
 q, k, v = (torch.randn(shape, device="cuda", dtype=getattr(torch, dtype)) for _ in range(3))
+with bench_check.poisoned_allocations("cuda"):
+    torch.empty(8, device="cuda")
 torch.cuda.synchronize()
 t1 = time.perf_counter()
 if which == "cutefa":
     import cutefa
     t2 = time.perf_counter()
-    out = cutefa.flash_attn_func(q, k, v, causal=causal)
+    with bench_check.poisoned_allocations("cuda"):
+        out, lse_out = cutefa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     t_call = time.perf_counter()
 else:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     t2 = time.perf_counter()
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), bench_check.poisoned_allocations("cuda"):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=causal)
+                                             is_causal=causal).transpose(1, 2)
+    lse_out = None
 torch.cuda.synchronize()
 t3 = time.perf_counter()
+expect = bench_check.expectation(q, k, v, causal=causal, scale=1 / math.sqrt(shape[-1]),
+                                 slices=shape[0] * shape[2])
+verdict = expect.judge((out, lse_out))
 report = {"torch_ms": (t1 - t0) * 1e3, "import_ms": (t2 - t1) * 1e3, "first_call_ms": (t3 - t2) * 1e3,
-          "beyond_torch_ms": (t3 - t1) * 1e3,
+          "beyond_torch_ms": (t3 - t1) * 1e3, "check_ok": verdict.ok, "check": verdict.message,
           "dsl_imported": sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "iket"))}
 if which == "cutefa":
     import importlib.util, os
@@ -250,7 +275,7 @@ if which == "cutefa":
     report["tvm_ffi_imported"] = "tvm_ffi" in sys.modules
     # The first call's one-time costs against per-kernel ones: a copy of the kernel file loads as a
     # new library, so its first call pays the CUDA module load again but no process-wide set-up.
-    import math, shutil, tempfile
+    import shutil, tempfile
     from pathlib import Path
     from cutefa import ffi
     so_path = next(iter(ffi._LIBRARIES))
@@ -278,7 +303,7 @@ print(json.dumps(report))
 
 def _startup_run(which: str, problem: list, env: dict) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_STARTUP_CHILD), json.dumps([*problem, which])],
+        [sys.executable, "-c", textwrap.dedent(_STARTUP_CHILD), json.dumps([*problem, which, str(Path(__file__).parent)])],
         capture_output=True, text=True, env=env, timeout=300, check=False,
     )  # fmt: skip
     if proc.returncode != 0:
@@ -339,6 +364,10 @@ def run_startup(args: argparse.Namespace) -> int:
     problems = []
     if any(r["dsl_imported"] for r in cutefa_runs):
         problems.append(f"the DSL was imported: {cutefa_runs[0]['dsl_imported']}")
+    for which, timed in runs.items():
+        wrong = [r["check"] for r in timed if not r.get("check_ok")]
+        if wrong:
+            problems.append(f"{which}: the first call's result failed its check: {wrong[0]}")
     if any(r["origins"] != [f"pack {pack_dir.resolve()}"] for r in cutefa_runs):
         problems.append(f"the kernel did not come from the pack: {cutefa_runs[0]['origins']}")
 

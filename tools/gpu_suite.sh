@@ -2,7 +2,10 @@
 # A GPU run in steps: compile every committed variant and measured alternative that runs on this
 # GPU (parallel), the GPU tests, measure the forward and backward variants into fresh dispatch
 # tables, the side-by-side benchmark, the fp8 benchmark, the host cost per call and the start-up time. STEPS picks steps (default: all, in this order), so a run can be split
-# over several calls on the same machine; the compile cache (CUTEFA_CACHE_DIR) carries over.
+# over several calls on the same machine; the compile cache (CUTEFA_CACHE_DIR) carries over. The
+# GPU tests run in full (CUTEFA_FULL_GPU_TESTS=1 unless set: the fuzz test's 200 cases;
+# CUTEFA_FUZZ_CASES=N for another count). STEPS=sanitize (not in the default) runs compute-sanitizer
+# over the default kernels (tools/sanitize.py, on an H100) into "$OUT/sanitize".
 # Run from the repository root with cutefa importable (PYTHONPATH set, or installed). Installs
 # nothing. Arguments go to tools/bench.py. Results land in "${OUT:-bench_out}". Exits non-zero if
 # the tests failed; the later steps run anyway. The per-call and start-up steps load cutefa's kernel
@@ -31,7 +34,8 @@ if has compile; then
     echo "alternatives compiled: $(grep -cE '(^|[^0-9])1 compiled, 0 failed' "$out/compile.log") (log: $out/compile.log)"
 fi
 if has tests; then
-    python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -n 25
+    CUTEFA_FULL_GPU_TESTS="${CUTEFA_FULL_GPU_TESTS:-1}" \
+        python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -n 25
     tests_rc=${PIPESTATUS[0]}
 fi
 if has tune; then
@@ -46,7 +50,9 @@ if has tune; then
     export CUTEFA_TUNED_DIR="$out/tuned"
 fi
 if has bench; then
-    python3 tools/bench.py --out "$out" "$@"
+    plot=()
+    python3 -c 'import matplotlib' 2>/dev/null && plot=(--plot "$out/bench.png")
+    python3 tools/bench.py --out "$out" ${plot[@]+"${plot[@]}"} "$@"
     bench_rc=$?
 fi
 if has fp8; then
@@ -57,6 +63,9 @@ if has enqueue; then
 fi
 if has startup; then
     python3 tools/bench.py --startup --pack "$pack" --out "$out"
+fi
+if has sanitize; then
+    python3 tools/sanitize.py --out "$out/sanitize" 2>&1 | tail -n 40
 fi
 
 echo "gpu tests: exit $tests_rc; bench: exit $bench_rc (steps: $steps)"
