@@ -50,3 +50,14 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value  # later look-ups (one per call of cutefa.flash_attn_func) skip this
         return value
     raise AttributeError(f"module 'cutefa' has no attribute {name!r}")
+
+
+def _register_sdpa_provider() -> None:
+    """Make "cutefa" known to PyTorch's flash-attention provider registry (never activated here:
+    :func:`cutefa.torch_sdpa.activate` does that); cheap, and torch is not imported for it."""
+    from cutefa.torch_sdpa import register
+
+    register()
+
+
+_register_sdpa_provider()

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cutefa import __version__, cli_compile, codegen
+from cutefa import __version__, cli_compile, cli_doctor, codegen
 from cutefa.cli_common import UsageError, positive_int, print_table, spec_from_argument
 from cutefa.model import committed, rules
 from cutefa.model.options import Choice, Options
@@ -309,6 +309,7 @@ def _subcommands() -> dict[str, tuple[Callable[[argparse.Namespace], int], str]]
         "explain": (_cmd_explain, "say which variant would run for a problem shape, and why"),
         "bench": (_cmd_bench, "run tools/bench.py with the remaining arguments (needs a CUDA GPU)"),
         "tune": (_cmd_tune, "measure the committed variants and the measured alternatives on this GPU and write its dispatch table"),
+        "doctor": (cli_doctor.run, cli_doctor.SUMMARY),
     }
 
 
@@ -346,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dirs(p, out_alias="--out")
 
     cli_compile.add_arguments(made["compile"])
+    cli_doctor.add_arguments(made["doctor"])
 
     p = made["show"]
     p.add_argument("name", metavar="NAME", help="variant name, with or without the cutefa_ prefix")
