@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cutefa import __version__, cli_compile, cli_doctor, codegen
+from cutefa.identity import SOURCE_CHECKOUT
 from cutefa.cli_common import UsageError, positive_int, print_table, spec_from_argument
 from cutefa.model import committed, rules
 from cutefa.model.options import Choice, Options
@@ -116,6 +117,8 @@ def _all_variants(arch: str | None) -> list[VariantSpec]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.out_dir is None:
+        raise UsageError("an installed cutefa has no generated/ folder: give --out DIR")
     if args.all and args.out_dir.resolve() == codegen.GENERATED_DIR.resolve():
         raise UsageError(
             "--all renders every valid variant, measured alternatives included, for review: give --out DIR "
@@ -157,7 +160,7 @@ def _field_text(value: object) -> str:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     spec = spec_from_argument(args.name)
-    path = codegen.module_path(spec, args.out_dir)
+    path = None if args.out_dir is None else codegen.module_path(spec, args.out_dir)
     reason = rules.why_invalid(spec)
     rows = [(field.name, _field_text(getattr(spec, field.name))) for field in dataclasses.fields(spec)]
     rows += [
@@ -170,7 +173,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
             ", ".join(t for t in TARGETS if rules.why_not_on(spec, t) is None) if reason is None else "-",
         ),
         ("in default set", "yes" if spec in committed.default_variants(spec.arch) else "no"),
-        ("file", f"{path} ({'exists' if path.is_file() else 'not generated'})"),
+        (
+            "file",
+            "renders on demand into the cache dir"
+            if path is None
+            else f"{path} ({'exists' if path.is_file() else 'not generated'})",
+        ),
     ]
     print_table(("name", spec.name), rows)
     if args.source:
@@ -289,8 +297,9 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
 
 def _add_dirs(parser: argparse.ArgumentParser, out_alias: str | None = None) -> None:
     parser.add_argument(
-        "--out-dir", *([out_alias] if out_alias else []), dest="out_dir", type=Path, default=codegen.GENERATED_DIR,
-        help="generated modules' directory",
+        "--out-dir", *([out_alias] if out_alias else []), dest="out_dir", type=Path,
+        default=codegen.GENERATED_DIR if SOURCE_CHECKOUT else None,
+        help="generated modules' directory (default: a source checkout's generated/)",
     )  # fmt: skip
     parser.add_argument(
         "--templates-dir", type=Path, default=codegen.TEMPLATES_DIR, help="templates' directory"

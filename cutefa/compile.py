@@ -55,7 +55,7 @@ from typing import Any
 
 from cutefa import identity
 from cutefa.cache import Entry, build_home, warn_cache
-from cutefa.identity import GENERATED_DIR, KernelFile, atomic_write, cache_dir, locked
+from cutefa.identity import GENERATED_DIR, SOURCE_CHECKOUT, KernelFile, atomic_write, cache_dir, locked
 from cutefa.model.options import Scheduler
 from cutefa.model.spec import VariantSpec, parse_name, target_cc
 
@@ -84,10 +84,10 @@ class CompileResult:
 
 
 def kernel_source_path(spec: VariantSpec) -> Path:
-    """The variant's generated module: the committed one in ``generated/``, else the one rendered on
-    demand into the cache (:func:`rendered_source_path`)."""
+    """The variant's generated module: the committed one in a source checkout's ``generated/``,
+    else the one rendered on demand into the cache (:func:`rendered_source_path`)."""
     committed = GENERATED_DIR / spec.arch / f"{spec.name}.py"
-    if committed.is_file():
+    if SOURCE_CHECKOUT and committed.is_file():
         return committed
     return rendered_source_path(spec)
 

@@ -40,6 +40,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
 TEMPLATES_DIR = REPO_ROOT / "templates"
 GENERATED_DIR = REPO_ROOT / "generated"  # the committed, dispatchable modules
+# A source checkout (its generated/ is the committed set); an installed package has neither, and
+# renders every module on demand into the cache dir.
+SOURCE_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file() and GENERATED_DIR.is_dir()
 TUNED_DIR = PACKAGE_DIR / "tuned"  # the committed dispatch tables (per GPU model)
 KERNELS_DIR = PACKAGE_DIR / "kernels"  # the CuTe DSL building blocks generated modules import
 
