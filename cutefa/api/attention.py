@@ -30,9 +30,6 @@ from cutefa.api import dense, fp8
 from cutefa.api import plans as _plans
 from cutefa.api.launch import shapes
 from cutefa.api.plans import plain_eager
-from cutefa.api.validate_features import check_dropout, check_softcap, mask_options
-from cutefa.model.spec import Features
-from cutefa.api.varlen import dense_with_features, has_features
 from cutefa.api.validate import (
     FP8_DTYPES,
     check_deterministic,
@@ -42,6 +39,9 @@ from cutefa.api.validate import (
     validate_fp8_inputs,
     validate_inputs,
 )
+from cutefa.api.validate_features import check_dropout, check_softcap, mask_options
+from cutefa.api.varlen import dense_with_features, has_features
+from cutefa.model.spec import Features
 
 
 def flash_attn_func(

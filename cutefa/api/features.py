@@ -10,7 +10,7 @@ appends it: :class:`cutefa.ffi.WithSmCount`), and the stream is the caller's cur
 1. varlen: ``cu_seqlens_q``, ``cu_seqlens_k`` int32 (batch + 1,) prefix sums of the sequences'
    spans in the packed tensors; ``seqused_q``, ``seqused_k`` int32 (batch,) the rows of each span
    that are used (the span's length when the caller gives none); ``max_seqlen_q`` Int32 (the
-   grid's query tiles). Packed layouts: q, out (total_q, heads_q, head_dim); k, v (total_k,
+   forward grid's query tiles); a backward also ``max_seqlen_k`` Int32 (its grid's key blocks). Packed layouts: q, out (total_q, heads_q, head_dim); k, v (total_k,
    heads_kv, head_dim); lse (heads_q, total_q).
 2. local mask: ``window_left``, ``window_right`` Int32: query row ``i`` of a sequence attends key
    ``j`` when ``i + sk - sq - window_left <= j <= i + sk - sq + window_right`` (bottom-right
@@ -77,18 +77,27 @@ class FeatureArgs:
         right = UNBOUNDED if right < 0 else right
         return left, min(right, 0) if causal else right
 
-    def kernel_args(self, causal: bool) -> tuple[Any, ...]:
-        """The trailing kernel arguments, in the order of the module docstring."""
+    def kernel_args(self, causal: bool, direction: str = "fwd") -> tuple[Any, ...]:
+        """The trailing kernel arguments of a ``direction`` kernel, in the order of the module
+        docstring (a backward takes no sinks: its spec has no sinks axis)."""
         args: list[Any] = []
         if self.varlen:
-            args += [self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q, self.seqused_k, int(self.max_seqlen_q)]
+            args += [
+                self.cu_seqlens_q,
+                self.cu_seqlens_k,
+                self.seqused_q,
+                self.seqused_k,
+                int(self.max_seqlen_q),
+            ]
+            if direction == "bwd":
+                args.append(int(self.max_seqlen_k))
         if self.window is not None:
             args += list(self.window_bounds(causal))
         if self.softcap != 0.0:
             args.append(float(self.softcap))
         if self.alibi_slopes is not None:
             args.append(self.alibi_slopes)
-        if self.sinks is not None:
+        if self.sinks is not None and direction == "fwd":
             args.append(self.sinks)
         return tuple(args)
 
