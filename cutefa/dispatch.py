@@ -40,6 +40,8 @@ from cutefa.model.spec import (
 
 log = logging.getLogger("cutefa")
 
+NO_FEATURES = Features()  # a dense problem's feature axes
+
 # Problems are bucketed by seqlen_k rounded up to a power of two; longer ones share one bucket.
 MAX_SEQLEN_BUCKET = 65536
 MIN_CC = 80
@@ -67,7 +69,7 @@ class Problem:
     # the feature axes of the call. A varlen problem's seqlens are its max_seqlen_q/k and its batch
     # the number of sequences.
     local: bool = False
-    features: Features = Features()
+    features: Features = NO_FEATURES
 
     @property
     def mask(self) -> Mask:
@@ -429,7 +431,7 @@ def choose(
     gpu_name: str | None = None,
     v_centered: bool = False,
     local: bool = False,
-    features: Features = Features(),
+    features: Features = NO_FEATURES,
 ) -> Choice:
     """Pick the variant for a problem; memoized per (target, GPU, dtype, head_dim, causal, seqlen_k
     bucket, v_centered, local, features).
@@ -471,7 +473,7 @@ def explain_problem(
     gpu_name: str | None = None,
     v_centered: bool = False,
     local: bool = False,
-    features: Features = Features(),
+    features: Features = NO_FEATURES,
 ) -> str:
     """Human-readable account of :func:`choose` for a problem: the pick, why, and every rejection."""
     p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
