@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cutefa.api import explain, flash_attn_func, flash_attn_varlen_func, fp8_block_sizes
+    from cutefa.api.kvcache import flash_attn_with_kvcache
     from cutefa.api.padding import pad_input, unpad_input
+    from cutefa.paged import PagedKVCache
     from cutefa.fp8 import center_v, quantize_fp8
 
 __all__ = [
-    "__version__", "center_v", "explain", "flash_attn_func", "flash_attn_varlen_func", "fp8_block_sizes",
-    "pad_input", "quantize_fp8", "unpad_input",
+    "PagedKVCache", "__version__", "center_v", "explain", "flash_attn_func", "flash_attn_varlen_func",
+    "flash_attn_with_kvcache", "fp8_block_sizes", "pad_input", "quantize_fp8", "unpad_input",
 ]
 
 __version__ = "0.1.0"  # keep equal to pyproject.toml's version (a test checks)
@@ -30,6 +32,16 @@ def __getattr__(name: str) -> Any:
         value = getattr(fp8, name)
         globals()[name] = value
         return value
+    if name == "flash_attn_with_kvcache":
+        from cutefa.api import kvcache
+
+        globals()[name] = kvcache.flash_attn_with_kvcache
+        return kvcache.flash_attn_with_kvcache
+    if name == "PagedKVCache":
+        from cutefa import paged
+
+        globals()[name] = paged.PagedKVCache
+        return paged.PagedKVCache
     if name in ("unpad_input", "pad_input"):
         from cutefa.api import padding
 

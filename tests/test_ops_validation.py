@@ -329,7 +329,8 @@ def test_import_cutefa_does_not_import_the_dsl():
         "import sys, cutefa\n"
         "assert 'cutlass' not in sys.modules and 'torch' not in sys.modules, 'import cutefa is light'\n"
         "cutefa.flash_attn_func, cutefa.explain, cutefa.fp8_block_sizes, cutefa.center_v\n"
-        "cutefa.flash_attn_varlen_func, cutefa.unpad_input, cutefa.pad_input\n"
+        "cutefa.flash_attn_varlen_func, cutefa.unpad_input, cutefa.pad_input, cutefa.flash_attn_with_kvcache\n"
+        "cutefa.PagedKVCache\n"
         "assert 'cutlass' not in sys.modules, 'the API itself does not import the DSL'\n"
         "print(sorted(cutefa.__all__), cutefa.__version__)\n"
     )
@@ -337,8 +338,8 @@ def test_import_cutefa_does_not_import_the_dsl():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(
-        "['__version__', 'center_v', 'explain', 'flash_attn_func', 'flash_attn_varlen_func', 'fp8_block_sizes', "
-        "'pad_input', 'quantize_fp8', 'unpad_input'] "
+        "['PagedKVCache', '__version__', 'center_v', 'explain', 'flash_attn_func', 'flash_attn_varlen_func', "
+        "'flash_attn_with_kvcache', 'fp8_block_sizes', 'pad_input', 'quantize_fp8', 'unpad_input'] "
     )
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         cutefa.nope  # noqa: B018
