@@ -176,7 +176,7 @@ def _attn_bwd(
     alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients (dq, dk, dv, dsinks) of :func:`_attn_fwd`; dsinks is empty without sinks."""
-    from cutefa.api import feature_bwd
+    from cutefa.api import backward, feature_bwd
 
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
@@ -184,7 +184,10 @@ def _attn_bwd(
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, window_left,
         window_right, softcap, alibi_slopes, sinks, batch,
     )  # fmt: skip
-    dq, dk, dv = feature_bwd.gradients(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic, f)
+    if feature_bwd.backward_features(f).any or f.window is not None:
+        dq, dk, dv = feature_bwd.gradients(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic, f)
+    else:  # sinks alone: the dense backward (the lse carries them)
+        dq, dk, dv = backward.gradients(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic)
     if sinks is None:
         dsinks = torch.zeros((0,), dtype=torch.float32, device=q.device)
     else:
