@@ -32,6 +32,8 @@ Rendered = dict[Path, tuple[VariantSpec, str]]  # module path -> (spec, text)
 
 def template_name(spec: VariantSpec) -> str:
     """File name of the template that renders ``spec``, inside the templates directory."""
+    if spec.features.split_kv:
+        return f"decode_{spec.arch}.py.j2"  # decode: split-KV over a dense or paged cache, packed GQA rows
     if (spec.arch, spec.direction, spec.dtype) == ("sm90", "fwd", "e4m3"):
         return "fwd_sm90_fp8.py.j2"  # FP8: V transposed on chip, P as an e4m3 register operand
     if sm90_bwd_head_split(spec):

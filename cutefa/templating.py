@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cutefa.model import policy_sm80, policy_sm90, policy_sm100
+from cutefa.model import policy_decode, policy_sm80, policy_sm90, policy_sm100
 from cutefa.model.budgets_sm90 import sm90_bwd_dq_bulk_aliases, sm90_bwd_dq_pieces
 from cutefa.model.budgets_sm100 import sm100_tmem_columns
 from cutefa.model.options import (
@@ -137,11 +137,15 @@ def exp_emu_per_16(spec: VariantSpec) -> int:
 
 
 def _fwd_sm80(spec: VariantSpec) -> Context:
-    return {"single_stage": spec.stages == 1}
+    mods = policy_sm80.score_mod_imports(spec)
+    return {"single_stage": spec.stages == 1, **({"score_mod_imports": mods} if mods else {})}
 
 
 def _bwd_sm80(spec: VariantSpec) -> Context:
     return {
+        # the CTA's own key blocks only (no stream-K tail): the causal and the feature variants
+        "own_blocks": spec.mask is not Mask.NONE or spec.features.any,
+        "score_mod_imports": policy_sm80.score_mod_imports(spec),
         "double_q": spec.stages > 1,  # the next query block's Q loads into the other buffer
         "half_warps": spec.warps // 2,
         "warp_grids": policy_sm80.bwd_warp_grids(spec),
@@ -163,6 +167,8 @@ def _fwd_sm90(spec: VariantSpec) -> Context:
         "ptxas_options": policy_sm90.fwd_ptxas_options(spec),
         "hoisted_descriptors": policy_sm90.fwd_hoisted_descriptors(spec),
         "mask_select": policy_sm90.fwd_mask_select(spec),
+        # the features' arguments (cutefa.api.features): the module defines its own fake_arguments
+        "feature_args": policy_sm90.fwd_feature_args(spec),
     }
 
 
@@ -227,6 +233,8 @@ def _fwd_sm100(spec: VariantSpec) -> Context:
     p_per_column = 4 if fp8 else 2  # P values packed per 32-bit TMEM column
     return {
         "fp8": fp8,
+        # a feature axis or the local mask: the kernel takes the feature calling convention
+        "featured": policy_sm100.fwd_featured(spec),
         "q_tiles": q_tiles,
         "one_q_tile": q_tiles == 1,
         "tmem_used": sm100_tmem_columns(spec),
@@ -248,6 +256,14 @@ def _fwd_sm100(spec: VariantSpec) -> Context:
     }
 
 
+def _decode_sm80(spec: VariantSpec) -> Context:
+    return {
+        "features": spec.features.tokens,  # the docstring's list
+        "combine_warps": policy_decode.COMBINE_WARPS,
+        "copy_threads_per_row": policy_decode.copy_threads_per_row(spec),
+    }
+
+
 def _bwd_sm100(spec: VariantSpec) -> Context:
     tmem_dp, tmem_dv, tmem_dk, tmem_end = policy_sm100.bwd_tmem_columns(spec)
     return {"tmem_dp": tmem_dp, "tmem_dv": tmem_dv, "tmem_dk": tmem_dk, "tmem_end": tmem_end}
@@ -264,6 +280,7 @@ _NUMBERS: dict[str, Callable[[VariantSpec], Context]] = {
     "bwd_sm90_swapkv.py.j2": _bwd_sm90_swapkv,
     "fwd_sm100.py.j2": _fwd_sm100,
     "bwd_sm100.py.j2": _bwd_sm100,
+    "decode_sm80.py.j2": _decode_sm80,
 }
 
 

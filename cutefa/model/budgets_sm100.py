@@ -5,12 +5,14 @@ for sm_100a, not hardware-tested."""
 from __future__ import annotations
 
 from cutefa.model.budgets import SMEM_RESERVE, TARGET_SMEM_LIMITS
+from cutefa.model.options import Mask
 from cutefa.model.spec import VariantSpec
 
 SM100_SMEM_LIMIT = TARGET_SMEM_LIMITS["sm_100a"]  # B200 per-block opt-in limit
 SM100_TMEM_COLUMNS = 512  # 128 lanes x 512 columns x 32 bit per SM
 SM100_WARPS = 16  # softmax 0 and 1, correction, MMA / load / epilogue / spare: 4 warpgroups
 SM100_SOFTMAX_REGS = 184  # setmaxnreg of a softmax thread (a whole row of S lives in registers)
+SM100_FEATURE_SOFTMAX_REGS = 192  # the same with feature axes (band bounds, softcap, ALiBi terms)
 SM100_SOFTMAX_OVERHEAD = 48  # row max/sum, coordinates, pipeline state, TMEM addresses
 SM100_PAIR_MIN_HEAD_DIM = 128  # a CTA pair splits V by head-dim columns: at least 64 each
 SM100_FP8_MMA_K = 32  # k of a tcgen05 kind::f8f6f4 UMMA: O += P V steps over keys 32 at a time
@@ -34,8 +36,8 @@ def sm100_tmem_columns(spec: VariantSpec) -> int:
 
 
 def sm100_smem_bytes(spec: VariantSpec) -> int:
-    """Forward: Q tiles, the K/V ring (K and V share its stages) and one 128-row O staging tile,
-    plus mbarriers and 1 KiB alignment of each buffer. A CTA of a pair (``cta_pair``) holds half of
+    """Forward: Q tiles, the K/V ring (K and V share its stages) and one 128-row O staging tile
+    (none with varlen), plus mbarriers and 1 KiB alignment of each buffer. A CTA of a pair (``cta_pair``) holds half of
     each K/V stage: tile_n / 2 keys of K or head_dim / 2 columns of V. e4m3: Q, K and V take one
     byte per element, the staged O (bf16 output) two. Backward: K, V (tile_n x d), Q, dO (tile_m x
     d), P^T and dS^T (tile_n x tile_m), 1 KiB-aligned each, plus mbarriers and the LSE/D rows of a
@@ -46,7 +48,8 @@ def sm100_smem_bytes(spec: VariantSpec) -> int:
     ring_rows = spec.tile_n // 2 if spec.options.cta_pair else spec.tile_n
     operands = (spec.tile_m + spec.stages * ring_rows) * spec.head_dim * spec.elem_bytes
     out_bytes = 2  # fp16/bf16 output; e4m3 inputs give bf16 output
-    return operands + 128 * spec.head_dim * out_bytes + 4 * SMEM_RESERVE
+    staged_rows = 0 if spec.features.varlen else 128  # varlen: the correction warps store O from registers
+    return operands + staged_rows * spec.head_dim * out_bytes + 4 * SMEM_RESERVE
 
 
 def sm100_registers(spec: VariantSpec) -> int:
@@ -74,4 +77,18 @@ def sm100_over_budget(spec: VariantSpec) -> str | None:
     estimate = sm100_registers(spec)
     if spec.direction == "fwd" and estimate > SM100_SOFTMAX_REGS:
         return f"a softmax thread would need ~{estimate} registers, over its {SM100_SOFTMAX_REGS}"
+    if spec.direction == "fwd" and spec.options.cta_pair and sm100_score_features(spec):
+        # Calibrated on compiled SASS (sm_100a, DSL 4.8.1): with every feature the pair's softmax
+        # warps spill 8-104 bytes at head dims 128-256, softcap + ALiBi alone 72 at 192; the single-CTA
+        # twins (192 registers per softmax thread) and the pair with varlen alone compile clean.
+        return (
+            f"cta_pair with {' + '.join(sm100_score_features(spec))}: the pair's softmax warps spill registers "
+            "(compiled SASS); these features run single-CTA (the pair takes varlen alone)"
+        )
     return None
+
+
+def sm100_score_features(spec: VariantSpec) -> list[str]:
+    """The local window and the score modifiers (softcap, ALiBi, sinks) a forward spec has, by name."""
+    names = ["local"] if spec.mask is Mask.LOCAL else []
+    return names + [name for name in ("softcap", "alibi", "sinks") if getattr(spec.features, name)]

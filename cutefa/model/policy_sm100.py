@@ -6,12 +6,19 @@ the templates). Compiled and SASS-checked for sm_100a, not hardware-tested.
 
 from __future__ import annotations
 
-from cutefa.model.budgets_sm100 import SM100_SOFTMAX_REGS, SM100_TMEM_COLUMNS, sm100_tmem_columns
+from cutefa.model.budgets_sm100 import (
+    SM100_FEATURE_SOFTMAX_REGS,
+    SM100_SOFTMAX_REGS,
+    SM100_TMEM_COLUMNS,
+    sm100_tmem_columns,
+)
+from cutefa.model.options import Mask
 from cutefa.model.spec import VariantSpec
 
 Q_TILE_ROWS = 128  # query rows of one Q tile in flight (one TMEM lane per row)
 CORRECTION_REGS = 80  # setmaxnreg of the correction warpgroup (O rescale and epilogue, by chunks)
 OTHER_REGS = 64  # of the MMA / load / epilogue warpgroup
+FEATURE_OTHER_REGS = 48  # the same with feature axes: its 8 more per softmax thread
 O_CHUNK = 16  # TMEM columns of O per correction load/store
 RESCALE_THRESHOLD_LOG2 = 8  # 16-bit: a row's running max is raised only when it grows by more than 2^8
 FP8_P_SHIFT_LOG2 = 8  # e4m3: P = exp2(s - max + 8) keeps probabilities down to 2^-14 normal
@@ -21,7 +28,16 @@ def fwd_register_split(spec: VariantSpec) -> tuple[int, int, int]:
     """(softmax, correction, other) setmaxnreg budgets of the sm100 forward's warpgroups: two
     softmax warpgroups hold a row of S each (184), the correction and the remaining warpgroup give
     registers up; 128 x (2 x 184 + 80 + 64) fills the 128 x 512 launch allocation."""
+    if fwd_featured(spec):
+        return SM100_FEATURE_SOFTMAX_REGS, CORRECTION_REGS, FEATURE_OTHER_REGS
     return SM100_SOFTMAX_REGS, CORRECTION_REGS, OTHER_REGS
+
+
+def fwd_featured(spec: VariantSpec) -> bool:
+    """Whether the forward takes feature arguments (:mod:`cutefa.api.features`): a feature axis
+    (varlen, softcap, alibi, sinks) or the local mask. Such a kernel defines its own fake
+    arguments and finishes its rows through the feature-aware epilogue."""
+    return spec.features.any or spec.mask is Mask.LOCAL
 
 
 def q_tiles(spec: VariantSpec) -> int:

@@ -32,5 +32,22 @@ def bwd_warp_grids(spec: VariantSpec) -> str:
 def bwd_heavy_first(spec: VariantSpec) -> bool:
     """Whether the causal sm80 backward launches the longest key blocks of a wave of (batch, head)
     pairs first (bwd_parts.causal_launch_coords): head_dim 192 only, since elsewhere the remapped
-    coordinates' registers spill (8-56 bytes)."""
-    return spec.mask is Mask.CAUSAL and spec.head_dim in HEAVY_FIRST_HEAD_DIMS
+    coordinates' registers spill (8-56 bytes); and not with feature axes (their CTAs take the grid's
+    own coordinates)."""
+    return spec.mask is Mask.CAUSAL and spec.head_dim in HEAVY_FIRST_HEAD_DIMS and not spec.features.any
+
+
+def score_mod_imports(spec: VariantSpec) -> list[str]:
+    """The names a generated sm80 module imports from cutefa.kernels.common.score_mods for its
+    score-modifier features (softcap, ALiBi, and forward only, sinks); empty for none."""
+    f = spec.features
+    names = []
+    if f.alibi:
+        names += ["apply_alibi_from", "alibi_distance0"] if spec.direction == "fwd" else ["apply_alibi"]
+    if f.softcap:
+        names += ["apply_softcap", "softcap_pre_scale", "softcap_scale_log2"]
+        if spec.direction == "bwd":
+            names += ["softcap_dtanh", "softcap_p_dtanh"]
+    if f.sinks and spec.direction == "fwd":
+        names.append("softmax_finalize_sinks")
+    return names

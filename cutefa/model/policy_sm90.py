@@ -71,8 +71,14 @@ def fwd_hoisted_descriptors(spec: VariantSpec) -> bool:
     ptxas give up the uniform datapath on the causal two-consumer tiles with the widest S and O
     accumulators (tile_n x head_dim from 20480, from 18432 without pair_cvt: hd192) or the FMA exp2:
     200-300 R2UR, up to ~110 more instructions per key block, some WGMMAs serialized. Those rebuild
-    them per issue; every other tile hoists them."""
+    them per issue, and so do the masked (causal or local) two-consumer tiles with feature
+    arguments; every other tile hoists them."""
     o = spec.options
+    if fwd_feature_args(spec) and spec.mask is not Mask.NONE and consumers(spec) == 2:
+        # Masked two-consumer feature kernels (causal or local with varlen, softcap...): hoisted, the
+        # default tiles of hd192 (causal with softcap or varlen: 250-260 R2UR, 11 spills) and hd256
+        # (local: 390 R2UR) lose the uniform datapath; rebuilt per issue, 9-24 R2UR, no spill.
+        return False
     columns = spec.tile_n * spec.head_dim
     wide = columns >= HOISTED_DESCRIPTOR_COLUMNS or (
         columns >= HOISTED_DESCRIPTOR_COLUMNS_NO_PCVT and not o.pair_cvt
@@ -112,3 +118,11 @@ def bwd_dq_transposed(spec: VariantSpec) -> bool:
     dS^T, each consumer 64 head-dim columns of all rows: where tile_m is not a multiple of WGMMA's
     64-row M (80, FlashAttention-4's non-causal hd128 tile)."""
     return spec.tile_m % WG_ROWS != 0
+
+
+def fwd_feature_args(spec: VariantSpec) -> bool:
+    """Whether a 16-bit sm90 forward takes feature arguments after its own (cutefa.api.features:
+    the local window's bounds or a feature axis): its module then defines its own
+    ``fake_arguments`` for the compile."""
+    return spec.features.any or spec.mask is Mask.LOCAL
+

@@ -91,6 +91,13 @@ FEATURES_IMPLEMENTED: dict[tuple[str, str, str], frozenset[str]] = {
     for arch, direction in (("sm80", "fwd"), ("sm80", "bwd"), ("sm90", "fwd"), ("sm100", "fwd"))
     for dtype in ("fp16", "bf16")
 }
+# The decode kernels (split_kv; templates/decode_<arch>.py.j2), (arch, direction, dtype) -> names: a
+# split-KV spec of a family listed here is checked against this table instead (paged K/V, the window
+# and softcap; no variable-length batch, ALiBi or sinks).
+DECODE_FEATURES_IMPLEMENTED: dict[tuple[str, str, str], frozenset[str]] = {
+    ("sm80", "fwd", dtype): frozenset({"split_kv", "paged_kv", "local", "softcap"})
+    for dtype in ("fp16", "bf16")
+}
 
 
 def smem_bytes(spec: VariantSpec) -> int:
@@ -129,7 +136,10 @@ def why_no_kernel(spec: VariantSpec) -> str | None:
         return f"no {where} kernel exists yet"
     if spec.dtype not in dtypes:
         return f"no {spec.dtype} {where} kernel exists yet"
-    implemented = FEATURES_IMPLEMENTED.get((spec.arch, spec.direction, spec.dtype), frozenset())
+    family = (spec.arch, spec.direction, spec.dtype)
+    decode = spec.features.split_kv and family in DECODE_FEATURES_IMPLEMENTED
+    table = DECODE_FEATURES_IMPLEMENTED if decode else FEATURES_IMPLEMENTED
+    implemented = table.get(family, frozenset())
     if spec.mask is Mask.LOCAL and "local" not in implemented:
         return f"no {spec.dtype} {where} kernel implements the local (sliding-window) mask yet"
     missing = [

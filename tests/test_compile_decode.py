@@ -1,0 +1,90 @@
+"""The sm80-family decode kernel (templates/decode_sm80.py.j2) compiles on this CPU, and its SASS
+shows the design: mma.sync (HMMA) on the packed query rows, cp.async (LDGSTS) for Q and the K/V
+rows, exp2 on MUFU, no local-memory spills, registers within the 255 limit, and the combine kernel
+beside the decode kernel in the same cubin.
+
+Dense and paged caches, the masks and softcap, head dims 64 and 128, row tiles of 1, 2, 4 and 8
+warps; for sm_90a (H100/H200: the GPUs the decode path is measured on) and a subset for sm_80.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cutefa import sass
+from cutefa.model import policy_decode
+from cutefa.model.options import Mask
+
+pytestmark = pytest.mark.compile
+
+
+def _spec(head_dim, rows, mask=Mask.NONE, paged=False, softcap=False):
+    return policy_decode.decode_spec("bf16", head_dim, rows, mask=mask, paged=paged, softcap=softcap)
+
+
+SM90A = [
+    _spec(128, 4),  # GQA 32/8, one token: one warp
+    _spec(128, 4, Mask.CAUSAL, paged=True),
+    _spec(64, 32, Mask.LOCAL, softcap=True),  # MQA 32/1 or 8 heads x 4 tokens: two warps
+    _spec(64, 64, Mask.CAUSAL, paged=True),  # 4 heads x 16 tokens: four warps
+    _spec(128, 128, Mask.LOCAL, paged=True, softcap=True),  # eight warps
+]
+SM80 = [_spec(128, 4, Mask.CAUSAL, paged=True), _spec(64, 64)]
+
+
+@pytest.fixture(scope="module")
+def cubins_sm90a(tmp_path_factory):
+    return sass.dump_cubins(SM90A, "sm_90a", tmp_path_factory.mktemp("sm_90a"))
+
+
+@pytest.fixture(scope="module")
+def cubins_sm80(tmp_path_factory):
+    return sass.dump_cubins(SM80, "sm_80", tmp_path_factory.mktemp("sm_80"))
+
+
+def _hmma_per_body(spec) -> int:
+    """Per mainloop body each warp issues (tile_n / 8) * (head_dim / 16) HMMAs for S = Q K^T of its
+    16 rows and (head_dim / 8) * (tile_n / 16) for O += P V."""
+    return (spec.tile_n // 8) * (spec.head_dim // 16) + (spec.head_dim // 8) * (spec.tile_n // 16)
+
+
+def _check(cubin, spec) -> None:
+    report = sass.analyze(cubin)
+    assert report.missing("sm80") == [], f"{spec.name}: {report.summary()}"
+    assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
+    assert 0 < report.registers <= 255, f"{spec.name}: {report.summary()}"
+    # masked and unmasked bodies (and the left edge's with a window), each a whole step of HMMAs
+    bodies = 3 if spec.mask is Mask.LOCAL else 2
+    assert report.counts["HMMA"] == bodies * _hmma_per_body(spec), f"{spec.name}: {report.summary()}"
+    text = sass.disassemble(cubin)
+    kernels = sass.kernel_sections(text)
+    assert len(kernels) == 2, list(kernels)
+    combine = sass.kernel_text(text, "combine")
+    assert "SHFL.BFLY" in combine and "HMMA" not in combine and "MUFU.EX2" in combine
+    decode = sass.kernel_text(text, "kernel")
+    forms = sass.opcode_forms(decode)
+    # the K/V tiles by cp.async, 16 bytes a copy; fp32 partial rows as 8-byte pairs
+    assert forms.get("LDGSTS.E.BYPASS.LTC128B.128", 0) > 0, forms
+    assert forms.get("STG.E.64", 0) > 0, forms
+    if spec.features.paged_kv:
+        assert any(f.startswith("LDG.E") and not f.endswith(".128") for f in forms), forms  # page table reads
+
+
+@pytest.mark.parametrize("spec", SM90A, ids=lambda s: s.name)
+def test_decode_sass_sm90a(cubins_sm90a, spec):
+    _check(cubins_sm90a[spec.name], spec)
+
+
+@pytest.mark.parametrize("spec", SM80, ids=lambda s: s.name)
+def test_decode_sass_sm80(cubins_sm80, spec):
+    _check(cubins_sm80[spec.name], spec)
+
+
+def test_one_warp_tile_keeps_few_copy_rows(cubins_sm90a):
+    """Two threads side by side on a row: a one-warp CTA issues (tile_n * head_dim / 8) / 32 = 32
+    cp.async per K or V block of 64 x 128 from 4 row addresses; the registers stay well below the
+    limit (the prefill's 8-threads-per-row layout gives this tile 16 rows a thread and 255)."""
+    spec = SM90A[0]
+    assert policy_decode.copy_threads_per_row(spec) == 2
+    report = sass.analyze(cubins_sm90a[spec.name])
+    assert report.registers <= 232, report.summary()
