@@ -1,11 +1,15 @@
 """The backward pass on the CPU: the kernel's block schedule emulated in torch, autograd wiring,
-GQA reduction, dLSE, deterministic splits, fake impls under torch.compile.
+GQA reduction, dLSE, deterministic splits, fake impls under torch.compile, and the host side of the
+launch (which tensors each family's kernel gets, the sm90 family's grouped-query workspace).
 
 ``emulate_kernel`` follows templates/bwd_sm80.py.j2 step by step (key blocks per CTA and split,
 the first query block of a key block when causal, when the mask is applied, LSE in log2 units with
 +inf for empty or padded rows, D = rowsum(dO * O) - dLSE, P and dS rounded to the input dtype,
 dK and dQ scaled at the end), so the index arithmetic of the kernel is checked against autograd
-of a plain float32 attention on ragged, causal and grouped-query shapes.
+of a plain float32 attention on ragged, causal and grouped-query shapes. Grouped-query dK and dV
+(shaped like k) are summed as the sm90 family's kernels sum them (templates/bwd_sm90.py.j2: the
+float32 dK/dV of a key block added into the kv head's slot, slots summed in order, one rounding);
+given per-query-head tensors it writes them as the sm80 family's kernels do.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cutefa
 from cutefa.api import backward, dense, validate
 from cutefa.kernels.sm80 import tail
-from cutefa.model.defaults import DEFAULT_BWD_TILES
+from cutefa.model.budgets_sm90 import sm90_bwd_dkv_accum_shape
+from cutefa.model.defaults import DEFAULT_BWD_TILES, default_spec
 from cutefa.model.options import DqLayout
 from cutefa.model.rules import why_not_on
 from cutefa.model.spec import HEAD_DIMS, VariantSpec
@@ -35,11 +40,16 @@ def ceil_div(a: int, b: int) -> int:
 def emulate_kernel(dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal, scale, deterministic,
                    tile_m=64, tile_n=128, splits=3, slots=0):  # fmt: skip
     """What the three kernels of templates/bwd_sm80.py.j2 compute, block by block (``slots``: the
-    stream-K tail's, 0 for none)."""
+    stream-K tail's, 0 for none). ``dk_heads``/``dv_heads`` per query head (the sm80 family's), or
+    shaped like k: then a kv head's group is summed in float32 as the sm90 family's kernels do it."""
     dtype = q.dtype
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
+    per_head = dk_heads.shape[2] == hq
+    # the sm90 family's grouped-query workspace: a slot per query head of a group when deterministic
+    dkv_slots = 1 if per_head or not deterministic else group
+    dkv_sum = torch.zeros(dkv_slots, 2, batch, sk, hkv, d)
     # preprocess
     dlse = torch.zeros_like(lse) if dlse is None else dlse
     dpsum = (dout.float() * out.float()).sum(-1).transpose(1, 2) - dlse
@@ -93,8 +103,13 @@ def emulate_kernel(dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal
     def write(b, h, n_block, dk_acc, dv_acc):
         n0 = n_block * tile_n
         valid = min(tile_n, sk - n0)
-        dk_heads[b, n0 : n0 + valid, h] = dk_acc[:valid].to(dtype)
-        dv_heads[b, n0 : n0 + valid, h] = dv_acc[:valid].to(dtype)
+        if per_head:
+            dk_heads[b, n0 : n0 + valid, h] = dk_acc[:valid].to(dtype)
+            dv_heads[b, n0 : n0 + valid, h] = dv_acc[:valid].to(dtype)
+        else:
+            slot = h % group if dkv_slots > 1 else 0
+            dkv_sum[slot, 0, b, n0 : n0 + valid, h // group] += dk_acc[:valid]
+            dkv_sum[slot, 1, b, n0 : n0 + valid, h // group] += dv_acc[:valid]
 
     # The stream-K tail (cutefa/kernels/sm80/tail.py): the units of the grid's order from `region`
     # on are cut into the stream CTAs' ranges; a cut unit's parts are summed in CTA order.
@@ -132,6 +147,12 @@ def emulate_kernel(dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal
     assert not parts, f"parts never summed: {sorted(parts)}"
     # postprocess
     dq.copy_((acc.sum(0) * scale).to(dtype))
+    if not per_head:
+        total = dkv_sum[0]
+        for slot in range(1, dkv_slots):  # in order
+            total = total + dkv_sum[slot]
+        dk_heads.copy_(total[0].to(dtype))
+        dv_heads.copy_(total[1].to(dtype))
 
 
 @pytest.fixture
@@ -186,6 +207,7 @@ def test_kernel_schedule_matches_autograd(on_cpu, shape, causal, deterministic):
     dlse = torch.where(torch.isinf(lse), 0.0, dlse)
     torch.autograd.backward((out, lse), (dout, dlse))
     assert len(on_cpu) == 1 and on_cpu[0][12] is deterministic
+    assert on_cpu[0][8].shape == on_cpu[0][9].shape == k.shape  # dk, dv: one per kv head
 
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     o_ref, lse_ref = reference(q32, k32, v32, causal, scale)
@@ -420,3 +442,153 @@ def test_torch_compile_matches_eager_on_cpu(on_cpu):
     torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v).backward()
     for got, want in zip((q.grad, k.grad, v.grad), eager):
         torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# The host side of the launch: the tensors each family's kernel gets
+
+
+class _H200:
+    multi_processor_count = 132
+    regs_per_multiprocessor = 65536
+    shared_memory_per_multiprocessor = 228 * 1024
+
+
+@pytest.fixture
+def host_launch(monkeypatch):
+    """backward.gradients on CPU tensors down to the kernel call: an H200 pretended, the kernel a
+    stand-in that records its arguments and writes 1 + the head index into every row of its dK and
+    dV arguments (arguments 8 and 9: dq, then dk, dv follow the seven inputs). Returns the calls."""
+    calls = []
+
+    def call_on(device, kernel, *args):
+        calls.append((kernel, args))
+        for t in args[8:10]:
+            t.copy_(torch.arange(1, t.shape[2] + 1, dtype=t.dtype).view(1, 1, -1, 1).expand(t.shape))
+
+    monkeypatch.setattr(backward.dispatch, "device_target", lambda device=None: ("sm_90a", "NVIDIA H200"))
+    monkeypatch.setattr(backward, "get_kernel", lambda spec, target: spec)
+    monkeypatch.setattr(backward, "call_on", call_on)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _H200())
+    return calls
+
+
+def _problem(heads_q, heads_kv, seqlen_k=200, head_dim=128):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 70, heads_q, head_dim, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, seqlen_k, heads_kv, head_dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    lse = torch.zeros(2, heads_q, 70)
+    return q, k, v, lse
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(("heads_q", "heads_kv"), [(8, 2), (8, 1), (4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+def test_sm90_kernel_writes_kv_heads(host_launch, heads_q, heads_kv, head_dim, deterministic):
+    """The sm90 family's kernel gets dk and dv shaped like k (the tensors the call returns: no
+    per-query-head tensors, no sum on the host) and the grouped-query workspace of its tile: (slots,
+    batch, heads_kv, key blocks, 2 x tile_n x head_dim) float32, a slot per query head of a group
+    when deterministic; with one query head per kv head the dQ workspace in its place."""
+    q, k, v, lse = _problem(heads_q, heads_kv, head_dim=head_dim)
+    spec = default_spec("sm90", "bwd", "bf16", head_dim, causal=True)
+    _, dk, dv = backward.gradients(q, q, k, v, q, lse, None, True, 0.1, deterministic, spec=spec)
+    ((kernel, args),) = host_launch
+    assert kernel == spec and len(args) == 16
+    assert args[8] is dk and args[9] is dv and dk.shape == dv.shape == k.shape
+    assert torch.equal(dk, torch.arange(1, heads_kv + 1, dtype=dk.dtype).view(1, 1, -1, 1).expand(k.shape))
+    dq_accum, dkv_accum = args[10], args[11]
+    assert args[14:] == (0.1, int(deterministic))
+    if heads_q == heads_kv:
+        assert dkv_accum is dq_accum  # untouched by the kernel: nothing allocated
+        return
+    slots = heads_q // heads_kv if deterministic else 1
+    blocks = ceil_div(k.shape[1], spec.tile_n)
+    assert dkv_accum.dtype == torch.float32 and dkv_accum.is_contiguous()
+    assert dkv_accum.shape == (slots, 2, heads_kv, blocks, 2 * spec.tile_n * head_dim)
+    assert dkv_accum.shape == sm90_bwd_dkv_accum_shape(spec, slots, 2, k.shape[1], heads_kv)
+
+
+@pytest.mark.parametrize(("heads_q", "heads_kv"), [(8, 2), (6, 1), (2, 2)])
+def test_sm80_kernel_writes_query_heads_summed_on_the_host(host_launch, heads_q, heads_kv):
+    """The sm80 family's kernel (and the sm100 one) still writes dK/dV per query head, the host sums
+    each kv head's group in float32."""
+    q, k, v, lse = _problem(heads_q, heads_kv)
+    spec = default_spec("sm80", "bwd", "bf16", 128, causal=False)
+    _, dk, dv = backward.gradients(q, q, k, v, q, lse, None, False, 0.1, False, spec=spec)
+    ((_, args),) = host_launch
+    assert args[8].shape == (2, 200, heads_q, 128) and (heads_q > heads_kv) == (args[8] is not dk)
+    group = heads_q // heads_kv
+    want = torch.arange(1, heads_q + 1, dtype=torch.float32).view(heads_kv, group).sum(1)
+    for t in (dk, dv):
+        assert t.shape == k.shape and torch.equal(t, want.to(t.dtype).view(1, 1, -1, 1).expand(k.shape))
+
+
+def test_dkv_accum_shape_rounds_up_to_key_blocks():
+    """Each sm90 partition's tile: 128 keys (hd64-128), 96 (the swapped hd192), 64 (the head-dim split)."""
+    for head_dim, tile_n in ((64, 128), (128, 128), (192, 96), (256, 64)):
+        spec = default_spec("sm90", "bwd", "fp16", head_dim)
+        assert spec.tile_n == tile_n
+        for seqlen_k, blocks in ((1, 1), (tile_n, 1), (tile_n + 1, 2), (5 * tile_n - 1, 5)):
+            assert sm90_bwd_dkv_accum_shape(spec, 3, 2, seqlen_k, 4) == (3, 2, 4, blocks, 2 * tile_n * head_dim)
+
+
+def test_sm90_gqa_emulation_matches_autograd_in_deterministic_slots(on_cpu):
+    """Grouped heads through the emulated launch in deterministic mode (a slot per query head, summed
+    in order) and not: both close to autograd, and the two within float32 rounding of each other."""
+    q, k, v = qkv(1, 70, 300, 8, 2, 64)
+    grads = []
+    for deterministic in (False, True):
+        out = cutefa.flash_attn_func(q, k, v, causal=True, softmax_scale=0.3, deterministic=deterministic)
+        out.float().square().sum().backward()
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    reference(q32, k32, v32, True, 0.3)[0].square().sum().backward()
+    for got in grads:
+        for name, g, want in zip(("dq", "dk", "dv"), got, (q32.grad, k32.grad, v32.grad)):
+            assert (g.float() - want).norm() / want.norm() < 2e-2, name
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+# The grouped-query kernels of the sm90 backward in SASS (sm_90a, on this CPU), one variant per
+# partition: the defaults at head dims 128 (templates/bwd_sm90.py.j2), 192 (the swapped dK/dV) and
+# 256 (the head-dim split).
+GQA_SASS = [default_spec("sm90", "bwd", "bf16", hd, causal=hd == 192) for hd in (128, 192, 256)]
+
+
+@pytest.fixture(scope="module")
+def gqa_cubins(tmp_path_factory):
+    from cutefa import sass
+
+    return sass.dump_cubins(GQA_SASS, "sm_90a", tmp_path_factory.mktemp("gqa_sm_90a"))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", GQA_SASS, ids=lambda s: s.name)
+def test_sm90_bwd_gqa_sass(gqa_cubins, spec):
+    """The main kernel adds a consumer's fp32 dK and dV pieces with 16-byte reductions only
+    (REDG.E.ADD.F32x4: 2 x the values per thread / 4, one code path for both consumers), and no
+    value spills; dkv_zero writes 16-byte zeros only; dkv_postprocess reads the workspace 16 bytes
+    at a time, stages fp32 in shared memory (8-byte stores of column pairs where the fragment holds
+    pairs, 4-byte ones in the swapped partition's transposed pieces), reads it back 16 bytes at a
+    time and writes dK/dV with 8-byte stores; no local memory anywhere."""
+    import re
+
+    from cutefa import sass
+    from cutefa.model.budgets_sm90 import sm90_bwd_head_split, sm90_bwd_swapped
+
+    report = sass.analyze(gqa_cubins[spec.name])
+    assert report.spills == 0, report.summary()
+    text = sass.disassemble(gqa_cubins[spec.name])
+    main = sass.kernel_text(text, "kernel")
+    piece = 64 * spec.head_dim // 2 if sm90_bwd_head_split(spec) else spec.head_dim * spec.tile_n // 2
+    assert len(re.findall(r"\bREDG\.E\.ADD\.F32x4\b", main)) == 2 * piece // 128 // 4
+    zero = sass.opcode_forms(sass.kernel_text(text, "dkv_zero"))
+    assert {f for f in zero if f.split(".")[0] in ("STG", "LDG", "STL", "LDL")} == {"STG.E.128"}, zero
+    post = sass.opcode_forms(sass.kernel_text(text, "dkv_postprocess"))
+    memory = {f: n for f, n in post.items() if f.split(".")[0] in ("LDG", "STG", "LDS", "STS", "STL", "LDL")}
+    staged = "STS" if sm90_bwd_swapped(spec) else "STS.64"
+    assert set(memory) == {"LDG.E.128", staged, "LDS.128", "STG.E.64"}, memory
+    assert memory["STG.E.64"] == memory["LDS.128"] == 2 * spec.tile_n * spec.head_dim // 4 // 128, memory

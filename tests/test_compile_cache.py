@@ -140,7 +140,7 @@ def test_building_blocks_are_the_kernels_imports():
     assert bwd == {
         "sm90/__init__.py", "sm90/parts.py", "sm90/bwd_parts.py", "sm90/descriptors.py", "sm80/bwd_parts.py",
         "sm90/bwd_dq.py", "sm90/bwd_dq_bulk.py", "sm90/bwd_dq_writer.py", "sm90/bwd_pre_post.py",
-        "common/softmax.py", "common/exp2.py", "common/reduce.py", "common/ptx.py",
+        "sm90/bwd_dkv.py", "common/softmax.py", "common/exp2.py", "common/reduce.py", "common/ptx.py",
     }  # fmt: skip
     fwd80 = _rel(identity.kernel_closure(_generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8")))
     assert "sm80/parts.py" in fwd80 and "common/mask.py" in fwd80

@@ -6,10 +6,13 @@ kernels in one call) on the current stream. ``dlse`` is the gradient flowing int
 log-sum-exp (None when it has none): the kernel folds it into D = rowsum(dO * O) - dLSE, so
 ``return_lse=True`` outputs are differentiable too.
 
-Grouped-query attention: the kernel writes dK and dV once per query head (in the input dtype), and
-the heads that share a KV head are summed here in float32. ``deterministic=True`` gives each CTA
-its own float32 dQ accumulator split (summed in a fixed order) instead of sharing one through
-atomic adds: bitwise-reproducible gradients, at the cost of fewer CTAs in flight.
+Grouped-query attention: the sm90 family's kernels sum the dK and dV of a KV head over its query
+heads in float32 themselves (a float32 workspace, :func:`sm90_dkv_workspace`) and write dK and dV
+once; the other families write them once per query head (in the input dtype), and the heads that
+share a KV head are summed here in float32. ``deterministic=True`` gives each CTA its own float32
+dQ accumulator split (summed in a fixed order) instead of sharing one through atomic adds, and the
+sm90 dK/dV workspace one slot per query head of a group (summed in order):
+bitwise-reproducible gradients, at the cost of fewer CTAs in flight.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from cutefa.api.launch import aligned, call_on
 from cutefa.api.validate import check_grid_limits
 from cutefa.loader import get_kernel
 from cutefa.model.budgets import bwd_dq_accum_shape
+from cutefa.model.budgets_sm90 import sm90_bwd_dkv_accum_shape
 from cutefa.model.defaults import default_spec
 from cutefa.model.rules import fitting_variant, smem_bytes, why_invalid, why_not_on
 from cutefa.model.spec import TORCH_DTYPE_NAMES, VariantSpec, families_for_target
@@ -145,6 +149,22 @@ def dq_accum_workspace(
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+def sm90_dkv_workspace(
+    spec: VariantSpec, deterministic: bool, batch: int, seqlen_k: int, heads_q: int, heads_kv: int,
+    placeholder: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The float32 grouped-query dK/dV workspace of sm90 backward variant ``spec``
+    (:func:`cutefa.model.budgets_sm90.sm90_bwd_dkv_accum_shape`), left uninitialized: the variant's
+    own kernel zeroes it. One slot, or in deterministic mode one per query head of a group. Where
+    every query head has its own KV head the kernel does not touch it: ``placeholder`` (a 16-byte
+    aligned 5-D float32 tensor, the dQ workspace) goes in its place, so nothing is allocated."""
+    group = heads_q // heads_kv
+    if group == 1:
+        return placeholder
+    shape = sm90_bwd_dkv_accum_shape(spec, group if deterministic else 1, batch, seqlen_k, heads_kv)
+    return torch.empty(shape, dtype=torch.float32, device=placeholder.device)
+
+
 def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
@@ -168,38 +188,28 @@ def gradients(
     validation refuses them too)."""
     check_grid_limits(q)
     dq, dk, dv = _empty_grads(q, k, v)
-    batch, _, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
     if dq.numel() == 0 or dk.numel() == 0:  # nothing attends anything: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_()
-    group = heads_q // heads_kv
-    dk_heads, dv_heads = dk, dv
-    if group > 1:
-        shape = (batch, seqlen_k, heads_q, head_dim)
-        dk_heads = torch.empty(shape, dtype=q.dtype, device=q.device)
-        dv_heads = torch.empty(shape, dtype=q.dtype, device=q.device)
-    args = (dout, q, k, v, out, lse, dlse, dq, dk_heads, dv_heads, causal, softmax_scale, deterministic)
+    args = (dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, softmax_scale, deterministic)
     if spec is None:
         _launch_bwd(*args)
     else:
         _launch_bwd(*args, spec=spec)
-    if group > 1:
-        grouped = (batch, seqlen_k, heads_kv, group, head_dim)
-        dk.copy_(dk_heads.view(grouped).sum(3, dtype=torch.float32))
-        dv.copy_(dv_heads.view(grouped).sum(3, dtype=torch.float32))
     return dq, dk, dv
 
 
 def _launch_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk_heads: torch.Tensor,
-    dv_heads: torch.Tensor, causal: bool, softmax_scale: float, deterministic: bool,
-    spec: VariantSpec | None = None,
+    lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+    causal: bool, softmax_scale: float, deterministic: bool, spec: VariantSpec | None = None,
 ) -> None:  # fmt: skip
     """Choose the variant (unless ``spec`` names one), allocate the workspaces and run the kernel on
-    the current stream of q's device, writing dq and the per-query-head dk_heads, dv_heads."""
+    the current stream of q's device, writing dq, dk and dv (a KV head's query heads summed: by the
+    sm90 family's kernels in float32, for the other families here, in float32, from per-query-head
+    dK and dV)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k = k.shape[1]
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
     target, gpu_name = dispatch.device_target(q.device)
     if spec is None:
         spec = choose_bwd(target, q.dtype, head_dim, causal, seqlen_k=seqlen_k, gpu_name=gpu_name)
@@ -211,16 +221,28 @@ def _launch_bwd(
     lse_log2 = torch.empty((batch, heads_q, seqlen_q), **f32)
     dpsum = torch.empty((batch, heads_q, seqlen_q), **f32)
     dlse = torch.zeros_like(lse_log2) if dlse is None else dlse.float().contiguous()
-    args = (
-        aligned(q), aligned(k), aligned(v), aligned(out), aligned(dout), lse.float().contiguous(), dlse,
-        dq, dk_heads, dv_heads, dq_accum, lse_log2, dpsum,
-    )  # fmt: skip
-    if spec.arch == "sm80":
-        slots = device_tail_slots(spec, q.device, deterministic, batch, heads_q, seqlen_q, seqlen_k)
-        args += (*sm80_tail_workspaces(spec, slots, q.device), float(softmax_scale), int(deterministic), slots)
-    else:
-        args += (float(softmax_scale), int(deterministic))
-    call_on(q.device, kernel, *args)
+    inputs = (aligned(q), aligned(k), aligned(v), aligned(out), aligned(dout), lse.float().contiguous(), dlse)
+    if spec.arch == "sm90":  # a KV head's group summed in the kernel
+        dkv_accum = sm90_dkv_workspace(spec, deterministic, batch, seqlen_k, heads_q, heads_kv, dq_accum)
+        args = (*inputs, dq, dk, dv, dq_accum, dkv_accum, lse_log2, dpsum, float(softmax_scale), int(deterministic))
+        call_on(q.device, kernel, *args)
+    else:  # per query head, the group summed here
+        dk_heads, dv_heads = dk, dv
+        if group > 1:
+            shape = (batch, seqlen_k, heads_q, head_dim)
+            dk_heads = torch.empty(shape, dtype=q.dtype, device=q.device)
+            dv_heads = torch.empty(shape, dtype=q.dtype, device=q.device)
+        args = (*inputs, dq, dk_heads, dv_heads, dq_accum, lse_log2, dpsum)
+        if spec.arch == "sm80":
+            slots = device_tail_slots(spec, q.device, deterministic, batch, heads_q, seqlen_q, seqlen_k)
+            args += (*sm80_tail_workspaces(spec, slots, q.device), float(softmax_scale), int(deterministic), slots)
+        else:
+            args += (float(softmax_scale), int(deterministic))
+        call_on(q.device, kernel, *args)
+        if group > 1:
+            grouped = (batch, seqlen_k, heads_kv, group, head_dim)
+            dk.copy_(dk_heads.view(grouped).sum(3, dtype=torch.float32))
+            dv.copy_(dv_heads.view(grouped).sum(3, dtype=torch.float32))
     dispatch.log_run(dispatch.Choice(spec, target, "backward"), q.shape, k.shape, causal)
 
 

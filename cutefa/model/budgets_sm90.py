@@ -423,6 +423,18 @@ def sm90_bwd_dq_bulk_bytes(spec: VariantSpec) -> int:
     return 4 * spec.tile_m * spec.head_dim
 
 
+def sm90_bwd_dkv_accum_shape(
+    spec: VariantSpec, slots: int, batch: int, seqlen_k: int, heads_kv: int
+) -> tuple[int, int, int, int, int]:
+    """Shape of the fp32 grouped-query dK/dV workspace of an sm90 backward (cutefa/kernels/sm90/
+    bwd_dkv.py): (slots, batch, heads_kv, key blocks, 2 * tile_n * head_dim), seqlen_k rounded up
+    to whole key blocks; per key block a chunk of dK, then one of dV, each the consumers' pieces
+    in their WGMMA fragment's order. ``slots``: 1, or the group size in deterministic mode (one
+    slot per query head of a group, summed in order by the conversion kernel)."""
+    blocks = -(-seqlen_k // spec.tile_n)
+    return (slots, batch, heads_kv, blocks, 2 * spec.tile_n * spec.head_dim)
+
+
 def sm90_bwd_registers(spec: VariantSpec) -> int:
     """Registers of a consumer thread at the peak (one warpgroup: 64 keys, 128 threads): fp32 dK
     and dV (64 x d each) for the whole query loop, beside fp32 S^T and dP^T (64 x tile_m each;

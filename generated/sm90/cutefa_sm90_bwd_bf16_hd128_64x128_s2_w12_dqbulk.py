@@ -11,15 +11,20 @@ Calling convention: the sm80 backward's (``Kernel.__call__``; :func:`fake_argume
     lse, dlse     (batch, heads_q, seqlen_q)             float32: the forward's natural-log LSE
                                                          and its incoming gradient (zeros if none)
     dq            (batch, seqlen_q, heads_q, head_dim)   input dtype, written
-    dk, dv        (batch, seqlen_k, heads_q, head_dim)   input dtype, written, one slice per QUERY
-                                                         head (the caller sums a KV head's group)
+    dk, dv        (batch, seqlen_k, heads_kv, head_dim)  input dtype, written (a kv head's group of
+                                                         heads_q / heads_kv query heads summed)
     dq_accum      (splits, batch, heads_q, ceil(seqlen_q / 64), 64 * head_dim)  float32 workspace,
                   zeroed by the preprocess: one chunk per query block in WGMMA fragment order (below)
+    dkv_accum     (slots, batch, heads_kv, ceil(seqlen_k / 128), 2 * 128 * head_dim)  float32 workspace
+                  of grouped-query heads (heads_q > heads_kv; slots = heads_q / heads_kv when
+                  deterministic, else 1), left uninitialized; with heads_q = heads_kv unused (any
+                  16-byte aligned 5-D float32 tensor: the caller passes dq_accum)
     lse_log2, dpsum  (batch, heads_q, seqlen_q)          float32 workspaces
     softmax_scale float; deterministic int (0 or 1); the stream is the caller's current one
 
 Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units, dq_accum
-zeroed: whole chunks, 16-byte stores), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
+zeroed: whole chunks, 16-byte stores), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum); with
+grouped-query heads two more (below): dkv_zero before the main kernel, dkv_postprocess after it.
 
 Main kernel: a CTA owns 128 keys of one (batch, query head). Warpgroup 0 is the producer: one
 warp issues the TMA loads of K and V (once per key block, one-stage pipeline) and of Q and dO (per
@@ -61,6 +66,34 @@ zeroes part x % (tile_m / 16) of chunk x / (tile_m / 16), every split, padding r
 deterministic=1: CTA x of the grid (x < splits) walks the key blocks x, x + splits, ... and owns
 dq_accum split x alone; every dq_accum element is added by one thread in a fixed order, and the
 postprocess sums the splits in order: bitwise-reproducible gradients.
+
+Grouped-query heads (g = heads_q / heads_kv > 1; cutefa/kernels/sm90/bwd_dkv.py): a kv head's dK
+and dV are summed over its g query heads in fp32 inside the kernel and written once. The grid stays
+one CTA per (key block, query head): at the end of a key block each consumer adds its fp32 dK and
+dV (unscaled) into the kv head's chunk of dkv_accum straight from its registers, value 4j + e of
+thread t at word 4 (128 j + t) + e of its piece (one 16-byte red.global.add.v4.f32 per 4 values: a
+warp covers 512 contiguous bytes), and releases K/V's buffers without staging anything (the
+producer stores nothing); dkv_zero (one CTA per key block, kv head and batch) zeroes dkv_accum
+before, and dkv_postprocess (the same grid) sums the slots in order, scales dK, converts and
+writes dK and dV (rows past seqlen_k skipped). With g = 1 none of this runs: dK and dV leave
+through the K/V buffers by TMA as above, and dkv_accum is not touched.
+
+Why accumulate across CTAs instead of one CTA walking the group's g query heads (dK/dV in registers
+across heads, no workspace): the grid. At a training step's shape (batch 2 x 2048 tokens, 8 query /
+2 kv heads, hd128, 128 keys per CTA) one CTA per (key block, kv head) is 16 x 2 x 2 = 64 CTAs on the
+132 SMs of an H100 (under half the GPU, each walking 4 x 32 query blocks), where one per (key block,
+query head) is 256 CTAs (1.94 waves). The price is traffic: 128 KiB of fp32 reductions per CTA (2 x
+128 x 128 x 4 bytes), 32 MiB per call at that shape, beside the 256 MiB the dQ reductions already
+make (a 64 x 128 fp32 piece per CTA and query block), plus zeroing and reading the 8 MiB workspace
+once; the per-query-head 16-bit dK/dV it replaces were 16 MiB written, read back and summed by two
+more kernels. At 16k tokens with 32 / 8 heads one CTA per kv head would fill the GPU too (1024
+CTAs), but the added reductions are 1.5% of dQ's (512 MiB against 32 GiB), and one CTA per query
+head keeps the causal longest-first order. Reductions from registers rather than a bulk copy from
+shared memory: once per key block the instruction count is the same as staging the piece (16-byte
+stores), with no buffer to hand between the consumers and the producer's next K/V load.
+deterministic=1: dkv_accum has g slots and query head h of a group adds into slot h % g alone (each
+word takes exactly one add on zero; every CTA of one head owns its key blocks), and dkv_postprocess
+sums the slots in order: bitwise-reproducible dK and dV.
 """
 
 import cuda.bindings.driver as cuda
@@ -72,7 +105,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
-from cutefa.kernels.sm90 import bwd_dq, bwd_dq_bulk, bwd_parts, bwd_pre_post, parts
+from cutefa.kernels.sm90 import bwd_dkv, bwd_dq, bwd_dq_bulk, bwd_parts, bwd_pre_post, parts
 from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_dqbulk"
@@ -99,6 +132,11 @@ CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the C
 ROW_WARPS = 4
 ROWS_PER_WARP = 4
 ROWS_PER_CTA = ROW_WARPS * ROWS_PER_WARP
+# Grouped-query heads: a key block's chunk of dK (then of dV) in dkv_accum, in words, and each
+# consumer's piece of it (64 keys x HEAD_DIM, fragment order); the accumulator shape of a piece.
+DKV_CHUNK = TILE_N * HEAD_DIM
+DKV_PIECE = parts.WG_ROWS * HEAD_DIM
+DKV_SHAPE = (parts.WG_ROWS, HEAD_DIM)
 
 
 def fake_arguments(spec, cutlass, cute):
@@ -121,12 +159,16 @@ def fake_arguments(spec, cutlass, cute):
     dq_accum = cute.runtime.make_fake_tensor(
         cutlass.Float32, (splits, batch, heads_q, cute.sym_int(symbol="mb"), chunk), accum_strides, assumed_align=16
     )
+    # every dim its own (the unused placeholder of heads_q = heads_kv is any 5-D fp32 tensor)
+    dkv_accum = cute.runtime.make_fake_tensor(
+        cutlass.Float32, tuple(cute.sym_int() for _ in range(5)),
+        tuple(cute.sym_int64(divisibility=4) for _ in range(4)) + (1,), assumed_align=16,
+    )  # fmt: skip
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     q, do, o, dq = (bshd(seqlen_q, heads_q) for _ in range(4))
-    k, v = bshd(seqlen_k, heads_kv), bshd(seqlen_k, heads_kv)
-    dk, dv = bshd(seqlen_k, heads_q), bshd(seqlen_k, heads_q)
+    k, v, dk, dv = (bshd(seqlen_k, heads_kv) for _ in range(4))
     return (
-        q, k, v, o, do, rows(), rows(), dq, dk, dv, dq_accum, rows(), rows(),
+        q, k, v, o, do, rows(), rows(), dq, dk, dv, dq_accum, dkv_accum, rows(), rows(),
         cutlass.Float32(1.0), cutlass.Int32(0), stream,
     )  # fmt: skip
 
@@ -134,7 +176,8 @@ def fake_arguments(spec, cutlass, cute):
 class Kernel:
     """Preprocess grid (ceil(seqlen_q / TILE_M) * TILE_M / ROWS_PER_CTA, heads_q, batch); main grid
     (ceil(seqlen_k / TILE_N) or splits, heads_q, batch), THREADS threads; postprocess grid
-    (ceil(seqlen_q / TILE_M), heads_q, batch), 128 threads."""
+    (ceil(seqlen_q / TILE_M), heads_q, batch), 128 threads; with grouped-query heads dkv_zero and
+    dkv_postprocess grids (ceil(seqlen_k / TILE_N), heads_kv, batch), 128 threads."""
 
     @cute.jit
     def __call__(
@@ -150,12 +193,15 @@ class Kernel:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mdKVaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
         softmax_scale: Float32,
         deterministic: Int32,
         stream: cuda.CUstream,
     ):
+        group = mQ.shape[2] // mK.shape[2]
+        kv_grid = (cute.ceil_div(mK.shape[1], TILE_N), cute.size(mK.shape[2]), cute.size(mK.shape[0]))
         row_grid = (cute.ceil_div(mQ.shape[1], ROWS_PER_CTA), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         # preprocess: whole query blocks of rows, so that its CTAs zero every chunk of dq_accum whole
         pre_grid = (
@@ -164,6 +210,9 @@ class Kernel:
         self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum).launch(
             grid=pre_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
         )
+        if group > 1:
+            # grouped-query heads: dkv_accum zeroed before the main kernel adds into it
+            self.dkv_zero(mdKVaccum).launch(grid=kv_grid, block=[parts.WG_THREADS, 1, 1], stream=stream)
 
         sK_layout, sKt_layout, sQ_layout, sQt_layout, sdS_layout = bwd_parts.smem_layouts(
             DTYPE, TILE_M, TILE_N, HEAD_DIM, STAGES
@@ -194,8 +243,8 @@ class Kernel:
         grid_x = n_blocks + deterministic * (splits - n_blocks)
         self.kernel(
             k_tma, gK_tma, v_tma, gV_tma, q_tma, gQ_tma, do_tma, gdO_tma, dk_tma, gdK_tma, dv_tma, gdV_tma,
-            mdQaccum, mLSE2, mDpsum, softmax_scale, softmax_scale * LOG2_E, deterministic,
-            mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
+            mdQaccum, mdKVaccum, mLSE2, mDpsum, softmax_scale, softmax_scale * LOG2_E, deterministic,
+            mQ.shape[1], mK.shape[1], group,
             sK_layout, sKt_layout, sQ_layout, sQt_layout, sdS_layout,
             bwd_parts.sdp_tiled_mma(DTYPE, TILE_M), bwd_parts.dkv_tiled_mma(DTYPE, HEAD_DIM),
             bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[0][2]), bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[1][2]), Storage,
@@ -215,6 +264,48 @@ class Kernel:
             grid=(cute.ceil_div(mQ.shape[1], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[0])),
             block=[parts.WG_THREADS, 1, 1], smem=PostStorage.size_in_bytes(), stream=stream,
         )  # fmt: skip
+
+        @cute.struct
+        class DkvStorage:
+            sTile: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(bwd_dkv.tile_layout(TILE_N, HEAD_DIM))], 128]
+
+        if group > 1:
+            # grouped-query heads: dK and dV from dkv_accum
+            self.dkv_postprocess(mdKVaccum, mdK, mdV, softmax_scale, bwd_parts.dkv_tiled_mma(DTYPE, HEAD_DIM), DkvStorage).launch(
+                grid=kv_grid, block=[parts.WG_THREADS, 1, 1], smem=DkvStorage.size_in_bytes(), stream=stream
+            )
+
+    @cute.kernel
+    def dkv_zero(self, mdKVaccum: cute.Tensor):
+        """Grouped-query heads: one key block's dK and dV chunks of dkv_accum zeroed per CTA, every
+        slot, 16-byte stores."""
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv, batch = cute.arch.block_idx()
+        bwd_dkv.zero_chunk(mdKVaccum, batch, kv, n_block, tidx, 2 * DKV_CHUNK, parts.WG_THREADS)
+
+    @cute.kernel
+    def dkv_postprocess(
+        self, mdKVaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale: Float32, dkv_mma: cute.TiledMma,
+        DkvStorage: cutlass.Constexpr,
+    ):
+        """Grouped-query heads: one key block per CTA, 128 threads: dK's chunk (each consumer's piece
+        read in its fragment order, coalesced, the slots summed in order, times the softmax scale)
+        gathered into an fp32 tile in shared memory, then converted and written to dK by rows
+        (coalesced); then dV's the same way (unscaled)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv, batch = cute.arch.block_idx()
+        storage = cutlass.utils.SmemAllocator().allocate(DkvStorage)
+        sTile = storage.sTile.get_tensor(bwd_dkv.tile_layout(TILE_N, HEAD_DIM))
+        for t in cutlass.range_constexpr(2):  # dK, then dV
+            tile_scale = scale if t == 0 else Float32(1.0)
+            for c in cutlass.range_constexpr(CONSUMERS):
+                bwd_dkv.gather_piece(
+                    dkv_mma, DKV_SHAPE, False, mdKVaccum, sTile, tile_scale, batch, kv, n_block, tidx,
+                    c * parts.WG_ROWS, 0, t * DKV_CHUNK + c * DKV_PIECE,
+                )  # fmt: skip
+            cute.arch.barrier()
+            bwd_dkv.store_tile(sTile, mdK if t == 0 else mdV, batch, kv, n_block, tidx, TILE_N, HEAD_DIM, parts.WG_THREADS)
+            cute.arch.barrier()
 
     @cute.kernel
     def preprocess(
@@ -272,6 +363,7 @@ class Kernel:
         dv_tma: cute.CopyAtom,
         gdV_tma: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mdKVaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
         softmax_scale: Float32,
@@ -358,20 +450,23 @@ class Kernel:
                     m_begin = 0
                     kv_handle = kv_producer.acquire_and_advance()
                     if it > 0:
-                        # The consumers staged the previous key block's dK/dV in the K/V buffers.
-                        bwd_parts.store_kv_tiles(dk_tma, gdK_tma, sK, dv_tma, gdV_tma, sV, head, batch, n_block - grid_x, TILE_N, HEAD_DIM)
+                        if group == 1:
+                            # The consumers staged the previous key block's dK/dV in the K/V buffers
+                            # (one query head per kv head: head is the kv head).
+                            bwd_parts.store_kv_tiles(dk_tma, gdK_tma, sK, dv_tma, gdV_tma, sV, head, batch, n_block - grid_x, TILE_N, HEAD_DIM)
                     cute.copy(k_tma, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=kv_handle.barrier)
                     cute.copy(v_tma, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=kv_handle.barrier)
                     for m_block in cutlass.range(m_begin, m_blocks, unroll=1):
                         handle = qdo_producer.acquire_and_advance()
                         cute.copy(q_tma, tQgQ[None, m_block], tQsQ[None, handle.index], tma_bar_ptr=handle.barrier)
                         cute.copy(do_tma, tdOgdO[None, m_block], tdOsdO[None, handle.index], tma_bar_ptr=handle.barrier)
-                if my_blocks > 0:
-                    # The last key block's dK/dV, once the consumers have staged them.
-                    kv_producer.acquire_and_advance()
-                    bwd_parts.store_kv_tiles(
-                        dk_tma, gdK_tma, sK, dv_tma, gdV_tma, sV, head, batch, bx + (my_blocks - 1) * grid_x, TILE_N, HEAD_DIM
-                    )
+                if group == 1:
+                    if my_blocks > 0:
+                        # The last key block's dK/dV, once the consumers have staged them.
+                        kv_producer.acquire_and_advance()
+                        bwd_parts.store_kv_tiles(
+                            dk_tma, gdK_tma, sK, dv_tma, gdV_tma, sV, head, batch, bx + (my_blocks - 1) * grid_x, TILE_N, HEAD_DIM
+                        )
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
             m_blocks = cute.ceil_div(seqlen_q, TILE_M)
@@ -509,24 +604,33 @@ class Kernel:
                             dq_mma1, *dq1, buf, handle, sdQ_addr1, (g_chunk + DQ_OFFSETS[1]).toint(), wtid, DQ_BULK_BARRIER + 1
                         )
 
-                # dK (times the softmax scale) and dV of this warpgroup's keys -> global, through
-                # the K and V buffers once both consumers' last GEMMs have read them (dQ reads all of
-                # K): the producer warp, which waits for this release, stores each buffer with one
-                # TMA store (rows past seqlen_k are clipped) before it loads the next key block.
-                rdK = cute.make_rmem_tensor_like(acc_dK, DTYPE)
-                rdK.store((acc_dK.load() * softmax_scale).to(DTYPE))
-                rdV = cute.make_rmem_tensor_like(acc_dV, DTYPE)
-                rdV.store(acc_dV.load().to(DTYPE))
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-                # (this warpgroup's 64 rows of the K and V buffers, by stmatrix)
-                r2s_kv = cute.make_tiled_copy_C(parts.o_store_atom(DTYPE), dkv_mma)
-                r2s_kv_thr = r2s_kv.get_slice(wtid)
-                tdKs = r2s_kv_thr.partition_D(cute.local_tile(sK[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0)))
-                tdVs = r2s_kv_thr.partition_D(cute.local_tile(sV[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0)))
-                cute.copy(r2s_kv, r2s_kv_thr.retile(rdK), tdKs)
-                cute.copy(r2s_kv, r2s_kv_thr.retile(rdV), tdVs)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                kv_handle.release()
+                if group == 1:
+                    # dK (times the softmax scale) and dV of this warpgroup's keys -> global, through
+                    # the K and V buffers once both consumers' last GEMMs have read them (dQ reads all
+                    # of K): the producer warp, which waits for this release, stores each buffer with
+                    # one TMA store (rows past seqlen_k are clipped) before it loads the next key block.
+                    rdK = cute.make_rmem_tensor_like(acc_dK, DTYPE)
+                    rdK.store((acc_dK.load() * softmax_scale).to(DTYPE))
+                    rdV = cute.make_rmem_tensor_like(acc_dV, DTYPE)
+                    rdV.store(acc_dV.load().to(DTYPE))
+                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+                    # (this warpgroup's 64 rows of the K and V buffers, by stmatrix)
+                    r2s_kv = cute.make_tiled_copy_C(parts.o_store_atom(DTYPE), dkv_mma)
+                    r2s_kv_thr = r2s_kv.get_slice(wtid)
+                    tdKs = r2s_kv_thr.partition_D(cute.local_tile(sK[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0)))
+                    tdVs = r2s_kv_thr.partition_D(cute.local_tile(sV[None, None, 0], (parts.WG_ROWS, HEAD_DIM), (c, 0)))
+                    cute.copy(r2s_kv, r2s_kv_thr.retile(rdK), tdKs)
+                    cute.copy(r2s_kv, r2s_kv_thr.retile(rdV), tdVs)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    kv_handle.release()
+                else:
+                    # Grouped-query heads: this warpgroup's fp32 dK and dV pieces added into the kv
+                    # head's chunks of dkv_accum (slot: the head's index in its group, deterministic
+                    # only) from registers; K/V's buffers go back at once (its GEMMs are done).
+                    kv_handle.release()
+                    g_dkv = bwd_dkv.chunk_base(mdKVaccum, group, n_block, deterministic, CAUSAL)
+                    bwd_dkv.red_add_piece(acc_dK, g_dkv + c * DKV_PIECE, wtid)
+                    bwd_dkv.red_add_piece(acc_dV, g_dkv + (DKV_CHUNK + c * DKV_PIECE), wtid)
 
             # The last bulk copies complete before the CTA (and its shared memory) goes away.
             if wtid == 0:

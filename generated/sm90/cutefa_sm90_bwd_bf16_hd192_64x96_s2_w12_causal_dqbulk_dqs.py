@@ -11,15 +11,20 @@ Calling convention: the sm80 backward's (``Kernel.__call__``; :func:`fake_argume
     lse, dlse     (batch, heads_q, seqlen_q)             float32: the forward's natural-log LSE
                                                          and its incoming gradient (zeros if none)
     dq            (batch, seqlen_q, heads_q, head_dim)   input dtype, written
-    dk, dv        (batch, seqlen_k, heads_q, head_dim)   input dtype, written, one slice per QUERY
-                                                         head (the caller sums a KV head's group)
+    dk, dv        (batch, seqlen_k, heads_kv, head_dim)  input dtype, written (a kv head's group of
+                                                         heads_q / heads_kv query heads summed)
     dq_accum      (splits, batch, heads_q, ceil(seqlen_q / 64), 64 * head_dim)  float32 workspace,
                   zeroed by the preprocess: one chunk per query block in WGMMA fragment order (below)
+    dkv_accum     (slots, batch, heads_kv, ceil(seqlen_k / 96), 2 * 96 * head_dim)  float32 workspace
+                  of grouped-query heads (heads_q > heads_kv; slots = heads_q / heads_kv when
+                  deterministic, else 1), left uninitialized; with heads_q = heads_kv unused (any
+                  16-byte aligned 5-D float32 tensor: the caller passes dq_accum)
     lse_log2, dpsum  (batch, heads_q, seqlen_q)          float32 workspaces
     softmax_scale float; deterministic int (0 or 1); the stream is the caller's current one
 
 Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units, dq_accum
-zeroed: whole chunks, 16-byte stores), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
+zeroed: whole chunks, 16-byte stores), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum);
+with grouped-query heads two more (below): dkv_zero before the main kernel, dkv_postprocess after it.
 
 Main kernel: a CTA owns 96 keys of one (batch, query head). Warpgroup 0 is the producer: one
 warp issues the TMA loads of K and V (once per key block, one-stage pipeline) and of Q and dO (per
@@ -76,6 +81,18 @@ short CTAs.
 deterministic=1: CTA x of the grid (x < splits) walks the key blocks x, x + splits, ... and owns
 dq_accum split x alone; every dq_accum element is added by one thread in a fixed order, and the
 postprocess sums the splits in order: bitwise-reproducible gradients.
+
+Grouped-query heads (g = heads_q / heads_kv > 1; cutefa/kernels/sm90/bwd_dkv.py, the reasoning in
+templates/bwd_sm90.py.j2): a kv head's dK and dV are summed over its g query heads in fp32 inside
+the kernel and written once. The grid stays one CTA per (key block, query head): at the end of a
+key block each consumer adds its fp32 dK and dV pieces (head_dim x 48 keys: dK^T, dV^T; unscaled) into
+the kv head's chunk of dkv_accum straight from its registers, value 4j + e of thread t at word
+4 (128 j + t) + e of its piece (one 16-byte red.global.add.v4.f32 per 4 values), and stores
+nothing else; dkv_zero (one CTA per key block, kv head and batch) zeroes dkv_accum before, and
+dkv_postprocess (the same grid) sums the slots in order, scales dK, converts and writes dK and dV
+(rows past seqlen_k skipped). With g = 1 none of this runs and dkv_accum is not touched.
+deterministic=1: dkv_accum has g slots and query head h of a group adds into slot h % g alone (one
+add on zero per word), and dkv_postprocess sums the slots in order: bitwise-reproducible dK and dV.
 """
 
 import cuda.bindings.driver as cuda
@@ -87,7 +104,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
-from cutefa.kernels.sm90 import bwd_dq, bwd_dq_bulk, bwd_parts, bwd_pre_post, bwd_swap, parts
+from cutefa.kernels.sm90 import bwd_dkv, bwd_dq, bwd_dq_bulk, bwd_parts, bwd_pre_post, bwd_swap, parts
 from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_bf16_hd192_64x96_s2_w12_causal_dqbulk_dqs"
@@ -115,6 +132,11 @@ WG_BARRIER = 2  # named barriers 2 and 3: consumer 0's and consumer 1's 128 thre
 ROW_WARPS = 4
 ROWS_PER_WARP = 4
 ROWS_PER_CTA = ROW_WARPS * ROWS_PER_WARP
+# Grouped-query heads: a key block's chunk of dK (then of dV) in dkv_accum, in words, and each
+# consumer's piece of it (dK^T of its KEYS_WG keys, HEAD_DIM x KEYS_WG, fragment order); its shape.
+DKV_CHUNK = TILE_N * HEAD_DIM
+DKV_PIECE = HEAD_DIM * KEYS_WG
+DKV_SHAPE = (HEAD_DIM, KEYS_WG)
 
 
 def fake_arguments(spec, cutlass, cute):
@@ -137,12 +159,16 @@ def fake_arguments(spec, cutlass, cute):
     dq_accum = cute.runtime.make_fake_tensor(
         cutlass.Float32, (splits, batch, heads_q, cute.sym_int(symbol="mb"), chunk), accum_strides, assumed_align=16
     )
+    # every dim its own (the unused placeholder of heads_q = heads_kv is any 5-D fp32 tensor)
+    dkv_accum = cute.runtime.make_fake_tensor(
+        cutlass.Float32, tuple(cute.sym_int() for _ in range(5)),
+        tuple(cute.sym_int64(divisibility=4) for _ in range(4)) + (1,), assumed_align=16,
+    )  # fmt: skip
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     q, do, o, dq = (bshd(seqlen_q, heads_q) for _ in range(4))
-    k, v = bshd(seqlen_k, heads_kv), bshd(seqlen_k, heads_kv)
-    dk, dv = bshd(seqlen_k, heads_q), bshd(seqlen_k, heads_q)
+    k, v, dk, dv = (bshd(seqlen_k, heads_kv) for _ in range(4))
     return (
-        q, k, v, o, do, rows(), rows(), dq, dk, dv, dq_accum, rows(), rows(),
+        q, k, v, o, do, rows(), rows(), dq, dk, dv, dq_accum, dkv_accum, rows(), rows(),
         cutlass.Float32(1.0), cutlass.Int32(0), stream,
     )  # fmt: skip
 
@@ -150,7 +176,8 @@ def fake_arguments(spec, cutlass, cute):
 class Kernel:
     """Preprocess grid (ceil(seqlen_q / TILE_M) * TILE_M / ROWS_PER_CTA, heads_q, batch); main grid
     (ceil(seqlen_k / TILE_N) or splits, heads_q, batch), THREADS threads; postprocess grid
-    (ceil(seqlen_q / TILE_M), heads_q, batch), 128 threads."""
+    (ceil(seqlen_q / TILE_M), heads_q, batch), 128 threads; with grouped-query heads dkv_zero and
+    dkv_postprocess grids (ceil(seqlen_k / TILE_N), heads_kv, batch), 128 threads."""
 
     @cute.jit
     def __call__(
@@ -166,12 +193,15 @@ class Kernel:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mdKVaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
         softmax_scale: Float32,
         deterministic: Int32,
         stream: cuda.CUstream,
     ):
+        group = mQ.shape[2] // mK.shape[2]
+        kv_grid = (cute.ceil_div(mK.shape[1], TILE_N), cute.size(mK.shape[2]), cute.size(mK.shape[0]))
         row_grid = (cute.ceil_div(mQ.shape[1], ROWS_PER_CTA), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         # preprocess: whole query blocks of rows, so that its CTAs zero every chunk of dq_accum whole
         pre_grid = (
@@ -180,6 +210,9 @@ class Kernel:
         self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum).launch(
             grid=pre_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
         )
+        if group > 1:
+            # grouped-query heads: dkv_accum zeroed before the main kernel adds into it
+            self.dkv_zero(mdKVaccum).launch(grid=kv_grid, block=[parts.WG_THREADS, 1, 1], stream=stream)
 
         sK_layout, sKt_layout, sQ_layout, sQt_layout, sP_layout, sPt_layout = bwd_swap.swap_smem_layouts(
             DTYPE, TILE_M, TILE_N, HEAD_DIM, STAGES
@@ -215,8 +248,8 @@ class Kernel:
         self.kernel(
             k_tma, gK_tma, v_tma, gV_tma, q_tma, gQ_tma, do_tma, gdO_tma,
             dk_tma, gdK_tma, dv_tma, gdV_tma,
-            mdK, mdV, mdQaccum, mLSE2, mDpsum, softmax_scale, softmax_scale * LOG2_E, deterministic,
-            mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
+            mdK, mdV, mdQaccum, mdKVaccum, mLSE2, mDpsum, softmax_scale, softmax_scale * LOG2_E, deterministic,
+            mQ.shape[1], mK.shape[1], group,
             sK_layout, sKt_layout, sQ_layout, sQt_layout, sP_layout, sPt_layout,
             sdO_layout, sdOt_layout,
             parts.qk_tiled_mma(DTYPE, KEYS_WG), bwd_swap.swap_dkv_tiled_mma(DTYPE, KEYS_WG),
@@ -235,6 +268,48 @@ class Kernel:
             grid=(cute.ceil_div(mQ.shape[1], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[0])),
             block=[parts.WG_THREADS, 1, 1], smem=PostStorage.size_in_bytes(), stream=stream,
         )  # fmt: skip
+
+        @cute.struct
+        class DkvStorage:
+            sTile: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(bwd_dkv.tile_layout(TILE_N, HEAD_DIM))], 128]
+
+        if group > 1:
+            # grouped-query heads: dK and dV from dkv_accum
+            self.dkv_postprocess(mdKVaccum, mdK, mdV, softmax_scale, bwd_swap.swap_dkv_tiled_mma(DTYPE, KEYS_WG), DkvStorage).launch(
+                grid=kv_grid, block=[parts.WG_THREADS, 1, 1], smem=DkvStorage.size_in_bytes(), stream=stream
+            )
+
+    @cute.kernel
+    def dkv_zero(self, mdKVaccum: cute.Tensor):
+        """Grouped-query heads: one key block's dK and dV chunks of dkv_accum zeroed per CTA, every
+        slot, 16-byte stores."""
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv, batch = cute.arch.block_idx()
+        bwd_dkv.zero_chunk(mdKVaccum, batch, kv, n_block, tidx, 2 * DKV_CHUNK, parts.WG_THREADS)
+
+    @cute.kernel
+    def dkv_postprocess(
+        self, mdKVaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale: Float32, dkv_mma: cute.TiledMma,
+        DkvStorage: cutlass.Constexpr,
+    ):
+        """Grouped-query heads: one key block per CTA, 128 threads: dK's chunk (each consumer's piece
+        read in its (transposed) fragment order, coalesced, the slots summed in order, times the softmax scale)
+        gathered into an fp32 tile in shared memory, then converted and written to dK by rows
+        (coalesced); then dV's the same way (unscaled)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv, batch = cute.arch.block_idx()
+        storage = cutlass.utils.SmemAllocator().allocate(DkvStorage)
+        sTile = storage.sTile.get_tensor(bwd_dkv.tile_layout(TILE_N, HEAD_DIM))
+        for t in cutlass.range_constexpr(2):  # dK, then dV
+            tile_scale = scale if t == 0 else Float32(1.0)
+            for c in cutlass.range_constexpr(CONSUMERS):
+                bwd_dkv.gather_piece(
+                    dkv_mma, DKV_SHAPE, True, mdKVaccum, sTile, tile_scale, batch, kv, n_block, tidx, c * KEYS_WG, 0,
+                    t * DKV_CHUNK + c * DKV_PIECE,
+                )  # fmt: skip
+            cute.arch.barrier()
+            bwd_dkv.store_tile(sTile, mdK if t == 0 else mdV, batch, kv, n_block, tidx, TILE_N, HEAD_DIM, parts.WG_THREADS)
+            cute.arch.barrier()
 
     @cute.kernel
     def preprocess(
@@ -294,6 +369,7 @@ class Kernel:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mdKVaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
         softmax_scale: Float32,
@@ -434,7 +510,8 @@ class Kernel:
 
             # dK^T/dV^T -> shared memory at the end of a key block: stmatrix with transpose into this
             # warpgroup's keys of K's and V's bytes (head-dim contiguous, K's swizzled layout), then
-            # one TMA store of the TILE_N x HEAD_DIM tile each.
+            # one TMA store of the TILE_N x HEAD_DIM tile each (group == 1 only, where the query head
+            # is the kv head).
             kv_r2s = cute.make_tiled_copy_C(bwd_swap.dkv_store_atom(DTYPE), dkv_mma)
             kv_r2s_thr = kv_r2s.get_slice(wtid)
             sVt = bwd_parts.same_bytes(sV, sKt_layout)
@@ -542,27 +619,37 @@ class Kernel:
                     warpgroup.wait_group(0)  # dK^T done
                     q_handle.release()
 
-                # dK (times the softmax scale) and dV -> global through K's and V's shared memory,
-                # free once both consumers' last S, dP and dQ are done (barrier); the stores are
-                # fenced to the async proxy and met at a barrier, consumer 0's first warp issues the
-                # two TMA stores and waits until they have read shared memory, and only then (a
-                # barrier) does the producer get K/V's buffers back for the next key block.
-                rdK = cute.make_rmem_tensor_like(acc_dK, DTYPE)
-                rdK.store((acc_dK.load() * softmax_scale).to(DTYPE))
-                rdV = cute.make_rmem_tensor_like(acc_dV, DTYPE)
-                rdV.store(acc_dV.load().to(DTYPE))
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-                cute.copy(kv_r2s, kv_r2s_thr.retile(rdK), tdKsK)
-                cute.copy(kv_r2s, kv_r2s_thr.retile(rdV), tdVsV)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-                if ctid // 32 == 0:
-                    cute.copy(dk_tma, tdKsdK[None, 0], tdKgdK[None, n_block])
-                    cute.copy(dv_tma, tdVsdV[None, 0], tdVgdV[None, n_block])
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
-                kv_handle.release()
+                if group == 1:
+                    # dK (times the softmax scale) and dV -> global through K's and V's shared memory,
+                    # free once both consumers' last S, dP and dQ are done (barrier); the stores are
+                    # fenced to the async proxy and met at a barrier, consumer 0's first warp issues
+                    # the two TMA stores and waits until they have read shared memory, and only then
+                    # (a barrier) does the producer get K/V's buffers back for the next key block.
+                    rdK = cute.make_rmem_tensor_like(acc_dK, DTYPE)
+                    rdK.store((acc_dK.load() * softmax_scale).to(DTYPE))
+                    rdV = cute.make_rmem_tensor_like(acc_dV, DTYPE)
+                    rdV.store(acc_dV.load().to(DTYPE))
+                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+                    cute.copy(kv_r2s, kv_r2s_thr.retile(rdK), tdKsK)
+                    cute.copy(kv_r2s, kv_r2s_thr.retile(rdV), tdVsV)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+                    if ctid // 32 == 0:
+                        cute.copy(dk_tma, tdKsdK[None, 0], tdKgdK[None, n_block])
+                        cute.copy(dv_tma, tdVsdV[None, 0], tdVgdV[None, n_block])
+                        cute.arch.cp_async_bulk_commit_group()
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=CONSUMER_THREADS)
+                    kv_handle.release()
+                else:
+                    # Grouped-query heads: this warpgroup's fp32 dK^T and dV^T pieces added into the
+                    # kv head's chunks of dkv_accum (slot: the head's index in its group,
+                    # deterministic only) from registers; K/V's buffers go back at once (its GEMMs
+                    # are done: dQ reads all of K, but the pipeline waits for both consumers).
+                    kv_handle.release()
+                    g_dkv = bwd_dkv.chunk_base(mdKVaccum, group, n_block, deterministic, True)  # launch order as above
+                    bwd_dkv.red_add_piece(acc_dK, g_dkv + c * DKV_PIECE, wtid)
+                    bwd_dkv.red_add_piece(acc_dV, g_dkv + (DKV_CHUNK + c * DKV_PIECE), wtid)
 
             # The last bulk copies complete before the CTA (and its shared memory) goes away.
             if wtid == 0:

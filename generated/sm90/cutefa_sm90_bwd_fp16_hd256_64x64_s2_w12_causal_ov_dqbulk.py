@@ -11,15 +11,20 @@ Calling convention: the sm80 backward's (``Kernel.__call__``; :func:`fake_argume
     lse, dlse     (batch, heads_q, seqlen_q)             float32: the forward's natural-log LSE
                                                          and its incoming gradient (zeros if none)
     dq            (batch, seqlen_q, heads_q, head_dim)   input dtype, written
-    dk, dv        (batch, seqlen_k, heads_q, head_dim)   input dtype, written, one slice per QUERY
-                                                         head (the caller sums a KV head's group)
+    dk, dv        (batch, seqlen_k, heads_kv, head_dim)  input dtype, written (a kv head's group of
+                                                         heads_q / heads_kv query heads summed)
     dq_accum      (splits, batch, heads_q, ceil(seqlen_q / 64), 64 * head_dim)  float32 workspace,
                   zeroed by the preprocess: one chunk per query block in WGMMA fragment order (below)
+    dkv_accum     (slots, batch, heads_kv, ceil(seqlen_k / 64), 2 * 64 * head_dim)  float32 workspace
+                  of grouped-query heads (heads_q > heads_kv; slots = heads_q / heads_kv when
+                  deterministic, else 1), left uninitialized; with heads_q = heads_kv unused (any
+                  16-byte aligned 5-D float32 tensor: the caller passes dq_accum)
     lse_log2, dpsum  (batch, heads_q, seqlen_q)          float32 workspaces
     softmax_scale float; deterministic int (0 or 1); the stream is the caller's current one
 
 Three launches on one stream: preprocess (D = rowsum(dO * O) - dLSE, LSE in log2 units, dq_accum
-zeroed: whole chunks, 16-byte stores), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum).
+zeroed: whole chunks, 16-byte stores), the main kernel, postprocess (dq = softmax_scale * sum over splits of dq_accum); with
+grouped-query heads two more (below): dkv_zero before the main kernel, dkv_postprocess after it.
 
 Main kernel: a CTA owns 64 keys of one (batch, query head). Warpgroup 0 is the producer: one
 warp issues the TMA loads of K and V (once per key block, one-stage pipeline) and of Q and dO (per
@@ -71,6 +76,18 @@ short CTAs.
 deterministic=1: CTA x of the grid (x < splits) walks the key blocks x, x + splits, ... and owns
 dq_accum split x alone; every dq_accum element is added by one thread in a fixed order, and the
 postprocess sums the splits in order: bitwise-reproducible gradients.
+
+Grouped-query heads (g = heads_q / heads_kv > 1; cutefa/kernels/sm90/bwd_dkv.py, the reasoning in
+templates/bwd_sm90.py.j2): a kv head's dK and dV are summed over its g query heads in fp32 inside
+the kernel and written once. The grid stays one CTA per (key block, query head): at the end of a
+key block each consumer adds its fp32 dK and dV pieces (64 keys x head_dim / 2, its columns; unscaled) into
+the kv head's chunk of dkv_accum straight from its registers, value 4j + e of thread t at word
+4 (128 j + t) + e of its piece (one 16-byte red.global.add.v4.f32 per 4 values), and stores
+nothing else; dkv_zero (one CTA per key block, kv head and batch) zeroes dkv_accum before, and
+dkv_postprocess (the same grid) sums the slots in order, scales dK, converts and writes dK and dV
+(rows past seqlen_k skipped). With g = 1 none of this runs and dkv_accum is not touched.
+deterministic=1: dkv_accum has g slots and query head h of a group adds into slot h % g alone (one
+add on zero per word), and dkv_postprocess sums the slots in order: bitwise-reproducible dK and dV.
 """
 
 import cuda.bindings.driver as cuda
@@ -82,7 +99,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
-from cutefa.kernels.sm90 import bwd_dq_bulk, bwd_parts, bwd_pre_post, parts
+from cutefa.kernels.sm90 import bwd_dkv, bwd_dq_bulk, bwd_parts, bwd_pre_post, parts
 from cutefa.kernels.sm90.descriptors import hoisted
 
 SPEC_NAME = "cutefa_sm90_bwd_fp16_hd256_64x64_s2_w12_causal_ov_dqbulk"
@@ -110,6 +127,11 @@ CONSUMER_BARRIER = 1  # named barrier of the two consumer warpgroups (0 is the C
 ROW_WARPS = 4
 ROWS_PER_WARP = 4
 ROWS_PER_CTA = ROW_WARPS * ROWS_PER_WARP
+# Grouped-query heads: a key block's chunk of dK (then of dV) in dkv_accum, in words, and each
+# consumer's piece of it (all TILE_N keys x its HALF_D columns, fragment order); a piece's shape.
+DKV_CHUNK = TILE_N * HEAD_DIM
+DKV_PIECE = TILE_N * HALF_D
+DKV_SHAPE = (TILE_N, HALF_D)
 
 
 def fake_arguments(spec, cutlass, cute):
@@ -132,12 +154,16 @@ def fake_arguments(spec, cutlass, cute):
     dq_accum = cute.runtime.make_fake_tensor(
         cutlass.Float32, (splits, batch, heads_q, cute.sym_int(symbol="mb"), chunk), accum_strides, assumed_align=16
     )
+    # every dim its own (the unused placeholder of heads_q = heads_kv is any 5-D fp32 tensor)
+    dkv_accum = cute.runtime.make_fake_tensor(
+        cutlass.Float32, tuple(cute.sym_int() for _ in range(5)),
+        tuple(cute.sym_int64(divisibility=4) for _ in range(4)) + (1,), assumed_align=16,
+    )  # fmt: skip
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     q, do, o, dq = (bshd(seqlen_q, heads_q) for _ in range(4))
-    k, v = bshd(seqlen_k, heads_kv), bshd(seqlen_k, heads_kv)
-    dk, dv = bshd(seqlen_k, heads_q), bshd(seqlen_k, heads_q)
+    k, v, dk, dv = (bshd(seqlen_k, heads_kv) for _ in range(4))
     return (
-        q, k, v, o, do, rows(), rows(), dq, dk, dv, dq_accum, rows(), rows(),
+        q, k, v, o, do, rows(), rows(), dq, dk, dv, dq_accum, dkv_accum, rows(), rows(),
         cutlass.Float32(1.0), cutlass.Int32(0), stream,
     )  # fmt: skip
 
@@ -145,7 +171,8 @@ def fake_arguments(spec, cutlass, cute):
 class Kernel:
     """Preprocess grid (ceil(seqlen_q / TILE_M) * TILE_M / ROWS_PER_CTA, heads_q, batch); main grid
     (ceil(seqlen_k / TILE_N) or splits, heads_q, batch), THREADS threads; postprocess grid
-    (ceil(seqlen_q / TILE_M), heads_q, batch), 128 threads."""
+    (ceil(seqlen_q / TILE_M), heads_q, batch), 128 threads; with grouped-query heads dkv_zero and
+    dkv_postprocess grids (ceil(seqlen_k / TILE_N), heads_kv, batch), 128 threads."""
 
     @cute.jit
     def __call__(
@@ -161,12 +188,15 @@ class Kernel:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mdKVaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
         softmax_scale: Float32,
         deterministic: Int32,
         stream: cuda.CUstream,
     ):
+        group = mQ.shape[2] // mK.shape[2]
+        kv_grid = (cute.ceil_div(mK.shape[1], TILE_N), cute.size(mK.shape[2]), cute.size(mK.shape[0]))
         row_grid = (cute.ceil_div(mQ.shape[1], ROWS_PER_CTA), cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         # preprocess: whole query blocks of rows, so that its CTAs zero every chunk of dq_accum whole
         pre_grid = (
@@ -175,6 +205,9 @@ class Kernel:
         self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDpsum, mdQaccum).launch(
             grid=pre_grid, block=[ROW_WARPS * 32, 1, 1], stream=stream
         )
+        if group > 1:
+            # grouped-query heads: dkv_accum zeroed before the main kernel adds into it
+            self.dkv_zero(mdKVaccum).launch(grid=kv_grid, block=[parts.WG_THREADS, 1, 1], stream=stream)
 
         sK_layout, sKt_layout, sQ_layout, sQt_layout, sdS_layout, sdSt_layout = bwd_parts.split_smem_layouts(
             DTYPE, TILE_M, TILE_N, HEAD_DIM, STAGES
@@ -203,8 +236,8 @@ class Kernel:
         grid_x = n_blocks + deterministic * (splits - n_blocks)
         self.kernel(
             k_tma, gK_tma, v_tma, gV_tma, q_tma, gQ_tma, do_tma, gdO_tma,
-            mdK, mdV, mdQaccum, mLSE2, mDpsum, softmax_scale, softmax_scale * LOG2_E, deterministic,
-            mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
+            mdK, mdV, mdQaccum, mdKVaccum, mLSE2, mDpsum, softmax_scale, softmax_scale * LOG2_E, deterministic,
+            mQ.shape[1], mK.shape[1], group,
             sK_layout, sKt_layout, sQ_layout, sQt_layout, sdS_layout, sdSt_layout,
             bwd_parts.sdp_tiled_mma(DTYPE, HALF_M), bwd_parts.split_dkv_tiled_mma(DTYPE, HALF_D),
             bwd_parts.dq_tiled_mma(DTYPE, HALF_D), bwd_parts.dkv_tiled_mma(DTYPE, HALF_D), Storage,
@@ -221,6 +254,48 @@ class Kernel:
             grid=(cute.ceil_div(mQ.shape[1], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[0])),
             block=[parts.WG_THREADS, 1, 1], smem=PostStorage.size_in_bytes(), stream=stream,
         )  # fmt: skip
+
+        @cute.struct
+        class DkvStorage:
+            sTile: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(bwd_dkv.tile_layout(TILE_N, HEAD_DIM))], 128]
+
+        if group > 1:
+            # grouped-query heads: dK and dV from dkv_accum
+            self.dkv_postprocess(mdKVaccum, mdK, mdV, softmax_scale, bwd_parts.split_dkv_tiled_mma(DTYPE, HALF_D), DkvStorage).launch(
+                grid=kv_grid, block=[parts.WG_THREADS, 1, 1], smem=DkvStorage.size_in_bytes(), stream=stream
+            )
+
+    @cute.kernel
+    def dkv_zero(self, mdKVaccum: cute.Tensor):
+        """Grouped-query heads: one key block's dK and dV chunks of dkv_accum zeroed per CTA, every
+        slot, 16-byte stores."""
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv, batch = cute.arch.block_idx()
+        bwd_dkv.zero_chunk(mdKVaccum, batch, kv, n_block, tidx, 2 * DKV_CHUNK, parts.WG_THREADS)
+
+    @cute.kernel
+    def dkv_postprocess(
+        self, mdKVaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale: Float32, dkv_mma: cute.TiledMma,
+        DkvStorage: cutlass.Constexpr,
+    ):
+        """Grouped-query heads: one key block per CTA, 128 threads: dK's chunk (each consumer's piece
+        read in its fragment order, coalesced, the slots summed in order, times the softmax scale)
+        gathered into an fp32 tile in shared memory, then converted and written to dK by rows
+        (coalesced); then dV's the same way (unscaled)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv, batch = cute.arch.block_idx()
+        storage = cutlass.utils.SmemAllocator().allocate(DkvStorage)
+        sTile = storage.sTile.get_tensor(bwd_dkv.tile_layout(TILE_N, HEAD_DIM))
+        for t in cutlass.range_constexpr(2):  # dK, then dV
+            tile_scale = scale if t == 0 else Float32(1.0)
+            for c in cutlass.range_constexpr(CONSUMERS):
+                bwd_dkv.gather_piece(
+                    dkv_mma, DKV_SHAPE, False, mdKVaccum, sTile, tile_scale, batch, kv, n_block, tidx, 0, c * HALF_D,
+                    t * DKV_CHUNK + c * DKV_PIECE,
+                )  # fmt: skip
+            cute.arch.barrier()
+            bwd_dkv.store_tile(sTile, mdK if t == 0 else mdV, batch, kv, n_block, tidx, TILE_N, HEAD_DIM, parts.WG_THREADS)
+            cute.arch.barrier()
 
     @cute.kernel
     def preprocess(
@@ -275,6 +350,7 @@ class Kernel:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mdQaccum: cute.Tensor,
+        mdKVaccum: cute.Tensor,
         mLSE2: cute.Tensor,
         mDpsum: cute.Tensor,
         softmax_scale: Float32,
@@ -418,7 +494,8 @@ class Kernel:
             sQ_flat = storage.sQ.get_tensor(cute.make_layout(STAGES * TILE_M * HEAD_DIM))
             sdO_flat = storage.sdO.get_tensor(cute.make_layout(STAGES * TILE_M * HEAD_DIM))
             gdQchunks = mdQaccum[bx * deterministic, batch, head, None, None]
-            # dK/dV destinations: this consumer's columns, by key block.
+            # dK/dV destinations (group == 1, where the query head is the kv head): this consumer's
+            # columns, by key block.
             tdKg = dkv_thr.partition_C(cute.local_tile(mdK[batch, None, head, None], (TILE_N, HALF_D), (None, c)))
             tdVg = dkv_thr.partition_C(cute.local_tile(mdV[batch, None, head, None], (TILE_N, HALF_D), (None, c)))
             tKVc = dkv_thr.partition_C(cute.make_identity_tensor((TILE_N, HALF_D)))
@@ -533,13 +610,21 @@ class Kernel:
                     handle.release()  # Q and dO of this stage are read (S^T, dP^T, dV, dK done)
                 kv_handle.release()
 
-                # dK (times the softmax scale) and dV of this consumer's columns -> global.
-                rdK = cute.make_rmem_tensor_like(acc_dK, DTYPE)
-                rdK.store((acc_dK.load() * softmax_scale).to(DTYPE))
-                rdV = cute.make_rmem_tensor_like(acc_dV, DTYPE)
-                rdV.store(acc_dV.load().to(DTYPE))
-                bwd_parts.store_rows(rdK, tKVc, tdKg[None, None, None, n_block], seqlen_k - key0)
-                bwd_parts.store_rows(rdV, tKVc, tdVg[None, None, None, n_block], seqlen_k - key0)
+                if group == 1:
+                    # dK (times the softmax scale) and dV of this consumer's columns -> global.
+                    rdK = cute.make_rmem_tensor_like(acc_dK, DTYPE)
+                    rdK.store((acc_dK.load() * softmax_scale).to(DTYPE))
+                    rdV = cute.make_rmem_tensor_like(acc_dV, DTYPE)
+                    rdV.store(acc_dV.load().to(DTYPE))
+                    bwd_parts.store_rows(rdK, tKVc, tdKg[None, None, None, n_block], seqlen_k - key0)
+                    bwd_parts.store_rows(rdV, tKVc, tdVg[None, None, None, n_block], seqlen_k - key0)
+                else:
+                    # Grouped-query heads: this consumer's fp32 dK and dV pieces added into the kv
+                    # head's chunks of dkv_accum (slot: the head's index in its group, deterministic
+                    # only) from registers.
+                    g_dkv = bwd_dkv.chunk_base(mdKVaccum, group, n_block, deterministic, CAUSAL)
+                    bwd_dkv.red_add_piece(acc_dK, g_dkv + c * DKV_PIECE, wtid)
+                    bwd_dkv.red_add_piece(acc_dV, g_dkv + (DKV_CHUNK + c * DKV_PIECE), wtid)
 
             # The last bulk copies complete before the CTA (and its shared memory) goes away.
             if wtid == 0:

@@ -69,33 +69,9 @@ SHAPES = COMMON_SHAPES + ((2, 333, 257, 6, 2), (1, 128, 4097, 8, 1))
 
 
 def run_kernel(kernel, spec, q, k, v, out, lse, dout, *, deterministic=False):
-    """dq, dk, dv from one variant, allocated and reduced like cutefa/backward.py does."""
-    from cutefa.api.backward import dq_accum_workspace, dq_splits
-
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    group = heads_q // heads_kv
-    sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = dq_splits(deterministic, batch, heads_q, seqlen_k, spec.tile_n, sm_count)
-    nan = math.nan
-    dq = torch.full_like(q, nan)
-    dk_heads = torch.full((batch, seqlen_k, heads_q, head_dim), nan, dtype=q.dtype, device=q.device)
-    dv_heads = torch.full_like(dk_heads, nan)
-    f32 = {"dtype": torch.float32, "device": q.device}
-    # the workspace of the variant's layout, as backward.py allocates it, all NaN: the preprocess
-    # kernel must zero every word the main kernel adds into (the bulk paths: whole chunks, padding rows too)
-    dq_accum = dq_accum_workspace(spec, splits, batch, seqlen_q, heads_q, q.device).fill_(nan)
-    lse_log2 = torch.full((batch, heads_q, seqlen_q), nan, **f32)
-    dpsum = torch.full((batch, heads_q, seqlen_q), nan, **f32)
-    dlse = torch.zeros((batch, heads_q, seqlen_q), **f32)
-    kernel(
-        q, k, v, out, dout, lse.contiguous(), dlse, dq, dk_heads, dv_heads, dq_accum, lse_log2, dpsum,
-        1.0 / math.sqrt(head_dim), int(deterministic),
-    )  # fmt: skip
-    grouped = (batch, seqlen_k, heads_kv, group, head_dim)
-    dk = dk_heads.view(grouped).sum(3, dtype=torch.float32).to(q.dtype)
-    dv = dv_heads.view(grouped).sum(3, dtype=torch.float32).to(q.dtype)
-    return dq, dk, dv
+    """dq, dk, dv from one variant, allocated like cutefa/api/backward.py does (test_bwd_gqa's
+    harness: NaN-poisoned outputs and workspaces)."""
+    return _load("test_bwd_gqa").run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=deterministic)
 
 
 def forward_ref(q, k, v, causal):

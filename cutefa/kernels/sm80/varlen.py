@@ -15,6 +15,16 @@ from cutlass import Float32, Int32
 from cutefa.kernels.sm80 import dq_tile, parts
 
 
+def first_chunk(offset_q, batch, tile_m: int):
+    """The tiled dQ accumulator's chunk of query block 0 of sequence ``batch`` (rows from
+    ``offset_q`` = cu_seqlens_q[batch]); its block m is chunk ``first_chunk(...) + m``. The main
+    kernel adds into and the postprocess reads from these chunks, and with seqused <= the spans of
+    cu_seqlens_q no two sequences' blocks share one: sequence b's ceil(seqused[b] / tile_m) chunks
+    end at or before cu_seqlens_q[b + 1] // tile_m + b + 1, where sequence b + 1's begin. Plain
+    arithmetic: Int32 while tracing a kernel, int in a host-side check."""
+    return offset_q // tile_m + batch
+
+
 def unit_mode(t: cute.Tensor, pos: int) -> cute.Tensor:
     """``t`` with a mode of size 1 (stride 0) inserted before its mode ``pos``: a packed tensor seen
     as a batch of one, (total, heads, d) -> (1, total, heads, d), so that the dense layout's row

@@ -95,12 +95,13 @@ def post_tile_layout(tile_m: int, head_dim: int):
 
 
 @cute.jit
-def _bulk_postprocess(
+def bulk_postprocess_values(
     coords: cute.Tensor, transposed: cutlass.Constexpr, mdQaccum: cute.Tensor, sdQ: cute.Tensor,
     scale: Float32, batch: Int32, head: Int32, m_block: Int32, thread: Int32, row0: cutlass.Constexpr,
     col0: cutlass.Constexpr, offset: cutlass.Constexpr, dtype: cutlass.Constexpr,
 ):  # fmt: skip
-    """The body of :func:`bulk_postprocess_piece` and :func:`bulk_postprocess_transposed_piece`:
+    """The body of :func:`bulk_postprocess_piece` and :func:`bulk_postprocess_transposed_piece` (and
+    of the grouped-query dK/dV conversion, bwd_dkv.py, into an fp32 tile):
     thread ``thread``'s values of the piece at word ``offset`` of query block ``m_block``'s chunk,
     read 16 bytes at a time, the splits summed in order, scaled, converted and each written to
     ``sdQ[row0 + row, col0 + col]``, where ``coords`` holds the tile-local (row, col) of each value
@@ -141,7 +142,7 @@ def bulk_postprocess_piece(
     fragment's values 16 bytes at a time (coalesced over the threads; every load of a split issued
     before its adds), sums the splits in order, scales and converts. All rows, padded ones too
     (:func:`store_dq_tile` guards the rows when it writes dQ)."""
-    _bulk_postprocess(
+    bulk_postprocess_values(
         bulk_dq_coords(mma, thread, cols), False, mdQaccum, sdQ, scale, batch, head, m_block, thread,
         row_block * WG_ROWS, col0, offset, dtype,
     )  # fmt: skip
@@ -155,7 +156,7 @@ def bulk_postprocess_transposed_piece(
 ):  # fmt: skip
     """:func:`bulk_postprocess_piece` for a transposed piece (:func:`bulk_dq_transposed_coords`):
     the same coalesced 16-byte reads and split sums in order, each value to ``sdQ[query, col0 + column]``."""
-    _bulk_postprocess(
+    bulk_postprocess_values(
         bulk_dq_transposed_coords(mma, thread, cols, tile_m), True, mdQaccum, sdQ, scale, batch, head,
         m_block, thread, 0, col0, offset, dtype,
     )  # fmt: skip
