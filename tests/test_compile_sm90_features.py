@@ -5,7 +5,8 @@ schedulers (packed batches on the persistent and longest-first ones walk the bat
 cutefa/kernels/sm90/varlen.py), and their SASS keeps the design: no local-memory spills, the uniform datapath kept
 (few R2UR), one S = Q K^T and one O += P V per key block and loop body (the local window's
 three: its right edge, the unmasked blocks, its left edge), tanh on MUFU for softcap, O still
-leaving through a TMA store for packed batches (the ragged view clips it at a sequence's end).
+leaving through a TMA store for packed batches (the ragged view clips it at a sequence's end), and
+the packed batches' TMA copies have the ragged views' five modes.
 The dense modules are unchanged (``cutefa generate --check``, tests/test_sass_reference.py)."""
 
 from __future__ import annotations
@@ -148,4 +149,9 @@ def test_sass(cubins, spec):
     tanh = sum(report.forms_of("MUFU.TANH").values())
     assert (tanh > 0) == spec.features.softcap, f"{spec.name}: {tanh} MUFU.TANH"
     assert sum(report.forms_of("UTMASTG").values()) > 0, f"{spec.name}: O leaves through a TMA store"
+    # Packed batches go through the ragged views' five modes (the wrap-around mode keeps the
+    # descriptors' base address at the packed tensors' own: varlen module docs); dense, four.
+    tma_forms = set(report.forms_of("UTMALDG")) | set(report.forms_of("UTMASTG"))
+    rank = "5D" if spec.features.varlen else "4D"
+    assert tma_forms == {f"UTMALDG.{rank}", f"UTMASTG.{rank}"}, f"{spec.name}: {sorted(tma_forms)}"
     assert report.counts["STSM"] > 0, report.summary()

@@ -6,12 +6,14 @@ by sequence here.
 Every output is NaN-filled before the call, so an element the kernel does not write fails; in a
 packed batch the rows of no sequence (a span's slack past its ``seqused``, the packed tail) must
 stay NaN (the kernel never writes them), and the slack rows of q, k and v hold NaN (the kernel
-must never read them: the ragged TMA views zero-fill past a sequence's end). A row that attends no
-key (an empty window, a sequence without keys) must be exactly 0 with lse -inf (the sink with
-sinks). Errors are held to twice those of the same attention computed with the inputs' dtype
-(scores and P rounded to it, as a 16-bit kernel does), plus the rounding of the output dtype and,
-with softcap, what the error of ``tanh.approx`` (relative 2^-11, times the cap in the scores) can
-move the output and the lse by.
+must never read them: the ragged TMA views zero-fill past a sequence's end); an edge batch (empty
+and one-row sequences, windows empty for whole tiles) also runs with the packed tensors in guarded
+memory, unmapped address space right below and right above each, where any access outside them
+faults at once. A row that attends no key (an empty window, a sequence without keys) must be
+exactly 0 with lse -inf (the sink with sinks). Errors are held to twice those of the same
+attention computed with the inputs' dtype (scores and P rounded to it, as a 16-bit kernel does),
+plus the rounding of the output dtype and, with softcap, what the error of ``tanh.approx``
+(relative 2^-11, times the cap in the scores) can move the output and the lse by.
 """
 
 from __future__ import annotations
@@ -220,9 +222,93 @@ def extras(gen, spec, batch, heads_q):
     return slopes, sinks
 
 
-def run_varlen(gen, spec, kernel, heads_q, heads_kv, window, lengths=VARLEN_LENGTHS, slack=SLACK):
+def _driver_ok(result):
+    """The value of a cuda.bindings driver call's (error, value...) tuple; raises on an error."""
+    import cuda.bindings.driver as cu
+
+    err, *values = result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {err}")
+    return values[0] if len(values) == 1 else tuple(values) or None
+
+
+class _DeviceArray:
+    """Raw device bytes as an object torch.as_tensor takes (the CUDA array interface, version 3)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3, "strides": None,
+        }  # fmt: skip
+
+
+class GuardedMemory:
+    """Device buffers each in its own reserved address range with unmapped address space as large
+    as the buffer right below it and one allocation granule right above it (the driver's virtual
+    memory management: cuMemAddressReserve, cuMemCreate, cuMemMap). An access outside a buffer, or
+    a TMA descriptor whose base address lies outside it, raises an illegal-address error instead of
+    reading whatever the caching allocator put next to it. A context manager: the buffers are
+    unmapped and freed (after a device synchronisation) when it exits; no tensor of it may be used
+    after that."""
+
+    def __enter__(self):
+        import cuda.bindings.driver as cu
+
+        torch.zeros(1, device="cuda")  # torch's primary context current on this thread
+        self.device = torch.cuda.current_device()
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device
+        self._prop = prop
+        minimum = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        self.granule = int(_driver_ok(cu.cuMemGetAllocationGranularity(prop, minimum)))
+        self._held = []
+        return self
+
+    def rows_filling(self, rows: int, row_bytes: int) -> int:
+        """The least row count >= ``rows`` whose bytes fill whole granules (so the buffer ends where
+        the unmapped space above it begins)."""
+        step = self.granule // math.gcd(self.granule, row_bytes)
+        return -(-max(rows, 1) // step) * step
+
+    def full(self, shape, value, dtype) -> torch.Tensor:
+        import cuda.bindings.driver as cu
+
+        nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+        assert nbytes % self.granule == 0, "pad the rows with rows_filling"
+        reserved = nbytes + nbytes + self.granule  # unmapped below, the buffer, unmapped above
+        start = int(_driver_ok(cu.cuMemAddressReserve(reserved, self.granule, 0, 0)))
+        address = start + nbytes
+        handle = _driver_ok(cu.cuMemCreate(nbytes, self._prop, 0))
+        _driver_ok(cu.cuMemMap(address, nbytes, 0, handle, 0))
+        self._held.append((start, reserved, address, nbytes, handle))
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _driver_ok(cu.cuMemSetAccess(address, nbytes, [access], 1))
+        raw = torch.as_tensor(_DeviceArray(address, nbytes), device=f"cuda:{self.device}")
+        assert raw.data_ptr() == address
+        return raw.view(dtype).view(shape).fill_(value)
+
+    def __exit__(self, *exc):
+        import cuda.bindings.driver as cu
+
+        torch.cuda.synchronize()
+        for start, reserved, address, nbytes, handle in reversed(self._held):
+            _driver_ok(cu.cuMemUnmap(address, nbytes))
+            _driver_ok(cu.cuMemRelease(handle))
+            _driver_ok(cu.cuMemAddressFree(start, reserved))
+        return False
+
+
+def run_varlen(
+    gen, spec, kernel, heads_q, heads_kv, window, lengths=VARLEN_LENGTHS, slack=SLACK, memory=None
+):
     """A packed batch of sequences of ``lengths`` (seqlen_q, seqlen_k), each span ``slack`` rows
-    longer than its seqused, the packed tensors a few rows longer than the spans."""
+    longer than its seqused, the packed tensors a few rows longer than the spans. ``memory``: a
+    :class:`GuardedMemory` to place q, k, v and out in (their tails then padded to whole granules),
+    where an access outside them faults."""
     dtype, d = DTYPES[spec.dtype], spec.head_dim
     scale = 1.0 / math.sqrt(d)
     lens_q = [sq for sq, _ in lengths]
@@ -233,9 +319,18 @@ def run_varlen(gen, spec, kernel, heads_q, heads_kv, window, lengths=VARLEN_LENG
     cu_k = torch.tensor([0, *torch.tensor(spans_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     tail = 9  # packed rows past the last span (a buffer with room to spare)
     total_q, total_k = int(cu_q[-1]) + tail, int(cu_k[-1]) + tail
-    q = torch.full((total_q, heads_q, d), math.nan, dtype=dtype, device="cuda")
-    k = torch.full((total_k, heads_kv, d), math.nan, dtype=dtype, device="cuda")
-    v = torch.full((total_k, heads_kv, d), math.nan, dtype=dtype, device="cuda")
+
+    def packed(rows, heads):
+        if memory is None:
+            return torch.full((rows, heads, d), math.nan, dtype=dtype, device="cuda")
+        return memory.full((rows, heads, d), math.nan, dtype)
+
+    if memory is not None:
+        row_bytes = d * torch.finfo(dtype).bits // 8
+        total_q = memory.rows_filling(total_q, heads_q * row_bytes)
+        total_k = memory.rows_filling(total_k, heads_kv * row_bytes)
+    q, out = packed(total_q, heads_q), packed(total_q, heads_q)
+    k, v = packed(total_k, heads_kv), packed(total_k, heads_kv)
     for b in range(len(lens_q)):  # sequences' rows random, slack and tail NaN
         q[int(cu_q[b]) : int(cu_q[b]) + lens_q[b]] = torch.randn(
             lens_q[b], heads_q, d, generator=gen, device="cuda"
@@ -246,7 +341,6 @@ def run_varlen(gen, spec, kernel, heads_q, heads_kv, window, lengths=VARLEN_LENG
             ).to(dtype)
     used_q = torch.tensor(lens_q, dtype=torch.int32, device="cuda")
     used_k = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
-    out = torch.full_like(q, math.nan)
     lse = torch.full((heads_q, total_q), math.nan, device="cuda")
     slopes, sinks = extras(gen, spec, len(lens_q), heads_q)
     varlen = (cu_q, cu_k, used_q, used_k, max(lens_q))
@@ -384,3 +478,27 @@ def test_varlen_batch_without_queries(gen, spec):
     kernel(q, k, v, out, lse, 0.125, *feature_args(spec, window, slopes, sinks, (cu, cu, used_q, used_k, 0)))
     torch.cuda.synchronize()
     assert out.isnan().all() and lse.isnan().all()
+
+
+# A packed batch at the edges: sequences with no query, no key or neither, one-row ones, one row
+# short of and past a tile, and more queries than keys, so that the narrow windows leave whole
+# query tiles whose band is empty (they load no key block).
+EDGE_LENGTHS = ((0, 0), (1, 1), (0, 1), (1, 0), (127, 129), (129, 127), (300, 20), (20, 300), (1, 200))
+EDGE_SLACK = (0, 0, 2, 0, 1, 0, 0, 3, 0)
+EDGE_WINDOWS = ((0, 0), (5, 0), (-1, 0), (0, -1), (-1, -1))
+
+
+@pytest.mark.parametrize("spec", PACKED, ids=lambda s: s.name)
+def test_varlen_guarded(gen, spec):
+    """Every packed-batch kernel on the edge batch with q, k, v and out in guarded memory
+    (:class:`GuardedMemory`: unmapped address space right below and right above each, the packed
+    tails padded so that each ends where the space above begins). Any TMA box or load outside
+    them, or a TMA descriptor whose base address lies outside them, raises an illegal-address
+    error here, where next to the caching allocator's neighbours it would read or write them
+    unnoticed (or fault only in some processes)."""
+    from cutefa.loader import get_kernel
+
+    kernel = get_kernel(spec, TARGET)
+    for window in EDGE_WINDOWS if spec.mask is Mask.LOCAL else (None,):
+        with GuardedMemory() as memory:
+            run_varlen(gen, spec, kernel, 4, 2, window, EDGE_LENGTHS, EDGE_SLACK, memory)

@@ -5,54 +5,79 @@ A packed tensor holds the sequences of a batch one after the other: sequence ``b
 TMA box of one sequence's tile must neither read nor write the next sequence's rows, yet one
 descriptor serves every sequence. The *ragged* view does it with the TMA unit's own bounds check:
 
-    view (rows R, head_dim, heads, X): strides (row, 1, head, row), base pointer moved back R rows
+    view (S, head_dim, heads, R + 1, S + 1): strides (row, 1, head, row, W - row)
 
-where R is the packed tensor's row count (at least any sequence's length) and X = R + 1. Element
-(r, d, h, x) lies at row ``r + x - R`` of the packed tensor. A sequence's tiles address it with
-``x = offset + length`` and row coordinates shifted by ``R - length``: local row ``i`` is view row
-``R - length + i``, packed row ``offset + i``, and the TMA unit treats view rows ``>= R`` (local
-rows ``>= length``) as out of bounds: zero-filled when loaded, skipped when stored. So the tiles of
-a sequence behave as the tiles of a dense tensor of that sequence's length (the residue of the
-last tile is zero-filled, an O store is clipped at the sequence's end), and the shifted base
-address is never accessed itself: every box the kernel issues lies inside the packed rows of one
-sequence after the clip.
+with R the packed tensor's row count, S = :data:`RAGGED_ROWS` (more rows than any sequence has)
+and W = :data:`WRAP_STRIDE`. Its base address is the packed tensor's own. Element (r, d, h, x, w)
+lies ``(r + x) row + w (W - row)`` elements past it; the kernel always gives ``w = S``, and
+``S (W - row) = 2^64 - S row`` (``S W = 2^64``), so modulo 2^64, the width of the TMA unit's address
+arithmetic, that is row ``r + x - S`` of the packed tensor. A sequence's tiles address it with
+``x = offset + length`` and row coordinates shifted by ``S - length`` (:func:`ragged_coords`):
+local row ``i`` is view row ``S - length + i``, packed row ``offset + i``, and the TMA unit treats
+view rows ``>= S`` (local rows ``>= length``) as out of bounds: zero-filled when loaded, skipped
+when stored. So the tiles of a sequence behave as the tiles of a dense tensor of that sequence's
+length (the residue of the last tile is zero-filled, an O store is clipped at the sequence's end).
+The kernel only addresses local rows ``>= 0`` (query tiles and key blocks of the sequence), so
+every element a box takes lies in the packed rows of one sequence.
 
-The shift is the packed tensor's own size (R rows), so the descriptor's base address is that many
-bytes below the tensor (64-bit address arithmetic; the TMA unit adds the coordinates back).
+Why the wrap-around mode rather than a base address moved back by S rows (the same element
+addresses with one mode fewer): with a descriptor base below the allocation, TMA loads on an H100
+raised "illegal address" at the load instruction whenever the memory below the tensor was not
+mapped, although every element the boxes read was in the tensor (whether it is mapped depends on
+what the allocator put there). With the packed tensor's own base the descriptor is valid wherever
+the tensor is.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-# The view's modes: rows first and head_dim contiguous (Q, K, O: (rows, d, heads, x)), or head_dim
-# first (V as the N-major B operand of O += P V: (d, rows, heads, x)).
+# The view's modes: rows first and head_dim contiguous (Q, K, O: (rows, d, heads, x, w)), or
+# head_dim first (V as the N-major B operand of O += P V: (d, rows, heads, x, w)).
 ROWS_FIRST = 0
 DIM_FIRST = 1
+# S: the ragged view's row extent (local rows from a sequence's length on are past it); any
+# sequence is shorter. A power of two that makes WRAP_STRIDE a whole number: S * WRAP_STRIDE = 2^64.
+RAGGED_ROWS = 1 << 30
+WRAP_STRIDE = 1 << 34  # elements; (WRAP_STRIDE - row stride) is the wrap-around mode's stride
+
+
+def ragged_coords(offset, length):
+    """(row shift, x, w) of a sequence of ``length`` rows from packed row ``offset`` in a ragged view:
+    its local row ``i`` is view row ``row shift + i`` at mode coordinates ``x`` and ``w`` (module
+    docs). Plain integer arithmetic (Python ints or the kernel's Int32 values)."""
+    return RAGGED_ROWS - length, offset + length, RAGGED_ROWS
+
+
+def ragged_layout(rows, heads, dim, row_stride, head_stride, dim_stride, dim_first: bool):
+    """(shape, stride) of the ragged view of a packed (rows, heads, dim) tensor with those strides
+    (elements), its base address the tensor's own (module docs): modes (S, dim, heads, rows + 1,
+    S + 1), or (dim, S, heads, rows + 1, S + 1) with ``dim_first``. Works on Python ints and on the
+    DSL's values alike."""
+    wrap = cute.assume(WRAP_STRIDE - row_stride, divby=8)  # 16-byte TMA strides, like the row's
+    if dim_first:
+        shape = (dim, RAGGED_ROWS, heads, rows + 1, RAGGED_ROWS + 1)
+        stride = (dim_stride, row_stride, head_stride, row_stride, wrap)
+    else:
+        shape = (RAGGED_ROWS, dim, heads, rows + 1, RAGGED_ROWS + 1)
+        stride = (row_stride, dim_stride, head_stride, row_stride, wrap)
+    return shape, stride
 
 
 def _ragged(t: cute.Tensor, dim_first: bool) -> cute.Tensor:
-    rows, heads, dim = t.shape
-    row_stride, head_stride, dim_stride = t.stride
-    if dim_first:
-        shape = (dim, rows, heads, rows + 1)
-        stride = (dim_stride, row_stride, head_stride, row_stride)
-    else:
-        shape = (rows, dim, heads, rows + 1)
-        stride = (row_stride, dim_stride, head_stride, row_stride)
-    base = cute.domain_offset((-rows, 0, 0), t).iterator  # R rows before the tensor
-    return cute.make_tensor(base, cute.make_layout(shape, stride=stride))
+    shape, stride = ragged_layout(*t.shape, *t.stride, dim_first)
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
 def packed_as_sdhx(t: cute.Tensor) -> cute.Tensor:
-    """The ragged view (rows, head_dim, heads, rows + 1) of a packed (rows, heads, head_dim)
+    """The ragged view (S, head_dim, heads, rows + 1, S + 1) of a packed (rows, heads, head_dim)
     tensor: the K-major operand layout of Q and K and the O store's (module docs)."""
     return _ragged(t, dim_first=False)
 
 
 def packed_as_dshx(t: cute.Tensor) -> cute.Tensor:
-    """The ragged view (head_dim, rows, heads, rows + 1) of a packed V: the N-major B operand of
-    O += P V (module docs)."""
+    """The ragged view (head_dim, S, heads, rows + 1, S + 1) of a packed V: the N-major B operand
+    of O += P V (module docs)."""
     return _ragged(t, dim_first=True)
 
 
@@ -61,10 +86,9 @@ def sequence(g_tma: cute.Tensor, head: Int32, offset: Int32, length: Int32, rows
     tensor ``g_tma`` (from :func:`packed_as_sdhx` / :func:`packed_as_dshx`): row ``i`` of it is row
     ``offset + i`` of the packed tensor, and rows from ``length`` on are out of the TMA bounds.
     ``rows_mode``: :data:`ROWS_FIRST` or :data:`DIM_FIRST`, the view's layout."""
-    rows = g_tma.shape[rows_mode]
-    seq = g_tma[None, None, head, offset + length]
-    shift = (rows - length, 0) if rows_mode == ROWS_FIRST else (0, rows - length)
-    return cute.domain_offset(shift, seq)
+    shift, x, w = ragged_coords(offset, length)
+    seq = g_tma[None, None, head, x, w]
+    return cute.domain_offset((shift, 0) if rows_mode == ROWS_FIRST else (0, shift), seq)
 
 
 def grid_m_block(bx: Int32, seqlen_q: Int32, tile_m: cutlass.Constexpr) -> Int32:
