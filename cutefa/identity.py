@@ -38,7 +38,7 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
-TEMPLATES_DIR = REPO_ROOT / "templates"
+TEMPLATES_DIR = PACKAGE_DIR / "templates"
 GENERATED_DIR = REPO_ROOT / "generated"  # the committed, dispatchable modules
 # A source checkout (its generated/ is the committed set); an installed package has neither, and
 # renders every module on demand into the cache dir.

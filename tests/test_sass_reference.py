@@ -22,7 +22,7 @@ from cutefa.model.spec import ARCHS, DIRECTIONS, DTYPES, parse_name
 
 tool = load_tool("sass_reference")
 REFERENCE = tool.load_reference()
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "cutefa" / "templates"
 
 
 def test_reference_holds_the_sample():
