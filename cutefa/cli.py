@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cutefa import __version__, cli_compile, cli_doctor, codegen
-from cutefa.identity import SOURCE_CHECKOUT
 from cutefa.cli_common import UsageError, positive_int, print_table, spec_from_argument
+from cutefa.identity import SOURCE_CHECKOUT
 from cutefa.model import committed, rules
 from cutefa.model.options import Choice, Options
 from cutefa.model.spec import (
@@ -154,7 +154,11 @@ def _field_text(value: object) -> str:
         return ", ".join(value.tokens) or "none"
     if isinstance(value, Options):
         fields = dataclasses.fields(value)
-        return f"{type(value).__name__}(" + ", ".join(f"{f.name}={_field_text(getattr(value, f.name))}" for f in fields) + ")"
+        return (
+            f"{type(value).__name__}("
+            + ", ".join(f"{f.name}={_field_text(getattr(value, f.name))}" for f in fields)
+            + ")"
+        )
     return str(value)
 
 
@@ -198,6 +202,15 @@ def _local_target() -> str | None:
     return target_for_capability(*torch.cuda.get_device_capability(0))
 
 
+def _window(text: str) -> tuple[int, int]:
+    """``--window LEFT,RIGHT``: two ints >= -1."""
+    try:
+        left, right = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LEFT,RIGHT (two ints, -1 for unbounded)") from None
+    return left, right
+
+
 def _cmd_explain(args: argparse.Namespace) -> int:
     target = args.gpu or _local_target()
     if target is None:
@@ -214,7 +227,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     kv_shape = (shape["batch"], shape["seqlen_k"], shape["heads_kv"], shape["head_dim"])
     q, k, v = (torch.empty(s, dtype=dtype, device="meta") for s in (q_shape, kv_shape, kv_shape))
     try:
-        text = explain(q, k, v, causal=args.causal, target=target, v_centered=args.v_centered)
+        text = explain(
+            q, k, v, causal=args.causal, target=target, v_centered=args.v_centered,
+            window_size=args.window or (-1, -1), softcap=args.softcap, alibi=args.alibi, sinks=args.sinks,
+            varlen=args.varlen,
+        )  # fmt: skip
     except (ValueError, TypeError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
     print(text)
@@ -317,7 +334,10 @@ def _subcommands() -> dict[str, tuple[Callable[[argparse.Namespace], int], str]]
         "show": (_cmd_show, "show one variant: fields, budgets, validity, generated file"),
         "explain": (_cmd_explain, "say which variant would run for a problem shape, and why"),
         "bench": (_cmd_bench, "run tools/bench.py with the remaining arguments (needs a CUDA GPU)"),
-        "tune": (_cmd_tune, "measure the committed variants and the measured alternatives on this GPU and write its dispatch table"),
+        "tune": (
+            _cmd_tune,
+            "measure the committed variants and the measured alternatives on this GPU and write its dispatch table",
+        ),
         "doctor": (cli_doctor.run, cli_doctor.SUMMARY),
     }
 
@@ -371,6 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--v-centered", action="store_true",
         help="e4m3: v was centered before quantization (cutefa.center_v, flash_attn_func(v_mean=))",
     )  # fmt: skip
+    p.add_argument(
+        "--varlen", action="store_true",
+        help="a flash_attn_varlen_func call: B sequences of at most SQ query and SK key rows",
+    )  # fmt: skip
+    p.add_argument("--window", type=_window, metavar="LEFT,RIGHT", help="window_size (-1: unbounded)")
+    p.add_argument("--softcap", type=float, default=0.0, help="softcap (default: 0, none)")
+    p.add_argument("--alibi", action="store_true", help="with alibi_slopes")
+    p.add_argument("--sinks", action="store_true", help="with sinks")
     p.add_argument("--gpu", choices=TARGETS, help="compile target of the GPU (default: this machine's GPU)")
 
     made["bench"].add_argument("args", nargs=argparse.REMAINDER, help="arguments for tools/bench.py")

@@ -382,3 +382,18 @@ def test_explain_refuses_what_the_api_refuses(capsys, shape, message):
     assert cli.main(["explain", "--shape", shape, "--gpu", "sm_90a"]) != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_explain_a_varlen_call_with_a_window(capsys):
+    """cutefa explain says a varlen call is one, and names the window and softcap it was asked about."""
+    argv = ["explain", "--shape", "64,300,300,32,8,128", "--gpu", "sm_90a", "--causal", "--varlen", "--window", "256,0",
+            "--softcap", "30"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("cutefa forward: varlen: 64 sequences, max_seqlen_q=300 max_seqlen_k=300")
+    assert "sliding window softcap" in out and "_local_varlen_softcap_" in out
+    assert cli.main([*argv[:-2], "--softcap", "-1"]) == 2
+    assert "softcap must be finite and >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["explain", "--shape", "1,8,8,4,4,64", "--gpu", "sm_90a", "--window", "3"])
+    assert exc.value.code == 2 and "is not LEFT,RIGHT" in capsys.readouterr().err
