@@ -240,10 +240,18 @@ def _launch_bwd(
             args += (float(softmax_scale), int(deterministic))
         call_on(q.device, kernel, *args)
         if group > 1:
-            grouped = (batch, seqlen_k, heads_kv, group, head_dim)
-            dk.copy_(dk_heads.view(grouped).sum(3, dtype=torch.float32))
-            dv.copy_(dv_heads.view(grouped).sum(3, dtype=torch.float32))
+            sum_query_heads(dk, dk_heads)
+            sum_query_heads(dv, dv_heads)
     dispatch.log_run(dispatch.Choice(spec, target, "backward"), q.shape, k.shape, causal)
+
+
+def sum_query_heads(out: torch.Tensor, per_query_head: torch.Tensor) -> None:
+    """``out`` (..., heads_kv, head_dim) = the sum in float32 of ``per_query_head`` (..., heads_q,
+    head_dim) over each kv head's group of query heads (the per-query-head dK/dV of a family
+    without grouped-query accumulation in its kernel)."""
+    heads_kv, head_dim = out.shape[-2:]
+    grouped = (*out.shape[:-2], heads_kv, per_query_head.shape[-2] // heads_kv, head_dim)
+    out.copy_(per_query_head.view(grouped).sum(-2, dtype=torch.float32))
 
 
 flash_bwd = torch.library.custom_op("cutefa::flash_bwd", _flash_bwd, mutates_args=())

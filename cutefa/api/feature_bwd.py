@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from cutefa import dispatch
-from cutefa.api.backward import dq_accum_workspace, dq_splits, sm80_tail_workspaces
+from cutefa.api.backward import dq_accum_workspace, dq_splits, sm80_tail_workspaces, sum_query_heads
 from cutefa.api.features import FeatureArgs
 from cutefa.api.launch import aligned, call_on
 from cutefa.loader import get_kernel
@@ -131,7 +131,6 @@ def gradients(
     call_on(q.device, kernel, *args, *f.kernel_args(causal, "bwd"))
     dispatch.log_run(dispatch.Choice(spec, target, "backward"), q.shape, k.shape, causal)
     if group > 1:
-        grouped = (*k.shape[:-2], heads_kv, group, k.shape[-1])
-        dk.copy_(dk_heads.view(grouped).sum(-2, dtype=torch.float32))
-        dv.copy_(dv_heads.view(grouped).sum(-2, dtype=torch.float32))
+        sum_query_heads(dk, dk_heads)
+        sum_query_heads(dv, dv_heads)
     return dq, dk, dv

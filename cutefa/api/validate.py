@@ -85,20 +85,26 @@ def check_devices(tensors: Sequence[torch.Tensor], device_types: Sequence[str] |
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k has {k.shape[0]}, v has {v.shape[0]}")
-    if not q.shape[3] == k.shape[3] == v.shape[3]:
+    check_heads(q, k, v)
+    check_grid_limits(q)
+
+
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The last two dims of q, k, v (heads, head_dim) of either layout, dense or packed: one head
+    dim that cutefa supports, k like v, and q's heads a multiple of k's."""
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
         raise ValueError(
-            f"head_dim differs: q has {q.shape[3]}, k has {k.shape[3]}, v has {v.shape[3]}; they must be equal"
+            f"head_dim differs: q has {q.shape[-1]}, k has {k.shape[-1]}, v has {v.shape[-1]}; they must be equal"
         )
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    heads_q, heads_kv = q.shape[2], k.shape[2]
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(
             f"q's heads ({heads_q}) must be a multiple of k/v's heads ({heads_kv}) (grouped-query attention)"
         )
-    if q.shape[3] not in HEAD_DIMS:
-        raise ValueError(f"head_dim={q.shape[3]} is not supported; cutefa supports head_dim in {HEAD_DIMS}")
-    check_grid_limits(q)
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head_dim={q.shape[-1]} is not supported; cutefa supports head_dim in {HEAD_DIMS}")
 
 
 def check_grid_limits(q: torch.Tensor) -> None:

@@ -20,10 +20,10 @@ from cutefa.api.validate import (
     SUPPORTED_DTYPES,
     check_deterministic,
     check_devices,
+    check_heads,
     check_options,
     check_strides,
 )
-from cutefa.model.spec import HEAD_DIMS
 
 NAMES = ("q", "k", "v")
 
@@ -82,21 +82,9 @@ def _check_qkv(tensors: Sequence[object], dims: int, layout: str) -> tuple[torch
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
-        raise ValueError(
-            f"head_dim differs: q has {q.shape[-1]}, k has {k.shape[-1]}, v has {v.shape[-1]}; they must be equal"
-        )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    heads_q, heads_kv = q.shape[-2], k.shape[-2]
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(
-            f"q's heads ({heads_q}) must be a multiple of k/v's heads ({heads_kv}) (grouped-query attention)"
-        )
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head_dim={q.shape[-1]} is not supported; cutefa supports head_dim in {HEAD_DIMS}")
-    if heads_q > GRID_YZ_LIMIT:
-        raise ValueError(f"heads_q={heads_q} is over cutefa's limit of {GRID_YZ_LIMIT} (the launch grid's y)")
+    check_heads(q, k, v)
+    if q.shape[-2] > GRID_YZ_LIMIT:
+        raise ValueError(f"heads_q={q.shape[-2]} is over cutefa's limit of {GRID_YZ_LIMIT} (the launch grid's y)")
 
 
 def validate_dense(q: object, k: object, v: object, causal: object, softmax_scale: object) -> None:
