@@ -21,6 +21,7 @@ import math
 import torch
 
 from cutefa import dispatch
+from cutefa.api import launch
 from cutefa.api.features import FeatureArgs
 from cutefa.api.launch import aligned, call_on
 from cutefa.loader import get_kernel
@@ -88,13 +89,12 @@ def describe(f: FeatureArgs) -> str:
 
 
 def empty_outputs(q: torch.Tensor, varlen: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out like q, lse float32: (heads_q, total_q) packed, else (batch, heads_q, seqlen_q))."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if varlen:
-        lse_shape = (q.shape[1], q.shape[0])
-    else:
-        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    """(out like q, lse float32: (heads_q, total_q) packed, else the dense call's (batch, heads_q,
+    seqlen_q), :func:`cutefa.api.launch.empty_outputs`)."""
+    if not varlen:
+        return launch.empty_outputs(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return out, torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
 
 
 def _no_key_lse(lse: torch.Tensor, f: FeatureArgs, varlen: bool) -> torch.Tensor:
