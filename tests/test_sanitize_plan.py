@@ -201,11 +201,87 @@ def test_a_whole_invocation_against_a_fake_sanitizer(tmp_path, capsys):
 def test_plan_only_needs_no_gpu(capsys):
     assert sanitize.main(["--plan", "--target", "sm_90a", "--tools", "racecheck", "--hdim", "64"]) == 0
     out = capsys.readouterr().out
-    assert "5 runs for sm_90a" in out and "(1 case)" in out
+    assert "10 runs for sm_90a" in out and "(1 case)" in out  # 5 dense kernels, 5 feature groups
+    assert sanitize.main(["--plan", "--target", "sm_90a", "--tools", "memcheck", "--kernels", "dense"]) == 0
+    assert "15 runs for sm_90a" in capsys.readouterr().out
+
+
+def test_plan_covers_the_feature_and_decode_kernels():
+    """The groups the dispatcher runs for packed sequences, windows and decode: the default variant
+    with the feature axes, the sm80 backward on a Hopper target, the paged split-KV decode variant."""
+    from cutefa.model.options import Mask
+    from cutefa.model.spec import parse_name
+
+    runs, skipped = sanitize.plan(["memcheck"], list(sanitize.FEATURE_KERNELS), [64, 128, 256], "sm_90a")
+    assert skipped == [] and len(runs) == 5 * 3
+    for kernel, hdim, name in ((r.kernel, r.hdim, r.spec) for r in runs):
+        spec = parse_name(name)
+        assert spec.head_dim == hdim and not spec.causal
+        if kernel == "sm80_decode":
+            assert spec.arch == "sm80" and spec.features.paged_kv and spec.features.split_kv
+        else:
+            arch, direction = kernel.split("_")[:2]
+            default = default_spec(arch, direction, "bf16", hdim)
+            assert (spec.arch, spec.direction, spec.tile_m, spec.tile_n) == (
+                arch, direction, default.tile_m, default.tile_n,
+            )  # fmt: skip
+            assert spec.features.varlen == kernel.endswith("varlen")
+            assert (spec.mask is Mask.LOCAL) == kernel.endswith("local")
+    runs, skipped = sanitize.plan(["memcheck"], list(sanitize.FEATURE_KERNELS), [128], "sm_80")
+    assert sorted(r.kernel for r in runs) == ["sm80_bwd_local", "sm80_bwd_varlen", "sm80_decode"]
+    assert len(skipped) == 2 and all("does not run on sm_80" in why for why in skipped)
+
+
+def test_feature_cases_are_ragged():
+    varlen = sanitize.cases_for("memcheck", "sm90_fwd_varlen")
+    lengths = {n for lq, lk, *_ in varlen for n in (*lq, *lk)}
+    assert {0, 1, 17, 1000} <= lengths  # an empty sequence inside the batch
+    assert any(lq != lk for lq, lk, *_ in varlen) and {c[-1] for c in varlen} == {False, True}
+    assert any(hq != hkv for _, _, hq, hkv, _ in varlen)
+    local = sanitize.cases_for("initcheck", "sm80_bwd_local")
+    assert {1, 17, 1000} <= {c[1] for c in local} and {c[5] for c in local} == {False, True}
+    bench_check = sanitize_features_bench_check()
+    assert any(bench_check.rows_without_keys(sq, sk, causal, (left, right))
+               for _, sq, sk, _, _, causal, left, right in local)  # fmt: skip
+    decode = sanitize.cases_for("synccheck", "sm80_decode")
+    assert {c[4] for c in decode} == {16, 64}  # page sizes
+    assert {c[5] > 1 for c in decode} == {False, True}  # one split, and several with the combine
+    assert {0, 1, 17, 1000} <= {n for c in decode for n in c[0]}
+    assert any(hq // hkv > 1 and tokens == 1 for _, tokens, hq, hkv, *_ in decode)  # GQA packed rows
+    rows = {tokens * hq // hkv for _, tokens, hq, hkv, *_ in decode}
+    assert rows <= {sanitize.sanitize_features.DECODE_ROWS, 2 * sanitize.sanitize_features.DECODE_ROWS}
+    for kernel in sanitize.FEATURE_KERNELS:
+        (race,) = sanitize.cases_for("racecheck", kernel)
+        assert race in sanitize.prepare_cases(kernel)
+    assert sanitize.prepare_cases("sm90_fwd") == tuple(dict.fromkeys(sanitize.RAGGED + sanitize.RACE))
+
+
+def sanitize_features_bench_check():
+    sys.path.insert(0, str(sanitize.Path(sanitize.__file__).parent))
+    import bench_check
+
+    return bench_check
+
+
+def test_kernel_groups_and_nested_cases_in_the_payload(tmp_path):
+    args = sanitize.parse_args(["--kernels", "features,sm90_fwd"])
+    assert args.kernels == [*sanitize.FEATURE_KERNELS, "sm90_fwd"]
+    assert sanitize.parse_args([]).kernels == list(sanitize.ALL_KERNELS)
+    assert sanitize.parse_args(["--kernels", "dense"]).kernels == list(sanitize.KERNELS)
+    case = sanitize.cases_for("memcheck", "sm90_fwd_varlen")[0]
+    run = sanitize.Run("memcheck", "sm90_fwd_varlen", 128, "cutefa_x", (case,))
+    payload = json.loads(sanitize.sanitizer_command("/opt/cs", run, tmp_path / "a.log")[-1])
+    assert payload["cases"] == [[list(case[0]), list(case[1]), *case[2:]]]
 
 
 def test_bad_arguments_are_refused(capsys):
-    for bad in (["--tools", "leakcheck"], ["--kernels", "sm100_fwd"], ["--hdim", "80"], ["--jobs", "0"]):
+    for bad in (
+        ["--tools", "leakcheck"],
+        ["--kernels", "sm100_fwd"],
+        ["--kernels", "sm100_decode"],
+        ["--hdim", "80"],
+        ["--jobs", "0"],
+    ):
         with pytest.raises(SystemExit):
             sanitize.parse_args(bad)
     assert "--" in capsys.readouterr().err

@@ -112,11 +112,17 @@ def round_e4m3(p):
     return (p * E4M3_SCALE).to(torch.float8_e4m3fn).float() / E4M3_SCALE
 
 
-def attend(q, k, v, *, causal: bool, scale: float, dtype=None, p_round: Callable | None = None, dout=None):
+def attend(q, k, v, *, causal: bool, scale: float, dtype=None, p_round: Callable | None = None, dout=None,
+           window: tuple[int, int] | None = None, softcap: float = 0.0, slopes=None, sinks=None):  # fmt: skip
     """Attention of a group of query heads sharing one key/value head, in row blocks.
 
     q (g, sq, d), k (sk, d), v (sk, dv) and dout (g, sq, dv) or None, any float dtype; causal masking
-    bottom-right (row i attends key j iff j <= i + sk - sq). ``dtype`` None: float32 throughout;
+    bottom-right (row i attends key j iff j <= i + sk - sq). The features (tools/bench_features.py):
+    ``window`` (left, right), -1 unbounded: row i attends key j iff i + sk - sq - left <= j <= i + sk
+    - sq + right (with ``causal`` too, right is at most 0); ``softcap`` c > 0: a score is c *
+    tanh(scale * q.k / c); ``slopes`` (g,) ALiBi: - slope * |i + sk - sq - j| added after the cap;
+    ``sinks`` (g,): one more logit per head in each row's denominator (a row with no key: O 0, LSE
+    the sink). ``dtype`` None: float32 throughout;
     a 16-bit dtype: the inputs in it, every matmul's result rounded to it, P and dS rounded to it
     before their matmuls, the statistics (row max, row sum, lse) in float32. ``p_round``: how P
     (against the row max) is rounded for P V and its row sums (default: to ``dtype``, or not at
@@ -143,23 +149,38 @@ def attend(q, k, v, *, causal: bool, scale: float, dtype=None, p_round: Callable
         return result
     step = max(1, BLOCK_ELEMENTS // sk)
     cols = torch.arange(sk, device=device)
+    left, right = window_bounds(causal, window)
 
     def scores(h: int, r0: int, r1: int):
+        """(scores, d score / d raw score or None) of rows r0:r1 of head h."""
         s = (qc[h, r0:r1] @ kc.T).float() * scale
-        if causal:
-            rows = torch.arange(r0, r1, device=device)
-            s = s.masked_fill(cols[None, :] > rows[:, None] + (sk - sq), -math.inf)
-        return s
+        slope = None
+        if softcap:
+            t = torch.tanh(s / softcap)
+            s, slope = softcap * t, 1.0 - t * t
+        diag = torch.arange(r0, r1, device=device)[:, None] + (sk - sq)  # key j == row i's diagonal
+        if slopes is not None:
+            s = s - float(slopes[h]) * (diag - cols[None, :]).abs().float()
+        if left is not None:
+            s = s.masked_fill(cols[None, :] < diag - left, -math.inf)
+        if right is not None:
+            s = s.masked_fill(cols[None, :] > diag + right, -math.inf)
+        return s, slope
 
     for h in range(g):
+        sink = None if sinks is None else torch.tensor(float(sinks[h]), device=device)
         for r0 in range(0, sq, step):
             r1 = min(sq, r0 + step)
-            s = scores(h, r0, r1)
+            s, _ = scores(h, r0, r1)
             m = s.amax(dim=-1)
+            if sink is not None:
+                m = torch.maximum(m, sink)
             live = torch.isfinite(m)
             m = torch.where(live, m, torch.zeros_like(m))
             p = p_round(torch.exp(s - m[:, None]))
             total = p.sum(dim=-1)
+            if sink is not None:
+                total = total + torch.exp(sink - m)
             o = (p.to(cdt) @ vc).float() if cdt != torch.float32 else p @ vc
             out[h, r0:r1] = torch.where(
                 live[:, None], o / total.clamp_min(1e-30)[:, None], torch.zeros_like(o)
@@ -175,7 +196,7 @@ def attend(q, k, v, *, causal: bool, scale: float, dtype=None, p_round: Callable
     for h in range(g):
         for r0 in range(0, sq, step):
             r1 = min(sq, r0 + step)
-            s = scores(h, r0, r1)
+            s, capped = scores(h, r0, r1)
             row_lse = lse[h, r0:r1]
             p = torch.exp(
                 s - torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))[:, None]
@@ -186,10 +207,37 @@ def attend(q, k, v, *, causal: bool, scale: float, dtype=None, p_round: Callable
             delta = (do_b.float() * o_b).sum(dim=-1)
             dp = (do_b @ vc.T).float()
             ds = p * (dp - delta[:, None])
+            if capped is not None:
+                ds = ds * capped
             dq[h, r0:r1] = (ds.to(cdt) @ kc).float() * scale
             dk += (ds.to(cdt).T @ qc[h, r0:r1]).float() * scale
             dv += (p.to(cdt).T @ do_b).float()
     return result | {"dQ": dq, "dK": dk, "dV": dv}
+
+
+def window_bounds(causal: bool, window: tuple[int, int] | None) -> tuple[int | None, int | None]:
+    """(left, right) distances from the diagonal, None for an unbounded side: causal caps right at 0."""
+    left, right = window if window is not None else (-1, -1)
+    left = None if left is None or left < 0 else left
+    right = None if right is None or right < 0 else right
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def rows_without_keys(sq: int, sk: int, causal: bool, window: tuple[int, int] | None = None) -> bool:
+    """Whether some row of a (sq, sk) problem attends no key (its LSE is -inf without sinks)."""
+    if sq == 0:
+        return False
+    if sk == 0:
+        return True
+    left, right = window_bounds(causal, window)
+    for i in (0, sq - 1):  # the band's ends: the first and last rows are the extreme ones
+        lo = 0 if left is None else max(0, i + sk - sq - left)
+        hi = sk - 1 if right is None else min(sk - 1, i + sk - sq + right)
+        if lo > hi:
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +345,10 @@ def judge(
 class Expectation:
     """What a backend's outputs must match on one cell: the slices, the float32 references of the
     sampled values and their bars. ``pass_`` fwd: outputs (out (b, sq, hq, dv), lse (b, hq, sq));
-    bwd: (dq like q, dk like k, dv like v)."""
+    bwd: (dq like q, dk like k, dv like v). Packed sequences (``spans``: per sequence (first q row,
+    q rows, first k row, k rows)): out (total_q, hq, dv), lse (hq, total_q), dq like q (total_q, hq,
+    d), dk and dv like k (total_k, hkv, d); a slice is (sequence, head) and the sampled values are
+    flattened and concatenated (the sequences' lengths differ)."""
 
     pass_: str
     slices: list
@@ -305,26 +356,43 @@ class Expectation:
     expect: dict
     bars: dict
     lse_inf: bool = False
+    spans: list | None = None
+
+    def _pieces(self, outputs) -> dict:
+        """Output name -> one float32 tensor per slice."""
+        g = self.group
+        pieces: dict = {}
+        for b, h in self.slices:
+            if self.spans is None:
+                qrows = krows = b
+                if self.pass_ == "fwd":
+                    out, lse = outputs
+                    pieces.setdefault("O", []).append(out[b, :, h].float())
+                    if lse is not None:
+                        pieces.setdefault("LSE", []).append(lse[b, h].float())
+                    continue
+                dq, dk, dv = outputs
+                pieces.setdefault("dQ", []).append(dq[b, :, h * g : (h + 1) * g].float().transpose(0, 1))
+                pieces.setdefault("dK", []).append(dk[b, :, h].float())
+                pieces.setdefault("dV", []).append(dv[b, :, h].float())
+                continue
+            q0, lq, k0, lk = self.spans[b]
+            qrows, krows = slice(q0, q0 + lq), slice(k0, k0 + lk)
+            if self.pass_ == "fwd":
+                out, lse = outputs
+                pieces.setdefault("O", []).append(out[qrows, h].float())
+                if lse is not None:
+                    pieces.setdefault("LSE", []).append(lse[h, qrows].float())
+                continue
+            dq, dk, dv = outputs
+            pieces.setdefault("dQ", []).append(dq[qrows, h * g : (h + 1) * g].float().transpose(0, 1))
+            pieces.setdefault("dK", []).append(dk[krows, h].float())
+            pieces.setdefault("dV", []).append(dv[krows, h].float())
+        return pieces
 
     def sample(self, outputs) -> dict:
         """The sampled values of a backend's outputs, float32, shaped like :attr:`expect`'s."""
-        import torch
-
-        if self.pass_ == "fwd":
-            out, lse = outputs
-            got = {"O": torch.stack([out[b, :, h].float() for b, h in self.slices])}
-            if lse is not None:
-                got["LSE"] = torch.stack([lse[b, h].float() for b, h in self.slices])
-            return got
-        dq, dk, dv = outputs
-        g = self.group
-        return {
-            "dQ": torch.stack(
-                [dq[b, :, h * g : (h + 1) * g].float().transpose(0, 1) for b, h in self.slices]
-            ),
-            "dK": torch.stack([dk[b, :, h].float() for b, h in self.slices]),
-            "dV": torch.stack([dv[b, :, h].float() for b, h in self.slices]),
-        }
+        return {name: combine(parts, self.spans is not None) for name, parts in self._pieces(outputs).items()}
 
     def judge(self, outputs) -> Verdict:
         """Judge a backend's outputs: whole tensors finite, sampled values within the bars. A
@@ -339,14 +407,62 @@ class Expectation:
         return verdict
 
 
+def combine(parts: list, packed: bool):
+    """The slices' values as one tensor: stacked (dense: equal shapes), or flattened and
+    concatenated (packed sequences of different lengths)."""
+    import torch
+
+    if not packed:
+        return torch.stack(parts)
+    return torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0)
+
+
+def _head_values(values, heads: slice):
+    """The per-query-head values (slopes (hq,), sinks (hq,)) of the query heads ``heads``, or None."""
+    return None if values is None else [float(x) for x in values[heads]]
+
+
+def _references(pairs, slice_args, pass_: str, low_dtype, p_round, out_dtype, packed: bool, **features):
+    """(expect, bars) over the slices: ``slice_args(b, h)`` -> (q, k, v, dout, heads) of one slice."""
+    import torch
+
+    exact, low = {}, {}
+    with exact_matmuls():
+        for b, h in pairs:
+            q, k, v, do, heads, slopes = slice_args(b, h)
+            sinks = _head_values(features.get("sinks"), heads)
+            for into, dtype, rounding in ((exact, None, None), (low, low_dtype, p_round)):
+                r = attend(q, k, v, dtype=dtype, p_round=rounding, dout=do, slopes=slopes, sinks=sinks,
+                           causal=features["causal"], scale=features["scale"], window=features.get("window"),
+                           softcap=features.get("softcap", 0.0))  # fmt: skip
+                if pass_ == "fwd":
+                    into.setdefault("O", []).append(r["O"][0])
+                    into.setdefault("LSE", []).append(r["LSE"][0])
+                else:
+                    for name in ("dQ", "dK", "dV"):
+                        into.setdefault(name, []).append(r[name])
+    exact = {n: combine(t, packed) for n, t in exact.items()}
+    low = {n: combine(t, packed) for n, t in low.items()}
+    bars = {n: bar_for(low[n], exact[n], torch.float32 if n == "LSE" else out_dtype) for n in exact}
+    return exact, bars
+
+
+def _slopes_of(slopes, b: int, heads: slice):
+    """ALiBi slopes of batch b's query heads ``heads``: slopes (hq,) or (batch, hq), or None."""
+    if slopes is None:
+        return None
+    row = slopes if slopes.dim() == 1 else slopes[b]
+    return [float(x) for x in row[heads]]
+
+
 def expectation(q, k, v, *, causal: bool, scale: float, dout=None, slices: int = SLICES, seed: int = 0,
-                low_dtype=None, p_round: Callable | None = None, out_dtype=None) -> Expectation:  # fmt: skip
+                low_dtype=None, p_round: Callable | None = None, out_dtype=None, window=None,
+                softcap: float = 0.0, slopes=None, sinks=None) -> Expectation:  # fmt: skip
     """The :class:`Expectation` of attention on q (b, sq, hq, d), k, v (b, sk, hkv, d): forward
     without ``dout``, backward with it. The low-precision reference runs in ``low_dtype`` (default
     q's dtype) with ``p_round`` (:func:`attend`); ``out_dtype`` is the dtype the outputs are stored
-    in (default q's) for the bars' epsilon."""
-    import torch
-
+    in (default q's) for the bars' epsilon. ``window``, ``softcap``, ``slopes`` ((hq,) or (b, hq))
+    and ``sinks`` (hq,): the features, as :func:`attend` takes them."""
     batch, sq, hq, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -354,23 +470,62 @@ def expectation(q, k, v, *, causal: bool, scale: float, dout=None, slices: int =
     out_dtype = q.dtype if out_dtype is None else out_dtype
     pass_ = "fwd" if dout is None else "bwd"
     pairs = sample_slices(batch, hq if pass_ == "fwd" else hkv, slices, seed)
-    exact, low = {}, {}
-    with exact_matmuls():
-        for b, h in pairs:
-            heads = slice(h, h + 1) if pass_ == "fwd" else slice(h * group, (h + 1) * group)
-            kv = h // group if pass_ == "fwd" else h
-            args = (q[b, :, heads].transpose(0, 1), k[b, :, kv], v[b, :, kv])
-            do = None if dout is None else dout[b, :, heads].transpose(0, 1)
-            for into, dtype, rounding in ((exact, None, None), (low, low_dtype, p_round)):
-                r = attend(*args, causal=causal, scale=scale, dtype=dtype, p_round=rounding, dout=do)
-                if pass_ == "fwd":
-                    into.setdefault("O", []).append(r["O"][0])
-                    into.setdefault("LSE", []).append(r["LSE"][0])
-                else:
-                    for name in ("dQ", "dK", "dV"):
-                        into.setdefault(name, []).append(r[name])
-    exact = {n: torch.stack(t) for n, t in exact.items()}
-    low = {n: torch.stack(t) for n, t in low.items()}
-    bars = {n: bar_for(low[n], exact[n], torch.float32 if n == "LSE" else out_dtype) for n in exact}
-    lse_inf = bool(pass_ == "fwd" and torch.isneginf(exact["LSE"]).any().item()) or (causal and sq > sk)
+
+    def slice_args(b, h):
+        heads = slice(h, h + 1) if pass_ == "fwd" else slice(h * group, (h + 1) * group)
+        kv = h // group if pass_ == "fwd" else h
+        do = None if dout is None else dout[b, :, heads].transpose(0, 1)
+        return (
+            q[b, :, heads].transpose(0, 1),
+            k[b, :, kv],
+            v[b, :, kv],
+            do,
+            heads,
+            _slopes_of(slopes, b, heads),
+        )
+
+    exact, bars = _references(pairs, slice_args, pass_, low_dtype, p_round, out_dtype, False, causal=causal,
+                              scale=scale, window=window, softcap=softcap, sinks=sinks)  # fmt: skip
+    lse_inf = pass_ == "fwd" and sinks is None and rows_without_keys(sq, sk, causal, window)
     return Expectation(pass_, pairs, group, exact, bars, lse_inf)
+
+
+def packed_expectation(q, k, v, lengths_q, lengths_k, *, causal: bool, scale: float, dout=None,
+                       slices: int = SLICES, seed: int = 0, window=None, softcap: float = 0.0, slopes=None,
+                       sinks=None) -> Expectation:  # fmt: skip
+    """The :class:`Expectation` of attention over packed sequences: q (total_q, hq, d), k, v
+    (total_k, hkv, d), sequence b's rows the next ``lengths_q[b]`` of q and ``lengths_k[b]`` of k
+    (host lists: the spans follow one another from row 0); each sequence its own problem, causal
+    and windows bottom-right with its own lengths. Features as :func:`expectation`."""
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    pass_ = "fwd" if dout is None else "bwd"
+    spans, q0, k0 = [], 0, 0
+    for lq, lk in zip(lengths_q, lengths_k, strict=True):
+        spans.append((q0, int(lq), k0, int(lk)))
+        q0, k0 = q0 + int(lq), k0 + int(lk)
+    pairs = sample_slices(len(spans), hq if pass_ == "fwd" else hkv, slices, seed)
+
+    def slice_args(b, h):
+        a, lq, c, lk = spans[b]
+        rows, keys = slice(a, a + lq), slice(c, c + lk)
+        heads = slice(h, h + 1) if pass_ == "fwd" else slice(h * group, (h + 1) * group)
+        kv = h // group if pass_ == "fwd" else h
+        do = None if dout is None else dout[rows, heads].transpose(0, 1)
+        return (
+            q[rows, heads].transpose(0, 1),
+            k[keys, kv],
+            v[keys, kv],
+            do,
+            heads,
+            _slopes_of(slopes, b, heads),
+        )
+
+    exact, bars = _references(pairs, slice_args, pass_, q.dtype, None, q.dtype, True, causal=causal, scale=scale,
+                              window=window, softcap=softcap, sinks=sinks)  # fmt: skip
+    lse_inf = (
+        pass_ == "fwd"
+        and sinks is None
+        and any(rows_without_keys(lq, lk, causal, window) for _, lq, _, lk in spans)
+    )
+    return Expectation(pass_, pairs, group, exact, bars, lse_inf, spans)

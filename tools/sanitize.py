@@ -1,6 +1,9 @@
 """compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on every default kernel family and
 direction: sm80 forward and backward, sm90 forward and backward (16-bit), sm90 e4m3 forward, each at
-the chosen head dims (default 64, 128 and 256), at ragged sizes.
+the chosen head dims (default 64, 128 and 256), at ragged sizes; and on the feature and decode
+kernels the dispatcher runs (tools/sanitize_features.py: the sm90 forward over packed sequences and
+with a sliding window, the sm80 backward with each, the paged split-KV decode kernel with its
+combine), on ragged packed batches with an empty sequence inside.
 
 Each run is one small driver process (this file with ``--drive``) under one tool, launching one
 default kernel (dispatch's default for the family, head dim and target: ``default_spec`` and, where
@@ -33,7 +36,12 @@ several commands. Exit status 1 unless every run is clean.
     python tools/sanitize.py --out DIR                              # everything, on an H100
     python tools/sanitize.py --out DIR --tools memcheck,initcheck   # some tools (others later, same DIR)
     python tools/sanitize.py --out DIR --kernels sm90_bwd --hdim 64,96,128,192,256 --jobs 8
+    python tools/sanitize.py --out DIR --kernels features            # the feature and decode groups
+    python tools/sanitize.py --out DIR --kernels sm90_fwd_varlen,sm80_decode
     python tools/sanitize.py --plan                                  # list the runs, run nothing
+
+``--kernels`` takes the labels of :data:`KERNELS` and of tools/sanitize_features.py's groups, and
+``dense`` / ``features`` for all of either.
 
 ``compute-sanitizer`` is taken from ``--sanitizer``, else PATH, else /usr/local/cuda/bin (else the
 newest /usr/local/cuda-*/bin); without one the script stops with an error saying so. The H200
@@ -56,6 +64,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(Path(__file__).resolve().parent) not in sys.path:  # sanitize_features, also when loaded by path
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+import sanitize_features
+from sanitize_features import FEATURE_KERNELS
+
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # label -> (family, direction, dtype)
 KERNELS = {
@@ -65,6 +79,8 @@ KERNELS = {
     "sm90_bwd": ("sm90", "bwd", "bf16"),
     "sm90_fwd_e4m3": ("sm90", "fwd", "e4m3"),
 }
+ALL_KERNELS = (*KERNELS, *FEATURE_KERNELS)
+KERNEL_GROUPS = {"dense": tuple(KERNELS), "features": tuple(FEATURE_KERNELS)}
 HDIMS = (64, 128, 256)
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal)
 RAGGED = tuple((1, s, s, 2, 2, c) for s in (1, 17, 1000) for c in (False, True)) + (
@@ -75,8 +91,16 @@ RACE = ((1, 200, 200, 2, 1, True),)
 DRIVER_WRONG = 3  # the driver's exit status when an output failed its check
 
 
-def cases_for(tool: str) -> tuple[tuple, ...]:
+def cases_for(tool: str, kernel: str | None = None) -> tuple[tuple, ...]:
+    """The cases of ``tool`` on ``kernel`` (a dense kernel when None)."""
+    if kernel in FEATURE_KERNELS:
+        return sanitize_features.cases_for(kernel, tool)
     return RACE if tool == "racecheck" else RAGGED
+
+
+def prepare_cases(kernel: str) -> tuple[tuple, ...]:
+    """Every case of every tool on ``kernel``: what its unsanitized run checks."""
+    return tuple(dict.fromkeys(c for tool in TOOLS for c in cases_for(tool, kernel)))
 
 
 def tool_flags(tool: str) -> list[str]:
@@ -112,6 +136,8 @@ def kernel_spec(kernel: str, hdim: int, target: str):
     from cutefa.model.defaults import default_spec
     from cutefa.model.rules import fitting_variant, why_not_on
 
+    if kernel in FEATURE_KERNELS:
+        return sanitize_features.feature_spec(kernel, hdim, target)
     arch, direction, dtype = KERNELS[kernel]
     spec = default_spec(arch, direction, dtype, hdim)
     if spec is None:
@@ -132,7 +158,7 @@ def plan(tools, kernels, hdims, target: str) -> tuple[list[Run], list[str]]:
                     if tool == tools[0]:
                         skipped.append(f"{kernel} hd{hdim}: {why}")
                     continue
-                runs.append(Run(tool, kernel, hdim, spec.name, cases_for(tool)))
+                runs.append(Run(tool, kernel, hdim, spec.name, cases_for(tool, kernel)))
     return runs, skipped
 
 
@@ -157,8 +183,13 @@ def find_sanitizer(given: str | None = None) -> str:
 
 
 def driver_command(spec: str, cases, *, poison: bool, check: bool) -> list[str]:
-    payload = {"spec": spec, "cases": [list(c) for c in cases], "poison": poison, "check": check}
+    payload = {"spec": spec, "cases": [_listed(c) for c in cases], "poison": poison, "check": check}
     return [sys.executable, str(Path(__file__).resolve()), "--drive", json.dumps(payload)]
+
+
+def _listed(case) -> list:
+    """A case as JSON takes it: tuples (a packed batch's lengths) as lists."""
+    return [_listed(x) if isinstance(x, (tuple, list)) else x for x in case]
 
 
 def supported(flags: list[str], help_text: str | None) -> list[str]:
@@ -305,10 +336,9 @@ def sanitize_one(sanitizer: str, run: Run, logs: Path, timeout: float, extra: li
     return outcome_of(run, command, text, code, time.monotonic() - start, timed_out, log)
 
 
-def prepare_one(spec: str, logs: Path, timeout: float) -> tuple[str, str]:
-    """The driver of ``spec`` once without the sanitizer, every case of every tool, checked:
-    (spec, "ok" | what went wrong)."""
-    cases = tuple(dict.fromkeys(RAGGED + RACE))
+def prepare_one(spec: str, cases, logs: Path, timeout: float) -> tuple[str, str]:
+    """The driver of ``spec`` once without the sanitizer on ``cases`` (:func:`prepare_cases`),
+    checked: (spec, "ok" | what went wrong)."""
     try:
         proc = subprocess.run(driver_command(spec, cases, poison=True, check=True), capture_output=True, text=True,
                               env=run_env(), timeout=timeout, check=False)  # fmt: skip
@@ -330,7 +360,7 @@ def table(outcomes: list[Outcome], prepared: dict[str, str]) -> str:
     """kernel x tool, one line per (kernel, head dim, variant), and the prepare run's check."""
     rows: dict[tuple, dict[str, str]] = {}
     for o in outcomes:
-        rows.setdefault((list(KERNELS).index(o.kernel) if o.kernel in KERNELS else 99, o.hdim, o.kernel, o.spec), {})[
+        rows.setdefault((ALL_KERNELS.index(o.kernel) if o.kernel in ALL_KERNELS else 99, o.hdim, o.kernel, o.spec), {})[
             o.tool
         ] = o.status  # fmt: skip
     tools = [t for t in TOOLS if any(o.tool == t for o in outcomes)]
@@ -386,6 +416,8 @@ def drive(payload: dict) -> int:
     from cutefa.model.spec import parse_name
 
     base = parse_name(payload["spec"])
+    if base.features.any or base.mask.name == "LOCAL":
+        return sanitize_features.drive(payload, DRIVER_WRONG)
     target = current_target()
     gen = torch.Generator(device="cuda").manual_seed(0)
     wrong = 0
@@ -480,13 +512,22 @@ def _list(text: str, allowed, what: str) -> list:
     return list(dict.fromkeys(values))
 
 
+def _kernels(text: str) -> list[str]:
+    """``--kernels``: labels of :data:`ALL_KERNELS` and groups (:data:`KERNEL_GROUPS`), expanded."""
+    chosen = _list(text, (*ALL_KERNELS, *KERNEL_GROUPS), "--kernels")
+    return list(dict.fromkeys(k for c in chosen for k in KERNEL_GROUPS.get(c, (c,))))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="sanitize.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", type=Path, default=Path("sanitize_out"), help="results folder (sanitize_out/)")
     p.add_argument("--tools", type=lambda t: _list(t, TOOLS, "--tools"), default=list(TOOLS))
-    p.add_argument("--kernels", type=lambda t: _list(t, KERNELS, "--kernels"), default=list(KERNELS))
+    p.add_argument(
+        "--kernels", type=_kernels, default=list(ALL_KERNELS),
+        help=f"labels or groups ({', '.join(KERNEL_GROUPS)}); default every one",
+    )  # fmt: skip
     p.add_argument(
         "--hdim", type=lambda t: [int(x) for x in _list(t, ("64", "96", "128", "192", "256"), "--hdim")],
         default=list(HDIMS), help="head dims (default 64,128,256; every one: 64,96,128,192,256)",
@@ -548,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     help_text = (helped.stdout + helped.stderr) or None
     with ThreadPoolExecutor(args.jobs) as pool:
         if not args.no_prepare:
-            specs = list(dict.fromkeys(run.spec for run in runs))
-            for spec, how in pool.map(lambda s: prepare_one(s, logs, args.timeout), specs):
+            specs = {run.spec: prepare_cases(run.kernel) for run in runs}
+            for spec, how in pool.map(lambda s: prepare_one(s, specs[s], logs, args.timeout), specs):
                 prepared[spec] = how
                 print(f"prepared {spec}: {how}", flush=True)
         for o in pool.map(lambda r: sanitize_one(sanitizer, r, logs, args.timeout, extra, help_text), runs):
