@@ -186,7 +186,7 @@ class PagedKVCache:
         """Write ``k``, ``v`` (batch, n, heads_kv, head_dim) into ``layer``'s pages at
         ``cache_seqlens`` through ``page_table`` (what :meth:`step` returned): the in-place append of
         flash_attn_with_kvcache without the attention (a prefill run by another kernel)."""
-        from cutefa.api.kvcache import append_kv
+        from cutefa.api.kvcache_reference import append_kv
 
         k_cache, v_cache = self.layer(layer)
         if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:

@@ -1,7 +1,7 @@
 """The sm80-family decode kernel (templates/decode_sm80.py.j2) compiles on this CPU, and its SASS
 shows the design: mma.sync (HMMA) on the packed query rows, cp.async (LDGSTS) for Q and the K/V
-rows, exp2 on MUFU, no local-memory spills, registers within the 255 limit, and the combine kernel
-beside the decode kernel in the same cubin.
+rows, exp2 on MUFU, no local-memory spills, registers within the 255 limit, and the append and combine
+kernels beside the decode kernel in the same cubin.
 
 Dense and paged caches, the masks and softcap, head dims 64 and 128, row tiles of 1, 2, 4 and 8
 warps; for sm_90a (H100/H200: the GPUs the decode path is measured on) and a subset for sm_80.
@@ -58,9 +58,13 @@ def _check(cubin, spec) -> None:
     assert report.counts["HMMA"] == bodies * _hmma_per_body(spec), f"{spec.name}: {report.summary()}"
     text = sass.disassemble(cubin)
     kernels = sass.kernel_sections(text)
-    assert len(kernels) == 2, list(kernels)
+    assert len(kernels) == 3, list(kernels)
     combine = sass.kernel_text(text, "combine")
     assert "SHFL.BFLY" in combine and "HMMA" not in combine and "MUFU.EX2" in combine
+    # the append: element loads and stores of q/k/v rows, the rotation in float32 FMAs, no MMA
+    append = sass.opcode_forms(sass.kernel_text(text, "append"))
+    assert append.get("LDG.E.U16", 0) > 0 and append.get("STG.E.U16", 0) > 0, append
+    assert "HMMA" not in append and "LDGSTS" not in " ".join(append), append
     decode = sass.kernel_text(text, "kernel")
     forms = sass.opcode_forms(decode)
     # the K/V tiles by cp.async, 16 bytes a copy; fp32 partial rows as 8-byte pairs

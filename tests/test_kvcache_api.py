@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cutefa import codegen, dispatch
-from cutefa.api import kvcache, validate
+from cutefa.api import kvcache, kvcache_reference, validate
 from cutefa.api.features import UNBOUNDED
 from cutefa.kernels.sm80 import decode_rows
 from cutefa.model import policy_decode
@@ -28,26 +28,51 @@ with_kvcache = kvcache.flash_attn_with_kvcache
 # The kernel's contract, emulated CTA by CTA on CPU tensors
 
 
-def emulate_decode(
-    spec,
-    device,
-    q,
-    k_cache,
-    v_cache,
-    out,
-    lse,
-    o_part,
-    lse_part,
-    seqlens,
-    cache_map,
-    scale,
-    seqlen_new,
-    *rest,
+def emulate_append(
+    spec, q_in, q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, cache_map, leftpad, inter
 ):
-    """What templates/decode_sm80.py.j2 computes, from its arguments: per (batch, kv head, row tile,
-    split) the key blocks of decode_rows.key_blocks / split_blocks, each packed row's band, a
-    partial softmax per split, and the combine. float64."""
+    """What the append launch of templates/decode_sm80.py.j2 computes (kernels/sm80/decode_append.py):
+    token t of sequence b into slot cache_seqlens[b] + t unless past the capacity, k rotated at
+    cache_seqlens[b] - cache_leftpad[b] + t, q per token (causal, local) or at the first position,
+    positions clamped to the rotary table."""
+    seqlen_new, half, sq = k_new.shape[1], cos.shape[1], q.shape[1]
+    if seqlen_new + half == 0:
+        return
+    paged = spec.features.paged_kv
+    capacity = cache_map.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+
+    def turned(x, pos):  # x (heads, d) at a clamped position, float32 and rounded once
+        pos = torch.tensor([[max(min(pos, cos.shape[0] - 1), 0)]])
+        return kvcache_reference.rotate(x[None, None], cos, sin, pos, bool(inter))[0, 0]
+
+    for b in range(q.shape[0]):
+        start = int(seqlens[b])
+        first = start - (int(leftpad[b]) if leftpad is not None and leftpad.numel() else 0)
+        for t in range(max(seqlen_new, sq)):
+            slot = start + t
+            if t < seqlen_new and slot < capacity:
+                if paged:
+                    row, slot = int(cache_map[b, slot // k_cache.shape[1]]), slot % k_cache.shape[1]
+                else:
+                    row = int(cache_map[b]) if cache_map.numel() else b
+                k_cache[row, slot] = turned(k_new[b, t], first + t)
+                v_cache[row, slot] = v_new[b, t]
+            if half and t < sq:
+                q[b, t] = turned(q_in[b, t], first + t if spec.mask is not Mask.NONE else first)
+
+
+def emulate_decode(spec, device, q_in, q, k_cache, v_cache, k_new, v_new, cos, sin, out, lse, o_part, lse_part,
+                   seqlens, cache_map, *rest):  # fmt: skip
+    """What templates/decode_sm80.py.j2 computes, from its arguments: the append, then per (batch,
+    kv head, row tile, split) the key blocks of decode_rows.key_blocks / split_blocks, each packed
+    row's band, a partial softmax per split, and the combine. float64."""
     rest = list(rest)
+    leftpad = None if spec.features.paged_kv else rest.pop(0)
+    scale, inter = rest.pop(0), rest.pop(0)
+    emulate_append(
+        spec, q_in, q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, cache_map, leftpad, inter
+    )
+    seqlen_new = k_new.shape[1]
     if spec.mask is Mask.LOCAL:
         wl, wr = rest.pop(0), rest.pop(0)
     else:
@@ -62,7 +87,8 @@ def emulate_decode(
     splits = lse_part.shape[0]
     tm, tn = spec.tile_m, spec.tile_n
     for b in range(batch):
-        sk = min(int(seqlens[b]) + seqlen_new, capacity)
+        left = min(int(leftpad[b]), capacity) if leftpad is not None and leftpad.numel() else 0
+        sk = max(min(int(seqlens[b]) + seqlen_new, capacity) - left, 0)
         if paged:
             ps = k_cache.shape[1]
             idx = [(int(cache_map[b, j // ps]), j % ps) for j in range(sk)]
@@ -70,7 +96,7 @@ def emulate_decode(
             vals = torch.stack([v_cache[p, o] for p, o in idx]) if idx else k_cache.new_zeros(0, hkv, d)
         else:
             row = int(cache_map[b]) if cache_map.numel() else b
-            keys, vals = k_cache[row, :sk], v_cache[row, :sk]
+            keys, vals = k_cache[row, left : left + sk], v_cache[row, left : left + sk]
         for h in range(hkv):
             for row0 in range(0, rows, tm):
                 t_first, t_last = row0 // group, (min(row0 + tm, rows) - 1) // group
@@ -117,7 +143,7 @@ def emulated(monkeypatch):
     launched = []
 
     def launch(kernel, device, *args):
-        launched.append((kernel, args[6].shape[0]))
+        launched.append((kernel, args[11].shape[0]))
         emulate_decode(kernel, device, *args)
 
     monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
@@ -191,7 +217,12 @@ def _inputs(batch=2, sq=1, hq=4, hkv=2, d=64, seqlen_cache=40, dtype=torch.float
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
-        ({"cache_leftpad": torch.zeros(2, dtype=torch.int32)}, NotImplementedError, "cache_leftpad"),
+        (
+            {"cache_leftpad": torch.zeros(2, dtype=torch.int64)},
+            TypeError,
+            "cache_leftpad must be torch.int32",
+        ),
+        ({"cache_leftpad": torch.zeros(3, dtype=torch.int32)}, ValueError, "cache_leftpad must have shape"),
         ({"alibi_slopes": torch.zeros(4)}, NotImplementedError, "alibi_slopes"),
         ({"num_splits": -1}, ValueError, "num_splits"),
         ({"num_splits": True}, TypeError, "num_splits"),
@@ -259,6 +290,8 @@ def test_paged_arguments_are_checked(emulated):
         with_kvcache(q, pool, pool[:, :8], page_table=table)
     with pytest.raises(ValueError, match="cache_batch_idx is for a dense cache"):
         with_kvcache(q, pool, pool, page_table=table, cache_batch_idx=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_leftpad is for a dense cache"):
+        with_kvcache(q, pool, pool, page_table=table, cache_leftpad=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="pass the page table once"):
         with_kvcache(q, pool, pool, block_table=table, page_table=table.clone())
     with_kvcache(
@@ -311,15 +344,45 @@ def test_rendered_decode_module_names_its_arguments():
     text = codegen.render_source(spec)
     assert codegen.render_source(spec) == text
     assert "def fake_arguments(spec, cutlass, cute)" in text and "class Kernel" in text
-    assert "mPageTable: cute.Tensor" in text and "mBatchIdx" not in text
+    assert "mPageTable: cute.Tensor" in text and "mBatchIdx" not in text and "mLeftpad" not in text
+    assert "def append(" in text and "rotary_interleaved: Int32" in text and "ROTARY_PER_TOKEN = True" in text
     assert "window_left: Int32" in text and "softcap: Float32" in text
     assert "COPY_THREADS_PER_ROW = 2" in text
     dense = codegen.render_source(policy_decode.decode_spec("bf16", 128, 4))
     assert (
         "mBatchIdx: cute.Tensor" in dense
+        and "mLeftpad: cute.Tensor" in dense
+        and "ROTARY_PER_TOKEN = False" in dense
         and "window_left: Int32," not in dense
         and "decode_paged" not in dense
     )
+
+
+@pytest.mark.parametrize(("mask", "paged", "softcap"), [(Mask.NONE, False, False), (Mask.LOCAL, True, True)])
+def test_kernel_args_follow_the_rendered_signature(mask, paged, softcap):
+    """kvcache.kernel_args gives exactly the parameters of the rendered Kernel.__call__ (less the
+    stream), in its order: the tensors where the module takes tensors."""
+    import ast
+
+    spec = policy_decode.decode_spec("bf16", 64, 4, mask=mask, paged=paged, softcap=softcap)
+    tree = ast.parse(codegen.render_source(spec))
+    (call,) = [
+        f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "Kernel"
+        for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__call__"
+    ]  # fmt: skip
+    params = [(a.arg, ast.unparse(a.annotation)) for a in call.args.args[1:]]
+    assert params[-1][0] == "stream"
+    q = torch.zeros(2, 1, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
+    lens = torch.zeros(2, dtype=torch.int32)
+    table = torch.zeros(2, 1, dtype=torch.int32) if paged else None
+    args = kvcache.kernel_args(
+        spec, q, q, cache, cache, None, None, None, None, q, lens, q, lens, lens, None, None, table, 0.1, True,
+        False, 3, 0, 5.0,
+    )  # fmt: skip
+    assert len(args) == len(params) - 1
+    for (name, kind), arg in zip(params, args):
+        assert isinstance(arg, torch.Tensor) == (kind == "cute.Tensor"), (name, kind, type(arg))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,6 +542,62 @@ def test_cache_batch_idx_window_and_softcap(emulated):
             torch.testing.assert_close(lse[b : b + 1].double(), l, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_cache_leftpad_starts_the_keys_and_the_rotary_positions_at_the_pad(emulated, causal):
+    """flash-attn's cache_leftpad: sequence b's keys are cache rows [pad, cache_seqlens + new), the
+    new tokens land at cache_seqlens[b] + i and are rotated at cache_seqlens[b] - pad + i."""
+    batch, sq, hq, hkv, d, cap, rd = 3, 2, 4, 2, 64, 60, 16
+    q, k_cache, v_cache = _inputs(batch=batch, sq=sq, hq=hq, hkv=hkv, d=d, seqlen_cache=cap)
+    k, v = _rand(batch, sq, hkv, d, seed=50), _rand(batch, sq, hkv, d, seed=51)
+    angles = torch.rand(cap, rd // 2, generator=_g(52)) * 6
+    cos, sin = angles.cos().half(), angles.sin().half()
+    lens, pads = torch.tensor([10, 3, 40], dtype=torch.int32), torch.tensor([4, 3, 0], dtype=torch.int32)
+    cache, values = k_cache.clone(), v_cache.clone()
+    out, lse = with_kvcache(
+        q,
+        cache,
+        values,
+        k,
+        v,
+        cos,
+        sin,
+        lens,
+        cache_leftpad=pads,
+        causal=causal,
+        num_splits=2,
+        return_lse=True,
+    )
+    start = kvcache_reference.rotary_start(lens, pads)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    kvcache_reference.append_kv(want_k, want_v, k, v, lens, None, None, cos, sin, True, cache_leftpad=pads)
+    assert torch.equal(values, want_v)
+    torch.testing.assert_close(cache, want_k, atol=2e-3, rtol=0)
+    q_rot = kvcache_reference.rotate(q, cos, sin, kvcache_reference.query_positions(start, sq, causal), True)
+    for b in range(batch):
+        p, n = int(pads[b]), int(lens[b]) + sq
+        o, l = reference(
+            q_rot[b : b + 1], want_k[b : b + 1, p:n], want_v[b : b + 1, p:n], 1 / 8, causal=causal
+        )
+        _assert_close(out[b : b + 1], o, atol=4e-3)
+        torch.testing.assert_close(lse[b : b + 1].double(), l, atol=2e-3, rtol=0)
+
+
+def test_an_append_past_the_capacity_writes_nothing_there(emulated):
+    q, k_cache, v_cache = _inputs(batch=2, sq=3, seqlen_cache=40)
+    k, v = _rand(2, 3, 2, 64, seed=60), _rand(2, 3, 2, 64, seed=61)
+    cache, values = k_cache.clone(), v_cache.clone()
+    with_kvcache(q, cache, values, k, v, cache_seqlens=torch.tensor([38, 5], dtype=torch.int32))
+    assert torch.equal(cache[0, 38:], k[0, :2]) and torch.equal(values[0, :38], v_cache[0, :38])
+    assert torch.equal(cache[1, 5:8], k[1]) and torch.equal(cache[1, 8:], k_cache[1, 8:])
+
+
+def test_q_without_rows_refuses_new_tokens(emulated):
+    q, k_cache, v_cache = _inputs()
+    k = _rand(2, 1, 2, 64, seed=62)
+    with pytest.raises(ValueError, match="q has no query rows"):
+        with_kvcache(q[:, :0], k_cache, v_cache, k, k, cache_seqlens=1)
+
+
 def test_the_custom_ops_give_what_the_direct_path_gives(emulated, monkeypatch):
     """A plain eager call runs the ops' implementations directly; through the ops (as under
     torch.compile or autograd) the results and the cache are the same."""
@@ -522,15 +641,17 @@ def test_fake_ops_give_the_output_shapes():
         pool = torch.empty(100, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
         table = torch.empty(3, 20, dtype=torch.int32, device="cuda")
         lens = torch.empty(3, dtype=torch.int32, device="cuda")
-        out, lse = kvcache.kvcache_attn(q, pool, pool, lens, None, table, 4, 0.1, True, -1, -1, 0.0, 0)
+        k = torch.empty(3, 4, 8, 128, dtype=torch.bfloat16, device="cuda")
+        cos = torch.empty(64, 32, dtype=torch.bfloat16, device="cuda")
+        out, lse = kvcache.kvcache_attn(
+            q, pool, pool, k, k, cos, cos, lens, None, None, table, 0.1, True, -1, -1, 0.0, True, 0
+        )
         assert (
             out.shape == q.shape
             and out.dtype == q.dtype
             and lse.shape == (3, 32, 4)
             and lse.dtype == torch.float32
         )
-        k = torch.empty(3, 4, 8, 128, dtype=torch.bfloat16, device="cuda")
-        assert kvcache.kvcache_append(pool, pool, k, k, lens, None, table, None, None, True) is None
 
 
 def test_torch_compile_fullgraph_traces_append_and_attention():
@@ -561,12 +682,10 @@ def test_torch_compile_fullgraph_traces_append_and_attention():
     assert out.shape == q.shape and lse.shape == (2, 8, 1)
     (graph,) = graphs
     called = [n.target for n in graph.graph.nodes if n.op == "call_function"]
-    ops = [
-        torch.ops.cutefa.kvcache_rotary.default,
-        torch.ops.cutefa.kvcache_append.default,
-        torch.ops.cutefa.kvcache_attn.default,
-    ]
-    assert [c for c in called if c in ops] == ops
+    # one op: the append and the attention in one host call (auto_functionalized: it mutates the caches)
+    names = [str(getattr(c, "__name__", c)) + str(c) for c in called]
+    assert sum("kvcache_attn" in n for n in names) == 1, called
+    assert not any("kvcache_append" in n or "kvcache_rotary" in n for n in names), called
 
 
 # ---------------------------------------------------------------------------------------------

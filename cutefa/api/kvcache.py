@@ -2,24 +2,22 @@
 speculative decoding, chunked prefill), a dense or paged cache, new keys and values appended in
 place, rotary embedding on q and the new keys.
 
-Custom ops carry it (graph-capturable: nothing here reads a GPU value, and every
-allocation depends on shapes only):
+One custom op carries it, ``cutefa::kvcache_attn`` (mutates ``k_cache`` and ``v_cache``;
+graph-capturable: nothing here reads a GPU value, and every allocation depends on shapes only): the
+decode kernel (templates/decode_sm80.py.j2, the sm80-family FlashAttention-2 design that runs on
+sm80 and newer GPUs) in one host call of up to three launches:
 
-- ``cutefa::kvcache_append`` (mutates ``k_cache`` and ``v_cache``): the new ``k``/``v`` written at
-  positions ``cache_seqlens[b] + i``, into the right pages of a paged cache, the new keys rotated
-  first. A torch implementation for now (index arithmetic, gathers and one ``index_put_`` per
-  cache on the device); fusing it, and the rotation, into a kernel is a later step.
-- ``cutefa::kvcache_rotary``: q rotated at its positions (torch, like the append).
-- ``cutefa::kvcache_attn`` (no mutation): the decode kernel (templates/decode_sm80.py.j2, the
-  sm80-family FlashAttention-2 design that runs on sm80 and newer GPUs): the query heads of a kv
-  head and the new tokens packed into one tile, the keys split across CTAs by
-  :mod:`cutefa.model.policy_decode` (``num_splits=0``) or as asked, and a combine kernel in the
-  same launch when there is more than one split.
+- the append (with new ``k``/``v``, or rotary tables): the new keys and values written at cache
+  index ``cache_seqlens[b] + i`` (into the right pages of a paged cache), the new keys rotated on
+  the way, and q rotated into a new tensor (cutefa/kernels/sm80/decode_append.py; the torch
+  reference is :mod:`cutefa.api.kvcache_reference`);
+- the attention: the query heads of a kv head and the new tokens packed into one tile, the keys
+  split across CTAs by :mod:`cutefa.model.policy_decode` (``num_splits=0``) or as asked;
+- a combine kernel when there is more than one split.
 
 Limits. ``cache_seqlens`` (plus the new tokens) past the cache's capacity are clamped to it by the
-kernel; an append past the capacity, a page id past ``max_pages`` or a rotary position past
-``rotary_cos`` fail the torch indexing on the device (an asynchronous device-side error, no host
-sync). Page ids themselves are not range-checked (that costs launches on every decode step):
+kernel, and the new tokens past it are not written; a rotary position past ``rotary_cos``'s rows
+takes its last row. Page ids are not range-checked (that costs launches on every decode step):
 :meth:`cutefa.paged.PagedKVCache.check` validates a table in tests and debugging.
 """
 
@@ -87,12 +85,16 @@ def flash_attn_with_kvcache(
     int32 (batch,) (or an int): the keys each sequence has in the cache before this call (None: the
     whole cache). ``cache_batch_idx`` int32 (batch,): the dense cache row of each sequence.
 
+    ``cache_leftpad`` int32 (batch,), dense cache only: sequence ``b``'s keys start at cache index
+    ``cache_leftpad[b]`` (flash-attn's): it has ``cache_seqlens[b] - cache_leftpad[b]`` keys.
+
     ``k``, ``v`` (batch, seqlen_new, heads_kv, head_dim): new tokens written into the cache in place
-    at ``cache_seqlens[b] + i`` (torch ops for now: see the module docs), then attended to: the
-    sequence has ``cache_seqlens[b] + seqlen_new`` keys. ``cache_seqlens`` itself is not updated.
-    ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2): the new keys are rotated at their
-    positions, and q at ``cache_seqlens[b] + i`` when causal or windowed, else all at
-    ``cache_seqlens[b]`` (flash-attn's rule); ``rotary_interleaved``: pairs (0, 1), (2, 3)... else
+    at ``cache_seqlens[b] + i`` (by the kernel's append launch), then attended to: the sequence has
+    ``cache_seqlens[b] + seqlen_new`` keys. ``cache_seqlens`` itself is not updated.
+    ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) (q's dtype; others are converted):
+    the new keys are rotated at their positions ``cache_seqlens[b] - cache_leftpad[b] + i``, and q
+    at the same per token when causal or windowed, else all at ``cache_seqlens[b] -
+    cache_leftpad[b]`` (flash-attn's rule); ``rotary_interleaved``: pairs (0, 1), (2, 3)... else
     GPT-NeoX halves. Rotary embedding needs ``k``.
 
     ``causal`` and ``window_size`` are aligned bottom-right (query token ``i`` of ``seqlen_q`` sits
@@ -102,7 +104,7 @@ def flash_attn_with_kvcache(
     ``return_softmax_lse`` or ``return_lse`` also ``lse`` float32 (batch, heads_q, seqlen_q). A row
     with no key gets out 0 and lse -inf.
 
-    Not yet: ``cache_leftpad``, ``alibi_slopes``, an fp8 cache (each a NotImplementedError).
+    Not yet: ``alibi_slopes``, an fp8 cache (each a NotImplementedError).
     """
     page_table = _one_page_table(block_table, page_table)
     call = _validate(
@@ -111,34 +113,22 @@ def flash_attn_with_kvcache(
     )  # fmt: skip
     causal, window_left, window_right, softcap, scale = call
     seqlens = _seqlens(cache_seqlens, q, k_cache, page_table)
+    if k is not None:
+        k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    if rotary_cos is not None:
+        rotary_cos, rotary_sin = (t.to(q.dtype).contiguous() for t in (rotary_cos, rotary_sin))
     tensors = [
-        t for t in (k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, page_table) if t is not None
+        t
+        for t in (k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad, page_table)
+        if t is not None
     ]
-    # a plain eager call (inference, CUDA-graph capture) runs the ops' implementations directly:
+    # a plain eager call (inference, CUDA-graph capture) runs the op's implementation directly:
     # the same work without the op dispatcher's overhead, which a decode step feels
     direct = plain_eager(q, k_cache, v_cache, *tensors)
-    rotary_op, append_op, attn_op = (_rotary_q, append_kv, decode) if direct else ops()
-    seqlen_new = 0
-    if k is not None:
-        seqlen_new = k.shape[1]
-        if rotary_cos is not None:
-            windowed = (window_left, window_right) != (-1, -1)
-            q = rotary_op(q, rotary_cos, rotary_sin, seqlens, causal or windowed, rotary_interleaved)
-        append_op(
-            k_cache,
-            v_cache,
-            k,
-            v,
-            seqlens,
-            cache_batch_idx,
-            page_table,
-            rotary_cos,
-            rotary_sin,
-            rotary_interleaved,
-        )
+    attn_op = decode if direct else kvcache_attn
     out, lse = attn_op(
-        q, k_cache, v_cache, seqlens, cache_batch_idx, page_table, seqlen_new, scale, causal, window_left,
-        window_right, softcap, int(num_splits),
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad, page_table, scale,
+        causal, window_left, window_right, softcap, rotary_interleaved, int(num_splits),
     )  # fmt: skip
     return (out, lse) if return_softmax_lse or return_lse else out
 
@@ -194,9 +184,10 @@ def _validate(
 ) -> tuple[bool, int, int, float, float]:  # fmt: skip
     """Raise TypeError/ValueError/NotImplementedError naming the argument; return (causal,
     window_left, window_right, softcap, softmax_scale) as the kernel takes them."""
-    for name, value in (("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes)):
-        if value is not None:
-            raise NotImplementedError(f"{name}: flash_attn_with_kvcache does not take {name} yet (pass None)")
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            "alibi_slopes: flash_attn_with_kvcache does not take alibi_slopes yet (pass None)"
+        )
     q = _tensor("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     layout = (
         "(num_pages, page_size, heads_kv, head_dim)"
@@ -254,6 +245,10 @@ def _validate(
             raise ValueError(
                 "cache_batch_idx is for a dense cache; a paged cache maps sequences through page_table"
             )
+        if cache_leftpad is not None:
+            raise ValueError(
+                "cache_leftpad is for a dense cache; a paged cache starts each sequence at its first page"
+            )
     else:
         if cache_batch_idx is not None:
             _int32("cache_batch_idx", cache_batch_idx, (batch,), q, "(batch,)")
@@ -261,6 +256,8 @@ def _validate(
             raise ValueError(
                 f"the dense cache has {k_cache.shape[0]} sequences, q has {batch}: pass cache_batch_idx to map them"
             )
+        if cache_leftpad is not None:
+            _int32("cache_leftpad", cache_leftpad, (batch,), q, "(batch,)")
     if isinstance(cache_seqlens, torch.Tensor):
         _int32("cache_seqlens", cache_seqlens, (batch,), q, "(batch,)")
     elif cache_seqlens is not None and (
@@ -330,6 +327,10 @@ def _check_rotary(q: torch.Tensor, k: object, cos: object, sin: object, interlea
         raise ValueError(
             f"rotary_cos and rotary_sin must have one shape; got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
+    if cos.shape[0] < 1:
+        raise ValueError(
+            "rotary_cos has no rows: it needs one per rotary position (seqlen_ro, rotary_dim / 2)"
+        )
     if not 0 < 2 * cos.shape[1] <= q.shape[-1]:
         raise ValueError(
             f"rotary_cos has {cos.shape[1]} columns: rotary_dim = 2 x that must be in (0, head_dim={q.shape[-1]}]"
@@ -349,98 +350,6 @@ def _seqlens(
 def capacity(k_cache: torch.Tensor, page_table: torch.Tensor | None) -> int:
     """The most keys a sequence can have: seqlen_cache, or max_pages * page_size."""
     return k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Rotary embedding and the append (torch)
-
-
-def query_positions(seqlens: torch.Tensor, seqlen_q: int, per_token: bool) -> torch.Tensor:
-    """Positions (batch, seqlen_q or 1) of the query tokens: cache_seqlens + i per token, or every
-    token at cache_seqlens (flash-attn's rule when neither causal nor windowed)."""
-    if not per_token:
-        return seqlens.long().unsqueeze(1)
-    return seqlens.long().unsqueeze(1) + torch.arange(seqlen_q, device=seqlens.device)
-
-
-def rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool
-) -> torch.Tensor:
-    """Rotary embedding of x (batch, seqlen, heads, head_dim) at ``positions`` (batch, seqlen or 1)
-    on its first 2 * cos.shape[1] dims, computed in float32: interleaved pairs (2i, 2i + 1) or the
-    GPT-NeoX halves (i, i + rotary_dim / 2)."""
-    half = cos.shape[1]
-    c = cos.float().index_select(0, positions.reshape(-1)).reshape(*positions.shape, 1, half)
-    s = sin.float().index_select(0, positions.reshape(-1)).reshape(*positions.shape, 1, half)
-    head = x[..., : 2 * half].float()
-    if interleaved:
-        x1, x2 = head[..., 0::2], head[..., 1::2]
-        turned = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-    else:
-        x1, x2 = head[..., :half], head[..., half:]
-        turned = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return torch.cat((turned.to(x.dtype), x[..., 2 * half :]), dim=-1)
-
-
-def _rotary_q(
-    q: torch.Tensor, rotary_cos: torch.Tensor, rotary_sin: torch.Tensor, cache_seqlens: torch.Tensor, per_token: bool,
-    rotary_interleaved: bool,
-) -> torch.Tensor:  # fmt: skip
-    """q rotated at :func:`query_positions` (a new tensor)."""
-    return rotate(
-        q, rotary_cos, rotary_sin, query_positions(cache_seqlens, q.shape[1], per_token), rotary_interleaved
-    )
-
-
-kvcache_rotary = torch.library.custom_op("cutefa::kvcache_rotary", _rotary_q, mutates_args=())
-
-
-@kvcache_rotary.register_fake
-def _rotary_fake(q, rotary_cos, rotary_sin, cache_seqlens, per_token, rotary_interleaved) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-def append_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
-    cache_batch_idx: torch.Tensor | None, page_table: torch.Tensor | None, rotary_cos: torch.Tensor | None,
-    rotary_sin: torch.Tensor | None, rotary_interleaved: bool,
-) -> None:  # fmt: skip
-    """Write k, v (batch, n, heads_kv, head_dim) into the caches at positions cache_seqlens[b] + i
-    (through page_table for a paged cache), k rotated first when rotary_cos is given. Only those
-    slots change."""
-    positions = cache_seqlens.long().unsqueeze(1) + torch.arange(k.shape[1], device=k.device)
-    if rotary_cos is not None:
-        k = rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
-    if page_table is not None:
-        page_size = k_cache.shape[1]
-        rows = page_table.long().gather(1, positions // page_size)
-        slots = positions % page_size
-    else:
-        seq = torch.arange(k.shape[0], device=k.device) if cache_batch_idx is None else cache_batch_idx.long()
-        rows, slots = seq.unsqueeze(1).expand_as(positions), positions
-    k_cache.index_put_((rows, slots), k)
-    v_cache.index_put_((rows, slots), v)
-
-
-kvcache_append = torch.library.custom_op(
-    "cutefa::kvcache_append", append_kv, mutates_args=("k_cache", "v_cache")
-)
-
-
-@kvcache_append.register_fake
-def _append_fake(
-    k_cache,
-    v_cache,
-    k,
-    v,
-    cache_seqlens,
-    cache_batch_idx,
-    page_table,
-    rotary_cos,
-    rotary_sin,
-    rotary_interleaved,
-) -> None:
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,8 +407,20 @@ def _placeholders(device: torch.device, head_dim: int) -> tuple[torch.Tensor, to
 
 
 @functools.cache
-def _no_batch_idx(device: torch.device) -> torch.Tensor:
+def _no_rows(device: torch.device) -> torch.Tensor:
+    """An int32 tensor of 0 entries: no cache_batch_idx, no cache_leftpad."""
     return torch.zeros((0,), dtype=torch.int32, device=device)
+
+
+@functools.cache
+def _no_new_tokens(
+    device: torch.device, dtype: torch.dtype, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_new with 0 tokens (1, 0, 1, head_dim), rotary table with 0 columns (1, 0)): no append, no
+    rotation (memoized per device, dtype and head dim)."""
+    return torch.zeros((1, 0, 1, head_dim), dtype=dtype, device=device), torch.zeros(
+        (1, 0), dtype=dtype, device=device
+    )
 
 
 def window_bounds(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
@@ -510,25 +431,37 @@ def window_bounds(causal: bool, window_left: int, window_right: int) -> tuple[in
 
 
 def kernel_args(
-    spec: VariantSpec, q, k_cache, v_cache, out, lse, o_part, lse_part, seqlens, cache_batch_idx, page_table,
-    scale, seqlen_new, causal, window_left, window_right, softcap,
+    spec: VariantSpec, q_in, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, out, lse, o_part, lse_part, seqlens,
+    cache_batch_idx, cache_leftpad, page_table, scale, rotary_interleaved, causal, window_left, window_right, softcap,
 ) -> tuple:  # fmt: skip
-    """The decode kernel's arguments in its order (templates/decode_sm80.py.j2's fake_arguments)."""
-    cache_map = page_table.contiguous() if spec.features.paged_kv else (
-        _no_batch_idx(q.device) if cache_batch_idx is None else cache_batch_idx.contiguous()
-    )  # fmt: skip
+    """The decode kernel's arguments in its order (templates/decode_sm80.py.j2's fake_arguments):
+    ``q_in`` the caller's q, ``q`` the tensor the attention reads (q_in itself without rotary
+    embedding, else a new tensor the append launch writes); None for k, v, rotary_cos, rotary_sin,
+    cache_batch_idx, cache_leftpad where absent."""
+    no_new, no_table = _no_new_tokens(q.device, q.dtype, q.shape[3])
+    if spec.features.paged_kv:
+        cache_map = [page_table.contiguous()]
+    else:
+        cache_map = [
+            _no_rows(q.device) if t is None else t.contiguous() for t in (cache_batch_idx, cache_leftpad)
+        ]
     args = [
+        q_in,
         q,
         k_cache,
         v_cache,
+        no_new if k is None else k,
+        no_new if v is None else v,
+        no_table if rotary_cos is None else rotary_cos,
+        no_table if rotary_sin is None else rotary_sin,
         out,
         lse,
         o_part,
         lse_part,
         seqlens,
-        cache_map,
+        *cache_map,
         float(scale),
-        int(seqlen_new),
+        int(bool(rotary_interleaved)),
     ]
     if spec.mask is Mask.LOCAL:
         args += list(window_bounds(causal, window_left, window_right))
@@ -543,16 +476,21 @@ def _launch(kernel, device: torch.device, *args) -> None:
 
 
 def decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
-    cache_batch_idx: torch.Tensor | None, page_table: torch.Tensor | None, seqlen_new: int, softmax_scale: float,
-    causal: bool, window_left: int, window_right: int, softcap: float, num_splits: int,
-    spec: VariantSpec | None = None, target: str | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, seqlens: torch.Tensor,
+    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, page_table: torch.Tensor | None,
+    softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+    num_splits: int, spec: VariantSpec | None = None, target: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The attention of :func:`flash_attn_with_kvcache` (its inputs validated): (out, lse).
-    ``spec``/``target``: another decode variant or target than the policy's (tests, benchmarks)."""
+    """The work of :func:`flash_attn_with_kvcache` (its inputs validated; ``rotary_cos``/``sin`` in
+    q's dtype, ``k``/``v`` with a contiguous head dim): the append into ``k_cache``/``v_cache`` and
+    the attention, (out, lse). ``spec``/``target``: another decode variant or target than the
+    policy's (tests, benchmarks)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
+        if k is not None and k.numel() > 0:
+            raise ValueError("q has no query rows: the new k and v are appended by the attention's launch")
         return out, lse
     windowed = (window_left, window_right) != (-1, -1)
     if spec is None:
@@ -563,10 +501,13 @@ def decode(
     o_part, lse_part = workspaces(q, splits)
     _cache_pointers(k_cache, v_cache)
     kernel = get_kernel(spec, target)
-    q = aligned(q)
+    q_in = aligned(q)
+    # with rotary embedding the append launch writes the rotated q here, and the attention reads it
+    q_attn = q_in if rotary_cos is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     args = kernel_args(
-        spec, q, k_cache, v_cache, out, lse, o_part, lse_part, seqlens, cache_batch_idx, page_table, softmax_scale,
-        seqlen_new, causal, window_left, window_right, softcap,
+        spec, q_in, q_attn, k_cache, v_cache, k, v, rotary_cos, rotary_sin, out, lse, o_part, lse_part, seqlens,
+        cache_batch_idx, cache_leftpad, page_table, softmax_scale, rotary_interleaved, causal, window_left,
+        window_right, softcap,
     )  # fmt: skip
     _launch(kernel, q.device, *args)
     dispatch.log_run(
@@ -576,28 +517,25 @@ def decode(
 
 
 def _attn(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-    cache_batch_idx: torch.Tensor | None, page_table: torch.Tensor | None, seqlen_new: int, softmax_scale: float,
-    causal: bool, window_left: int, window_right: int, softcap: float, num_splits: int,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor,
+    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, page_table: torch.Tensor | None,
+    softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+    num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     return decode(
-        q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table, seqlen_new, softmax_scale, causal,
-        window_left, window_right, softcap, num_splits,
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+        softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits,
     )  # fmt: skip
 
 
-kvcache_attn = torch.library.custom_op("cutefa::kvcache_attn", _attn, mutates_args=())
-
-
-def ops() -> tuple:
-    """(rotary, append, attention): the custom ops (torch.compile, autograd and dispatch modes)."""
-    return kvcache_rotary, kvcache_append, kvcache_attn
+kvcache_attn = torch.library.custom_op("cutefa::kvcache_attn", _attn, mutates_args=("k_cache", "v_cache"))
 
 
 @kvcache_attn.register_fake
 def _attn_fake(
-    q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table, seqlen_new, softmax_scale, causal, window_left,
-    window_right, softcap, num_splits,
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+    softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return out, torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
