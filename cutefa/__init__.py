@@ -12,11 +12,12 @@ if TYPE_CHECKING:
     from cutefa.api import explain, flash_attn_func, flash_attn_varlen_func, fp8_block_sizes
     from cutefa.api.kvcache import flash_attn_with_kvcache
     from cutefa.api.padding import pad_input, unpad_input
-    from cutefa.paged import PagedKVCache
     from cutefa.fp8 import center_v, quantize_fp8
+    from cutefa.mods import BlockMask, create_block_mask
+    from cutefa.paged import PagedKVCache
 
 __all__ = [
-    "PagedKVCache", "__version__", "center_v", "explain", "flash_attn_func", "flash_attn_varlen_func",
+    "BlockMask", "PagedKVCache", "__version__", "center_v", "create_block_mask", "explain", "flash_attn_func", "flash_attn_varlen_func",
     "flash_attn_with_kvcache", "fp8_block_sizes", "pad_input", "quantize_fp8", "unpad_input",
 ]
 
@@ -37,6 +38,12 @@ def __getattr__(name: str) -> Any:
 
         globals()[name] = kvcache.flash_attn_with_kvcache
         return kvcache.flash_attn_with_kvcache
+    if name in ("create_block_mask", "BlockMask"):
+        from cutefa.mods import block_mask
+
+        value = getattr(block_mask, name)
+        globals()[name] = value
+        return value
     if name == "PagedKVCache":
         from cutefa import paged
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from cutefa.cli_common import UsageError, positive_int, print_table, spec_from_argument
 from cutefa.model.spec import (
     ARCHS,
+    COMMITTED_HEAD_DIMS,
     DEFAULT_TARGET,
     DIRECTIONS,
     DTYPES,
-    HEAD_DIMS,
     TARGETS,
     VariantSpec,
     families_for_target,
@@ -222,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--family", ("--arch",), ARCHS, str, "kernel families (default: every family that runs on --target)"),
         ("--direction", (), DIRECTIONS, str, "fwd and/or bwd (default: both)"),
         ("--dtype", (), DTYPES, str, "fp16, bf16, e4m3 (default: every dtype; --for-model: the model's)"),
-        ("--head-dim", (), tuple(str(d) for d in HEAD_DIMS), int, "head dims (default: every one)"),
+        ("--head-dim", (), tuple(str(d) for d in COMMITTED_HEAD_DIMS), int, "head dims (default: every one)"),
         ("--mask", (), tuple(MASKS), str, "none, causal or local (default: every kind; --for-model: causal)"),
         ("--feature", (), tuple(FEATURES), str, "only variants with these feature axes (varlen, paged_kv, split_kv, softcap, alibi, sinks)"),
     )  # fmt: skip

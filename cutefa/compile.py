@@ -223,7 +223,9 @@ def _compile(entry: Entry) -> Any:
     # A kernel family with another calling convention (e.g. a backward pass) defines its own
     # ``fake_arguments(spec, cutlass, cute)`` in the generated module; forwards share this one.
     make_args = getattr(module, "fake_arguments", _fake_arguments)
-    args = make_args(parse_name(entry.name), cutlass, cute)
+    # a module whose name is not a spec's (a user's mods: cutefa.mods.variant) names the spec whose
+    # sample arguments it takes
+    args = make_args(parse_name(getattr(module, "FAKE_SPEC_NAME", entry.name)), cutlass, cute)
     # A generated module may name ptxas options of its own (e.g. a register-usage level that keeps
     # ptxas on the uniform datapath); the constant is part of the hashed source.
     ptxas = getattr(module, "PTXAS_OPTIONS", "")

@@ -25,7 +25,7 @@ from typing import Any
 from cutefa.identity import TUNED_DIR
 from cutefa.model.defaults import default_spec
 from cutefa.model.options import Mask
-from cutefa.model.rules import fitting_variant, why_invalid, why_no_kernel, why_not_on
+from cutefa.model.rules import fitting_variant, tile_head_dims, why_invalid, why_no_kernel, why_not_on
 from cutefa.model.spec import (
     ARCHS,
     DIRECTIONS,
@@ -459,6 +459,18 @@ def choose(
     return choice
 
 
+def _padded_tile(spec: VariantSpec) -> str | None:
+    """A line on the tile head dims of ``spec`` where they are not the problem's, or None."""
+    tile_d, tile_d_v = tile_head_dims(spec)
+    if (tile_d, tile_d_v) == (spec.head_dim, spec.head_dim_v):
+        return None
+    v = f", v head dim {spec.head_dim_v} on {tile_d_v}" if spec.head_dim_v != spec.head_dim else ""
+    return (
+        f"padded tile: head dim {spec.head_dim} computed on tiles {tile_d} columns wide{v} (predicated loads "
+        "zero-fill the pad in shared memory; only the real columns are stored)"
+    )
+
+
 def explain_problem(
     *,
     target: str,
@@ -488,6 +500,9 @@ def explain_problem(
     else:
         lines.append(f"chosen: {choice.spec.name} (family {choice.spec.arch}, compiled for {choice.target})")
         lines.append(f"  why: {choice.reason}")
+        padded = _padded_tile(choice.spec)
+        if padded:
+            lines.append(f"  {padded}")
     if rejected:
         lines.append("rejected:")
         lines += [f"  {label}: {why}" for label, why in rejected]

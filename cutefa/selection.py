@@ -37,13 +37,14 @@ from cutefa.model.feature_sets import feature_variants
 from cutefa.model.options import Mask
 from cutefa.model.rules import fitting_variant, why_invalid, why_not_on
 from cutefa.model.spec import (
+    ACCEPTED_HEAD_DIMS,
     ARCHS,
     DIRECTIONS,
     DTYPES,
-    HEAD_DIMS,
     TORCH_DTYPE_NAMES,
     Features,
     VariantSpec,
+    accepted_head_dim,
     families_for_target,
     parse_name,
 )
@@ -361,7 +362,7 @@ def model_plan(model: ModelAttention, target: str, selection: Selection = Select
                 if not got:
                     lacking.append(f"{direction} {dtype} {mask.name.lower()}")
     found.update(dict.fromkeys(_model_feature_variants(model, target, families, selection, dtypes, masks)))
-    if lacking and model.head_dim in HEAD_DIMS:
+    if lacking and accepted_head_dim(model.head_dim):
         notes.append(
             f"no kernel on {target} ({'/'.join(families)}) for head_dim {model.head_dim}: {', '.join(lacking)}"
         )
@@ -407,11 +408,8 @@ def _model_feature_variants(
 def _gaps(model: ModelAttention, universe: Sequence[VariantSpec]) -> list[str]:
     """A note for each need of ``model`` that no variant of ``universe`` covers."""
     notes = []
-    if model.head_dim not in HEAD_DIMS:
-        notes.append(
-            f"head_dim {model.head_dim}: no kernel covers it yet (head dims with kernels: "
-            f"{', '.join(map(str, HEAD_DIMS))})"
-        )
+    if not accepted_head_dim(model.head_dim):
+        notes.append(f"head_dim {model.head_dim}: no kernel covers it (cutefa takes {ACCEPTED_HEAD_DIMS})")
     if model.head_dim_v != model.head_dim and not any(s.head_dim_v != s.head_dim for s in universe):
         notes.append(
             f"v head dim {model.head_dim_v} != q/k head dim {model.head_dim}: no kernel implements "

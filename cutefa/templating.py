@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cutefa.model import policy_decode, policy_sm80, policy_sm90, policy_sm100
-from cutefa.model.budgets_sm90 import sm90_bwd_dq_bulk_aliases, sm90_bwd_dq_pieces
+from cutefa.model import policy_decode, policy_mla, policy_sm80, policy_sm90, policy_sm100
+from cutefa.model.budgets_sm90 import sm90_bwd_dq_bulk_aliases, sm90_bwd_dq_pieces, sm90_fwd_tile_head_dims
 from cutefa.model.budgets_sm100 import sm100_tmem_columns
 from cutefa.model.options import (
     DqLayout,
@@ -34,6 +34,7 @@ from cutefa.model.options import (
     VTranspose,
 )
 from cutefa.model.spec import VariantSpec
+from cutefa.mods.context import mods_context
 
 Context = dict[str, object]
 
@@ -138,18 +139,23 @@ def exp_emu_per_16(spec: VariantSpec) -> int:
 
 def _fwd_sm80(spec: VariantSpec) -> Context:
     mods = policy_sm80.score_mod_imports(spec)
-    return {"single_stage": spec.stages == 1, **({"score_mod_imports": mods} if mods else {})}
+    return {
+        "single_stage": spec.stages == 1, **policy_sm80.head_dims(spec),
+        **({"score_mod_imports": mods} if mods else {}),
+        **mods_context(spec),  # a user's score_mod/mask_mod (cutefa.mods), only where the spec has them
+    }
 
 
 def _bwd_sm80(spec: VariantSpec) -> Context:
     return {
-        # the CTA's own key blocks only (no stream-K tail): the causal and the feature variants
-        "own_blocks": spec.mask is not Mask.NONE or spec.features.any,
+        # the CTA's own key blocks only (no stream-K tail): the causal, feature and mod variants
+        "own_blocks": spec.mask is not Mask.NONE or spec.features.any or "mods" in mods_context(spec),
         "score_mod_imports": policy_sm80.score_mod_imports(spec),
         "double_q": spec.stages > 1,  # the next query block's Q loads into the other buffer
         "half_warps": spec.warps // 2,
         "warp_grids": policy_sm80.bwd_warp_grids(spec),
         "heavy_first": policy_sm80.bwd_heavy_first(spec),
+        **mods_context(spec),  # a user's score_mod/mask_mod (cutefa.mods), only where the spec has them
     }
 
 
@@ -169,6 +175,11 @@ def _fwd_sm90(spec: VariantSpec) -> Context:
         "mask_select": policy_sm90.fwd_mask_select(spec),
         # the features' arguments (cutefa.api.features): the module defines its own fake_arguments
         "feature_args": policy_sm90.fwd_feature_args(spec),
+        # head dims of its own: padded tile head dims, a V head dim apart (kernels/sm90/head_dims.py)
+        "own_dims": policy_sm90.fwd_own_head_dims(spec),
+        "tile_d": sm90_fwd_tile_head_dims(spec)[0],
+        "tile_dv": sm90_fwd_tile_head_dims(spec)[1],
+        "o_in_q_slab": policy_sm90.fwd_o_in_q_slab(spec),
     }
 
 
@@ -264,6 +275,10 @@ def _decode_sm80(spec: VariantSpec) -> Context:
     }
 
 
+def _decode_mla_sm90(spec: VariantSpec) -> Context:
+    return {"features": spec.features.tokens, **policy_mla.template_numbers(spec)}
+
+
 def _bwd_sm100(spec: VariantSpec) -> Context:
     tmem_dp, tmem_dv, tmem_dk, tmem_end = policy_sm100.bwd_tmem_columns(spec)
     return {"tmem_dp": tmem_dp, "tmem_dv": tmem_dv, "tmem_dk": tmem_dk, "tmem_end": tmem_end}
@@ -281,6 +296,7 @@ _NUMBERS: dict[str, Callable[[VariantSpec], Context]] = {
     "fwd_sm100.py.j2": _fwd_sm100,
     "bwd_sm100.py.j2": _bwd_sm100,
     "decode_sm80.py.j2": _decode_sm80,
+    "decode_mla_sm90.py.j2": _decode_mla_sm90,
 }
 
 

@@ -301,7 +301,8 @@ def why_not(
 
 def _why_not_shapes(query: Any, key: Any, value: Any, layout: str) -> str | None:
     from cutefa import dispatch
-    from cutefa.model.spec import HEAD_DIMS
+    from cutefa.model.defaults import default_spec
+    from cutefa.model.spec import ACCEPTED_HEAD_DIMS, accepted_head_dim
 
     dims = 3 if layout == "thd" else 4
     if any(t.dim() != dims for t in (query, key, value)):
@@ -314,8 +315,10 @@ def _why_not_shapes(query: Any, key: Any, value: Any, layout: str) -> str | None
         return f"q, k and v are on {sorted(map(str, devices))}: cutefa takes one device"
     head_axis = {"bhsd": 1, "bshd": 2, "thd": 1}[layout]
     head_dims = {query.shape[-1], key.shape[-1], value.shape[-1]}
-    if len(head_dims) != 1 or query.shape[-1] not in HEAD_DIMS:
-        return f"head dims {sorted(head_dims)}: cutefa takes one head dim of {HEAD_DIMS} for q, k and v"
+    if len(head_dims) != 1 or not accepted_head_dim(int(query.shape[-1])):
+        return f"head dims {sorted(head_dims)}: cutefa takes one head dim for q, k and v, {ACCEPTED_HEAD_DIMS}"
+    if default_spec("sm80", "bwd", "bf16", int(query.shape[-1])) is None:  # SDPA's caller may ask for gradients
+        return f"head dims {sorted(head_dims)}: cutefa's backward takes multiples of 32 (its forward every multiple of 8)"
     heads_q, heads_kv = query.shape[head_axis], key.shape[head_axis]
     if heads_kv == 0 or heads_q % heads_kv or key.shape != value.shape:
         return f"heads: q has {heads_q}, k/v {heads_kv} (k {tuple(key.shape)}, v {tuple(value.shape)})"

@@ -61,6 +61,7 @@ def test_paths():
     assert templating.template_context(SPEC, codegen.template_name(SPEC)) == {
         "spec": SPEC, "name": SPEC.name, "causal": True, "single_stage": True, "local": False, "varlen": False,
         "paged_kv": False, "split_kv": False, "softcap": False, "alibi": False, "sinks": False,
+        "tile_d": SPEC.head_dim, "tile_d_v": SPEC.head_dim, "head_apart": False, "split_v": False,
     }  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from cutefa.api.descales import block_choice
 from cutefa.model import committed, rules
 from cutefa.model.defaults import default_config, small_smem_configs
 from cutefa.model.options import Mask, Quant
-from cutefa.model.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, TARGETS, parse_name
+from cutefa.model.spec import ARCHS, COMMITTED_HEAD_DIMS, DIRECTIONS, DTYPES, HEAD_DIMS, TARGETS, parse_name
 
 # one seqlen_k in every bucket dispatch distinguishes (powers of two up to 65536, then the last one)
 SEQLENS = [1 << i for i in range(17)] + [dispatch.MAX_SEQLEN_BUCKET + 1]
@@ -28,7 +28,7 @@ COMMITTED = {s for arch in ARCHS for s in committed.default_variants(arch)}
 def _choices() -> dict:
     """Every variant dispatch returns for the problems it distinguishes -> one problem that gets it."""
     found: dict = {}
-    for target, dtype, head_dim, causal in itertools.product(TARGETS, DTYPES, HEAD_DIMS, (False, True)):
+    for target, dtype, head_dim, causal in itertools.product(TARGETS, DTYPES, COMMITTED_HEAD_DIMS, (False, True)):
         for v_centered, seqlen_k in itertools.product(
             (False, True) if dtype == "e4m3" else (False,), SEQLENS
         ):
@@ -47,7 +47,7 @@ def _choices() -> dict:
                 except NotImplementedError:  # the family has no block quantization
                     assert not hasattr(choice.spec.options, "quant"), choice.spec.name
     for target, dtype, head_dim, causal in itertools.product(
-        TARGETS, (torch.float16, torch.bfloat16), HEAD_DIMS, (False, True)
+        TARGETS, (torch.float16, torch.bfloat16), COMMITTED_HEAD_DIMS, (False, True)
     ):
         for seqlen_k in (None, *SEQLENS):
             try:

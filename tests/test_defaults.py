@@ -23,7 +23,7 @@ from cutefa.model.options import (
     Sm90FwdOptions,
     VTranspose,
 )
-from cutefa.model.spec import ARCHS, HEAD_DIMS, VariantSpec
+from cutefa.model.spec import ARCHS, COMMITTED_HEAD_DIMS, HEAD_DIMS, TUNED_HEAD_DIMS, VariantSpec
 
 ALT = load_tool("alternatives")
 OV, OV_PP = Schedule.OVERLAP, Schedule.OVERLAP_PINGPONG
@@ -120,7 +120,7 @@ def test_sm80_defaults_and_fallbacks():
         == {
             defaults.default_spec("sm80", "fwd", dt, hd, causal=c)
             for dt in ("fp16", "bf16")
-            for hd in HEAD_DIMS
+            for hd in COMMITTED_HEAD_DIMS
             for c in (False, True)
         }
         | {s for s in small if s.direction == "fwd"}
@@ -161,7 +161,8 @@ def test_sm80_backward_alternatives():
 
 def test_candidates():
     sm80 = committed.candidates("sm80")
-    assert len(sm80) == 2 * len(HEAD_DIMS) * (2 * 3 * 2 * 2) * 2
+    # the grid (standard head dims) and the committed hd80 / hd112 forwards (2 dtypes x 2 masks each)
+    assert len(sm80) == 2 * len(HEAD_DIMS) * (2 * 3 * 2 * 2) * 2 + 2 * 2 * len(TUNED_HEAD_DIMS)
     assert {s.dtype for s in sm80} == {"fp16", "bf16"}
     assert {s.dtype for s in committed.candidates("sm90")} == {"fp16", "bf16", "e4m3"}
     assert {s.dtype for s in committed.candidates("sm90", "bwd")} == {"fp16", "bf16"}

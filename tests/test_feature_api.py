@@ -159,10 +159,13 @@ def test_paged_problem_has_no_kernel_and_says_why():
 
 
 def test_backward_with_features_passes_over_families_without_them():
-    f = FeatureArgs(window=(64, 0))
+    f = FeatureArgs(window=(64, 0), softcap=30.0)
     spec = feature_bwd.choose_bwd("sm_90a", torch.bfloat16, 128, True, f, seqlen_k=2048, gpu_name="H100")
-    # the sm90 backward takes no window yet: the sm80 family's backward serves
-    assert spec.arch == "sm80" and spec.mask is Mask.LOCAL and spec.direction == "bwd"
+    # the sm90 default backward template takes the window and softcap
+    assert spec.arch == "sm90" and spec.mask is Mask.LOCAL and spec.features.softcap and spec.direction == "bwd"
+    # its head-dim split template (head dim 256) takes none: the sm80 family's backward serves
+    split = feature_bwd.choose_bwd("sm_90a", torch.bfloat16, 256, True, f, seqlen_k=2048, gpu_name="H100")
+    assert split.arch == "sm80" and split.mask is Mask.LOCAL and split.direction == "bwd"
     sinks_only = feature_bwd.choose_bwd(
         "sm_90a", torch.bfloat16, 128, False, FeatureArgs(sinks=torch.zeros(4)), seqlen_k=2048
     )

@@ -111,7 +111,7 @@ SHAPE_ERRORS = {
         (2, 8, 4, 64),
         (2, 8, 2, 64),
         (2, 9, 2, 64),
-        r"k and v must have the same shape; got k \(2, 8, 2, 64\)",
+        r"k and v must have the same shape \(but for v's head dim\); got k \(2, 8, 2, 64\)",
     ),
     "heads": (
         (2, 8, 6, 64),
@@ -121,10 +121,10 @@ SHAPE_ERRORS = {
     ),
     "no_kv_heads": ((2, 8, 4, 64), (2, 8, 0, 64), (2, 8, 0, 64), r"q's heads \(4\) must be a multiple"),
     "head_dim_unsupported": (
-        (1, 8, 2, 80),
-        (1, 8, 2, 80),
-        (1, 8, 2, 80),
-        r"head_dim=80 is not supported; .*64, 96",
+        (1, 8, 2, 84),
+        (1, 8, 2, 84),
+        (1, 8, 2, 84),
+        r"head_dim=84 is not supported \(q.shape\[-1\]\): cutefa takes a multiple of 8 from 8 to 256",
     ),
 }
 
@@ -338,7 +338,8 @@ def test_import_cutefa_does_not_import_the_dsl():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(
-        "['PagedKVCache', '__version__', 'center_v', 'explain', 'flash_attn_func', 'flash_attn_varlen_func', "
+        "['BlockMask', 'PagedKVCache', '__version__', 'center_v', 'create_block_mask', 'explain', "
+        "'flash_attn_func', 'flash_attn_varlen_func', "
         "'flash_attn_with_kvcache', 'fp8_block_sizes', 'pad_input', 'quantize_fp8', 'unpad_input'] "
     )
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):

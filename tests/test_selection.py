@@ -110,7 +110,7 @@ def test_selection_counts_split_the_universe():
     """The per-axis selections partition the target's committed set (each variant counted once)."""
     for axis, values in (
         ("families", ("sm90", "sm80")), ("directions", ("fwd", "bwd")), ("dtypes", ("fp16", "bf16", "e4m3")),
-        ("head_dims", (64, 96, 128, 192, 256)), ("masks", (Mask.NONE, Mask.CAUSAL)),
+        ("head_dims", (64, 80, 96, 112, 128, 192, 256)), ("masks", (Mask.NONE, Mask.CAUSAL)),
     ):  # fmt: skip
         parts = [selection.select(UNIVERSE, selection.Selection(**{axis: (v,)})) for v in values]
         assert sum(map(len, parts)) == len(UNIVERSE), axis
@@ -138,7 +138,7 @@ def test_unimplemented_or_empty_selections_are_errors(argv, words, built, capsys
 def test_bad_flag_values_are_refused(capsys):
     for argv, words in (
         (["--feature", "fancy"], "['fancy'] not accepted"),
-        (["--head-dim", "80"], "['80'] not accepted: give 64, 96, 128, 192, 256"),
+        (["--head-dim", "72"], "['72'] not accepted: give 64, 80, 96, 112, 128, 192, 256"),
         (["--mask", "sliding"], "['sliding'] not accepted"),
         (["--direction", "sideways"], "['sideways'] not accepted"),
     ):
@@ -269,10 +269,9 @@ def test_llama_needs_the_causal_bf16_hd128_kernels_dispatch_can_pick():
     dense = [s for s in plan.specs if not s.features.any]
     assert {(s.arch, s.dtype, s.head_dim, s.causal) for s in dense} == {("sm90", "bf16", 128, True)}
     assert {s.direction for s in dense} == {"fwd", "bwd"}
-    # padded and packed batches: the varlen forward of the sm90 default; the sm90 backward has no
-    # varlen axis yet, so the sm80 family's serves
+    # padded and packed batches: the varlen forward and backward of the sm90 family
     packed = {(s.arch, s.direction) for s in plan.specs if s.features.any}
-    assert packed == {("sm90", "fwd"), ("sm80", "bwd")}
+    assert packed == {("sm90", "fwd"), ("sm90", "bwd")}
     assert all(s.features == Features(varlen=True) and s.causal for s in plan.specs if s.features.any)
     for direction in ("fwd", "bwd"):  # every tuned entry
         entries = table_entries("sm90", direction, TARGET, "bf16", 128, True)
@@ -303,7 +302,7 @@ def test_mistral_and_qwen_need_what_llama_needs_with_their_notes():
     windowed = set(mistral.specs) - set(llama.specs)
     assert set(llama.specs) < set(mistral.specs) and windowed
     assert {(s.mask, s.features) for s in windowed} == {(Mask.LOCAL, Features()), (Mask.LOCAL, Features(varlen=True))}
-    assert {(s.arch, s.direction) for s in windowed} == {("sm90", "fwd"), ("sm80", "bwd")}
+    assert {(s.arch, s.direction) for s in windowed} == {("sm90", "fwd"), ("sm90", "bwd")}
     assert mistral.notes == () and qwen.notes == ()
 
 
@@ -358,11 +357,8 @@ def test_for_model_command_prints_the_selection_and_the_warnings(built, capsys, 
     assert (
         f"model {MODELS / 'mistral_7b.json'}: head_dim 128, 32 heads, 8 kv heads, torch_dtype bfloat16" in out
     )
-    bwd80 = sum(s.direction == "bwd" and s.arch == "sm80" for s in specs)
-    assert (
-        f"selected {len(specs)} kernel(s) for {TARGET}: {fwd} sm90 fwd, {len(specs) - fwd - bwd80} sm90 bwd, "
-        f"{bwd80} sm80 bwd" in out
-    )
+    assert all(s.arch == "sm90" for s in specs)  # the sm90 backward takes the window and packed batches
+    assert f"selected {len(specs)} kernel(s) for {TARGET}: {fwd} sm90 fwd, {len(specs) - fwd} sm90 bwd" in out
     assert err.count("warning: ") == 0
     assert f"{len(specs)} kernel(s), " in out and len(pack.read_pack(out_dir).kernels) == len(specs)
 
@@ -380,9 +376,12 @@ def test_a_separate_v_head_dim_is_a_need_no_kernel_covers(tmp_path):
         )  # hd192 kernels would compute v at 192
 
 
-def test_for_model_with_nothing_selectable_is_an_error(built, capsys):
-    code, _, err = run(capsys, "--for-model", str(MODELS / "phi2.json"))
-    assert code == 2 and "nothing to build for" in err and "head_dim 80: no kernel covers it yet" in err
+def test_for_model_with_nothing_selectable_is_an_error(built, capsys, tmp_path):
+    config = json.loads((MODELS / "phi2.json").read_text())
+    config["hidden_size"] = 32 * 84  # head dim 84: not a multiple of 8
+    (tmp_path / "hd84.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "--for-model", str(tmp_path / "hd84.json"))
+    assert code == 2 and "nothing to build for" in err and "head_dim 84: no kernel covers it" in err
     code, _, err = run(capsys, "--for-model", str(MODELS / "llama3_8b.json"), "--feature", "paged")
     assert code == 2 and "no kernel implements paged_kv yet" in err
     assert cli.main(["compile", "--for-model", str(MODELS / "llama3_8b.json")]) == 2

@@ -14,7 +14,6 @@ from cutefa.model.defaults import default_config
 from cutefa.model.options import (
     DqLayout,
     DqPath,
-    Mask,
     OAccum,
     Quant,
     RowSum,
@@ -22,7 +21,7 @@ from cutefa.model.options import (
     Scheduler,
     VTranspose,
 )
-from cutefa.model.spec import HEAD_DIMS, Features, VariantSpec
+from cutefa.model.spec import Features, VariantSpec
 
 SM80 = VariantSpec("sm80", "fwd", "bf16", 64, 128, 64, 1, 4)
 OV, PP, OV_PP = Schedule.OVERLAP, Schedule.PINGPONG, Schedule.OVERLAP_PINGPONG
@@ -187,7 +186,7 @@ def _reason(spec: VariantSpec) -> str:
         ),
         (SM80.replace(dtype="e4m3"), "e4m3 is only for sm90/sm100 forward kernels, not sm80 fwd"),
         (SM80.replace(arch="sm90", direction="bwd", dtype="e4m3"), "e4m3 is only for sm90/sm100 forward"),
-        (SM80.replace(head_dim=80), f"head_dim=80 is not one of {HEAD_DIMS}"),
+        (SM80.replace(head_dim=84), "head_dim=84 is not a multiple of 8 from 8 to 256"),
         (
             SM80.replace(tile_m=64, warps=8),
             "tile_m=64 is not a multiple of 16*warps=128 (each of the 8 warps",
@@ -195,7 +194,7 @@ def _reason(spec: VariantSpec) -> str:
         (SM80.replace(tile_n=40), "tile_n=40 is not a multiple of 16"),
         (
             SM80.replace(head_dim=96, tile_n=32, warps=8),
-            "the K/V tile (32x96) does not split into 128-bit copies over 256 threads",
+            "the K tile (32x96) does not split into 128-bit copies over 256 threads",
         ),
         (
             SM80.replace(head_dim=256, stages=3, warps=8),
@@ -210,9 +209,10 @@ def test_each_rule_names_itself(spec, reason):
     assert reason in _reason(spec)
 
 
-def test_head_dim_multiple_of_32(monkeypatch):
-    monkeypatch.setattr(rules, "HEAD_DIMS", (*HEAD_DIMS, 80))
-    assert "head_dim=80 is not a multiple of 32" in _reason(SM80.replace(head_dim=80))
+def test_head_dim_multiple_of_32_for_the_sm80_backward():
+    bwd = VariantSpec("sm80", "bwd", "bf16", 80, 64, 128, 1, 8, dq_layout=DqLayout.TILE)
+    assert "head_dim=80: the sm80 backward takes head dims that are multiples of 32" in _reason(bwd)
+    assert rules.why_invalid(SM80.replace(head_dim=80, warps=8)) is None  # the forward pads it to 96
 
 
 def test_a_kernel_that_does_not_exist_says_so(monkeypatch):
@@ -230,10 +230,6 @@ def test_a_kernel_that_does_not_exist_says_so(monkeypatch):
         (
             {"features": Features(paged_kv=True, softcap=True, split_kv=True)},
             "no bf16 sm90 fwd kernel implements the paged + split feature(s) yet",
-        ),
-        (
-            {"head_dim_v": 64},
-            "no sm90 fwd kernel takes a V head dim (head_dim_v=64) apart from head_dim=128 yet",
         ),
     ],
 )

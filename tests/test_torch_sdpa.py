@@ -221,7 +221,9 @@ def meta(batch, heads, seqlen, head_dim, dtype=torch.bfloat16):
         (((1, 4, 100, 64), (1, 4, 300, 64)), torch.float16, {}, None),
         (((2, 8, 128, 256), (2, 8, 128, 256)), torch.bfloat16, {}, None),
         (((2, 8, 128, 128), (2, 8, 128, 128)), torch.float32, {}, "float16 or bfloat16"),
-        (((2, 8, 128, 80), (2, 8, 128, 80)), torch.bfloat16, {}, "head dims [80]"),
+        (((2, 8, 128, 80), (2, 8, 128, 80)), torch.bfloat16, {}, "backward takes multiples of 32"),
+        (((2, 8, 128, 160), (2, 8, 128, 160)), torch.bfloat16, {}, None),  # padded tiles, both directions
+        (((2, 8, 128, 84), (2, 8, 128, 84)), torch.bfloat16, {}, "head dims [84]"),
         (((2, 6, 128, 64), (2, 4, 128, 64)), torch.bfloat16, {}, "heads: q has 6, k/v 4"),
         (((2, 8, 128, 64), (2, 8, 128, 64)), torch.bfloat16, {"dropout_p": 0.1}, "dropout_p=0.1"),
         (((2, 8, 128, 64), (2, 8, 128, 64)), torch.bfloat16, {"debug_mask": True}, "return_debug_mask"),
@@ -425,7 +427,7 @@ def test_unsupported_head_dims_and_paged_kv_go_to_pytorchs_kernel(provider, logg
     recorder, handle = provider
     fake_sdpa = _install_original(handle, ts._SDPA_FWD, (torch.zeros(1),) * 9)
     fake_flash = _install_original(handle, ts._FLASH_FWD, (torch.zeros(1),) * 5)
-    q = bhsd(head_dim=80)
+    q = bhsd(head_dim=84)
     aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False)
     qd = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
     table = torch.zeros(1, 1, dtype=torch.int32)
@@ -433,7 +435,7 @@ def test_unsupported_head_dims_and_paged_kv_go_to_pytorchs_kernel(provider, logg
     assert len(fake_sdpa.calls) == 1 and len(fake_flash.calls) == 1 and recorder.calls == []
     assert fake_flash.calls[0][1]["block_table"] is table  # the options go on unchanged
     lines = [r.getMessage() for r in logged.records if "PyTorch's kernel" in r.getMessage()]
-    assert "head dims [80]" in lines[0] and "block_table" in lines[1]
+    assert "head dims [84]" in lines[0] and "block_table" in lines[1]
 
 
 def test_a_backward_with_a_foreign_lse_goes_to_pytorchs_kernel(provider):
@@ -450,6 +452,6 @@ def test_a_backward_with_a_foreign_lse_goes_to_pytorchs_kernel(provider):
 def test_without_a_kernel_of_pytorchs_the_refusal_is_an_error(provider):
     _, handle = provider
     handle.originals[ts._SDPA_FWD] = None
-    q = bhsd(head_dim=80)
+    q = bhsd(head_dim=84)
     with pytest.raises(NotImplementedError, match="head dims"):
         aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False)

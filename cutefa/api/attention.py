@@ -23,6 +23,9 @@ CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from cutefa import dispatch
@@ -42,6 +45,9 @@ from cutefa.api.validate import (
 from cutefa.api.validate_features import check_dropout, check_softcap, mask_options
 from cutefa.api.varlen import dense_with_features, has_features
 from cutefa.model.spec import Features
+
+# window_size values that ask for no window (score_mod/mask_mod take no window)
+WINDOWLESS = ((-1, -1), (None, None))
 
 
 def flash_attn_func(
@@ -64,6 +70,9 @@ def flash_attn_func(
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     v_mean: torch.Tensor | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    block_mask: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on CUDA tensors of shape (batch, seqlen, heads, head_dim).
 
@@ -104,7 +113,34 @@ def flash_attn_func(
     dispatch among the variants tuned for centered v (a tuned table's ``v_centered`` entries: no
     two-level accumulation, which centered v does not need; the ``_vmean`` kernels take the mean and
     add it in their epilogue, after any other kernel it is added in one pass over the output).
+
+    User mods (keywords, 16-bit inputs, sm80 family kernels: :mod:`cutefa.mods`):
+    ``score_mod(score, b, h, q_idx, kv_idx) -> score`` changes each scaled score, ``mask_mod(b, h,
+    q_idx, kv_idx) -> bool`` keeps the pairs where it is true; both are traced into the kernel
+    (arithmetic, comparisons, ``torch.where``/``exp``/``tanh``/``abs``/``minimum``/``maximum``, reads of
+    captured tensors indexed by the indices). ``block_mask`` (:func:`cutefa.create_block_mask`) lets
+    the kernel skip the key blocks the mask_mod empties and drop the mask on full ones; its
+    mask_mod applies when none is given. Not combined with window_size, softcap, alibi_slopes,
+    sinks or fp8 (a score_mod can write them). Differentiable in q, k and v (a captured tensor gets
+    no gradient).
     """
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        if has_features(window_size, softcap, alibi_slopes, sinks) or window_size not in WINDOWLESS:
+            raise NotImplementedError(
+                "score_mod/mask_mod/block_mask with window_size, softcap, alibi_slopes or sinks is not "
+                "implemented (write them into the score_mod/mask_mod)"
+            )
+        if q_descale is not None or k_descale is not None or v_descale is not None or v_mean is not None:
+            raise NotImplementedError("score_mod/mask_mod/block_mask are not implemented for fp8 inputs")
+        check_dropout(dropout_p)
+        from cutefa.mods.api import attention_with_mods
+
+        out, lse = attention_with_mods(
+            q, k, v, softmax_scale, causal, score_mod, mask_mod, block_mask, deterministic
+        )
+        if return_attn_probs:
+            return out, lse, None
+        return (out, lse) if return_lse else out
     if window_size != (-1, -1) or softcap != 0.0 or alibi_slopes is not None or sinks is not None:
         if has_features(window_size, softcap, alibi_slopes, sinks):
             check_dropout(dropout_p)

@@ -30,7 +30,7 @@ import numbers
 import torch
 
 from cutefa import dispatch
-from cutefa.api import validate
+from cutefa.api import mla, validate
 from cutefa.api.features import UNBOUNDED
 from cutefa.api.launch import aligned, call_on
 from cutefa.api.plans import plain_eager
@@ -53,7 +53,7 @@ _ALIGN = 16
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     rotary_cos: torch.Tensor | None = None,
@@ -104,9 +104,19 @@ def flash_attn_with_kvcache(
     ``return_softmax_lse`` or ``return_lse`` also ``lse`` float32 (batch, heads_q, seqlen_q). A row
     with no key gets out 0 and lse -inf.
 
+    ``v_cache=None``: MLA decode (:mod:`cutefa.api.mla`): ``k_cache`` is a paged latent cache
+    (num_pages, page_size, 1, 576) whose first 512 columns are V; q (batch, seqlen_q, heads_q, 576),
+    out of head dim 512.
+
     Not yet: ``alibi_slopes``, an fp8 cache (each a NotImplementedError).
     """
     page_table = _one_page_table(block_table, page_table)
+    if v_cache is None:  # MLA: V is the latent cache's first 512 columns
+        out, lse = mla.from_kvcache(
+            q, k_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+        )  # fmt: skip
+        return (out, lse) if return_softmax_lse or return_lse else out
     call = _validate(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         page_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,

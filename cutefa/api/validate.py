@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from cutefa.fp8 import FP8_DTYPES
-from cutefa.model.spec import HEAD_DIMS
+from cutefa.model.spec import ACCEPTED_HEAD_DIMS, HEAD_DIM_V_PAIRS, HEAD_DIMS, why_not_head_dims
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FP8_INPUT_DTYPE = torch.float8_e4m3fn  # the fp8 format of the sm90 and sm100 fp8 forwards
@@ -82,29 +82,53 @@ def check_devices(tensors: Sequence[torch.Tensor], device_types: Sequence[str] |
         raise ValueError(f"q, k and v must be on one device; got {got}")
 
 
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, standard_only: bool = False) -> None:
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k has {k.shape[0]}, v has {v.shape[0]}")
-    check_heads(q, k, v)
+    check_heads(q, k, v, standard_only=standard_only)
     check_grid_limits(q)
 
 
-def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The last two dims of q, k, v (heads, head_dim) of either layout, dense or packed: one head
-    dim that cutefa supports, k like v, and q's heads a multiple of k's."""
-    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, standard_only: bool = False) -> None:
+    """The last two dims of q, k, v (heads, head_dim) of either layout, dense or packed: q and k of
+    one head dim, :data:`~cutefa.model.spec.ACCEPTED_HEAD_DIMS`; v of the same one (or of a pair
+    of :data:`~cutefa.model.spec.HEAD_DIM_V_PAIRS`, which no API call passes to the kernels yet);
+    k like v but for the head dim, and q's heads a multiple of k's. ``standard_only``: the head dim
+    is one of :data:`~cutefa.model.spec.HEAD_DIMS` (the fp8 forward's)."""
+    if q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"head_dim differs: q has {q.shape[-1]}, k has {k.shape[-1]}, v has {v.shape[-1]}; they must be equal"
+            f"head_dim differs: q has {q.shape[-1]}, k has {k.shape[-1]}; q and k must have one head dim"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"k and v must have the same shape (but for v's head dim); got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(
             f"q's heads ({heads_q}) must be a multiple of k/v's heads ({heads_kv}) (grouped-query attention)"
         )
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head_dim={q.shape[-1]} is not supported; cutefa supports head_dim in {HEAD_DIMS}")
+    head_dim, head_dim_v = int(q.shape[-1]), int(v.shape[-1])  # (a traced call guards on them)
+    reason = why_not_head_dims(head_dim, head_dim_v)
+    if reason is not None:
+        if head_dim_v == head_dim:
+            raise ValueError(
+                f"head_dim={head_dim} is not supported (q.shape[-1]): cutefa takes {ACCEPTED_HEAD_DIMS}"
+            )
+        raise ValueError(
+            f"head_dim_v={head_dim_v} (v.shape[-1]) with head_dim={head_dim} (q.shape[-1]): {reason}"
+        )
+    if head_dim_v != head_dim:
+        pairs = ", ".join(f"({d}, {dv})" for d, dv in HEAD_DIM_V_PAIRS)
+        raise NotImplementedError(
+            f"head_dim_v={head_dim_v} (v.shape[-1]) apart from head_dim={head_dim} (q.shape[-1]): the sm80 forward "
+            f"kernels take (head_dim, head_dim_v) in {pairs}, but the attention calls do not pass them a V head "
+            "dim of its own yet; v must have q's head dim"
+        )
+    if standard_only and head_dim not in HEAD_DIMS:
+        raise ValueError(
+            f"head_dim={head_dim} is not supported by the fp8 forward (q.shape[-1]): it takes head_dim in {HEAD_DIMS}"
+        )
 
 
 def check_grid_limits(q: torch.Tensor) -> None:
@@ -175,7 +199,7 @@ def _validate(
     tensors = check_tensors((q, k, v))
     check_dtypes(tensors, fp8=fp8)
     check_devices(tensors, device_types)
-    check_shapes(*tensors)
+    check_shapes(*tensors, standard_only=fp8)
     check_strides(tensors)
     check_options(causal, softmax_scale)
 

@@ -17,6 +17,7 @@ from cutefa.model.options import (
     Schedule,
     Scheduler,
     Sm90Fp8FwdOptions,
+    Sm90FwdOptions,
     VTranspose,
 )
 from cutefa.model.spec import VariantSpec
@@ -51,6 +52,39 @@ SM90_3WG_NO_SPILL: frozenset[tuple[int, int]] = frozenset({(64, 128)})
 # (182 local loads and stores) and ptxas issues P V one k-step at a time (36 arrives). Checked by
 # tests/test_compile_sm90_fwd_pcvt.py.
 SM90_PCVT_NO_SPILL: frozenset[tuple[int, int]] = frozenset({(128, 176), (128, 192)})
+
+
+# The 16-bit forward computes on head dims padded to WGMMA's k step (16 elements of a 16-bit operand;
+# V's N = the V head dim then also a multiple of 16, as the stmatrix epilogue and the 32-byte swizzle
+# atom want): templates/fwd_sm90.py.j2 with cutefa/kernels/sm90/head_dims.py.
+SM90_HEAD_DIM_STEP = 16
+# The key tiles a head dim of its own may take (two consumers, two stages), widest first: up to
+# FlashAttention-3's 128 of head dims <= 192 (its 128 x 128 tile of DeepSeek's (192, 128)).
+SM90_OWN_HEAD_DIM_TILE_N = (128, 112, 96, 80, 64)
+
+
+def sm90_fwd_tile_head_dims(spec: VariantSpec) -> tuple[int, int]:
+    """(Q/K, V) head dims an sm90 forward's tiles take: the spec's own, padded to
+    :data:`SM90_HEAD_DIM_STEP` for the 16-bit kernel (e4m3: unpadded; its rules take the standard
+    head dims only)."""
+    if spec.dtype == "e4m3":
+        return spec.head_dim, spec.head_dim_v
+    step = SM90_HEAD_DIM_STEP
+    return -(-spec.head_dim // step) * step, -(-spec.head_dim_v // step) * step
+
+
+def sm90_fwd_own_tile_n(dtype: str, head_dim: int, head_dim_v: int | None = None) -> int | None:
+    """The key tile of a 16-bit sm90 forward at a head dim of its own (not one of the standard
+    head dims, or a V head dim apart): the widest of :data:`SM90_OWN_HEAD_DIM_TILE_N` whose
+    128 x tile_n two-stage overlap + ping-pong tile the budget model accepts; None if none does."""
+    options = Sm90FwdOptions(schedule=Schedule.OVERLAP_PINGPONG)
+    for tile_n in SM90_OWN_HEAD_DIM_TILE_N:
+        spec = VariantSpec(
+            "sm90", "fwd", dtype, head_dim, 128, tile_n, 2, 12, head_dim_v=head_dim_v, options=options
+        )
+        if sm90_fwd_over_budget(spec) is None:
+            return tile_n
+    return None
 
 
 def sm90_consumer_regs(spec: VariantSpec) -> int:
@@ -192,7 +226,10 @@ def sm90_smem_bytes(spec: VariantSpec) -> int:
     """Shared memory of one CTA. Forward: the Q tile plus ``stages`` buffers each of K and V (e4m3:
     and of the transposed V that the P V WGMMA reads; the ones operand of the row-sum WGMMA and the
     fp32 copy of O where those options are on; 16-bit persistent: O staged apart from Q, so that
-    the next tile's Q loads during the epilogue). Backward: :func:`sm90_bwd_smem_bytes`."""
+    the next tile's Q loads during the epilogue; 16-bit with a V head dim wider than the Q/K one:
+    O staged apart, as its slab outgrows a Q slab). 16-bit head dims as the tiles take them
+    (:func:`sm90_fwd_tile_head_dims`): Q and K of the Q/K one, V of the V one. Backward:
+    :func:`sm90_bwd_smem_bytes`."""
     if spec.direction == "bwd":
         return sm90_bwd_smem_bytes(spec)
     o = spec.options
@@ -203,9 +240,10 @@ def sm90_smem_bytes(spec: VariantSpec) -> int:
         if o.o_accum is OAccum.TWO_LEVEL:  # the fp32 copy of O (4 bytes per value)
             elements += 4 * spec.tile_m * spec.head_dim
         return elements * spec.elem_bytes + SMEM_RESERVE
-    elements = (spec.tile_m + 2 * spec.stages * spec.tile_n) * spec.head_dim
-    if o.scheduler is Scheduler.PERSISTENT:
-        elements += spec.tile_m * spec.head_dim
+    d, dv = sm90_fwd_tile_head_dims(spec)
+    elements = (spec.tile_m + spec.stages * spec.tile_n) * d + spec.stages * spec.tile_n * dv
+    if o.scheduler is Scheduler.PERSISTENT or dv > d:  # O staged apart from Q
+        elements += spec.tile_m * dv
     return elements * spec.elem_bytes + SMEM_RESERVE
 
 
@@ -215,7 +253,7 @@ def sm90_registers(spec: VariantSpec) -> int:
     and the softmax state. Backward: :func:`sm90_bwd_registers`."""
     if spec.direction == "bwd":
         return sm90_bwd_registers(spec)
-    acc_o = 64 * spec.head_dim // 128
+    acc_o = 64 * sm90_fwd_tile_head_dims(spec)[1] // 128
     acc_s = 64 * spec.tile_n // 128
     p_regs = acc_s // 4 if spec.dtype == "e4m3" else acc_s // 2
     return acc_o + acc_s + p_regs + SM90_REG_OVERHEAD

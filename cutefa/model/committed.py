@@ -32,7 +32,15 @@ from cutefa.model.defaults import (
     small_smem_configs,
 )
 from cutefa.model.options import Mask, Quant, options_class
-from cutefa.model.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, VariantSpec, parse_name
+from cutefa.model.spec import (
+    ARCHS,
+    COMMITTED_HEAD_DIMS,
+    DIRECTIONS,
+    DTYPES,
+    HEAD_DIMS,
+    VariantSpec,
+    parse_name,
+)
 
 MASKS = (Mask.NONE, Mask.CAUSAL)
 
@@ -83,7 +91,7 @@ def _committed() -> tuple[VariantSpec, ...]:
     for arch in ARCHS:
         for direction in DIRECTIONS:
             for dtype in DTYPES:
-                for hd in HEAD_DIMS:
+                for hd in COMMITTED_HEAD_DIMS:
                     default = default_config(arch, direction, dtype, hd)
                     configs = ((default,) if default else ()) + small_smem_configs(arch, direction, dtype, hd)
                     specs |= {c.spec(arch, direction, dtype, hd, mask=m) for c in configs for m in MASKS}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from cutefa.model.budgets_sm80 import SM80_HEAD_DIM_ATOM, sm80_tile_head_dim
 from cutefa.model.budgets_sm100 import SM100_BWD_TILE
 from cutefa.model.options import (
     DqLayout,
@@ -54,24 +55,57 @@ class Config:
     options: Options
 
     def spec(
-        self, arch: str, direction: str, dtype: str, head_dim: int, *, mask: Mask = Mask.NONE
-    ) -> VariantSpec:
-        return VariantSpec(arch, direction, dtype, head_dim, *self.tile, mask=mask, options=self.options)
+        self, arch: str, direction: str, dtype: str, head_dim: int, *, mask: Mask = Mask.NONE,
+        head_dim_v: int | None = None,
+    ) -> VariantSpec:  # fmt: skip
+        return VariantSpec(
+            arch,
+            direction,
+            dtype,
+            head_dim,
+            *self.tile,
+            mask=mask,
+            head_dim_v=head_dim_v,
+            options=self.options,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # sm80 (FlashAttention-2 design)
 
 
+def _sm80_nearest(tiles: dict[int, Tile], head_dim: int) -> Tile | None:
+    """``head_dim``'s own tile, else that of the smallest head dim of ``tiles`` at or above its
+    padded tile head dim (:func:`~cutefa.model.budgets_sm80.sm80_tile_head_dim`): that tile holds
+    the padded columns within the budgets it was chosen under. None above every head dim."""
+    if head_dim in tiles:
+        return tiles[head_dim]
+    padded = sm80_tile_head_dim(head_dim)
+    return next((tiles[d] for d in sorted(tiles) if d >= padded), None)
+
+
 def sm80_fwd_config(head_dim: int) -> Config | None:
-    """FlashAttention-2's forward tiles on the A100 (flash_fwd_launch_template.h)."""
-    tile = {
-        64: Tile(128, 64, 1, 4),
-        96: Tile(128, 64, 1, 8),
-        128: Tile(128, 128, 1, 8),
-        192: Tile(128, 64, 1, 8),
-        256: Tile(128, 64, 1, 8),
-    }.get(head_dim)
+    """FlashAttention-2's forward tiles on the A100 (flash_fwd_launch_template.h). Head dims 80
+    and 112 (tile head dims 96 and 128) take 128x128 with 8 warps, hd128's tile: by the budget
+    model it holds their registers (estimate 176 and 208 of 255) and shared memory (73 and 97 KiB,
+    within the 99 KiB of sm_86/sm_89), and it halves the key steps of hd96's 128x64 (not yet timed).
+    Any other head dim takes the tile of the nearest head dim above it (:func:`_sm80_nearest`),
+    except those padded to 256 columns (232-248), whose copies' column predicates spill beside
+    hd256's 128x64 (budgets_sm80.SM80_PAD_REG_OVERHEAD): they take 128x32."""
+    if head_dim != 256 and sm80_tile_head_dim(head_dim) == 256:
+        return Config(Tile(128, 32, 1, 8), Sm80FwdOptions())
+    tile = _sm80_nearest(
+        {
+            64: Tile(128, 64, 1, 4),
+            80: Tile(128, 128, 1, 8),
+            96: Tile(128, 64, 1, 8),
+            112: Tile(128, 128, 1, 8),
+            128: Tile(128, 128, 1, 8),
+            192: Tile(128, 64, 1, 8),
+            256: Tile(128, 64, 1, 8),
+        },
+        head_dim,
+    )
     return None if tile is None else Config(tile, Sm80FwdOptions())
 
 
@@ -91,13 +125,20 @@ def sm80_bwd_config(head_dim: int) -> Config | None:
     """FlashAttention-2's backward tiles on the A100 (flash_bwd_launch_template.h): query rows x
     keys per CTA, 8 warps; hd64 its 128x128 tile with a double-buffered Q (150 KiB; +10% over
     64x128 single-buffered)."""
-    tile = {
-        64: Tile(128, 128, 2, 8),
-        96: Tile(64, 128, 1, 8),
-        128: Tile(64, 128, 1, 8),
-        192: Tile(64, 64, 1, 8),
-        256: Tile(64, 64, 1, 8),
-    }.get(head_dim)
+    if head_dim % SM80_HEAD_DIM_ATOM:
+        return None  # no padded backward tile yet (rules._sm80_bwd_head_dims)
+    tile = _sm80_nearest(
+        {
+            32: Tile(128, 128, 1, 8),  # single-buffered Q: hd64's double buffer interleaves dQ's
+            # reductions with dK's k-blocks, which a 32-column dQ has too few of (rules._sm80_bwd_head_dims)
+            64: Tile(128, 128, 2, 8),
+            96: Tile(64, 128, 1, 8),
+            128: Tile(64, 128, 1, 8),
+            192: Tile(64, 64, 1, 8),
+            256: Tile(64, 64, 1, 8),
+        },
+        head_dim,
+    )
     return None if tile is None else Config(tile, sm80_bwd_options(head_dim, tile.stages))
 
 
@@ -220,12 +261,21 @@ def default_config(arch: str, direction: str, dtype: str, head_dim: int) -> Conf
 
 
 def default_spec(
-    arch: str, direction: str, dtype: str, head_dim: int, *, causal: bool = False
+    arch: str,
+    direction: str,
+    dtype: str,
+    head_dim: int,
+    *,
+    causal: bool = False,
+    head_dim_v: int | None = None,
 ) -> VariantSpec | None:
-    """The default variant of ``arch``'s ``direction`` kernel for a problem, or None."""
+    """The default variant of ``arch``'s ``direction`` kernel for a problem (q and k of ``head_dim``,
+    v of ``head_dim_v``, equal unless given: the tile of ``head_dim``), or None."""
     config = default_config(arch, direction, dtype, head_dim)
     mask = Mask.CAUSAL if causal else Mask.NONE
-    return None if config is None else config.spec(arch, direction, dtype, head_dim, mask=mask)
+    if config is None:
+        return None
+    return config.spec(arch, direction, dtype, head_dim, mask=mask, head_dim_v=head_dim_v)
 
 
 def small_smem_configs(arch: str, direction: str, dtype: str, head_dim: int) -> tuple[Config, ...]:

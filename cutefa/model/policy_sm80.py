@@ -5,6 +5,7 @@ hands them to the templates).
 
 from __future__ import annotations
 
+from cutefa.model.budgets_sm80 import sm80_tile_head_dim
 from cutefa.model.options import DqLayout, Mask
 from cutefa.model.spec import VariantSpec
 
@@ -14,6 +15,22 @@ TALL_DK = "tall_dk"  # dV and dQ the squarer one, dK (warps / 2, 2)
 TALL = "tall"  # all three (warps / 2, 2)
 WIDE_HEAD_DIM = 256  # where the fp32 dK and dV accumulators take half the registers
 HEAVY_FIRST_HEAD_DIMS = (192,)
+
+
+def head_dims(spec: VariantSpec) -> dict[str, object]:
+    """The tile head dims of an sm80 kernel: ``tile_d`` (Q and K) and ``tile_d_v`` (V and O), each
+    the problem's head dim padded to the 32-column shared-memory atom
+    (:func:`~cutefa.model.budgets_sm80.sm80_tile_head_dim`), and ``head_apart``: whether a tile
+    head dim differs from head_dim (a padded tile or a V head dim of its own), where the kernel
+    views its tensors tile-wide and predicates its copies on the columns too
+    (:mod:`cutefa.kernels.sm80.head_pad`)."""
+    tile_d, tile_d_v = sm80_tile_head_dim(spec.head_dim), sm80_tile_head_dim(spec.head_dim_v)
+    return {
+        "tile_d": tile_d,
+        "tile_d_v": tile_d_v,
+        "head_apart": (tile_d, tile_d_v) != (spec.head_dim, spec.head_dim),
+        "split_v": spec.head_dim_v != spec.head_dim,
+    }
 
 
 def bwd_warp_grids(spec: VariantSpec) -> str:

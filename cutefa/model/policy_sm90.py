@@ -13,6 +13,7 @@ from cutefa.model.budgets_sm90 import (
     sm90_fp8_consumer_regs,
     sm90_fp8_producer_regs,
     sm90_fp8_ptxas_options,
+    sm90_fwd_tile_head_dims,
 )
 from cutefa.model.options import Mask, Scheduler
 from cutefa.model.spec import VariantSpec
@@ -79,7 +80,7 @@ def fwd_hoisted_descriptors(spec: VariantSpec) -> bool:
         # default tiles of hd192 (causal with softcap or varlen: 250-260 R2UR, 11 spills) and hd256
         # (local: 390 R2UR) lose the uniform datapath; rebuilt per issue, 9-24 R2UR, no spill.
         return False
-    columns = spec.tile_n * spec.head_dim
+    columns = spec.tile_n * sm90_fwd_tile_head_dims(spec)[1]  # of the O accumulator
     wide = columns >= HOISTED_DESCRIPTOR_COLUMNS or (
         columns >= HOISTED_DESCRIPTOR_COLUMNS_NO_PCVT and not o.pair_cvt
     )
@@ -126,3 +127,18 @@ def fwd_feature_args(spec: VariantSpec) -> bool:
     ``fake_arguments`` for the compile."""
     return spec.features.any or spec.mask is Mask.LOCAL
 
+
+def fwd_own_head_dims(spec: VariantSpec) -> bool:
+    """Whether a 16-bit sm90 forward's tiles take head dims apart from the tensors' (kernels/sm90/
+    head_dims.py): a head dim padded to WGMMA's k step (TMA zero-fills the pad columns and clips the
+    O store), or a V head dim apart from the Q/K one. The standard head dims render as before."""
+    d, dv = sm90_fwd_tile_head_dims(spec)
+    return (d, dv) != (spec.head_dim, spec.head_dim) or spec.head_dim_v != spec.head_dim
+
+
+def fwd_o_in_q_slab(spec: VariantSpec) -> bool:
+    """Whether a 16-bit sm90 forward with head dims of its own stages O in the consumer's own Q slab
+    (not persistent, and O's slab no wider than Q's); else O has a buffer of its own
+    (:func:`~cutefa.model.budgets_sm90.sm90_smem_bytes` counts it)."""
+    d, dv = sm90_fwd_tile_head_dims(spec)
+    return spec.options.scheduler is not Scheduler.PERSISTENT and dv <= d

@@ -12,11 +12,11 @@ the tile, and hold each family's tile to its templates and its resource budgets
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable
 
+from cutefa.model import policy_mla
 from cutefa.model.budgets import TARGET_SMEM_LIMITS
-from cutefa.model.budgets_sm80 import sm80_over_budget, sm80_registers, sm80_smem_bytes
+from cutefa.model.budgets_sm80 import sm80_over_budget, sm80_registers, sm80_smem_bytes, sm80_tile_head_dim
 from cutefa.model.budgets_sm90 import (
     SM90_BWD_DQ_SWAP_HEAD_DIMS,
     SM90_BWD_DQ_SWAP_TILE_M,
@@ -68,7 +68,7 @@ from cutefa.model.options import (
     Sm100FwdOptions,
     VTranspose,
 )
-from cutefa.model.spec import HEAD_DIMS, VariantSpec
+from cutefa.model.spec import HEAD_DIM_V_PAIRS, HEAD_DIMS, VariantSpec, why_not_head_dims
 
 Rule = Callable[[VariantSpec], "str | None"]
 
@@ -90,6 +90,10 @@ FEATURES_IMPLEMENTED: dict[tuple[str, str, str], frozenset[str]] = {
     (arch, direction, dtype): _SCORE_FEATURES
     for arch, direction in (("sm80", "fwd"), ("sm80", "bwd"), ("sm90", "fwd"), ("sm100", "fwd"))
     for dtype in ("fp16", "bf16")
+} | {
+    # templates/bwd_sm90.py.j2 (the backward needs no sinks axis: the lse carries them)
+    ("sm90", "bwd", dtype): frozenset({"local", "varlen", "softcap", "alibi"})
+    for dtype in ("fp16", "bf16")
 }
 # The decode kernels (split_kv; templates/decode_<arch>.py.j2), (arch, direction, dtype) -> names: a
 # split-KV spec of a family listed here is checked against this table instead (paged K/V, the window
@@ -98,11 +102,23 @@ DECODE_FEATURES_IMPLEMENTED: dict[tuple[str, str, str], frozenset[str]] = {
     ("sm80", "fwd", dtype): frozenset({"split_kv", "paged_kv", "local", "softcap"})
     for dtype in ("fp16", "bf16")
 }
+# templates/decode_mla_sm90.py.j2 (MLA decode, head dims 576/512) is held to its own feature set,
+# cutefa.model.policy_mla.FEATURES, by its own rules (why_invalid).
 
 
 def smem_bytes(spec: VariantSpec) -> int:
     """Shared memory of one CTA of ``spec``, by its family's model."""
+    if policy_mla.is_mla(spec):
+        return policy_mla.smem_bytes(spec)
     return {"sm80": sm80_smem_bytes, "sm90": sm90_smem_bytes, "sm100": sm100_smem_bytes}[spec.arch](spec)
+
+
+def tile_head_dims(spec: VariantSpec) -> tuple[int, int]:
+    """The head dims of ``spec``'s tiles, (Q and K, V and O): the problem's, padded where the
+    family pads them (sm80: :func:`~cutefa.model.budgets_sm80.sm80_tile_head_dim`)."""
+    if spec.arch == "sm80":
+        return sm80_tile_head_dim(spec.head_dim), sm80_tile_head_dim(spec.head_dim_v)
+    return spec.head_dim, spec.head_dim_v
 
 
 def est_registers(spec: VariantSpec) -> int:
@@ -121,10 +137,32 @@ def _fp8_dtype(spec: VariantSpec) -> str | None:
     return None
 
 
+# The kernels that take every accepted head dim (padded to their tile head dim) and the
+# (head_dim, head_dim_v) pairs of HEAD_DIM_V_PAIRS; the others take the standard HEAD_DIMS only,
+# with head_dim_v equal to head_dim.
+ANY_HEAD_DIM_KERNELS: frozenset[tuple[str, str, str]] = frozenset(
+    (arch, direction, dtype)
+    for arch, direction in (("sm80", "fwd"), ("sm80", "bwd"), ("sm90", "fwd"))
+    for dtype in ("fp16", "bf16")
+)
+
+
 def _head_dim(spec: VariantSpec) -> str | None:
-    if spec.head_dim not in HEAD_DIMS:
-        return f"head_dim={spec.head_dim} is not one of {HEAD_DIMS}"
-    return None
+    reason = why_not_head_dims(spec.head_dim, spec.head_dim_v)
+    if reason is not None:
+        return reason
+    standard = spec.head_dim in HEAD_DIMS and spec.head_dim_v == spec.head_dim
+    if standard or (spec.arch, spec.direction, spec.dtype) in ANY_HEAD_DIM_KERNELS:
+        return None
+    pairs = ", ".join(f"({d}, {dv})" for d, dv in HEAD_DIM_V_PAIRS)
+    which = f"head_dim={spec.head_dim}" + (
+        f", head_dim_v={spec.head_dim_v}" if spec.head_dim_v != spec.head_dim else ""
+    )
+    return (
+        f"{which}: the {spec.dtype} {spec.arch} {spec.direction} kernels take head_dim in {HEAD_DIMS} with "
+        f"head_dim_v equal to head_dim; other multiples of 8 up to 256 and (head_dim, head_dim_v) in {pairs} "
+        "run on the 16-bit sm80 family and the 16-bit sm90 forward"
+    )
 
 
 def why_no_kernel(spec: VariantSpec) -> str | None:
@@ -148,8 +186,6 @@ def why_no_kernel(spec: VariantSpec) -> str | None:
     ]  # fmt: skip
     if missing:
         return f"no {spec.dtype} {where} kernel implements the {' + '.join(missing)} feature(s) yet"
-    if spec.head_dim_v != spec.head_dim:
-        return f"no {where} kernel takes a V head dim (head_dim_v={spec.head_dim_v}) apart from head_dim={spec.head_dim} yet"
     return None
 
 
@@ -210,17 +246,41 @@ def _sm80_warps(spec: VariantSpec) -> str | None:
 
 
 def _sm80_shapes(spec: VariantSpec) -> str | None:
+    """The tiles in shared memory are tile_head_dim wide (the head dim padded to the narrowest
+    swizzled atom, :func:`~cutefa.model.budgets_sm80.sm80_tile_head_dim`)."""
     if spec.tile_n % 16:
         return f"tile_n={spec.tile_n} is not a multiple of 16 (the k-step of the P@V MMA)"
-    if spec.head_dim % 32:
-        return f"head_dim={spec.head_dim} is not a multiple of 32 (the narrowest swizzled smem atom)"
+    d, d_v = sm80_tile_head_dim(spec.head_dim), sm80_tile_head_dim(spec.head_dim_v)
     per_round = spec.threads * (16 // spec.elem_bytes)  # one 128-bit copy per thread
-    for operand, rows in (("Q", spec.tile_m), ("K/V", spec.tile_n)):
-        if rows * spec.head_dim % per_round:
+    for operand, rows, cols in (("Q", spec.tile_m, d), ("K", spec.tile_n, d), ("V", spec.tile_n, d_v)):
+        if rows * cols % per_round:
             return (
-                f"the {operand} tile ({rows}x{spec.head_dim}) does not split into 128-bit copies "
+                f"the {operand} tile ({rows}x{cols}) does not split into 128-bit copies "
                 f"over {spec.threads} threads ({per_round} elements per round)"
             )
+    return None
+
+
+def _sm80_bwd_head_dims(spec: VariantSpec) -> str | None:
+    """The sm80 backward takes head dims that fill its 32-column shared-memory atoms, and one head
+    dim for q, k and v."""
+    if spec.head_dim % 32:
+        return (
+            f"head_dim={spec.head_dim}: the sm80 backward takes head dims that are multiples of 32 "
+            "(no padded backward tile yet); the forward takes every multiple of 8"
+        )
+    if spec.head_dim_v != spec.head_dim:
+        return (
+            f"head_dim_v={spec.head_dim_v} with head_dim={spec.head_dim}: the sm80 backward takes one head dim "
+            "for q, k and v (no separate V head dim yet); the forward takes it"
+        )
+    threads = 32 * spec.warps
+    if spec.options.dq_layout is DqLayout.TILE and spec.stages >= 2 and (4 * spec.head_dim) % threads:
+        return (
+            f"head_dim={spec.head_dim} with a double-buffered Q (stages={spec.stages}) and dq_layout=TILE: "
+            f"the dQ reductions (4 words each on sm_90) are shared out between dK's {spec.tile_m // 16} "
+            f"k-blocks, which needs 4 * head_dim to be a multiple of the {threads} threads; take stages=1"
+        )
     return None
 
 
@@ -374,6 +434,12 @@ def _sm90_bwd_dq_path(spec: VariantSpec) -> str | None:
 
 
 def _sm90_bwd(spec: VariantSpec) -> str | None:
+    featured = spec.features.any or spec.mask is Mask.LOCAL
+    if featured and (sm90_bwd_head_split(spec) or sm90_bwd_swapped(spec)):
+        return (
+            f"head_dim={spec.head_dim}, tile_n={spec.tile_n}: the head-dim-split and swapped-dK/dV sm90 backward "
+            "templates take no window, packed batch, softcap or ALiBi (the sm80 backward serves those on Hopper)"
+        )
     if spec.warps == SM90_BWD_WARPS and sm90_bwd_swapped(spec) and spec.head_dim in SM90_BWD_SWAP_HEAD_DIMS:
         return _sm90_bwd_swap(spec)
     if spec.warps != SM90_BWD_WARPS or spec.tile_n not in (SM90_BWD_TILE_N, SM90_BWD_SPLIT_TILE_N):
@@ -562,7 +628,7 @@ _OPTION_RULES: dict[type[Options], tuple[Rule, ...]] = {
 }
 _TILE_RULES: dict[type[Options], tuple[Rule, ...]] = {
     Sm80FwdOptions: (_sm80_warps, _sm80_shapes, sm80_over_budget),
-    Sm80BwdOptions: (_sm80_warps, _sm80_shapes, sm80_over_budget),
+    Sm80BwdOptions: (_sm80_bwd_head_dims, _sm80_warps, _sm80_shapes, sm80_over_budget),
     Sm90FwdOptions: (_sm90_roles, sm90_fwd_over_budget, _exp_emu_share),
     Sm90Fp8FwdOptions: (_sm90_roles, _sm90_fp8_tile, sm90_fwd_over_budget, _exp_emu_share),
     Sm90BwdOptions: (_sm90_bwd,),
@@ -574,6 +640,8 @@ _TILE_RULES: dict[type[Options], tuple[Rule, ...]] = {
 def why_invalid(spec: VariantSpec) -> str | None:
     """The first rule ``spec`` breaks, as a sentence naming it; None when the spec can be built."""
     kind = type(spec.options)
+    if policy_mla.is_mla(spec):  # MLA decode: its own rules (cutefa.model.policy_mla)
+        return policy_mla.why_invalid(spec)
     for rule in (_fp8_dtype, *_OPTION_RULES.get(kind, ()), _head_dim, why_no_kernel, *_TILE_RULES[kind]):
         reason = rule(spec)
         if reason is not None:

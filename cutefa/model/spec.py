@@ -24,7 +24,20 @@ from cutefa.model.options import Mask, Options, option_tokens, options_class, pa
 ARCHS = ("sm80", "sm90", "sm100")
 DIRECTIONS = ("fwd", "bwd")
 DTYPES = ("fp16", "bf16", "e4m3")
+# The standard head dims: every family has a kernel of each, and the committed set a default of each.
 HEAD_DIMS = (64, 96, 128, 192, 256)
+# Head dims with a committed variant of their own besides the standard ones (sm80 family, tuned
+# for the models that use them widely: 80 in Phi-2 and StableLM, 112); every other accepted head
+# dim renders from its family's nearest default on demand.
+TUNED_HEAD_DIMS = (80, 112)
+COMMITTED_HEAD_DIMS = tuple(sorted(HEAD_DIMS + TUNED_HEAD_DIMS))
+# The head dims a variant may have: a multiple of HEAD_DIM_STEP from HEAD_DIM_STEP to MAX_HEAD_DIM
+# (whole 16-byte rows of 16-bit elements); a kernel family pads it to its own tile head dim.
+HEAD_DIM_STEP = 8
+MAX_HEAD_DIM = 256
+ACCEPTED_HEAD_DIMS = f"a multiple of {HEAD_DIM_STEP} from {HEAD_DIM_STEP} to {MAX_HEAD_DIM}"
+# (head_dim, head_dim_v) pairs with a V head dim apart from the Q/K one (DeepSeek's prefill).
+HEAD_DIM_V_PAIRS = ((192, 128),)
 
 # Compile targets (the GPU a cubin is built for) and the family each one can run.
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_103a")
@@ -38,6 +51,27 @@ _FAMILY_TARGET_CCS = {"sm90": (90,), "sm100": (100, 103)}
 
 # torch dtype name <-> spec dtype token
 TORCH_DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
+
+
+def accepted_head_dim(head_dim: object) -> bool:
+    """Whether ``head_dim`` is one a variant may have (:data:`ACCEPTED_HEAD_DIMS`)."""
+    return (
+        isinstance(head_dim, int) and not isinstance(head_dim, bool)
+        and 0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_STEP == 0
+    )  # fmt: skip
+
+
+def why_not_head_dims(head_dim: int, head_dim_v: int) -> str | None:
+    """Why (``head_dim``, ``head_dim_v``) is no pair a variant may have, naming what is, or None."""
+    if not accepted_head_dim(head_dim):
+        return f"head_dim={head_dim} is not {ACCEPTED_HEAD_DIMS}"
+    if head_dim_v != head_dim and (head_dim, head_dim_v) not in HEAD_DIM_V_PAIRS:
+        pairs = ", ".join(f"({d}, {dv})" for d, dv in HEAD_DIM_V_PAIRS)
+        return (
+            f"head_dim_v={head_dim_v} with head_dim={head_dim}: a V head dim apart from the Q/K one is "
+            f"supported for (head_dim, head_dim_v) in {pairs} only; otherwise head_dim_v must equal head_dim"
+        )
+    return None
 
 
 def _feature(token: str) -> dict:

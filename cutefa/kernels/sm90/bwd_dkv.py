@@ -48,7 +48,8 @@ def _sreg(name: str, *, loc=None, ip=None) -> Int32:
 
 @cute.jit
 def chunk_base(
-    mdKVaccum: cute.Tensor, group: Int32, n_block: Int32, deterministic: Int32, causal: cutlass.Constexpr
+    mdKVaccum: cute.Tensor, group: Int32, n_block: Int32, deterministic: Int32, causal: cutlass.Constexpr,
+    cu_seqlens_k: cute.Tensor = None, tile_n: cutlass.Constexpr = 0,
 ) -> cute.Pointer:
     """The fp32 pointer of key block ``n_block``'s chunks in ``dkv_accum`` for this CTA's query head
     h (a group of ``group`` query heads per kv head): kv head h / group, slot h % group when
@@ -56,7 +57,10 @@ def chunk_base(
     registers (``causal``: mapped as :func:`~cutefa.kernels.sm80.bwd_parts.causal_launch_coords`
     maps them), at the end of a key block: values of the kernel's prologue used here would live
     through the query loop, and across the producer warpgroup's register cut, in registers (seen:
-    one spilled in the producer's 24)."""
+    one spilled in the producer's 24). A packed batch (``cu_seqlens_k``, keys per block ``tile_n``):
+    ``mdKVaccum`` is the (slots, 1, heads_kv, chunks, words) view of its chunked workspace, and the
+    sequence's key block ``n_block`` is chunk cu_seqlens_k[batch] // tile_n + batch + n_block
+    (cutefa/kernels/sm90/bwd_features.py)."""
     head = _sreg("ctaid.y")
     batch = _sreg("ctaid.z")
     if cutlass.const_expr(causal):
@@ -65,6 +69,8 @@ def chunk_base(
                 _sreg("ctaid.x"), head, batch, _sreg("nctaid.x"), _sreg("nctaid.y"), _sreg("nctaid.z"), WAVE_CTAS
             )
     kv = head // group
+    if cutlass.const_expr(cu_seqlens_k is not None):
+        n_block = n_block + cu_seqlens_k[batch] // tile_n + batch
     return mdKVaccum[(head - kv * group) * deterministic, batch, kv, n_block, None].iterator
 
 
