@@ -225,7 +225,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}[args.dtype]
     q_shape = (shape["batch"], shape["seqlen_q"], shape["heads_q"], shape["head_dim"])
     kv_shape = (shape["batch"], shape["seqlen_k"], shape["heads_kv"], shape["head_dim"])
-    q, k, v = (torch.empty(s, dtype=dtype, device="meta") for s in (q_shape, kv_shape, kv_shape))
+    v_shape = (*kv_shape[:-1], shape["head_dim_v"])
+    q, k, v = (torch.empty(s, dtype=dtype, device="meta") for s in (q_shape, kv_shape, v_shape))
     try:
         text = explain(
             q, k, v, causal=args.causal, target=target, v_centered=args.v_centered,
@@ -291,16 +292,21 @@ def _dtype_list(text: str) -> list[str]:
 
 
 def _shape(text: str) -> dict[str, int]:
+    """``--shape B,SQ,SK,HQ,HKV,D``, D being one head dim or DQK:DV (q/k's and v's): the fields of
+    :data:`SHAPE_FIELDS` and ``head_dim_v`` (D's when one is given)."""
     parts = text.split(",")
+    head_dims = parts[-1].split(":")
     try:
-        values = [int(part) for part in parts]
-    except ValueError:
-        values = []
-    if len(values) != len(SHAPE_FIELDS) or min(values) <= 0:
+        values = [int(part) for part in parts[:-1] + head_dims[:1]]
+        head_dim_v = int(head_dims[1]) if len(head_dims) == 2 else values[-1] if len(head_dims) == 1 else 0
+    except (ValueError, IndexError):
+        values, head_dim_v = [], 0
+    if len(values) != len(SHAPE_FIELDS) or min(values) <= 0 or head_dim_v <= 0:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not six positive integers B,SQ,SK,HQ,HKV,D (e.g. 2,4096,4096,32,8,128)"
+            f"{text!r} is not six positive integers B,SQ,SK,HQ,HKV,D (e.g. 2,4096,4096,32,8,128), D "
+            "being one head dim or DQK:DV (q/k's and v's, e.g. 192:128)"
         )
-    return dict(zip(SHAPE_FIELDS, values))
+    return {**dict(zip(SHAPE_FIELDS, values)), "head_dim_v": head_dim_v}
 
 
 def _add_selection(parser: argparse.ArgumentParser) -> None:
@@ -384,7 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dirs(p)
 
     p = made["explain"]
-    p.add_argument("--shape", type=_shape, required=True, metavar="B,SQ,SK,HQ,HKV,D", help="problem shape")
+    p.add_argument(
+        "--shape", type=_shape, required=True, metavar="B,SQ,SK,HQ,HKV,D",
+        help="problem shape; D is one head dim or DQK:DV (q/k's and v's, e.g. 192:128)",
+    )  # fmt: skip
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="(default: bf16)")
     p.add_argument("--causal", action="store_true")
     p.add_argument(

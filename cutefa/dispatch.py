@@ -70,6 +70,18 @@ class Problem:
     # the number of sequences.
     local: bool = False
     features: Features = NO_FEATURES
+    # v's (and the output's) head dim: None gives head_dim; another one is a pair of
+    # cutefa.model.spec.HEAD_DIM_V_PAIRS, served by the families' default variants with it.
+    head_dim_v: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+
+    @property
+    def separate_v(self) -> bool:
+        """Whether v has a head dim of its own."""
+        return self.head_dim_v != self.head_dim
 
     @property
     def mask(self) -> Mask:
@@ -95,12 +107,14 @@ class Problem:
             shapes = (
                 f"varlen: {self.batch} sequences, max_seqlen_q={self.seqlen_q} max_seqlen_k={self.seqlen_k}, "
                 f"heads {self.heads_q}/{self.heads_kv}, head_dim {self.head_dim}"
+                + (f" (v {self.head_dim_v})" if self.separate_v else "")
             )
             extras = [e for e in extras if e != " varlen"]
         else:
             shapes = (
                 f"q=({self.batch}, {self.seqlen_q}, {self.heads_q}, {self.head_dim}) "
                 f"k=({self.batch}, {self.seqlen_k}, {self.heads_kv}, {self.head_dim})"
+                + (f" v=({self.batch}, {self.seqlen_k}, {self.heads_kv}, {self.head_dim_v})" * self.separate_v)
             )
         return (
             f"{shapes} {self.dtype} causal={self.causal}{''.join(extras)}"
@@ -356,7 +370,10 @@ def tuned_backward(
 
 
 def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpec | None, str]:
-    spec = default_spec(family, "fwd", problem.dtype, problem.head_dim, causal=problem.causal)
+    head_dim_v = problem.head_dim_v if problem.separate_v else None
+    spec = default_spec(
+        family, "fwd", problem.dtype, problem.head_dim, causal=problem.causal, head_dim_v=head_dim_v
+    )
     if spec is None:
         why = f"no tuned entry and no default {problem.dtype} kernel for {family} head_dim={problem.head_dim}"
         return family, None, why
@@ -364,6 +381,8 @@ def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpe
         f"heuristic: default_config({family!r}, 'fwd', {problem.dtype!r}, {problem.head_dim}) = "
         f"{spec.tile_m}x{spec.tile_n} tile, {spec.stages} stage(s), {spec.warps} warps"
     )
+    if head_dim_v is not None:
+        rule += f", with head_dim_v={head_dim_v}"
     fitting = fitting_variant(spec, problem.target)
     if fitting is not None and fitting != spec:
         rule += (
@@ -378,10 +397,12 @@ def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpe
 def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpec | None, str]]:
     """A family's candidates in preference order: (label, spec or None, reason). A problem with a
     window or features takes the family's default variant with them (the tuned tables are measured
-    on dense problems; a pack's feature variants are the defaults' (:mod:`cutefa.model.feature_sets`))."""
+    on dense problems; a pack's feature variants are the defaults' (:mod:`cutefa.model.feature_sets`)),
+    and so does a problem whose v has a head dim of its own (the tables hold none)."""
     probe = VariantSpec(
-        family, "fwd", problem.dtype, problem.head_dim, 128, 64, 1, 4, mask=problem.mask, features=problem.features
-    )
+        family, "fwd", problem.dtype, problem.head_dim, 128, 64, 1, 4, mask=problem.mask, features=problem.features,
+        head_dim_v=problem.head_dim_v,
+    )  # fmt: skip
     missing = why_no_kernel(probe)
     if missing:
         yield family, None, missing
@@ -394,7 +415,7 @@ def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpe
             label, reason = spec.name, f"{reason}; with {' + '.join(asked)}"
         yield label, spec, reason
         return
-    from_table = _table_candidate(family, problem)
+    from_table = None if problem.separate_v else _table_candidate(family, problem)
     if from_table:
         yield from_table
     yield _heuristic_candidate(family, problem)
@@ -432,23 +453,27 @@ def choose(
     v_centered: bool = False,
     local: bool = False,
     features: Features = NO_FEATURES,
+    head_dim_v: int | None = None,
 ) -> Choice:
     """Pick the variant for a problem; memoized per (target, GPU, dtype, head_dim, causal, seqlen_k
-    bucket, v_centered, local, features).
+    bucket, v_centered, local, features, head_dim_v).
 
     ``dtype`` is a spec token ('bf16') or a torch dtype; ``gpu_name`` picks among tuned tables and
     names the GPU in errors; ``v_centered`` (fp8) says v was centered before quantization
     (:attr:`Problem.v_centered`); ``local`` a sliding window, ``features`` the call's feature axes
-    (:class:`Problem`). Raises ``NotImplementedError`` when no family has a kernel.
+    (:class:`Problem`), ``head_dim_v`` v's head dim (None: ``head_dim``). Raises
+    ``NotImplementedError`` when no family has a kernel.
     """
     if v_centered is not False:
         _v_centered(v_centered, dtype)
     key = (target, gpu_name, dtype, head_dim, causal, seqlen_bucket(seqlen_k), v_centered, local, features)
+    if head_dim_v is not None and head_dim_v != head_dim:
+        key += (head_dim_v,)
     choice = _CHOICES.get(key)
     if choice is None:
         since = _CLEARS
         p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
-                    gpu_name, v_centered, local, features)  # fmt: skip
+                    gpu_name, v_centered, local, features, head_dim_v)  # fmt: skip
         choice, rejected = _search(p)
         if choice is None:
             lost = "; ".join(f"{label}: {why}" for label, why in rejected)
@@ -486,11 +511,19 @@ def explain_problem(
     v_centered: bool = False,
     local: bool = False,
     features: Features = NO_FEATURES,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    block_mask: Any = None,
+    head_dim_v: int | None = None,
 ) -> str:
-    """Human-readable account of :func:`choose` for a problem: the pick, why, and every rejection."""
+    """Human-readable account of :func:`choose` for a problem: the pick, why, and every rejection.
+    With ``score_mod``/``mask_mod``/``block_mask`` (a call with user mods): the traced mods and the
+    kernels they are fused into (:func:`_explain_mods`)."""
     p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
-                gpu_name, _v_centered(v_centered, dtype), local, features)  # fmt: skip
+                gpu_name, _v_centered(v_centered, dtype), local, features, head_dim_v)  # fmt: skip
     lines = [f"cutefa forward: {p.describe()}"]
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        return "\n".join(lines + _explain_mods(p, score_mod, mask_mod, block_mask))
     try:
         choice, rejected = _search(p)
     except NotImplementedError as exc:
@@ -507,6 +540,62 @@ def explain_problem(
         lines.append("rejected:")
         lines += [f"  {label}: {why}" for label, why in rejected]
     return "\n".join(lines)
+
+
+# The family and key blocks of a mod kernel: cutefa.mods.api's ARCH and MOD_TILE_N (the same kernels).
+_MOD_ARCH = "sm80"
+_MOD_TILE_N = 64
+
+
+def _mod_base(arch: str, direction: str, p: Problem) -> VariantSpec | None:
+    """The variant a call's mods are fused into, as :func:`cutefa.mods.api.mod_base` picks it (that
+    module imports this one): the family default with key blocks of at most :data:`_MOD_TILE_N`."""
+    base = default_spec(arch, direction, p.dtype, p.head_dim, causal=p.causal)
+    if base is None or base.tile_n <= _MOD_TILE_N:
+        return base
+    smaller = base.replace(tile_n=_MOD_TILE_N)
+    return smaller if why_invalid(smaller) is None else base
+
+
+def _explain_mods(p: Problem, score_mod: Any, mask_mod: Any, block_mask: Any) -> list[str]:
+    """:func:`explain_problem`'s lines for a call with user mods: the traced mods (their key names
+    the kernels), the forward and backward kernels they are fused into (:mod:`cutefa.mods.api`),
+    or why there is none. A mod that cannot be traced raises as the call would."""
+    from cutefa.mods import BlockMask, trace_mods  # imports torch: only a call with mods gets here
+    from cutefa.mods.variant import ModVariantSpec
+
+    arch = _MOD_ARCH
+
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must come from cutefa.create_block_mask, got {type(block_mask).__name__}")
+    mods = trace_mods(score_mod, block_mask.mask_mod if mask_mod is None and block_mask else mask_mod)
+    lines = [mods.describe()]
+    if p.local or p.features.any or p.dtype not in ("fp16", "bf16"):
+        why = "score_mod/mask_mod take 16-bit inputs without window_size, softcap, alibi_slopes, sinks or "
+        return [*lines, f"no kernel: {why}packed sequences yet (write those into the mods)"]
+    for direction in DIRECTIONS:
+        base = _mod_base(arch, direction, p)
+        why = f"no {arch} {direction} kernel for {p.dtype} head_dim {p.head_dim}" if base is None else None
+        why = why or why_not_on(base, p.target)
+        if why is not None:
+            lines.append(f"no kernel: {why}" if direction == "fwd" else f"  backward: none ({why})")
+            continue
+        spec = ModVariantSpec(base, mods, block_mask is not None)
+        if direction == "bwd":
+            lines.append(f"  backward: {spec.name}")
+            continue
+        lines.append(f"chosen: {spec.name} (family {arch}, compiled for {p.target})")
+        lines.append(
+            f"  why: only the {arch} family's templates fuse score_mod/mask_mod: its default {spec.tile_m}x"
+            f"{spec.tile_n} forward (key blocks of at most {_MOD_TILE_N} with mods) with the traced mods"
+        )
+        if block_mask is not None:
+            lines.append("  block mask: key blocks the mask_mod empties are skipped, full ones run unmasked")
+        padded = _padded_tile(spec)
+        lines += [f"  {padded}"] if padded else []
+    families = [a for a in families_for_target(p.target) if a != arch]
+    others = [f"  {a}: no {a} template fuses score_mod/mask_mod yet" for a in families]
+    return lines + (["rejected:", *others] if others else [])
 
 
 # ---------------------------------------------------------------------------------------------

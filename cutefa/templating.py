@@ -149,8 +149,11 @@ def _fwd_sm80(spec: VariantSpec) -> Context:
 def _bwd_sm80(spec: VariantSpec) -> Context:
     return {
         # the CTA's own key blocks only (no stream-K tail): the causal, feature and mod variants
-        "own_blocks": spec.mask is not Mask.NONE or spec.features.any or "mods" in mods_context(spec),
+        # (and a padded head dim: cutefa.kernels.sm80.head_pad)
+        "own_blocks": spec.mask is not Mask.NONE or spec.features.any or "mods" in mods_context(spec)
+        or policy_sm80.head_dims(spec)["head_apart"],
         "score_mod_imports": policy_sm80.score_mod_imports(spec),
+        **policy_sm80.head_dims(spec),
         "double_q": spec.stages > 1,  # the next query block's Q loads into the other buffer
         "half_warps": spec.warps // 2,
         "warp_grids": policy_sm80.bwd_warp_grids(spec),

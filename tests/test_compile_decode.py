@@ -13,7 +13,7 @@ import pytest
 
 from cutefa import sass
 from cutefa.model import policy_decode
-from cutefa.model.options import Mask
+from cutefa.model.options import CacheDtype, Mask
 
 pytestmark = pytest.mark.compile
 
@@ -92,3 +92,35 @@ def test_one_warp_tile_keeps_few_copy_rows(cubins_sm90a):
     assert policy_decode.copy_threads_per_row(spec) == 2
     report = sass.analyze(cubins_sm90a[spec.name])
     assert report.registers <= 232, report.summary()
+
+
+# An e4m3 cache (sm_90a and newer): the tiles cp.async'd as bytes and widened on chip
+E4M3 = policy_decode.decode_spec("bf16", 128, 4, mask=Mask.CAUSAL, paged=True, cache_dtype=CacheDtype.E4M3)
+
+
+@pytest.fixture(scope="module")
+def cubin_e4m3(tmp_path_factory):
+    return sass.dump_cubins([E4M3], "sm_90a", tmp_path_factory.mktemp("sm_90a_e4m3"))[E4M3.name]
+
+
+def test_e4m3_cache_decode_sass_sm90a(cubin_e4m3):
+    spec = E4M3
+    report = sass.analyze(cubin_e4m3)
+    assert report.missing("sm80") == [], f"{spec.name}: {report.summary()}"
+    assert report.spills == 0 and report.local_bytes == 0, report.summary()
+    assert 0 < report.registers <= 255, report.summary()
+    assert report.counts["HMMA"] == 2 * _hmma_per_body(spec), report.summary()
+    text = sass.disassemble(cubin_e4m3)
+    assert len(sass.kernel_sections(text)) == 2  # decode and combine: no append into an e4m3 cache
+    forms = sass.opcode_forms(sass.kernel_text(text, "kernel"))
+    assert not any(f.startswith(("LDL", "STL")) for f in forms), forms
+    # 16-byte cp.async of the e4m3 rows; each thread's chunks read back as 16-byte vectors and
+    # widened: e4m3 pairs to f16x2, then (bf16) through f32 pairs into bf16x2
+    assert any(f.startswith("LDGSTS") and f.endswith(".128") for f in forms), forms
+    assert forms.get("LDS.128", 0) > 0 and forms.get("STS.128", 0) > 0, forms
+    # four widening sites (K and V of the masked and the unmasked step), each a loop over the
+    # thread's rows whose body widens the thread's 16-byte chunks of one row
+    chunks = 4 * (spec.head_dim // 16) // policy_decode.copy_threads_per_row(spec)
+    assert forms.get("F2FP.F16.E4M3.UNPACK_B", 0) == chunks * 8, forms
+    assert forms.get("F2FP.BF16.F32.PACK_AB", 0) >= chunks * 8, forms
+    assert forms.get("HADD2.F32", 0) == chunks * 16, forms

@@ -17,6 +17,7 @@ import pytest
 from cpu_support import all_variants, compile_sample
 
 from cutefa import sass
+from cutefa.model.rules import tile_head_dims
 
 pytestmark = pytest.mark.compile
 
@@ -54,11 +55,13 @@ def test_sass_sm80(cubins_sm80, spec):
 
 
 def test_hmma_count_matches_the_tile(cubins_sm90a):
-    """Per mainloop body each warp issues (rows/16) * (tile_n/8) * (head_dim/16) HMMAs for S = Q K^T
-    and (rows/16) * (head_dim/8) * (tile_n/16) for O += P V; two bodies (masked, unmasked)."""
+    """Per mainloop body each warp issues (rows/16) * (tile_n/8) * (d_qk/16) HMMAs for S = Q K^T
+    and (rows/16) * (d_v/8) * (tile_n/16) for O += P V, over the tile's head dims (a padded head dim
+    computes on its padded tile); two bodies (masked, unmasked)."""
     for spec in CHECKED:
         rows = spec.tile_m // spec.warps
-        per_body = (rows // 16) * (spec.tile_n // 8) * (spec.head_dim // 16) * 2
+        d_qk, d_v = tile_head_dims(spec)
+        per_body = (rows // 16) * ((spec.tile_n // 8) * (d_qk // 16) + (d_v // 8) * (spec.tile_n // 16))
         assert sass.analyze(cubins_sm90a[spec.name]).counts["HMMA"] == 2 * per_body, spec.name
 
 

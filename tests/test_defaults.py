@@ -114,7 +114,7 @@ def test_sm80_defaults_and_fallbacks():
     for spec in small:
         assert all(rules.why_not_on(spec, t) is None for t in ("sm_86", "sm_89")), spec.name
     tuned = set(committed.tuned_variants()) & set(fwd)
-    assert len(bwd) == 2 * 2 * (len(HEAD_DIMS) + 3)
+    assert len(bwd) == 2 * 2 * (len(COMMITTED_HEAD_DIMS) + 3)  # 80 and 112: padded tiles of their own
     assert (
         set(fwd)
         == {

@@ -97,21 +97,77 @@ def test_the_tuned_head_dims_are_committed_and_nothing_else_new():
     assert all(s.head_dim_v == s.head_dim for s in every)
     assert {(s.arch, s.direction) for s in every if s.head_dim in TUNED_HEAD_DIMS} <= {
         ("sm80", "fwd"),
+        ("sm80", "bwd"),
         ("sm90", "fwd"),
     }
+    bwd = committed.default_variants("sm80", "bwd")
+    for d in TUNED_HEAD_DIMS:
+        for dtype in ("fp16", "bf16"):
+            want = {defaults.default_spec("sm80", "bwd", dtype, d, causal=c) for c in (False, True)}
+            assert want <= set(bwd)
+            assert all((s.tile_m, s.tile_n, s.stages, s.warps) == (64, 128, 1, 8) for s in want)
 
 
-def test_the_sm80_backward_takes_multiples_of_32_and_refuses_the_rest():
-    for d in ACCEPTED:
-        spec = defaults.default_spec("sm80", "bwd", "bf16", d)
-        if d % 32:
-            assert spec is None
-            bwd = VariantSpec("sm80", "bwd", "bf16", d, 64, 128, 1, 8)
-            assert "the sm80 backward takes head dims that are multiples of 32" in rules.why_invalid(bwd)
-        else:
-            assert rules.why_invalid(spec) is None and rules.why_not_on(spec, "sm_90a") is None, spec.name
+@pytest.mark.parametrize("head_dim", ACCEPTED, ids=lambda d: f"hd{d}")
+def test_every_head_dim_has_a_valid_sm80_backward(head_dim):
+    """The backward default of every accepted head dim, both masks, and with the local window and
+    every feature: valid, on an A100 too; a padded one on its nearest tile with the tiled dQ
+    accumulator and no dq_pipe."""
+    for causal in (False, True):
+        spec = defaults.default_spec("sm80", "bwd", "bf16", head_dim, causal=causal)
+        assert spec is not None and spec.head_dim == head_dim
+        featured = spec.replace(mask=Mask.LOCAL, features=FEATURED)
+        for s in (spec, featured):
+            assert rules.why_invalid(s) is None and rules.why_not_on(s, "sm_80") is None, s.name
+        if head_dim % 32:
+            assert spec.options.dq_layout is DqLayout.TILE and not spec.options.dq_pipe
+            padded = sm80_tile_head_dim(head_dim)
+            nearest = defaults.default_spec("sm80", "bwd", "bf16", min(d for d in (32, 64, 96, 128, 192, 256) if d >= padded))
+            assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps) == (
+                nearest.tile_m, nearest.tile_n, nearest.stages, nearest.warps,
+            )  # fmt: skip
+
+
+def test_the_padded_sm80_backward_refuses_what_its_template_lacks():
+    bwd = VariantSpec("sm80", "bwd", "bf16", 80, 64, 128, 1, 8, dq_layout=DqLayout.TILE)
+    assert rules.why_invalid(bwd) is None
+    for other in (bwd.replace(dq_layout=DqLayout.ROWS), bwd.replace(dq_pipe=True)):
+        reason = rules.why_invalid(other)
+        assert "head_dim=80 (padded to 96 columns)" in reason and "takes dq_layout=TILE without dq_pipe" in reason
     bwd = VariantSpec("sm80", "bwd", "bf16", 192, 64, 64, 1, 8, head_dim_v=128, dq_layout=DqLayout.TILE)
     assert "no separate V head dim yet" in rules.why_invalid(bwd)
+
+
+def test_the_padded_backward_workspaces():
+    """The tiled dQ accumulator's chunks are tile_m x the padded width; the stream-K tail is off."""
+    from cutefa.api.backward import tail_slots
+    from cutefa.api.feature_bwd import _varlen_dq_accum_shape
+    from cutefa.model.budgets import bwd_dq_accum_shape
+
+    spec = defaults.default_spec("sm80", "bwd", "bf16", 80)
+    assert bwd_dq_accum_shape(spec, 1, 2, 100, 4) == (1, 2, 4, 2, 64 * 96)
+    assert _varlen_dq_accum_shape(spec, 1, 300, 4, 3) == (1, 4, 300 // 64 + 3, 64 * 96)
+    plain = defaults.default_spec("sm80", "bwd", "bf16", 96)
+    assert bwd_dq_accum_shape(plain, 1, 2, 100, 4) == (1, 2, 4, 2, 64 * 96)
+    from cutefa.model.budgets import BWD_HEAD_DIM_ATOM
+    from cutefa.model.budgets_sm80 import SM80_HEAD_DIM_ATOM
+
+    assert BWD_HEAD_DIM_ATOM["sm80"] == SM80_HEAD_DIM_ATOM
+    assert tail_slots(spec, False, 3, 7, 1000, 1000, 100) == 0
+    assert tail_slots(plain, False, 3, 7, 1000, 1000, 100) == 100
+
+
+def test_the_padded_backward_template_context_and_source():
+    spec = defaults.default_spec("sm80", "bwd", "bf16", 40)
+    context = template_context(spec, "bwd_sm80.py.j2")
+    assert (context["tile_d"], context["head_apart"], context["own_blocks"]) == (64, True, True)
+    text = render_source(spec)
+    assert "HEAD_DIM = 40" in text and "TILE_D = 64" in text and "mQ = head_pad.padded_view(mQ, TILE_D)" in text
+    # every load and store predicated on the column: no copy by rows alone, no stream-K tail
+    assert "parts.copy_rows(" not in text and "head_pad.copy_tile(" in text and "tail." not in text
+    assert "chunk = spec.tile_m * TILE_D" in text
+    plain = render_source(defaults.default_spec("sm80", "bwd", "bf16", 64))
+    assert "head_pad" not in plain and "TILE_D" not in plain
 
 
 @pytest.mark.parametrize(

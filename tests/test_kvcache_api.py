@@ -16,9 +16,9 @@ from cutefa.api import kvcache, kvcache_reference, validate
 from cutefa.api.features import UNBOUNDED
 from cutefa.kernels.sm80 import decode_rows
 from cutefa.model import policy_decode
-from cutefa.model.options import Mask
-from cutefa.model.rules import why_invalid, why_no_kernel
-from cutefa.model.spec import HEAD_DIMS, Features, VariantSpec
+from cutefa.model.options import CacheDtype, Mask
+from cutefa.model.rules import why_invalid, why_no_kernel, why_not_on
+from cutefa.model.spec import HEAD_DIMS, Features, VariantSpec, parse_name
 from cutefa.paged import OutOfPagesError, PagedKVCache
 
 with_kvcache = kvcache.flash_attn_with_kvcache
@@ -68,6 +68,7 @@ def emulate_decode(spec, device, q_in, q, k_cache, v_cache, k_new, v_new, cos, s
     row's band, a partial softmax per split, and the combine. float64."""
     rest = list(rest)
     leftpad = None if spec.features.paged_kv else rest.pop(0)
+    descales = (rest.pop(0), rest.pop(0)) if spec.options.kv_e4m3 else None  # (batch, heads_kv)
     scale, inter = rest.pop(0), rest.pop(0)
     emulate_append(
         spec, q_in, q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, cache_map, leftpad, inter
@@ -97,6 +98,9 @@ def emulate_decode(spec, device, q_in, q, k_cache, v_cache, k_new, v_new, cos, s
         else:
             row = int(cache_map[b]) if cache_map.numel() else b
             keys, vals = k_cache[row, left : left + sk], v_cache[row, left : left + sk]
+        if descales is not None:  # an e4m3 cache: sequence b's values are descale[b, h] * stored
+            keys = keys.double() * descales[0][b].double()[None, :, None]
+            vals = vals.double() * descales[1][b].double()[None, :, None]
         for h in range(hkv):
             for row0 in range(0, rows, tm):
                 t_first, t_last = row0 // group, (min(row0 + tm, rows) - 1) // group
@@ -256,6 +260,10 @@ def test_bad_arguments_are_named(emulated, change, error, match):
 def test_bad_tensors_are_named(emulated):
     q, k_cache, v_cache = _inputs()
     with pytest.raises(NotImplementedError, match="fp8"):
+        with_kvcache(
+            q.to(torch.float8_e4m3fn), k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        )
+    with pytest.raises(TypeError, match="both torch.float8_e4m3fn"):
         with_kvcache(q, k_cache.to(torch.float8_e4m3fn), v_cache)
     with pytest.raises(TypeError, match="one dtype"):
         with_kvcache(q, k_cache.bfloat16(), v_cache.bfloat16())
@@ -358,13 +366,20 @@ def test_rendered_decode_module_names_its_arguments():
     )
 
 
-@pytest.mark.parametrize(("mask", "paged", "softcap"), [(Mask.NONE, False, False), (Mask.LOCAL, True, True)])
-def test_kernel_args_follow_the_rendered_signature(mask, paged, softcap):
+@pytest.mark.parametrize(
+    ("mask", "paged", "softcap", "e4m3"),
+    [(Mask.NONE, False, False, False), (Mask.LOCAL, True, True, False), (Mask.NONE, False, False, True),
+     (Mask.LOCAL, True, True, True)],
+)  # fmt: skip
+def test_kernel_args_follow_the_rendered_signature(mask, paged, softcap, e4m3):
     """kvcache.kernel_args gives exactly the parameters of the rendered Kernel.__call__ (less the
     stream), in its order: the tensors where the module takes tensors."""
     import ast
 
-    spec = policy_decode.decode_spec("bf16", 64, 4, mask=mask, paged=paged, softcap=softcap)
+    cache_dtype = CacheDtype.E4M3 if e4m3 else CacheDtype.SAME
+    spec = policy_decode.decode_spec(
+        "bf16", 64, 4, mask=mask, paged=paged, softcap=softcap, cache_dtype=cache_dtype
+    )
     tree = ast.parse(codegen.render_source(spec))
     (call,) = [
         f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "Kernel"
@@ -378,9 +393,10 @@ def test_kernel_args_follow_the_rendered_signature(mask, paged, softcap):
     table = torch.zeros(2, 1, dtype=torch.int32) if paged else None
     args = kvcache.kernel_args(
         spec, q, q, cache, cache, None, None, None, None, q, lens, q, lens, lens, None, None, table, 0.1, True,
-        False, 3, 0, 5.0,
+        False, 3, 0, 5.0, (lens, lens) if e4m3 else (),
     )  # fmt: skip
     assert len(args) == len(params) - 1
+    assert ("mKDescale" in [n for n, _ in params]) == e4m3
     for (name, kind), arg in zip(params, args):
         assert isinstance(arg, torch.Tensor) == (kind == "cute.Tensor"), (name, kind, type(arg))
 
@@ -754,3 +770,188 @@ def test_allocator_append_and_gather_round_trip():
         cache.check(bad, lens + 19)
     with pytest.raises(ValueError, match="outside"):
         cache.check(table, torch.tensor([19, 9999], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The e4m3 cache
+
+
+def _e4m3(spec):
+    return spec.replace(options=spec.options.replace(cache_dtype=CacheDtype.E4M3))
+
+
+def test_e4m3_cache_variants_are_named_and_ruled():
+    base = policy_decode.decode_spec("bf16", 128, 4, paged=True)
+    e4m3 = policy_decode.decode_spec("bf16", 128, 4, paged=True, cache_dtype=CacheDtype.E4M3)
+    assert e4m3 == _e4m3(base) and e4m3.options.kv_e4m3 and not base.options.kv_e4m3
+    assert base.name == "cutefa_sm80_fwd_bf16_hd128_16x64_s2_w1_paged_split"  # no token by default
+    assert e4m3.name == base.name + "_kve4m3" and parse_name(e4m3.name) == e4m3
+    for hd, rows, mask, paged, softcap in ((64, 1, Mask.NONE, False, False), (128, 64, Mask.CAUSAL, True, False),
+                                           (256, 4, Mask.LOCAL, True, True), (128, 128, Mask.NONE, False, True)):  # fmt: skip
+        spec = _e4m3(policy_decode.decode_spec("fp16", hd, rows, mask=mask, paged=paged, softcap=softcap))
+        assert why_invalid(spec) is None, spec.name
+        assert why_not_on(spec, "sm_90a") is None and why_not_on(spec, "sm_100a") is None
+        assert "sm_90a or newer" in why_not_on(spec, "sm_80")
+    prefill = _e4m3(VariantSpec("sm80", "fwd", "bf16", 128, 128, 64, 2, 4))
+    assert "split_kv" in why_invalid(prefill)
+    # 8 warps of a 64-key tile put 4 threads on a row: 96 columns are 6 copies of 16 bytes
+    assert "16-byte copies" in why_invalid(_e4m3(policy_decode.decode_spec("bf16", 96, 128)))
+
+
+def test_e4m3_decode_module_widens_and_takes_descales():
+    spec = policy_decode.decode_spec("bf16", 128, 4, cache_dtype=CacheDtype.E4M3)
+    text = codegen.render_source(spec)
+    assert "mKDescale: cute.Tensor" in text and "mVDescale: cute.Tensor" in text
+    assert text.count("decode_fp8.widen(") == 4  # K and V, masked and unmasked steps
+    assert "self.append(" not in text and "cutlass.Float8E4M3FN" in text
+    assert "scale_log2 = scale_log2 * mKDescale[batch, head_kv]" in text
+    assert "acc_O.load() * mVDescale[batch, head_kv]" in text
+    capped = codegen.render_source(_e4m3(policy_decode.decode_spec("bf16", 128, 4, softcap=True)))
+    assert "cap_pre_scale = cap_pre_scale * mKDescale[batch, head_kv]" in capped
+    plain = codegen.render_source(policy_decode.decode_spec("bf16", 128, 4))
+    assert "Descale" not in plain and "decode_fp8" not in plain and "self.append(" in plain
+
+
+def _quantized(x, descale):
+    """x (rows, seqlen, heads, d) divided by descale (heads,) or (rows, heads) into e4m3."""
+    d = descale if descale.dim() == 2 else descale[None].expand(x.shape[0], -1)
+    return (x.float() / d[:, None, :, None]).to(torch.float8_e4m3fn)
+
+
+def _e4m3_inputs(batch, sq, hq, hkv, d, cap, seed=40):
+    q = _rand(batch, sq, hq, d, seed=seed, dtype=torch.bfloat16)
+    k_descale = 0.02 + torch.rand(batch, hkv, generator=_g(seed + 1)) / 10
+    v_descale = 0.02 + torch.rand(batch, hkv, generator=_g(seed + 2)) / 10
+    k8 = _quantized(_rand(batch, cap, hkv, d, seed=seed + 3), k_descale)
+    v8 = _quantized(_rand(batch, cap, hkv, d, seed=seed + 4), v_descale)
+    return q, k8, v8, k_descale, v_descale
+
+
+def _dequantized(x8, descale):
+    return x8.double() * descale.double()[:, None, :, None]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_e4m3_dense_decode_matches_the_dequantized_reference(emulated, num_splits, causal):
+    batch, sq, hq, hkv, d, cap = 3, 2, 8, 2, 64, 120
+    q, k8, v8, kd, vd = _e4m3_inputs(batch, sq, hq, hkv, d, cap)
+    lens = torch.tensor([0, 17, 120], dtype=torch.int32)
+    out, lse = with_kvcache(
+        q, k8, v8, cache_seqlens=lens, causal=causal, num_splits=num_splits, return_lse=True, k_descale=kd,
+        v_descale=vd,
+    )  # fmt: skip
+    assert emulated[-1][0].options.kv_e4m3 and emulated[-1][1] == num_splits
+    k_ref, v_ref = _dequantized(k8, kd), _dequantized(v8, vd)
+    for b in range(batch):
+        n = int(lens[b])
+        o, l = reference(q[b : b + 1], k_ref[b : b + 1, :n], v_ref[b : b + 1, :n], d**-0.5, causal=causal)
+        _assert_close(out[b : b + 1], o, atol=1e-2)
+        torch.testing.assert_close(lse[b : b + 1].double(), l, atol=1e-6, rtol=0)
+
+
+def test_e4m3_paged_decode_matches_the_dequantized_reference(emulated):
+    batch, hq, hkv, d, ps = 2, 4, 1, 128, 16
+    q = _rand(batch, 1, hq, d, seed=50, dtype=torch.float16)
+    kd, vd = torch.tensor([[0.05], [0.1]]), torch.tensor([[0.2], [0.03]])
+    pool_k = _rand(8, ps, hkv, d, seed=51).to(torch.float8_e4m3fn)
+    pool_v = _rand(8, ps, hkv, d, seed=52).to(torch.float8_e4m3fn)
+    table = torch.tensor([[5, 1, 7], [0, 2, 3]], dtype=torch.int32)
+    lens = torch.tensor([40, 33], dtype=torch.int32)
+    out = with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, page_table=table, k_descale=kd, v_descale=vd)
+    for b in range(batch):
+        n = int(lens[b])
+        keys = torch.cat([pool_k[p] for p in table[b].tolist()])[:n].double() * float(kd[b, 0])
+        vals = torch.cat([pool_v[p] for p in table[b].tolist()])[:n].double() * float(vd[b, 0])
+        o, _ = reference(q[b : b + 1], keys[None], vals[None], d**-0.5)
+        _assert_close(out[b : b + 1], o, atol=1e-2)
+
+
+def test_e4m3_descales_default_to_one(emulated):
+    q, k8, v8, _, _ = _e4m3_inputs(2, 1, 4, 2, 64, 40)
+    ones = torch.ones(2, 2)
+    _assert_close(with_kvcache(q, k8, v8), with_kvcache(q, k8, v8, k_descale=ones, v_descale=ones), atol=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"k_descale": torch.ones(2, 2, dtype=torch.float64)}, TypeError, "k_descale must be torch.float32"),
+        ({"v_descale": torch.ones(2, 3)}, ValueError, r"v_descale must have shape \(batch, heads_kv\)"),
+        ({"k_descale": torch.ones(2)}, ValueError, "v_descale|k_descale"),
+        ({"k_descale": [[1.0, 1.0]] * 2}, TypeError, "k_descale must be a torch.Tensor"),
+        ({"k_descale": torch.tensor([[1.0, 0.0], [1.0, 1.0]])}, RuntimeError, "k_descale must be finite and positive"),
+        ({"v_descale": torch.tensor([[1.0, math.inf], [1.0, 1.0]])}, RuntimeError, "v_descale must be finite"),
+        ({"v_descale": torch.tensor([[1.0, math.nan], [1.0, 1.0]])}, RuntimeError, "v_descale must be finite"),
+        ({"k": _rand(2, 1, 2, 64), "v": _rand(2, 1, 2, 64), "cache_seqlens": 3}, NotImplementedError, "e4m3 cache"),
+    ],
+)  # fmt: skip
+def test_e4m3_bad_arguments_are_named(emulated, change, error, match):
+    q, k8, v8, _, _ = _e4m3_inputs(2, 1, 4, 2, 64, 40)
+    with pytest.raises(error, match=match):
+        with_kvcache(q, k8, v8, **change)
+
+
+def test_e4m3_refusals(emulated, monkeypatch):
+    q, k_cache, v_cache = _inputs()
+    with pytest.raises(ValueError, match="k_descale is for an e4m3 cache"):
+        with_kvcache(q, k_cache, v_cache, k_descale=torch.ones(2, 2))
+    with pytest.raises(NotImplementedError, match="fp8"):  # e5m2
+        with_kvcache(q, k_cache.to(torch.float8_e5m2), v_cache.to(torch.float8_e5m2))
+    q8, k8, v8, kd, vd = _e4m3_inputs(2, 1, 4, 2, 64, 40)
+    monkeypatch.setattr(dispatch, "device_target", lambda device=None: ("sm_80", "NVIDIA A100"))
+    with pytest.raises(NotImplementedError, match="sm_90a or newer"):
+        with_kvcache(q8, k8, v8, k_descale=kd, v_descale=vd)
+
+
+def test_e4m3_fake_op_gives_the_output_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(3, 4, 32, 128, dtype=torch.bfloat16, device="cuda")
+        pool = torch.empty(100, 16, 8, 128, dtype=torch.float8_e4m3fn, device="cuda")
+        table = torch.empty(3, 20, dtype=torch.int32, device="cuda")
+        lens = torch.empty(3, dtype=torch.int32, device="cuda")
+        descale = torch.empty(3, 8, dtype=torch.float32, device="cuda")
+        out, lse = kvcache.kvcache_attn_e4m3(
+            q, pool, pool, lens, None, None, table, descale, descale, 0.1, True, -1, -1, 0.0, 0
+        )
+        assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (3, 32, 4)
+
+
+def test_torch_compile_fullgraph_traces_the_e4m3_cache_op():
+    """The descale checks (an asynchronous assert) and the e4m3 op trace into one graph."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=capture)
+    def step(q, k_cache, v_cache, lens, table, kd, vd):
+        return with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=lens,
+            page_table=table,
+            k_descale=kd,
+            v_descale=vd,
+            return_lse=True,
+        )
+
+    torch._dynamo.reset()
+    with FakeTensorMode():
+        q = torch.empty(2, 1, 8, 64, dtype=torch.bfloat16, device="cuda")
+        pool = torch.empty(10, 16, 2, 64, dtype=torch.float8_e4m3fn, device="cuda")
+        lens = torch.empty(2, dtype=torch.int32, device="cuda")
+        table = torch.empty(2, 5, dtype=torch.int32, device="cuda")
+        kd = torch.empty(2, 2, device="cuda")
+        out, lse = step(q, pool, pool.clone(), lens, table, kd, kd.clone())
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 8, 1)
+    (graph,) = graphs
+    names = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert sum("kvcache_attn_e4m3" in n for n in names) == 1, names
+    assert sum("_assert_async" in n for n in names) == 2, names

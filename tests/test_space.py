@@ -173,10 +173,6 @@ def _reason(spec: VariantSpec) -> str:
         ),
         (SM80.replace(direction="bwd", tile_m=64, tile_n=32, warps=8), "tile_n=32 is not a multiple of 64"),
         (
-            VariantSpec("sm80", "bwd", "bf16", 80, 32, 128, 1, 8, dq_layout=DqLayout.TILE),
-            "dq_layout=TILE needs tile_m * head_dim (2560) to be a multiple of 4 x the 256 threads",
-        ),
-        (
             VariantSpec("sm80", "bwd", "bf16", 128, 64, 128, 1, 8, dq_pipe=True),
             "dq_pipe without dq_layout=TILE",
         ),
@@ -209,10 +205,14 @@ def test_each_rule_names_itself(spec, reason):
     assert reason in _reason(spec)
 
 
-def test_head_dim_multiple_of_32_for_the_sm80_backward():
+def test_a_padded_sm80_backward_takes_the_tiled_dq_layout_only():
     bwd = VariantSpec("sm80", "bwd", "bf16", 80, 64, 128, 1, 8, dq_layout=DqLayout.TILE)
-    assert "head_dim=80: the sm80 backward takes head dims that are multiples of 32" in _reason(bwd)
+    assert rules.why_invalid(bwd) is None  # padded to 96 columns
+    for other in (bwd.replace(dq_layout=DqLayout.ROWS), bwd.replace(dq_layout=DqLayout.QUAD), bwd.replace(dq_pipe=True)):
+        assert "the padded sm80 backward takes dq_layout=TILE without dq_pipe" in _reason(other)
     assert rules.why_invalid(SM80.replace(head_dim=80, warps=8)) is None  # the forward pads it to 96
+    # dq_accum's chunks are tile_m x the padded width: 32 x 96 words fill whole 16-byte vectors
+    assert rules._sm80_dq_layout(VariantSpec("sm80", "bwd", "bf16", 80, 32, 128, 1, 8, dq_layout=DqLayout.TILE)) is None
 
 
 def test_a_kernel_that_does_not_exist_says_so(monkeypatch):

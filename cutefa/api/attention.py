@@ -3,6 +3,9 @@
 
 Layout is (batch, seqlen, heads, head_dim) for q, k and v; k and v may have fewer heads than q
 (grouped-query attention: query head ``h`` reads key/value head ``h // (heads_q // heads_kv)``).
+v may have a head dim of its own, ``head_dim_v`` (a pair of :data:`cutefa.model.spec.HEAD_DIM_V_PAIRS`:
+q and k of 192 against v of 128, DeepSeek's prefill); the output has v's head dim. The forward
+only: its gradient raises ``NotImplementedError``.
 Causal masking is aligned bottom-right: query ``i`` attends key ``j`` iff
 ``j <= i + seqlen_k - seqlen_q``.
 
@@ -74,7 +77,10 @@ def flash_attn_func(
     mask_mod: Callable[..., Any] | None = None,
     block_mask: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward on CUDA tensors of shape (batch, seqlen, heads, head_dim).
+    """Attention forward on CUDA tensors of shape (batch, seqlen, heads, head_dim) (v of head dim
+    ``head_dim_v``: q's, or its own in a pair of :data:`cutefa.model.spec.HEAD_DIM_V_PAIRS` for a
+    16-bit call without user mods; the output then has v's head dim and no gradient yet: asking for
+    one raises ``NotImplementedError``).
 
     The positional arguments are flash-attn's (``flash_attn_func(q, k, v, dropout_p,
     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)``),
@@ -247,7 +253,8 @@ def _plan_options(causal: object, softmax_scale: object, deterministic: object) 
 def explain(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, target: str | None = None,
     v_centered: bool = False, window_size: tuple[int | None, int | None] = (-1, -1), softcap: float = 0.0,
-    alibi: bool = False, sinks: bool = False, varlen: bool = False,
+    alibi: bool = False, sinks: bool = False, varlen: bool = False, score_mod: Any = None, mask_mod: Any = None,
+    block_mask: Any = None,
 ) -> str:  # fmt: skip
     """Which variant :func:`flash_attn_func` would run for these inputs, why, and what was rejected.
 
@@ -256,20 +263,25 @@ def explain(
     which dispatches among the variants tuned for centered v. ``window_size``, ``softcap``,
     ``alibi`` and ``sinks``: a call with those options (any slopes or sinks); ``varlen``: a
     :func:`cutefa.flash_attn_varlen_func` call whose sequences are q's batch (every one of q's and
-    k's lengths at most, max_seqlen_q/k being q's and k's seqlen).
+    k's lengths at most, max_seqlen_q/k being q's and k's seqlen). v of a head dim of its own:
+    the choice for it (the families' default variants with that ``head_dim_v``). ``score_mod``,
+    ``mask_mod``, ``block_mask``: a call with user mods: the traced mods and the kernels they are
+    fused into.
     """
     q, k, v = check_tensors((q, k, v))
     device_types = None if target is None else (q.device.type,)
     if q.dtype in FP8_DTYPES:
         validate_fp8_inputs(q, k, v, causal=causal, device_types=device_types)
     else:
-        validate_inputs(q, k, v, causal=causal, device_types=device_types)
+        validate_inputs(q, k, v, causal=causal, device_types=device_types, separate_v=True)
     causal, left, right = mask_options(causal, window_size)
     features = Features(varlen=varlen, softcap=check_softcap(softcap) != 0.0, alibi=alibi, sinks=sinks)
     gpu_name = None
     if target is None:
         target, gpu_name = dispatch.device_target(q.device)
+    given = {"score_mod": score_mod, "mask_mod": mask_mod, "block_mask": block_mask}
+    mods = {name: value for name, value in given.items() if value is not None}
     return dispatch.explain_problem(
         target=target, dtype=q.dtype, causal=causal, gpu_name=gpu_name, v_centered=v_centered,
-        local=(left, right) != (-1, -1), features=features, **shapes(q, k),
+        local=(left, right) != (-1, -1), features=features, **mods, **shapes(q, k, v),
     )  # fmt: skip

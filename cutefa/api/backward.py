@@ -23,12 +23,12 @@ import torch
 
 from cutefa import dispatch
 from cutefa.api.launch import aligned, call_on
-from cutefa.api.validate import check_grid_limits
+from cutefa.api.validate import check_backward_head_dims, check_grid_limits
 from cutefa.loader import get_kernel
 from cutefa.model.budgets import bwd_dq_accum_shape
 from cutefa.model.budgets_sm90 import sm90_bwd_dkv_accum_shape
 from cutefa.model.defaults import default_spec
-from cutefa.model.rules import fitting_variant, smem_bytes, why_invalid, why_not_on
+from cutefa.model.rules import fitting_variant, smem_bytes, tile_head_dims, why_invalid, why_not_on
 from cutefa.model.spec import TORCH_DTYPE_NAMES, VariantSpec, families_for_target
 
 
@@ -106,8 +106,11 @@ def tail_slots(
     slots (:data:`TAIL_SLOTS` instead where set), or 0 where the tail does not apply: other than
     an sm80 non-causal backward, deterministic mode (its CTAs own fixed key blocks), no query rows,
     a grid of whole waves (nothing to spread) or of less than one wave and a part (no full wave to
-    take into the region), or a region whose step arithmetic would leave 32 bits."""
+    take into the region), or a region whose step arithmetic would leave 32 bits; and a padded head
+    dim (its kernel walks its own key blocks only)."""
     if spec.arch != "sm80" or spec.direction != "bwd" or spec.causal or deterministic:
+        return 0
+    if tile_head_dims(spec)[0] != spec.head_dim:
         return 0
     slots = TAIL_SLOTS if TAIL_SLOTS is not None else slots
     if slots <= 0:
@@ -186,6 +189,7 @@ def gradients(
     when given (tuning and benchmarks time each variant this way). ValueError, before anything is
     allocated, where q's batch or heads are over the launch grid's limits (the forward's
     validation refuses them too)."""
+    check_backward_head_dims(q.shape[-1], v.shape[-1])
     check_grid_limits(q)
     dq, dk, dv = _empty_grads(q, k, v)
     if dq.numel() == 0 or dk.numel() == 0:  # nothing attends anything: every gradient is 0

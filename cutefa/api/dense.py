@@ -5,6 +5,11 @@ and the call plan of a plain eager call.
 and runs the dispatched kernel; an empty problem (batch, seqlen_q or heads_q of 0) returns empty
 results and one without keys a zero output and a ``-inf`` log-sum-exp, neither with a launch.
 Gradients of out and lse come from ``cutefa::flash_bwd`` (:mod:`cutefa.api.backward`).
+
+v may have a head dim of its own (a pair of :data:`cutefa.model.spec.HEAD_DIM_V_PAIRS`, e.g.
+DeepSeek's q/k of 192 against v of 128): out then has v's head dim. No backward kernel takes one
+yet: the gradient of such a call raises ``NotImplementedError`` when it is asked for (a forward
+under ``torch.no_grad()``/``torch.inference_mode()`` runs).
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ import torch
 from cutefa import dispatch
 from cutefa.api import backward as _backward
 from cutefa.api import plans as _plans
-from cutefa.api.launch import aligned, call_on, choose, empty_outputs, outputs
-from cutefa.api.validate import validate_inputs
+from cutefa.api.launch import aligned, call_on, choose, empty_outputs, out_shape, outputs
+from cutefa.api.validate import check_backward_head_dims, validate_inputs
 from cutefa.loader import get_kernel
 
 
@@ -29,7 +34,7 @@ def _launch(
     """Dispatch and run the kernel on the current stream of q's device, writing ``out`` and ``lse``.
 
     Returns what ran: (the dispatch choice, the kernel)."""
-    choice = choose(q, k, causal)
+    choice = choose(q, k, causal, v=v)
     kernel = get_kernel(choice.spec, choice.target)
     q, k, v = aligned(q), aligned(k), aligned(v)
     call_on(q.device, kernel, q, k, v, out, lse, softmax_scale)
@@ -41,8 +46,8 @@ def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[dispatch.Choice, Callable[..., Any]] | None]:
     """Validate, allocate and launch: (out, lse, what ran or None when nothing was launched)."""
-    validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    out, lse, final = outputs(q, k)
+    validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale, separate_v=True)
+    out, lse, final = outputs(q, k, head_dim_v=v.shape[-1])
     return out, lse, None if final else _launch(q, k, v, out, lse, causal, softmax_scale)
 
 
@@ -50,8 +55,8 @@ def _flash_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Attention forward: returns (out like q, lse float32 (batch, heads_q, seqlen_q)).
-    ``deterministic`` only selects the backward's mode (saved for autograd)."""
+    """Attention forward: returns (out like q but of v's head dim, lse float32 (batch, heads_q,
+    seqlen_q)). ``deterministic`` only selects the backward's mode (saved for autograd)."""
     out, lse, _ = forward(q, k, v, causal, softmax_scale)
     return out, lse
 
@@ -64,11 +69,24 @@ def _flash_fwd_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    return empty_outputs(q)
+    validate_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale, separate_v=True)
+    return empty_outputs(q, head_dim_v=v.shape[-1])
 
 
-torch.library.register_autograd("cutefa::flash_fwd", _backward.backward, setup_context=_backward.setup_context)
+def _setup_context(ctx, inputs, output) -> None:
+    """:func:`cutefa.api.backward.setup_context`, and the head dims the backward checks."""
+    _backward.setup_context(ctx, inputs, output)
+    ctx.head_dims = (inputs[0].shape[-1], inputs[2].shape[-1])
+
+
+def _autograd_backward(ctx, grad_out, grad_lse):
+    """:func:`cutefa.api.backward.backward`; ``NotImplementedError`` for v of a head dim of its own
+    (:func:`cutefa.api.validate.check_backward_head_dims`), raised here, where a gradient is asked for."""
+    check_backward_head_dims(*ctx.head_dims)
+    return _backward.backward(ctx, grad_out, grad_lse)
+
+
+torch.library.register_autograd("cutefa::flash_fwd", _autograd_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,22 +111,29 @@ def make_plan(
     argument buffer is laid out once for the key's shapes and each call writes only the five data
     pointers, after the checks the kernel would make on the fields it no longer reads (v's shape,
     the dtypes and devices of k and v). Other strides go through the kernel's full call.
+
+    The key does not hold v's shape: v and out have the head dim of the choice's spec (v's own,
+    :attr:`~cutefa.model.spec.VariantSpec.head_dim_v`), and a call whose v has another one goes
+    the validating way, which dispatches for it.
     """
     batch, seqlen_q, heads_q, _ = q.shape
     lse_shape = (batch, heads_q, seqlen_q)
-    out_proto = _plans.proto(q.device, q.dtype, q.shape)
+    head_dim_v = choice.spec.head_dim_v
+    out_proto = _plans.proto(q.device, q.dtype, out_shape(q, head_dim_v))
     lse_proto = _plans.proto(q.device, torch.float32, lse_shape)
     scratch = _plans.scratch_lse(q.device, lse_shape)
     q_shape, k_shape = tuple(q.shape), tuple(k.shape)
+    v_shape = (*k_shape[:-1], head_dim_v)
     empty_like = torch.empty_like
-    fast = bind(kernel, q, k, lse_shape, softmax_scale)
+    fast = bind(kernel, q, k, lse_shape, softmax_scale, head_dim_v)
     dtype, device = q.dtype, q.get_device()
 
     def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool) -> Any:
         out = empty_like(out_proto)
         lse = scratch if scratch is not None and not return_lse else empty_like(lse_proto)
         try:
-            # The bound launcher takes contiguous q/k/v of the key's layout (v like k) on q's device.
+            # The bound launcher takes contiguous q/k/v of the key's layout (v like k but for its
+            # head dim) on q's device.
             if not (
                 fast is not None
                 and q.is_contiguous()
@@ -116,11 +141,13 @@ def make_plan(
                 and v.is_contiguous()
                 and k.dtype is dtype
                 and v.dtype is dtype
-                and v.shape == k_shape
+                and v.shape == v_shape
                 and k.get_device() == device
                 and v.get_device() == device
                 and fast(q, k, v, out, lse)
             ):
+                if v.shape[-1] != head_dim_v:  # another V head dim: another kernel, the validating way's
+                    raise ValueError("v's head dim is not the plan's")
                 kernel(q, k, v, out, lse, softmax_scale)
         except (ValueError, TypeError):  # refused before launching: see above
             out, lse, _ = forward(q, k, v, causal, softmax_scale)
@@ -133,21 +160,24 @@ def make_plan(
 
 
 def bind(
-    kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, lse_shape: tuple[int, int, int], softmax_scale: float
+    kernel: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, lse_shape: tuple[int, int, int],
+    softmax_scale: float, head_dim_v: int | None = None,
 ) -> Callable[..., bool] | None:  # fmt: skip
-    """The kernel's launcher for contiguous q, k, v, out, lse of these shapes on q's CUDA device
-    (:meth:`cutefa.ffi.Function.bind`), or None when the kernel cannot bind (kept in memory)."""
+    """The kernel's launcher for contiguous q, k, v, out, lse of these shapes (v and out of head dim
+    ``head_dim_v`` where given, else of q's) on q's CUDA device (:meth:`cutefa.ffi.Function.bind`),
+    or None when the kernel cannot bind (kept in memory)."""
     binder = getattr(kernel, "bind", None)
     if binder is None or not q.is_cuda:
         return None
     from cutefa.ffi import TensorLayout
 
     device = q.get_device()
+    v_shape = k.shape if head_dim_v is None else (*k.shape[:-1], head_dim_v)
     layouts = [
         TensorLayout(q.shape, q.dtype, device),
         TensorLayout(k.shape, q.dtype, device),
-        TensorLayout(k.shape, q.dtype, device),
-        TensorLayout(q.shape, q.dtype, device),
+        TensorLayout(v_shape, q.dtype, device),
+        TensorLayout(out_shape(q, head_dim_v), q.dtype, device),
         TensorLayout(lse_shape, torch.float32, device),
     ]
     try:

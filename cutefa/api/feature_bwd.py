@@ -32,8 +32,10 @@ from cutefa.api.backward import (
 )
 from cutefa.api.features import FeatureArgs
 from cutefa.api.launch import aligned, call_on
+from cutefa.api.validate import check_backward_head_dims
 from cutefa.codegen import template_name
 from cutefa.loader import get_kernel
+from cutefa.model.budgets import bwd_dq_chunk_words
 from cutefa.model.defaults import default_spec
 from cutefa.model.options import DqLayout, DqPath, Mask
 from cutefa.model.rules import fitting_variant, why_invalid, why_not_on
@@ -109,7 +111,7 @@ def _varlen_dq_accum_shape(
     tile_m * head_dim) (sequence b's block m is chunk cu_seqlens_q[b] // tile_m + b + m); the sm90
     bulk dQ paths the same chunks."""
     if _chunked_dq(spec):
-        return (splits, heads_q, total_q // spec.tile_m + n_seqs, spec.tile_m * spec.head_dim)
+        return (splits, heads_q, total_q // spec.tile_m + n_seqs, bwd_dq_chunk_words(spec))
     return (splits, total_q, heads_q, spec.head_dim)
 
 
@@ -149,6 +151,7 @@ def gradients(
     f: FeatureArgs, spec: VariantSpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dq, dk, dv) shaped like (q, k, v). Packed rows outside every sequence get zero gradients."""
+    check_backward_head_dims(q.shape[-1], v.shape[-1])
     zeros = torch.zeros if f.varlen else torch.empty
     dq, dk, dv = (zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if dq.numel() == 0 or dk.numel() == 0 or (f.varlen and f.cu_seqlens_q.shape[0] == 1):

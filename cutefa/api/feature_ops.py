@@ -12,6 +12,9 @@ Packed rows that belong to no sequence (past ``cu_seqlens_q[-1]``, or past a seq
 ``seqused_q``) get output 0 and lse ``-inf``, and zero gradients; the kernels never touch them.
 The gradient of ``sinks`` is computed here from the lse and ``D = rowsum(dO * O)``:
 ``dsink_h = sum_i exp(sink_h - lse_i) * (dlse_i - D_i)`` over the rows of head ``h``.
+
+v may have a head dim of its own (:data:`cutefa.model.spec.HEAD_DIM_V_PAIRS`): out has v's. Its
+gradient raises ``NotImplementedError`` when asked for (no backward kernel takes one yet).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from cutefa import dispatch
 from cutefa.api import launch
 from cutefa.api.features import FeatureArgs
 from cutefa.api.launch import aligned, call_on
+from cutefa.api.validate import check_backward_head_dims
 from cutefa.loader import get_kernel
 
 
@@ -50,24 +54,33 @@ def feature_args(
     )  # fmt: skip
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, f: FeatureArgs) -> dict[str, int]:
+def _problem(
+    q: torch.Tensor, k: torch.Tensor, f: FeatureArgs, v: torch.Tensor | None = None
+) -> dict[str, int]:  # fmt: skip
     if f.varlen:
-        return {
+        facts = {
             "head_dim": q.shape[-1], "seqlen_q": f.max_seqlen_q, "seqlen_k": f.max_seqlen_k,
             "batch": f.cu_seqlens_q.shape[0] - 1, "heads_q": q.shape[-2], "heads_kv": k.shape[-2],
         }  # fmt: skip
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    return {
-        "head_dim": head_dim, "seqlen_q": seqlen_q, "seqlen_k": k.shape[1], "batch": batch, "heads_q": heads_q,
-        "heads_kv": k.shape[2],
-    }  # fmt: skip
+    else:
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        facts = {
+            "head_dim": head_dim, "seqlen_q": seqlen_q, "seqlen_k": k.shape[1], "batch": batch,
+            "heads_q": heads_q, "heads_kv": k.shape[2],
+        }  # fmt: skip
+    if v is not None and v.shape[-1] != q.shape[-1]:
+        facts["head_dim_v"] = v.shape[-1]
+    return facts
 
 
-def choose(q: torch.Tensor, k: torch.Tensor, causal: bool, f: FeatureArgs) -> dispatch.Choice:
+def choose(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, f: FeatureArgs, v: torch.Tensor | None = None
+) -> dispatch.Choice:  # fmt: skip
+    """The variant for the call (v's head dim where ``v`` is given)."""
     target, gpu_name = dispatch.device_target(q.device)
     return dispatch.choose(
         target=target, dtype=q.dtype, causal=causal, gpu_name=gpu_name, local=f.window is not None,
-        features=f.features(), **_problem(q, k, f),
+        features=f.features(), **_problem(q, k, f, v),
     )  # fmt: skip
 
 
@@ -88,12 +101,14 @@ def describe(f: FeatureArgs) -> str:
     return " ".join(parts)
 
 
-def empty_outputs(q: torch.Tensor, varlen: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out like q, lse float32: (heads_q, total_q) packed, else the dense call's (batch, heads_q,
-    seqlen_q), :func:`cutefa.api.launch.empty_outputs`)."""
+def empty_outputs(
+    q: torch.Tensor, varlen: bool, head_dim_v: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out like q but of head dim ``head_dim_v`` where given, lse float32: (heads_q, total_q)
+    packed, else the dense call's (batch, heads_q, seqlen_q), :func:`cutefa.api.launch.empty_outputs`)."""
     if not varlen:
-        return launch.empty_outputs(q)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return launch.empty_outputs(q, head_dim_v=head_dim_v)
+    out = torch.empty(launch.out_shape(q, head_dim_v), dtype=q.dtype, device=q.device)
     return out, torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
 
 
@@ -112,15 +127,15 @@ def _attn_fwd(
     window_right: int, softcap: float, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Attention forward with features: (out like q, lse). Inputs were validated by the caller
-    (:func:`cutefa.flash_attn_func`, :func:`cutefa.flash_attn_varlen_func`)."""
+    """Attention forward with features: (out like q but of v's head dim, lse). Inputs were validated
+    by the caller (:func:`cutefa.flash_attn_func`, :func:`cutefa.flash_attn_varlen_func`)."""
     varlen = cu_seqlens_q is not None
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     f = feature_args(
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, window_left,
         window_right, softcap, alibi_slopes, sinks, batch,
     )  # fmt: skip
-    out, lse = empty_outputs(q, varlen)
+    out, lse = empty_outputs(q, varlen, v.shape[-1])
     if out.numel() == 0:
         return out, lse
     if k.numel() == 0 or batch == 0:  # no keys anywhere
@@ -128,7 +143,7 @@ def _attn_fwd(
     if varlen:  # rows of no sequence, and past a sequence's seqused, are never written by the kernel
         out.zero_()
         lse.fill_(-math.inf)
-    choice = choose(q, k, causal, f)
+    choice = choose(q, k, causal, f, v)
     kernel = get_kernel(choice.spec, choice.target)
     q, k, v = aligned(q), aligned(k), aligned(v)
     call_on(q.device, kernel, q, k, v, out, lse, softmax_scale, *f.kernel_args(causal))
@@ -147,7 +162,7 @@ def _attn_fwd_fake(
     window_right: int, softcap: float, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return empty_outputs(q, cu_seqlens_q is not None)
+    return empty_outputs(q, cu_seqlens_q is not None, v.shape[-1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,9 +240,11 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.tensor_names = tensors
     ctx.save_for_backward(*(named[n] for n in tensors), out, lse)
     ctx.scalars = {n: named[n] for n in _FWD_INPUTS if n not in tensors}
+    ctx.head_dims = (named["q"].shape[-1], named["v"].shape[-1])
 
 
 def _backward(ctx, grad_out, grad_lse):
+    check_backward_head_dims(*ctx.head_dims)  # v of a head dim of its own: no backward kernel yet
     *saved, out, lse = ctx.saved_tensors
     named = dict(zip(ctx.tensor_names, saved))
     s = ctx.scalars

@@ -5,10 +5,13 @@ q, k and v are float8_e4m3fn with float32 descales (:mod:`cutefa.api.descales`);
 bf16 and the lse that of the dequantized scores. With ``v_mean`` (v centered before quantization,
 :func:`cutefa.center_v`) dispatch takes the variants for centered v, and the mean goes back on the
 rows that attend a key: in the kernel's epilogue where the variant takes it, else after it.
+:func:`fp8_varlen_forward` runs the e4m3 forward on packed sequences (the e4m3 route of
+:func:`cutefa.flash_attn_varlen_func`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,15 +24,21 @@ from cutefa.api.launch import aligned, call_on, choose, empty_outputs, outputs
 from cutefa.api.validate import (
     FP8_DTYPES,
     FP8_OUT_DTYPES,
+    GRID_YZ_LIMIT,
     check_deterministic,
+    check_devices,
+    check_dtypes,
+    check_heads,
     check_options,
+    check_strides,
     check_v_mean,
     default_scale,
     validate_fp8_inputs,
 )
+from cutefa.api.validate_features import assert_lengths_async
 from cutefa.fp8 import add_v_mean
 from cutefa.loader import get_kernel
-from cutefa.model.spec import VariantSpec
+from cutefa.model.spec import Features, VariantSpec
 
 Descales = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -228,3 +237,156 @@ def make_plan(
         return (out, lse) if return_lse else out
 
     return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences (varlen)
+
+
+def _check_lengths(name: str, t: object, q: torch.Tensor, length: int | None) -> int:
+    """An int32 1-D tensor on q's device (of ``length`` entries where given); returns its length."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor; got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32; got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D; got shape {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}); got {t.device}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have {length} entries; got {t.shape[0]}")
+    return t.shape[0]
+
+
+def _check_max_seqlen(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int; got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0; got {value}")
+
+
+def validate_fp8_varlen(
+    q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: object, max_seqlen_q: object,
+    max_seqlen_k: object, seqused_q: object, seqused_k: object, causal: object, softmax_scale: object,
+) -> int:  # fmt: skip
+    """Packed float8_e4m3fn q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim)
+    and their sequences' metadata (as :func:`cutefa.flash_attn_varlen_func` takes them); returns
+    the number of sequences."""
+    for name, t in zip(("q", "k", "v"), (q, k, v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total, heads, head_dim); got shape {tuple(t.shape)}")
+    tensors: tuple[torch.Tensor, ...] = (q, k, v)  # type: ignore[assignment]
+    check_dtypes(tensors, fp8=True)
+    check_devices(tensors)
+    check_heads(*tensors, standard_only=True)
+    if tensors[0].shape[1] > GRID_YZ_LIMIT:
+        raise ValueError(
+            f"heads_q={tensors[0].shape[1]} is over cutefa's limit of {GRID_YZ_LIMIT} (the launch grid's y)"
+        )
+    check_strides(tensors)
+    check_options(causal, softmax_scale)
+    entries = _check_lengths("cu_seqlens_q", cu_seqlens_q, tensors[0], None)
+    if entries < 1:
+        raise ValueError("cu_seqlens_q must have batch + 1 >= 1 entries; got 0")
+    _check_lengths("cu_seqlens_k", cu_seqlens_k, tensors[0], entries)
+    batch = entries - 1
+    if batch > GRID_YZ_LIMIT:
+        raise ValueError(f"batch={batch} sequences is over cutefa's limit of {GRID_YZ_LIMIT} (the grid's z)")
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is not None:
+            _check_lengths(name, t, tensors[0], batch)
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    return batch
+
+
+def varlen_descale(name: str, d: object, device: torch.device, batch: int, heads_kv: int) -> torch.Tensor:
+    """A float32 (batch, heads_kv) descale, one per (sequence, kv head), from None (1), a
+    one-element (per-tensor) tensor or a (batch, heads_kv) one; a given one's values are asserted
+    finite and positive on the device (no host sync). Block descales have no packed-batch kernel."""
+    if d is None:
+        return torch.ones((batch, heads_kv), dtype=torch.float32, device=device)
+    if not isinstance(d, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 torch.Tensor or None; got {type(d).__name__}")
+    if d.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32; got dtype {d.dtype}")
+    if d.device != device:
+        raise ValueError(f"{name} must be on q's device {device}; got {d.device}")
+    if d.dim() == 3:
+        raise NotImplementedError(
+            f"{name} of shape {tuple(d.shape)}: block-quantized descales have no packed-sequence (varlen) "
+            "e4m3 kernel; pass one descale per (sequence, kv head) or per tensor"
+        )
+    if d.numel() == 1 and d.dim() <= 2:
+        _descales.assert_finite_positive((name,), (d,))
+        return _descales.per_tensor(d, batch, heads_kv)
+    if tuple(d.shape) != (batch, heads_kv):
+        raise ValueError(
+            f"{name} must have shape () or (batch, heads_kv) = {(batch, heads_kv)} (one per sequence and kv "
+            f"head); got {tuple(d.shape)}"
+        )
+    _descales.assert_finite_positive((name,), (d,))
+    return d.contiguous()
+
+
+def choose_varlen(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int
+) -> dispatch.Choice:  # fmt: skip
+    """The e4m3 forward variant dispatch picks for a packed batch on q's device."""
+    target, gpu_name = dispatch.device_target(q.device)
+    return dispatch.choose(
+        target=target, dtype=q.dtype, causal=causal, gpu_name=gpu_name, features=Features(varlen=True),
+        head_dim=q.shape[-1], seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, batch=batch, heads_q=q.shape[1],
+        heads_kv=k.shape[1],
+    )  # fmt: skip
+
+
+def fp8_varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
+    seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The e4m3 forward on packed sequences: q (total_q, heads_q, head_dim), k and v (total_k,
+    heads_kv, head_dim) float8_e4m3fn; sequence ``b`` holds ``seqused_q[b]`` rows (else its span)
+    of q from row ``cu_seqlens_q[b]``, likewise of k and v. Descales float32: None, per tensor, or
+    (batch, heads_kv), one per sequence and kv head (q's per kv head too with GQA). Causal is
+    aligned bottom-right per sequence.
+
+    Returns ``out`` bf16 (total_q, heads_q, head_dim), or ``(out, lse)`` (lse float32 (heads_q,
+    total_q), of the dequantized scores) with ``return_lse``. Packed rows of no sequence are 0 with
+    lse ``-inf``. No backward. The lengths are never read on the host (CUDA-graph safe); their
+    consistency is asserted on the device (:func:`cutefa.api.validate_features.assert_lengths_async`).
+    """
+    batch = validate_fp8_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
+        softmax_scale,
+    )  # fmt: skip
+    if not torch.compiler.is_compiling() and q.is_cuda:  # on the device, no host sync
+        assert_lengths_async(cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q, "q")
+        assert_lengths_async(cu_seqlens_k, seqused_k, k.shape[0], max_seqlen_k, "k")
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    descales = tuple(
+        varlen_descale(n, d, q.device, batch, heads_kv)
+        for n, d in zip(_descales.DESCALE_NAMES, (q_descale, k_descale, v_descale))
+    )  # fmt: skip
+    scale = default_scale(softmax_scale, q.shape[-1])
+    # Rows of no sequence (and past a sequence's seqused) are never written by the kernel.
+    out = torch.zeros(q.shape, dtype=FP8_OUT_DTYPES[0], device=q.device)
+    lse = torch.full((heads_q, q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+    if out.numel() and k.shape[0] and batch:
+        used_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1] if seqused_q is None else seqused_q.contiguous()
+        used_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1] if seqused_k is None else seqused_k.contiguous()
+        choice = choose_varlen(q, k, causal, batch, int(max_seqlen_q), int(max_seqlen_k))
+        kernel = get_kernel(choice.spec, choice.target)
+        q, k, v = aligned(q), aligned(k), aligned(v)
+        call_on(
+            q.device, kernel, q, k, v, out, lse, *descales, scale, cu_seqlens_q.contiguous(),
+            cu_seqlens_k.contiguous(), used_q, used_k, int(max_seqlen_q),
+        )  # fmt: skip
+        extra = f"varlen: {batch} sequences, max_seqlen_q={max_seqlen_q} max_seqlen_k={max_seqlen_k}"
+        dispatch.log_run(choice, q.shape, k.shape, causal, extra)
+    return (out, lse) if return_lse else out

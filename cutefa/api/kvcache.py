@@ -15,6 +15,10 @@ sm80 and newer GPUs) in one host call of up to three launches:
   split across CTAs by :mod:`cutefa.model.policy_decode` (``num_splits=0``) or as asked;
 - a combine kernel when there is more than one split.
 
+An e4m3 cache (q 16-bit, ``k_descale``/``v_descale``; :mod:`cutefa.api.kvcache_e4m3`) takes its own
+op, ``cutefa::kvcache_attn_e4m3`` (reads the cache only: no append), and the decode variant with the
+e4m3 cache option (sm_90a and newer).
+
 Limits. ``cache_seqlens`` (plus the new tokens) past the cache's capacity are clamped to it by the
 kernel, and the new tokens past it are not written; a rotary position past ``rotary_cos``'s rows
 takes its last row. Page ids are not range-checked (that costs launches on every decode step):
@@ -32,14 +36,16 @@ import torch
 from cutefa import dispatch
 from cutefa.api import mla, validate
 from cutefa.api.features import UNBOUNDED
+from cutefa.api.kvcache_e4m3 import kv_descales
 from cutefa.api.launch import aligned, call_on
 from cutefa.api.plans import plain_eager
-from cutefa.api.validate import GRID_YZ_LIMIT, SUPPORTED_DTYPES, default_scale
+from cutefa.api.validate import GRID_YZ_LIMIT, SUPPORTED_DTYPES, default_scale, int32_tensor, tensor_of_dims
 from cutefa.api.validate_features import check_softcap, mask_options
 from cutefa.fp8 import FP8_DTYPES
 from cutefa.loader import get_kernel
 from cutefa.model import policy_decode
-from cutefa.model.options import Mask
+from cutefa.model.options import CacheDtype, Mask
+from cutefa.model.rules import why_invalid, why_not_on
 from cutefa.model.spec import HEAD_DIMS, TORCH_DTYPE_NAMES, VariantSpec
 
 MAX_SPLITS = 256  # num_splits asked for: the fp32 workspace grows with it
@@ -73,6 +79,8 @@ def flash_attn_with_kvcache(
     *,
     page_table: torch.Tensor | None = None,
     return_lse: bool = False,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` (batch, seqlen_q, heads_q, head_dim) against a KV cache, flash-attn 2's
     positional order (its callers run unchanged; FA3's ``page_table`` and ``return_lse`` are
@@ -108,10 +116,18 @@ def flash_attn_with_kvcache(
     (num_pages, page_size, 1, 576) whose first 512 columns are V; q (batch, seqlen_q, heads_q, 576),
     out of head dim 512.
 
-    Not yet: ``alibi_slopes``, an fp8 cache (each a NotImplementedError).
+    e4m3 cache (FA3's spelling): ``k_cache``/``v_cache`` of torch.float8_e4m3fn with q 16-bit, and
+    ``k_descale``/``v_descale`` float32 (batch, heads_kv) (None: 1): the cache's values are
+    ``descale * stored``. The descales must be finite and positive (checked on the GPU, without a
+    host sync, by an asynchronous assert). Needs an sm_90a or newer GPU.
+
+    Not yet: ``alibi_slopes``, appending ``k``/``v`` (or rotary tables) into an e4m3 cache, an e5m2
+    cache (each a NotImplementedError).
     """
     page_table = _one_page_table(block_table, page_table)
     if v_cache is None:  # MLA: V is the latent cache's first 512 columns
+        if k_descale is not None or v_descale is not None:
+            raise NotImplementedError("k_descale/v_descale: the MLA decode has no e4m3 latent cache yet")
         out, lse = mla.from_kvcache(
             q, k_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
             softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
@@ -122,6 +138,7 @@ def flash_attn_with_kvcache(
         page_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
     )  # fmt: skip
     causal, window_left, window_right, softcap, scale = call
+    descales = kv_descales(q, k_cache, k_descale, v_descale)
     seqlens = _seqlens(cache_seqlens, q, k_cache, page_table)
     if k is not None:
         k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
@@ -129,12 +146,29 @@ def flash_attn_with_kvcache(
         rotary_cos, rotary_sin = (t.to(q.dtype).contiguous() for t in (rotary_cos, rotary_sin))
     tensors = [
         t
-        for t in (k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad, page_table)
+        for t in (
+            k,
+            v,
+            rotary_cos,
+            rotary_sin,
+            seqlens,
+            cache_batch_idx,
+            cache_leftpad,
+            page_table,
+            *descales,
+        )
         if t is not None
     ]
     # a plain eager call (inference, CUDA-graph capture) runs the op's implementation directly:
     # the same work without the op dispatcher's overhead, which a decode step feels
     direct = plain_eager(q, k_cache, v_cache, *tensors)
+    if descales:
+        attn_op = decode_e4m3 if direct else kvcache_attn_e4m3
+        out, lse = attn_op(
+            q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, page_table, *descales, scale, causal,
+            window_left, window_right, softcap, int(num_splits),
+        )  # fmt: skip
+        return (out, lse) if return_softmax_lse or return_lse else out
     attn_op = decode if direct else kvcache_attn
     out, lse = attn_op(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad, page_table, scale,
@@ -151,24 +185,6 @@ def _one_page_table(block_table: object, page_table: object) -> object:
     if block_table is not None and page_table is not None and block_table is not page_table:
         raise ValueError("pass the page table once: block_table (flash-attn 2's name) or page_table (FA3's)")
     return page_table if page_table is not None else block_table
-
-
-def _tensor(name: str, t: object, dims: int, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must be {dims}-D {what}; got {t.dim()}-D shape {tuple(t.shape)}")
-    return t
-
-
-def _int32(name: str, t: object, shape: tuple[int, ...], q: torch.Tensor, what: str) -> None:
-    _tensor(name, t, len(shape), what)
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be torch.int32; got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape} {what}; got {tuple(t.shape)}")
-    if t.device != q.device:
-        raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
 def _cache_strides(name: str, t: torch.Tensor) -> None:
@@ -198,20 +214,22 @@ def _validate(
         raise NotImplementedError(
             "alibi_slopes: flash_attn_with_kvcache does not take alibi_slopes yet (pass None)"
         )
-    q = _tensor("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
+    q = tensor_of_dims("q", q, 4, "(batch, seqlen_q, heads_q, head_dim)")
     layout = (
         "(num_pages, page_size, heads_kv, head_dim)"
         if page_table is not None
         else "(batch, seqlen_cache, heads_kv, head_dim)"
     )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _tensor(name, t, 4, layout)
+        tensor_of_dims(name, t, 4, layout)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype in FP8_DTYPES:
+        cache_e4m3 = name != "q" and t.dtype == torch.float8_e4m3fn  # kv_descales checks the rest
+        if t.dtype in FP8_DTYPES and not cache_e4m3:
             raise NotImplementedError(
-                f"{name} has dtype {t.dtype}: no fp8 KV-cache kernel yet (float16/bfloat16)"
+                f"{name} has dtype {t.dtype}: no fp8 kernel for it yet (q float16/bfloat16; the cache of "
+                "q's dtype or torch.float8_e4m3fn)"
             )
-        if t.dtype not in SUPPORTED_DTYPES:
+        if t.dtype not in SUPPORTED_DTYPES and not cache_e4m3:
             raise TypeError(
                 f"{name} has dtype {t.dtype}; flash_attn_with_kvcache takes torch.float16 or torch.bfloat16"
             )
@@ -219,9 +237,16 @@ def _validate(
             raise ValueError(f"cutefa runs on CUDA tensors; got {name} on {t.device}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
+    e4m3 = k_cache.dtype == torch.float8_e4m3fn
+    if k_cache.dtype != v_cache.dtype or not (e4m3 or q.dtype == k_cache.dtype):
         raise TypeError(
-            f"q, k_cache and v_cache must have one dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"q, k_cache and v_cache must have one dtype (or k_cache and v_cache both torch.float8_e4m3fn); "
+            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if e4m3 and (k is not None or rotary_cos is not None):
+        raise NotImplementedError(
+            "k/v: appending new tokens (or rotating them) into an e4m3 cache is not implemented yet; "
+            "quantize them into k_cache/v_cache and pass k=None, v=None"
         )
     batch, _, heads_q, head_dim = q.shape
     if k_cache.shape != v_cache.shape:
@@ -244,8 +269,8 @@ def _validate(
     _cache_strides("k_cache", k_cache)
     _cache_strides("v_cache", v_cache)
     if page_table is not None:
-        _tensor("page_table", page_table, 2, "(batch, max_pages)")
-        _int32("page_table", page_table, (batch, page_table.shape[1]), q, "(batch, max_pages)")
+        tensor_of_dims("page_table", page_table, 2, "(batch, max_pages)")
+        int32_tensor("page_table", page_table, (batch, page_table.shape[1]), q, "(batch, max_pages)")
         page_size = k_cache.shape[1]
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(
@@ -261,15 +286,15 @@ def _validate(
             )
     else:
         if cache_batch_idx is not None:
-            _int32("cache_batch_idx", cache_batch_idx, (batch,), q, "(batch,)")
+            int32_tensor("cache_batch_idx", cache_batch_idx, (batch,), q, "(batch,)")
         elif k_cache.shape[0] != batch:
             raise ValueError(
                 f"the dense cache has {k_cache.shape[0]} sequences, q has {batch}: pass cache_batch_idx to map them"
             )
         if cache_leftpad is not None:
-            _int32("cache_leftpad", cache_leftpad, (batch,), q, "(batch,)")
+            int32_tensor("cache_leftpad", cache_leftpad, (batch,), q, "(batch,)")
     if isinstance(cache_seqlens, torch.Tensor):
-        _int32("cache_seqlens", cache_seqlens, (batch,), q, "(batch,)")
+        int32_tensor("cache_seqlens", cache_seqlens, (batch,), q, "(batch,)")
     elif cache_seqlens is not None and (
         isinstance(cache_seqlens, bool)
         or not isinstance(cache_seqlens, numbers.Integral)
@@ -303,11 +328,11 @@ def _check_new(q: torch.Tensor, k_cache: torch.Tensor, k: object, v: object, cac
         return
     shape = (
         q.shape[0],
-        _tensor("k", k, 4, "(batch, seqlen_new, heads_kv, head_dim)").shape[1],
+        tensor_of_dims("k", k, 4, "(batch, seqlen_new, heads_kv, head_dim)").shape[1],
         *k_cache.shape[2:],
     )
     for name, t in (("k", k), ("v", v)):
-        _tensor(name, t, 4, "(batch, seqlen_new, heads_kv, head_dim)")
+        tensor_of_dims(name, t, 4, "(batch, seqlen_new, heads_kv, head_dim)")
         if tuple(t.shape) != shape:
             raise ValueError(
                 f"{name} must have shape (batch, seqlen_new, heads_kv, head_dim) = {shape}; got {tuple(t.shape)}"
@@ -330,7 +355,7 @@ def _check_rotary(q: torch.Tensor, k: object, cos: object, sin: object, interlea
     if k is None:
         raise ValueError("rotary_cos/rotary_sin rotate the new keys: they need k and v")
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
-        _tensor(name, t, 2, "(seqlen_ro, rotary_dim / 2)")
+        tensor_of_dims(name, t, 2, "(seqlen_ro, rotary_dim / 2)")
         if not t.is_floating_point() or t.device != q.device:
             raise TypeError(f"{name} must be a float tensor on {q.device}; got {t.dtype} on {t.device}")
     if cos.shape != sin.shape:
@@ -369,12 +394,14 @@ def capacity(k_cache: torch.Tensor, page_table: torch.Tensor | None) -> int:
 def decode_spec(
     q: torch.Tensor, k_cache: torch.Tensor, paged: bool, causal: bool, windowed: bool, softcap: float
 ) -> VariantSpec:
-    """The decode variant for the call (:func:`cutefa.model.policy_decode.decode_spec`)."""
+    """The decode variant for the call (:func:`cutefa.model.policy_decode.decode_spec`; an e4m3
+    ``k_cache`` takes the e4m3-cache variant)."""
     mask = Mask.LOCAL if windowed else Mask.CAUSAL if causal else Mask.NONE
     rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
+    cache_dtype = CacheDtype.E4M3 if k_cache.dtype == torch.float8_e4m3fn else CacheDtype.SAME
     return policy_decode.decode_spec(
         TORCH_DTYPE_NAMES[str(q.dtype).removeprefix("torch.")], q.shape[3], rows, mask=mask, paged=paged,
-        softcap=softcap != 0.0,
+        softcap=softcap != 0.0, cache_dtype=cache_dtype,
     )  # fmt: skip
 
 
@@ -443,11 +470,13 @@ def window_bounds(causal: bool, window_left: int, window_right: int) -> tuple[in
 def kernel_args(
     spec: VariantSpec, q_in, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, out, lse, o_part, lse_part, seqlens,
     cache_batch_idx, cache_leftpad, page_table, scale, rotary_interleaved, causal, window_left, window_right, softcap,
+    descales=(),
 ) -> tuple:  # fmt: skip
     """The decode kernel's arguments in its order (templates/decode_sm80.py.j2's fake_arguments):
     ``q_in`` the caller's q, ``q`` the tensor the attention reads (q_in itself without rotary
     embedding, else a new tensor the append launch writes); None for k, v, rotary_cos, rotary_sin,
-    cache_batch_idx, cache_leftpad where absent."""
+    cache_batch_idx, cache_leftpad where absent; ``descales``: (k_descale, v_descale) of an e4m3
+    cache."""
     no_new, no_table = _no_new_tokens(q.device, q.dtype, q.shape[3])
     if spec.features.paged_kv:
         cache_map = [page_table.contiguous()]
@@ -470,6 +499,7 @@ def kernel_args(
         lse_part,
         seqlens,
         *cache_map,
+        *descales,
         float(scale),
         int(bool(rotary_interleaved)),
     ]
@@ -490,12 +520,12 @@ def decode(
     rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, seqlens: torch.Tensor,
     cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, page_table: torch.Tensor | None,
     softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
-    num_splits: int, spec: VariantSpec | None = None, target: str | None = None,
+    num_splits: int, spec: VariantSpec | None = None, target: str | None = None, descales: tuple = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The work of :func:`flash_attn_with_kvcache` (its inputs validated; ``rotary_cos``/``sin`` in
     q's dtype, ``k``/``v`` with a contiguous head dim): the append into ``k_cache``/``v_cache`` and
     the attention, (out, lse). ``spec``/``target``: another decode variant or target than the
-    policy's (tests, benchmarks)."""
+    policy's (tests, benchmarks); ``descales``: (k_descale, v_descale) of an e4m3 cache."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -507,6 +537,8 @@ def decode(
         spec = decode_spec(q, k_cache, page_table is not None, causal, windowed, softcap)
     if target is None:
         target = dispatch.device_target(q.device)[0]
+    if descales and (reason := why_invalid(spec) or why_not_on(spec, target)) is not None:
+        raise NotImplementedError(f"k_cache of dtype {k_cache.dtype}: {reason}")
     splits = num_splits or splits_for(spec, q, k_cache, page_table, target)
     o_part, lse_part = workspaces(q, splits)
     _cache_pointers(k_cache, v_cache)
@@ -517,7 +549,7 @@ def decode(
     args = kernel_args(
         spec, q_in, q_attn, k_cache, v_cache, k, v, rotary_cos, rotary_sin, out, lse, o_part, lse_part, seqlens,
         cache_batch_idx, cache_leftpad, page_table, softmax_scale, rotary_interleaved, causal, window_left,
-        window_right, softcap,
+        window_right, softcap, descales,
     )  # fmt: skip
     _launch(kernel, q.device, *args)
     dispatch.log_run(
@@ -546,6 +578,31 @@ kvcache_attn = torch.library.custom_op("cutefa::kvcache_attn", _attn, mutates_ar
 def _attn_fake(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
     softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return out, torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+
+
+def decode_e4m3(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, page_table: torch.Tensor | None,
+    k_descale: torch.Tensor, v_descale: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
+    window_right: int, softcap: float, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`decode` on an e4m3 cache with its descales (validated by :func:`kv_descales`)."""
+    return decode(
+        q, k_cache, v_cache, None, None, None, None, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+        softmax_scale, causal, window_left, window_right, softcap, True, num_splits, descales=(k_descale, v_descale),
+    )  # fmt: skip
+
+
+kvcache_attn_e4m3 = torch.library.custom_op("cutefa::kvcache_attn_e4m3", decode_e4m3, mutates_args=())
+
+
+@kvcache_attn_e4m3.register_fake
+def _attn_e4m3_fake(
+    q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table, k_descale, v_descale,
+    softmax_scale, causal, window_left, window_right, softcap, num_splits,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return out, torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)

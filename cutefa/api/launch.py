@@ -28,40 +28,57 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def shapes(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:
-    """The shape facts of a problem that dispatch reads (:class:`cutefa.dispatch.Problem`)."""
+def shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> dict[str, int]:
+    """The shape facts of a problem that dispatch reads (:class:`cutefa.dispatch.Problem`); with
+    ``v`` of a head dim of its own, also ``head_dim_v``."""
     batch, seqlen_q, heads_q, head_dim = q.shape
-    return {
+    facts = {
         "head_dim": head_dim, "seqlen_q": seqlen_q, "seqlen_k": k.shape[1], "batch": batch, "heads_q": heads_q,
         "heads_kv": k.shape[2],
     }  # fmt: skip
+    if v is not None and v.shape[-1] != head_dim:
+        facts["head_dim_v"] = v.shape[-1]
+    return facts
 
 
-def choose(q: torch.Tensor, k: torch.Tensor, causal: bool, v_centered: bool = False) -> dispatch.Choice:
-    """The forward variant dispatch picks for q and k on q's device (``v_centered``: an fp8 call
-    whose v was centered, :attr:`cutefa.dispatch.Problem.v_centered`)."""
+def choose(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, v_centered: bool = False, v: torch.Tensor | None = None
+) -> dispatch.Choice:  # fmt: skip
+    """The forward variant dispatch picks for q and k (and v's head dim, where ``v`` is given) on
+    q's device (``v_centered``: an fp8 call whose v was centered,
+    :attr:`cutefa.dispatch.Problem.v_centered`)."""
     with _profile.phase("device query"):
         target, gpu_name = dispatch.device_target(q.device)
     with _profile.phase("dispatch (tuned tables)"):
         return dispatch.choose(
-            target=target, dtype=q.dtype, causal=causal, gpu_name=gpu_name, v_centered=v_centered, **shapes(q, k)
-        )
+            target=target, dtype=q.dtype, causal=causal, gpu_name=gpu_name, v_centered=v_centered,
+            **shapes(q, k, v),
+        )  # fmt: skip
 
 
-def empty_outputs(q: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialized (out like q, of ``dtype`` if given; lse float32 (batch, heads_q, seqlen_q))."""
+def out_shape(q: torch.Tensor, head_dim_v: int | None = None) -> tuple[int, ...]:
+    """The output's shape: q's, with the last dim ``head_dim_v`` where given (v's head dim)."""
+    return tuple(q.shape) if head_dim_v is None else (*q.shape[:-1], head_dim_v)
+
+
+def empty_outputs(
+    q: torch.Tensor, dtype: torch.dtype | None = None, head_dim_v: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Uninitialized (out like q, of ``dtype`` if given and of head dim ``head_dim_v`` if given; lse
+    float32 (batch, heads_q, seqlen_q))."""
     batch, seqlen_q, heads_q, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype if dtype is None else dtype, device=q.device)
+    shape = q.shape if head_dim_v is None else out_shape(q, head_dim_v)
+    out = torch.empty(shape, dtype=q.dtype if dtype is None else dtype, device=q.device)
     return out, torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
 
 
 def outputs(
-    q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype | None = None
+    q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype | None = None, head_dim_v: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """:func:`empty_outputs`, and whether they are already the result, with no launch: an empty
     problem (batch, seqlen_q or heads_q of 0), or no keys (every row attends nothing: output 0,
     log-sum-exp ``-inf``)."""
-    out, lse = empty_outputs(q, dtype)
+    out, lse = empty_outputs(q, dtype, head_dim_v)
     if out.numel() == 0:
         return out, lse, True
     if k.shape[1] == 0:

@@ -37,6 +37,7 @@ from cutefa import dispatch
 from cutefa.api import validate
 from cutefa.api.launch import aligned, call_on
 from cutefa.api.plans import plain_eager
+from cutefa.api.validate import int32_tensor, tensor_of_dims
 from cutefa.fp8 import FP8_DTYPES
 from cutefa.loader import get_kernel
 from cutefa.model import policy_mla
@@ -115,24 +116,6 @@ def from_kvcache(
 # Checks (metadata only: they also run on fake tensors while torch.compile traces)
 
 
-def _tensor(name: str, t: object, dims: int, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must be {dims}-D {what}; got {t.dim()}-D shape {tuple(t.shape)}")
-    return t
-
-
-def _int32(name: str, t: object, shape: tuple[int, ...], q: torch.Tensor, what: str) -> None:
-    _tensor(name, t, len(shape), what)
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be torch.int32; got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape} {what}; got {tuple(t.shape)}")
-    if t.device != q.device:
-        raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-
-
 def _rows_aligned(t: torch.Tensor) -> bool:
     step = _ALIGN // t.element_size()
     return t.stride(-1) == 1 and all(s % step == 0 for s in t.stride()[:-1])
@@ -143,8 +126,8 @@ def validate_call(
     softmax_scale: object, causal: object, num_splits: object,
 ) -> None:  # fmt: skip
     """Raise TypeError/ValueError/NotImplementedError naming the argument."""
-    q = _tensor("q", q, 4, f"(batch, seqlen_q, heads_q, {HEAD_DIM})")
-    kv_cache = _tensor("kv_cache", kv_cache, 4, f"(num_pages, page_size, 1, {HEAD_DIM})")
+    q = tensor_of_dims("q", q, 4, f"(batch, seqlen_q, heads_q, {HEAD_DIM})")
+    kv_cache = tensor_of_dims("kv_cache", kv_cache, 4, f"(num_pages, page_size, 1, {HEAD_DIM})")
     for name, t in (("q", q), ("kv_cache", kv_cache)):
         if t.dtype in FP8_DTYPES:
             raise NotImplementedError(
@@ -183,15 +166,15 @@ def validate_call(
         )
     if page_table is None:
         raise NotImplementedError("MLA decode reads a paged latent cache: pass page_table")
-    _tensor("page_table", page_table, 2, "(batch, max_pages)")
-    _int32("page_table", page_table, (batch, page_table.shape[1]), q, "(batch, max_pages)")
+    tensor_of_dims("page_table", page_table, 2, "(batch, max_pages)")
+    int32_tensor("page_table", page_table, (batch, page_table.shape[1]), q, "(batch, max_pages)")
     page_size = kv_cache.shape[1]
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(
             f"the latent cache's page_size (kv_cache.shape[1]) must be a power of two; got {page_size}"
         )
     if isinstance(cache_seqlens, torch.Tensor):
-        _int32("cache_seqlens", cache_seqlens, (batch,), q, "(batch,)")
+        int32_tensor("cache_seqlens", cache_seqlens, (batch,), q, "(batch,)")
     elif cache_seqlens is not None and (
         isinstance(cache_seqlens, bool)
         or not isinstance(cache_seqlens, numbers.Integral)

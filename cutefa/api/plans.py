@@ -26,7 +26,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 # return_lse). The device is keyed by (is_cuda, index): hashing and comparing a torch.device costs
 # several times more. Only CUDA tensors get plans outside tests; a tensor of another device type
 # with a colliding key gets its outputs on the plan's device, which the kernel refuses, so it
-# takes the validating way like any refused call.
+# takes the validating way like any refused call. v's shape is not in the key: a plan's output
+# template has the head dim of its kernel's v (cutefa.api.dense.make_plan), and a call whose v has
+# another one takes the validating way too.
 _PLANS: dict[tuple[Any, ...], Callable[..., Any]] = {}
 # fp8 calls: (the 16-bit key, the kind of each descale (descale_kind), out_dtype, the kind of
 # v_mean) -> plan(q, k, v, q_descale, k_descale, v_descale, v_mean, return_lse). Calls with block

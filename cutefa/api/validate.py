@@ -82,19 +82,31 @@ def check_devices(tensors: Sequence[torch.Tensor], device_types: Sequence[str] |
         raise ValueError(f"q, k and v must be on one device; got {got}")
 
 
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, standard_only: bool = False) -> None:
+def check_shapes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, standard_only: bool = False,
+    separate_v: bool = False,
+) -> None:  # fmt: skip
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k has {k.shape[0]}, v has {v.shape[0]}")
-    check_heads(q, k, v, standard_only=standard_only)
+    check_heads(q, k, v, standard_only=standard_only, separate_v=separate_v)
     check_grid_limits(q)
 
 
-def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, standard_only: bool = False) -> None:
+def head_dim_v_pairs() -> str:
+    """The (head_dim, head_dim_v) pairs with a V head dim of its own, as text for messages."""
+    return ", ".join(f"({d}, {dv})" for d, dv in HEAD_DIM_V_PAIRS)
+
+
+def check_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, standard_only: bool = False,
+    separate_v: bool = False,
+) -> None:  # fmt: skip
     """The last two dims of q, k, v (heads, head_dim) of either layout, dense or packed: q and k of
-    one head dim, :data:`~cutefa.model.spec.ACCEPTED_HEAD_DIMS`; v of the same one (or of a pair
-    of :data:`~cutefa.model.spec.HEAD_DIM_V_PAIRS`, which no API call passes to the kernels yet);
-    k like v but for the head dim, and q's heads a multiple of k's. ``standard_only``: the head dim
-    is one of :data:`~cutefa.model.spec.HEAD_DIMS` (the fp8 forward's)."""
+    one head dim, :data:`~cutefa.model.spec.ACCEPTED_HEAD_DIMS`; v of the same one, or with
+    ``separate_v`` (the 16-bit forwards of flash_attn_func and flash_attn_varlen_func) of a pair
+    of :data:`~cutefa.model.spec.HEAD_DIM_V_PAIRS`; k like v but for the head dim, and q's heads a
+    multiple of k's. ``standard_only``: the head dim is one of :data:`~cutefa.model.spec.HEAD_DIMS`
+    and v's is q's (the fp8 forward's)."""
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"head_dim differs: q has {q.shape[-1]}, k has {k.shape[-1]}; q and k must have one head dim"
@@ -118,16 +130,49 @@ def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, standard_o
         raise ValueError(
             f"head_dim_v={head_dim_v} (v.shape[-1]) with head_dim={head_dim} (q.shape[-1]): {reason}"
         )
-    if head_dim_v != head_dim:
-        pairs = ", ".join(f"({d}, {dv})" for d, dv in HEAD_DIM_V_PAIRS)
+    if head_dim_v != head_dim and (standard_only or not separate_v):
+        which = "the fp8 forward takes" if standard_only else "this call takes"
         raise NotImplementedError(
-            f"head_dim_v={head_dim_v} (v.shape[-1]) apart from head_dim={head_dim} (q.shape[-1]): the sm80 forward "
-            f"kernels take (head_dim, head_dim_v) in {pairs}, but the attention calls do not pass them a V head "
-            "dim of its own yet; v must have q's head dim"
+            f"head_dim_v={head_dim_v} (v.shape[-1]) apart from head_dim={head_dim} (q.shape[-1]): "
+            f"{which} v of q's head dim only; a V head dim of its own, (head_dim, head_dim_v) in "
+            f"{head_dim_v_pairs()}, is taken by the 16-bit forward of flash_attn_func and "
+            "flash_attn_varlen_func (without score_mod, mask_mod or block_mask)"
         )
     if standard_only and head_dim not in HEAD_DIMS:
         raise ValueError(
             f"head_dim={head_dim} is not supported by the fp8 forward (q.shape[-1]): it takes head_dim in {HEAD_DIMS}"
+        )
+
+
+def tensor_of_dims(name: str, t: object, dims: int, what: str) -> torch.Tensor:
+    """``t`` itself: TypeError unless a tensor, ValueError unless ``dims``-D (``what``: the layout's words)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {what}; got {t.dim()}-D shape {tuple(t.shape)}")
+    return t
+
+
+def int32_tensor(name: str, t: object, shape: tuple[int, ...], q: torch.Tensor, what: str) -> None:
+    """``t`` is an int32 tensor of ``shape`` on q's device (index and length tensors of a call)."""
+    tensor_of_dims(name, t, len(shape), what)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be torch.int32; got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} {what}; got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def check_backward_head_dims(head_dim: int, head_dim_v: int) -> None:
+    """``NotImplementedError`` for the gradients of a forward whose v has a head dim of its own (no
+    backward kernel takes one yet), naming what is supported."""
+    if head_dim_v != head_dim:
+        raise NotImplementedError(
+            f"the backward of attention with head_dim_v={head_dim_v} (v.shape[-1]) apart from head_dim={head_dim} "
+            f"(q.shape[-1]) is not implemented: the backward takes v of q's head dim only; the forward takes "
+            f"(head_dim, head_dim_v) in {head_dim_v_pairs()} (run it under torch.no_grad() or "
+            "torch.inference_mode(), or on tensors that do not require grad)"
         )
 
 
@@ -176,12 +221,14 @@ def validate_inputs(
     causal: object = False,
     softmax_scale: object = None,
     device_types: Sequence[str] | None = None,
+    separate_v: bool = False,
 ) -> None:
     """Raise ``TypeError``/``ValueError``/``NotImplementedError`` naming what is wrong with the inputs.
 
-    ``device_types`` defaults to :data:`DEVICE_TYPES` (CUDA). Only metadata is read.
+    ``device_types`` defaults to :data:`DEVICE_TYPES` (CUDA). ``separate_v``: v may have a head dim
+    of its own (:func:`check_heads`). Only metadata is read.
     """
-    _validate(q, k, v, False, causal, softmax_scale, device_types)
+    _validate(q, k, v, False, causal, softmax_scale, device_types, separate_v)
 
 
 def validate_fp8_inputs(
@@ -194,12 +241,12 @@ def validate_fp8_inputs(
 
 def _validate(
     q: object, k: object, v: object, fp8: bool, causal: object, softmax_scale: object,
-    device_types: Sequence[str] | None,
+    device_types: Sequence[str] | None, separate_v: bool = False,
 ) -> None:  # fmt: skip
     tensors = check_tensors((q, k, v))
     check_dtypes(tensors, fp8=fp8)
     check_devices(tensors, device_types)
-    check_shapes(*tensors, standard_only=fp8)
+    check_shapes(*tensors, standard_only=fp8, separate_v=separate_v)
     check_strides(tensors)
     check_options(causal, softmax_scale)
 

@@ -82,13 +82,16 @@ def _check_qkv(tensors: Sequence[object], dims: int, layout: str) -> tuple[torch
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    check_heads(q, k, v)
+    """:func:`~cutefa.api.validate.check_heads`, v of a head dim of its own accepted (the feature
+    forwards take the pairs of :data:`~cutefa.model.spec.HEAD_DIM_V_PAIRS`)."""
+    check_heads(q, k, v, separate_v=True)
     if q.shape[-2] > GRID_YZ_LIMIT:
         raise ValueError(f"heads_q={q.shape[-2]} is over cutefa's limit of {GRID_YZ_LIMIT} (the launch grid's y)")
 
 
 def validate_dense(q: object, k: object, v: object, causal: object, softmax_scale: object) -> None:
-    """q, k, v of (batch, seqlen, heads, head_dim) for a call with features."""
+    """q, k, v of (batch, seqlen, heads, head_dim) for a call with features (v's head dim may be
+    its own: :func:`_check_heads`)."""
     tensors = _check_qkv((q, k, v), 4, "(batch, seqlen, heads, head_dim)")
     check_devices(tensors)
     q_, k_, v_ = tensors
@@ -129,8 +132,8 @@ def validate_varlen(
     max_seqlen_k: object, seqused_q: object, seqused_k: object, causal: object, softmax_scale: object,
     deterministic: object,
 ) -> int:  # fmt: skip
-    """Packed q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim) and their
-    sequences' metadata; returns the number of sequences."""
+    """Packed q (total_q, heads_q, head_dim), k (total_k, heads_kv, head_dim) and v (total_k,
+    heads_kv, head_dim_v) and their sequences' metadata; returns the number of sequences."""
     tensors = _check_qkv((q, k, v), 3, "(total, heads, head_dim)")
     check_devices(tensors)
     q_, k_, v_ = tensors

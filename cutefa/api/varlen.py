@@ -40,20 +40,29 @@ def flash_attn_varlen_func(
     seqused_k: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Attention over packed sequences, as flash-attn's ``flash_attn_varlen_func``.
 
-    q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim), fp16/bf16 CUDA tensors;
-    sequence ``b`` holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and likewise of k, v):
+    q (total_q, heads_q, head_dim), k (total_k, heads_kv, head_dim) and v (total_k, heads_kv,
+    head_dim_v), fp16/bf16 CUDA tensors (``head_dim_v``: q's, or its own in a pair of
+    :data:`cutefa.model.spec.HEAD_DIM_V_PAIRS`, forward only: its gradient raises
+    ``NotImplementedError``); sequence ``b`` holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q
+    (and likewise of k, v):
     ``cu_seqlens_*`` int32 (batch + 1,) on q's device. ``max_seqlen_q``/``max_seqlen_k`` (ints) bound
     every sequence's length (the launch grid is sized by them; a longer sequence is an error).
     ``seqused_q``/``seqused_k`` int32 (batch,): how many rows of each span are used (buffers with
     slack); the rest of the span is ignored. Causal masking and windows are aligned bottom-right
     per sequence, with its own lengths. ``window_size``, ``softcap``, ``alibi_slopes`` and
-    ``sinks`` as in :func:`cutefa.flash_attn_func`.
+    ``sinks`` as in :func:`cutefa.flash_attn_func`. e4m3 q, k, v (Hopper) with ``q_descale``,
+    ``k_descale``, ``v_descale`` float32 (batch, heads_kv) or None: the e4m3 forward
+    (:func:`cutefa.api.fp8.fp8_varlen_forward`: bf16 output, no window/softcap/ALiBi/sinks, no
+    backward).
 
-    Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse`` (lse float32 (heads_q,
-    total_q)), or flash-attn's ``(out, lse, None)`` with ``return_attn_probs``. Packed rows of no
+    Returns ``out`` (like q, of v's head dim), or ``(out, lse)`` with ``return_lse`` (lse float32
+    (heads_q, total_q)), or flash-attn's ``(out, lse, None)`` with ``return_attn_probs``. Packed rows of no
     sequence (past ``cu_seqlens_q[-1]`` or a sequence's ``seqused_q``) are 0 with lse ``-inf`` and
     get zero gradients. Differentiable in q, k, v and sinks.
 
@@ -63,6 +72,12 @@ def flash_attn_varlen_func(
     out of bounds would do, reported instead of happening). So calls can be captured in CUDA graphs.
     """
     check_dropout(dropout_p)
+    if q.dtype == torch.float8_e4m3fn or any(d is not None for d in (q_descale, k_descale, v_descale)):
+        return _fp8_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+            softcap, alibi_slopes, sinks, deterministic, seqused_q, seqused_k, q_descale, k_descale, v_descale,
+            return_lse, return_attn_probs,
+        )  # fmt: skip
     batch = validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
         softmax_scale, deterministic,
@@ -80,6 +95,36 @@ def flash_attn_varlen_func(
     if return_attn_probs:
         return out, lse, None
     return (out, lse) if return_lse else out
+
+
+def _fp8_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
+    alibi_slopes, sinks, deterministic, seqused_q, seqused_k, q_descale, k_descale, v_descale, return_lse,
+    return_attn_probs,
+):  # fmt: skip
+    """The e4m3 varlen forward; the options it lacks refused by name."""
+    from cutefa.api.fp8 import fp8_varlen_forward
+
+    lacking = [
+        name for name, given in (
+            ("window_size", tuple(window_size) != (-1, -1)), ("softcap", bool(softcap)),
+            ("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None),
+            ("deterministic", bool(deterministic)),
+        ) if given
+    ]  # fmt: skip
+    if lacking:
+        raise NotImplementedError(
+            f"{', '.join(lacking)} with e4m3 inputs in flash_attn_varlen_func: the e4m3 varlen forward takes "
+            "causal, softmax_scale, seqused_q/k and the descales only"
+        )
+    out = fp8_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, seqused_q=seqused_q, seqused_k=seqused_k, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, return_lse=return_lse or return_attn_probs,
+    )  # fmt: skip
+    if return_attn_probs:
+        return (*out, None)
+    return out
 
 
 def dense_with_features(

@@ -44,4 +44,17 @@ def bwd_dq_accum_shape(
     if not (bulk or tiled):
         return (splits, batch, seqlen_q, heads_q, spec.head_dim)
     blocks = -(-seqlen_q // spec.tile_m)
-    return (splits, batch, heads_q, blocks, spec.tile_m * spec.head_dim)
+    return (splits, batch, heads_q, blocks, bwd_dq_chunk_words(spec))
+
+
+# The column step a family's tiles pad a head dim to, where it pads one in the backward: the sm80
+# family's 32-column shared-memory atom (budgets_sm80.SM80_HEAD_DIM_ATOM, which imports this module).
+BWD_HEAD_DIM_ATOM = {"sm80": 32}
+
+
+def bwd_dq_chunk_words(spec: VariantSpec) -> int:
+    """Words of one query block's chunk of the tiled dQ workspace: tile_m times the head dim of the
+    kernel's tiles (the sm80 family pads a head dim to its 32-column atoms,
+    :func:`cutefa.model.budgets_sm80.sm80_tile_head_dim`; the pad columns' words stay zero)."""
+    atom = BWD_HEAD_DIM_ATOM.get(spec.arch, 1)
+    return spec.tile_m * (-(-spec.head_dim // atom) * atom)

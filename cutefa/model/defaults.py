@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from cutefa.model.budgets_sm80 import SM80_HEAD_DIM_ATOM, sm80_tile_head_dim
+from cutefa.model.budgets_sm80 import sm80_tile_head_dim
+from cutefa.model.budgets_sm90 import sm90_fwd_own_tile_n
 from cutefa.model.budgets_sm100 import SM100_BWD_TILE
 from cutefa.model.options import (
     DqLayout,
@@ -32,7 +33,7 @@ from cutefa.model.options import (
     Sm100FwdOptions,
     VTranspose,
 )
-from cutefa.model.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, VariantSpec
+from cutefa.model.spec import ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS, VariantSpec, accepted_head_dim
 
 # Families whose tensor cores take fp8 operands; e4m3 is a forward-only dtype there.
 FP8_FAMILIES = ("sm90", "sm100")
@@ -124,15 +125,25 @@ def sm80_bwd_options(head_dim: int, stages: int) -> Sm80BwdOptions:
 def sm80_bwd_config(head_dim: int) -> Config | None:
     """FlashAttention-2's backward tiles on the A100 (flash_bwd_launch_template.h): query rows x
     keys per CTA, 8 warps; hd64 its 128x128 tile with a double-buffered Q (150 KiB; +10% over
-    64x128 single-buffered)."""
-    if head_dim % SM80_HEAD_DIM_ATOM:
-        return None  # no padded backward tile yet (rules._sm80_bwd_head_dims)
+    64x128 single-buffered).
+
+    A head dim that is not a multiple of 32 computes on its padded tile head dim
+    (:func:`~cutefa.model.budgets_sm80.sm80_tile_head_dim`; predicated loads, stores of the real
+    columns) and takes the tile of the nearest head dim at or above that (:func:`_sm80_nearest`),
+    with the tiled dQ accumulator and no dq_pipe (:func:`sm80_bwd_options`). Head dims 80 and 112
+    (tile head dims 96 and 128) take 64x128 with 8 warps, as hd96 and hd128 do: by the budget model
+    their fp32 dK and dV accumulators and S/dP take an estimated 208 and 240 registers of 255
+    (sm80_registers), and 110 and 134 KiB of shared memory (the A100's 163 KiB holds them; 128x128
+    double-buffered, hd64's tile, would need 190 KiB at 96 columns, and 64x64 halves the work per K
+    and V load). Not yet timed against FA2 or FA4."""
     tile = _sm80_nearest(
         {
             32: Tile(128, 128, 1, 8),  # single-buffered Q: hd64's double buffer interleaves dQ's
             # reductions with dK's k-blocks, which a 32-column dQ has too few of (rules._sm80_bwd_head_dims)
             64: Tile(128, 128, 2, 8),
+            80: Tile(64, 128, 1, 8),
             96: Tile(64, 128, 1, 8),
+            112: Tile(64, 128, 1, 8),
             128: Tile(64, 128, 1, 8),
             192: Tile(64, 64, 1, 8),
             256: Tile(64, 64, 1, 8),
@@ -169,6 +180,10 @@ def sm90_fwd_config(dtype: str, head_dim: int) -> Config | None:
     if dtype == "e4m3":
         return sm90_fp8_fwd_config(head_dim)
     tile_n = {64: 128, 96: 128, 128: 128, 192: 96, 256: 64}.get(head_dim)
+    if tile_n is None and accepted_head_dim(head_dim):
+        # a head dim of its own: the padded tile (budgets_sm90.sm90_fwd_tile_head_dims) with the
+        # widest key tile the budget model accepts (hd80 and hd112: 128, as FlashAttention-3's)
+        tile_n = sm90_fwd_own_tile_n(dtype, head_dim)
     if tile_n is None:
         return None
     return Config(Tile(128, tile_n, 2, 12), Sm90FwdOptions(schedule=Schedule.OVERLAP_PINGPONG))

@@ -73,6 +73,13 @@ class Quant(Choice):
     BLOCK = "blockq"  # one per tile of rows (FlashAttention-3's block quantization)
 
 
+class CacheDtype(Choice):
+    """sm80 decode (split-KV) forward: the element type of the KV cache."""
+
+    SAME = ""  # the cache in q's dtype (fp16/bf16)
+    E4M3 = "kve4m3"  # an e4m3 cache with descales per (batch, kv head), converted to q's dtype on chip
+
+
 class VTranspose(Choice):
     """sm90 e4m3 forward: how the producer warpgroup transposes V in shared memory."""
 
@@ -128,7 +135,15 @@ class Options:
 
 @dataclass(frozen=True, order=True)
 class Sm80FwdOptions(Options):
-    """The sm80 forward (FlashAttention-2) has no options beyond its tile."""
+    """The sm80 forward (FlashAttention-2). ``cache_dtype``: the decode variants' (split_kv) KV-cache
+    element type."""
+
+    cache_dtype: CacheDtype = CacheDtype.SAME
+
+    @property
+    def kv_e4m3(self) -> bool:
+        """The template's switch: an e4m3 KV cache."""
+        return self.cache_dtype is CacheDtype.E4M3
 
 
 @dataclass(frozen=True, order=True)
@@ -249,5 +264,6 @@ def parse_option_tokens(cls: type[Options], tokens: list[str]) -> tuple[Options,
 
 
 _CHOICES: dict[str, type[Choice]] = {
-    cls.__name__: cls for cls in (Mask, Schedule, Scheduler, Quant, VTranspose, RowSum, OAccum, DqPath, DqLayout)
+    cls.__name__: cls
+    for cls in (Mask, Schedule, Scheduler, Quant, CacheDtype, VTranspose, RowSum, OAccum, DqPath, DqLayout)
 }

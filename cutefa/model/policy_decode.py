@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from cutefa.model.budgets import TARGET_SMEM_LIMITS
 from cutefa.model.budgets_sm80 import sm80_smem_bytes
-from cutefa.model.options import Mask
+from cutefa.model.options import CacheDtype, Mask, Sm80FwdOptions
 from cutefa.model.spec import Features, VariantSpec
 
 MMA_ROWS = 16  # rows of one mma.sync slab; one warp per slab
@@ -59,15 +59,18 @@ def decode_spec(
     mask: Mask = Mask.NONE,
     paged: bool = False,
     softcap: bool = False,
+    cache_dtype: CacheDtype = CacheDtype.SAME,
 ) -> VariantSpec:
-    """The decode variant for ``rows`` packed query rows per kv head (group x new tokens)."""
+    """The decode variant for ``rows`` packed query rows per kv head (group x new tokens);
+    ``cache_dtype``: the KV cache's element type (E4M3: an e4m3 cache read with descales)."""
     tile_m, warps = row_tile(rows)
     if head_dim not in TILE_N:
         raise ValueError(f"head_dim={head_dim} has no decode tile; known: {sorted(TILE_N)}")
     features = Features(paged_kv=paged, split_kv=True, softcap=softcap)
     return VariantSpec(
-        "sm80", "fwd", dtype, head_dim, tile_m, TILE_N[head_dim], STAGES, warps, mask=mask, features=features
-    )
+        "sm80", "fwd", dtype, head_dim, tile_m, TILE_N[head_dim], STAGES, warps, mask=mask, features=features,
+        options=Sm80FwdOptions(cache_dtype=cache_dtype),
+    )  # fmt: skip
 
 
 def copy_threads_per_row(spec: VariantSpec) -> int:

@@ -68,7 +68,7 @@ from cutefa.model.options import (
     Sm100FwdOptions,
     VTranspose,
 )
-from cutefa.model.spec import HEAD_DIM_V_PAIRS, HEAD_DIMS, VariantSpec, why_not_head_dims
+from cutefa.model.spec import HEAD_DIM_V_PAIRS, HEAD_DIMS, VariantSpec, target_cc, why_not_head_dims
 
 Rule = Callable[[VariantSpec], "str | None"]
 
@@ -94,7 +94,9 @@ FEATURES_IMPLEMENTED: dict[tuple[str, str, str], frozenset[str]] = {
     # templates/bwd_sm90.py.j2 (the backward needs no sinks axis: the lse carries them)
     ("sm90", "bwd", dtype): frozenset({"local", "varlen", "softcap", "alibi"})
     for dtype in ("fp16", "bf16")
-}
+} | {
+    ("sm90", "fwd", "e4m3"): frozenset({"varlen"}),  # templates/fwd_sm90_fp8.py.j2 (_sm90_fp8_varlen)
+}  # fmt: skip
 # The decode kernels (split_kv; templates/decode_<arch>.py.j2), (arch, direction, dtype) -> names: a
 # split-KV spec of a family listed here is checked against this table instead (paged K/V, the window
 # and softcap; no variable-length batch, ALiBi or sinks).
@@ -202,9 +204,12 @@ def _exp_emu_share(spec: VariantSpec) -> str | None:
 
 def _sm80_dq_layout(spec: VariantSpec) -> str | None:
     o = spec.options
-    if o.dq_layout is DqLayout.TILE and spec.tile_m * spec.head_dim % (4 * spec.threads):
+    tile_d = sm80_tile_head_dim(spec.head_dim)  # a chunk's width: the tile head dim (padded)
+    words = spec.tile_m * tile_d
+    if o.dq_layout is DqLayout.TILE and words % (4 * spec.threads):
+        padded = f", head_dim padded to {tile_d}" if tile_d != spec.head_dim else ""
         return (
-            f"dq_layout=TILE needs tile_m * head_dim ({spec.tile_m * spec.head_dim}) to be a multiple of 4 x the "
+            f"dq_layout=TILE needs tile_m * head_dim ({words}{padded}) to be a multiple of 4 x the "
             f"{spec.threads} threads (whole 16-byte vectors per thread)"
         )
     if o.dq_pipe and o.dq_layout is not DqLayout.TILE:
@@ -215,6 +220,25 @@ def _sm80_dq_layout(spec: VariantSpec) -> str | None:
             "between the dK MMAs"
         )
     return None
+
+
+def _sm80_cache_dtype(spec: VariantSpec) -> str | None:
+    if spec.options.kv_e4m3 and (spec.direction != "fwd" or not spec.features.split_kv):
+        return "cache_dtype=E4M3 is an option of the decode kernel (the split_kv axis): an e4m3 KV cache"
+    if spec.options.kv_e4m3:
+        # 16-byte copies of e4m3 rows, max(2, threads / tile_n) threads side by side on a row
+        # (cutefa.model.policy_decode.copy_threads_per_row)
+        per_row = max(2, spec.threads // spec.tile_n)
+        if spec.head_dim % 16 or (spec.head_dim // 16) % per_row:
+            return (
+                f"an e4m3 cache of head_dim={spec.head_dim} does not split into 16-byte copies of "
+                f"{per_row} threads a row ({spec.warps} warps, tile_n={spec.tile_n})"
+            )
+    return None
+
+
+# The e4m3 KV cache is converted on chip by cvt.f16x2.e4m3x2 (sm_89 and newer; measured on Hopper).
+KV_E4M3_MIN_CC = 90
 
 
 def _sm80_warps(spec: VariantSpec) -> str | None:
@@ -262,12 +286,16 @@ def _sm80_shapes(spec: VariantSpec) -> str | None:
 
 
 def _sm80_bwd_head_dims(spec: VariantSpec) -> str | None:
-    """The sm80 backward takes head dims that fill its 32-column shared-memory atoms, and one head
-    dim for q, k and v."""
-    if spec.head_dim % 32:
+    """The sm80 backward takes every accepted head dim, padded to its 32-column shared-memory atoms
+    (:func:`~cutefa.model.budgets_sm80.sm80_tile_head_dim`; a padded one with the tiled dQ
+    accumulator, DqLayout.TILE, and without dq_pipe: the only dQ path whose reductions and
+    postprocess take the padded width), and one head dim for q, k and v."""
+    tile_d = sm80_tile_head_dim(spec.head_dim)
+    if tile_d != spec.head_dim and (spec.options.dq_layout is not DqLayout.TILE or spec.options.dq_pipe):
         return (
-            f"head_dim={spec.head_dim}: the sm80 backward takes head dims that are multiples of 32 "
-            "(no padded backward tile yet); the forward takes every multiple of 8"
+            f"head_dim={spec.head_dim} (padded to {tile_d} columns) with dq_layout={spec.options.dq_layout.name}"
+            f"{', dq_pipe' if spec.options.dq_pipe else ''}: the padded sm80 backward takes dq_layout=TILE "
+            "without dq_pipe"
         )
     if spec.head_dim_v != spec.head_dim:
         return (
@@ -275,11 +303,12 @@ def _sm80_bwd_head_dims(spec: VariantSpec) -> str | None:
             "for q, k and v (no separate V head dim yet); the forward takes it"
         )
     threads = 32 * spec.warps
-    if spec.options.dq_layout is DqLayout.TILE and spec.stages >= 2 and (4 * spec.head_dim) % threads:
+    if spec.options.dq_layout is DqLayout.TILE and spec.stages >= 2 and (4 * tile_d) % threads:
         return (
             f"head_dim={spec.head_dim} with a double-buffered Q (stages={spec.stages}) and dq_layout=TILE: "
             f"the dQ reductions (4 words each on sm_90) are shared out between dK's {spec.tile_m // 16} "
-            f"k-blocks, which needs 4 * head_dim to be a multiple of the {threads} threads; take stages=1"
+            f"k-blocks, which needs 4 * the tile head dim ({tile_d}) to be a multiple of the {threads} threads; "
+            "take stages=1"
         )
     return None
 
@@ -403,6 +432,27 @@ def _sm90_fp8_tile(spec: VariantSpec) -> str | None:
         return (
             "scheduler=PERSISTENT with quant=BLOCK: the block-quantization path has no persistent scheduler"
         )
+    return None
+
+
+def _sm90_fp8_varlen(spec: VariantSpec) -> str | None:
+    """The e4m3 forward takes a packed batch on its GRID scheduler with per-(sequence, kv head)
+    descales only (templates/fwd_sm90_fp8.py.j2)."""
+    if not spec.features.varlen:
+        return None
+    o = spec.options
+    if o.scheduler is not Scheduler.GRID:
+        return (
+            f"varlen with scheduler={o.scheduler.name}: the sm90 e4m3 forward takes a packed batch on its "
+            "GRID scheduler only"
+        )
+    if o.quant is not Quant.TENSOR:
+        return (
+            "varlen with quant=BLOCK: the sm90 e4m3 forward takes per-(sequence, kv head) descales on a "
+            "packed batch"
+        )
+    if o.v_mean:
+        return "varlen with v_mean: the sm90 e4m3 forward adds no column means on a packed batch"
     return None
 
 
@@ -621,6 +671,7 @@ def _sm100_bwd(spec: VariantSpec) -> str | None:
 # Per option record: the rules relating its fields (run before the kernel check, as a misuse of an
 # option is the first thing to say), then those holding the tile to the templates and the budgets.
 _OPTION_RULES: dict[type[Options], tuple[Rule, ...]] = {
+    Sm80FwdOptions: (_sm80_cache_dtype,),
     Sm80BwdOptions: (_sm80_dq_layout,),
     Sm90FwdOptions: (_sm90_early_rescale, _sm90_lazy_rescale),
     Sm90Fp8FwdOptions: (_sm90_fp8_wide_transpose, _sm90_fp8_accumulation),
@@ -630,7 +681,7 @@ _TILE_RULES: dict[type[Options], tuple[Rule, ...]] = {
     Sm80FwdOptions: (_sm80_warps, _sm80_shapes, sm80_over_budget),
     Sm80BwdOptions: (_sm80_bwd_head_dims, _sm80_warps, _sm80_shapes, sm80_over_budget),
     Sm90FwdOptions: (_sm90_roles, sm90_fwd_over_budget, _exp_emu_share),
-    Sm90Fp8FwdOptions: (_sm90_roles, _sm90_fp8_tile, sm90_fwd_over_budget, _exp_emu_share),
+    Sm90Fp8FwdOptions: (_sm90_roles, _sm90_fp8_tile, _sm90_fp8_varlen, sm90_fwd_over_budget, _exp_emu_share),
     Sm90BwdOptions: (_sm90_bwd,),
     Sm100FwdOptions: (_sm100_fwd, _sm100_tile_n, _exp_emu_share, _sm100_pair, sm100_over_budget),
     Sm100BwdOptions: (_sm100_bwd,),
@@ -660,6 +711,12 @@ def why_not_on(spec: VariantSpec, target: str) -> str | None:
     :data:`~cutefa.model.budgets.TARGET_SMEM_LIMITS`), or None when it can."""
     if not spec.runs_on(target):
         return f"family {spec.arch} does not run on {target}"
+    if (
+        isinstance(spec.options, Sm80FwdOptions)
+        and spec.options.kv_e4m3
+        and target_cc(target) < KV_E4M3_MIN_CC
+    ):
+        return f"an e4m3 KV cache needs an sm_90a or newer target (its cvt from e4m3); got {target}"
     needed, limit = smem_bytes(spec), TARGET_SMEM_LIMITS[target]
     if needed > limit:
         return (

@@ -7,8 +7,10 @@ whose extra columns hold NaN: q, k and v so that a read past the real head dim p
 and the output so that a write past the real (V) head dim shows (the pad columns must stay NaN).
 Outputs start NaN-filled, so an element the kernel does not write fails. The backward goes through
 ``cutefa.flash_attn_func`` (autograd; dispatch passes over the families that do not take the head
-dim): head dims that are multiples of 32 run the sm80 backward, the others must raise
-NotImplementedError naming the head dim (the padded backward is not built yet).
+dim) at every head dim: the sm80 backward pads the others to its tile head dim. Its inputs (q, k,
+v and dout) are views of NaN-padded buffers too, so that a read past the real head dim poisons
+the gradients; a write past it lands in the next row's or head's columns of a gradient, which the
+comparison catches.
 
 Error bars (FlashAttention's rule, as tests/gpu/test_sm80_features_kernels.py): at most twice the
 error of the same reference computed in the inputs' dtype, plus the output dtype's rounding.
@@ -191,27 +193,39 @@ def test_forward_kernel_features(gen, head_dim):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"hd{d}")
 def test_api_forward_and_backward(gen, head_dim, causal):
-    """flash_attn_func at every head dim: the forward against the reference; the gradients where
-    a backward exists (multiples of 32), else a NotImplementedError naming the head dim."""
+    """flash_attn_func at every head dim, inputs NaN-padded: the forward and the gradients against
+    the reference."""
+    _api_forward_and_backward(gen, head_dim, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", (8, 40, 80, 112, 200), ids=lambda d: f"hd{d}")
+def test_api_backward_features(gen, head_dim):
+    """A padded backward with the local window, softcap and ALiBi (the sm80 backward's feature
+    axes), inputs NaN-padded."""
+    slopes = torch.rand(2, HEADS_Q, generator=gen, device="cuda") * 0.1
+    _api_forward_and_backward(gen, head_dim, window_size=(64, 16), softcap=20.0, alibi_slopes=slopes)
+
+
+def _api_forward_and_backward(gen, head_dim, **opts):
     dtype = torch.bfloat16
     batch, sq, sk = 2, 130, 190
-    q0, _ = _poisoned(gen, (batch, sq, HEADS_Q), head_dim, dtype)
-    k0, _ = _poisoned(gen, (batch, sk, HEADS_KV), head_dim, dtype)
-    v0, _ = _poisoned(gen, (batch, sk, HEADS_KV), head_dim, dtype)
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q0, k0, v0))
-    out = cutefa.flash_attn_func(q, k, v, causal=causal)
+    q, _ = _poisoned(gen, (batch, sq, HEADS_Q), head_dim, dtype)
+    k, _ = _poisoned(gen, (batch, sk, HEADS_KV), head_dim, dtype)
+    v, _ = _poisoned(gen, (batch, sk, HEADS_KV), head_dim, dtype)
+    q0, k0, v0 = (t.detach() for t in (q, k, v))
+    for t in (q, k, v):
+        t.requires_grad_()  # leaves: views of the NaN-padded buffers
+    out = cutefa.flash_attn_func(q, k, v, **opts)
     assert out.shape == (batch, sq, HEADS_Q, head_dim)
-    ref_q, ref_k, ref_v = (t.detach().float().requires_grad_() for t in (q0, k0, v0))
-    low_q, low_k, low_v = (t.detach().clone().requires_grad_() for t in (q0, k0, v0))
-    ref_out, _ = ref.attention_ref(ref_q, ref_k, ref_v, causal=causal)
-    low_out, _ = ref.attention_ref(low_q, low_k, low_v, causal=causal, compute_dtype=dtype)
+    ref_q, ref_k, ref_v = (t.float().requires_grad_() for t in (q0, k0, v0))
+    low_q, low_k, low_v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    ref_out, _ = ref.attention_ref(ref_q, ref_k, ref_v, **opts)
+    low_out, _ = ref.attention_ref(low_q, low_k, low_v, compute_dtype=dtype, **opts)
     bound = 2 * ref.max_abs(low_out, ref_out) + ref.rounding_error(ref_out, dtype) + 1e-5
+    if "softcap" in opts:
+        bound += 20.0 * 2.0**-10  # tanh.approx (the features test's allowance)
     assert ref.max_abs(out, ref_out) <= bound
-    dout = torch.randn(out.shape, generator=gen, device="cuda").to(dtype)
-    if head_dim % 32:
-        with pytest.raises(NotImplementedError, match=f"head_dim={head_dim}"):
-            out.backward(dout)
-        return
+    dout, _ = _poisoned(gen, out.shape[:-1], head_dim, dtype)
     out.backward(dout)
     ref_out.backward(dout.float())
     low_out.backward(dout)
@@ -219,7 +233,7 @@ def test_api_forward_and_backward(gen, head_dim, causal):
         ("dq", q.grad, ref_q.grad, low_q.grad), ("dk", k.grad, ref_k.grad, low_k.grad),
         ("dv", v.grad, ref_v.grad, low_v.grad),
     ):  # fmt: skip
-        assert not torch.isnan(got).any(), f"{name}: NaN"
+        assert got.shape == want.shape and not torch.isnan(got).any(), f"{name}: NaN"
         bound = 2 * ref.max_abs(low, want) + ref.rounding_error(want, dtype) + 1e-4
         assert ref.max_abs(got, want) <= bound, f"{name}: {ref.max_abs(got, want)} > {bound}"
 

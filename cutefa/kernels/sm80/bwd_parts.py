@@ -93,6 +93,11 @@ def preprocess_row(
     for j in cutlass.range_constexpr(head_dim // 32):
         col = lane + 32 * j
         acc = acc + Float32(mdO[batch, row, head, col]) * Float32(mO[batch, row, head, col])
+    if cutlass.const_expr(head_dim % 32):
+        # a padded head dim (not a multiple of 32): the lanes of the last partial span
+        col = lane + 32 * (head_dim // 32)
+        if col < head_dim:
+            acc = acc + Float32(mdO[batch, row, head, col]) * Float32(mO[batch, row, head, col])
     acc = warp_allreduce_sum(acc)
     if lane == 0:
         lse = mLSE[batch, head, row]

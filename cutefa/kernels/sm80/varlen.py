@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from cutefa.kernels.sm80 import dq_tile, parts
+from cutefa.kernels.sm80 import dq_tile, head_pad, parts
 
 
 def first_chunk(offset_q, batch, tile_m: int):
@@ -39,12 +39,14 @@ def postprocess_tile(
     mdQaccum: cute.Tensor, chunk: Int32, head: Int32, gdQ: cute.Tensor, row_limit: Int32, scale: Float32,
     sdQ: cute.Tensor, mma_dq: cute.TiledMma, r2g: cute.TiledCopy, tidx: Int32, tile_m: cutlass.Constexpr,
     head_dim: cutlass.Constexpr, threads: cutlass.Constexpr, dtype: cutlass.Constexpr,
+    col_limit: cutlass.Constexpr = None,
 ):  # fmt: skip
     """One query block of the tiled dQ accumulator to dQ: the fragment of ``chunk`` of ``head``
     (``mdQaccum`` a (splits, 1, heads_q, chunks, tile_m * head_dim) view, :func:`unit_mode`) summed
     over the splits in order, scaled, converted to ``dtype`` and written through shared memory
     (``sdQ``, tile_m x head_dim) to the rows of ``gdQ`` (the block's tile of dQ) below ``row_limit``,
-    16 bytes per thread and copy."""
+    16 bytes per thread and copy. With ``col_limit`` (a padded head dim: ``head_dim`` is the tile's,
+    ``gdQ`` a padded view, :mod:`cutefa.kernels.sm80.head_pad`) only the columns below it."""
     thr_dq = mma_dq.get_slice(tidx)
     acc = cute.make_rmem_tensor(thr_dq.partition_shape_C((tile_m, head_dim)), Float32)
     dq_tile.load_fragment(acc, mdQaccum, 0, head, chunk, tidx, threads)
@@ -58,7 +60,8 @@ def postprocess_tile(
     tsdQ = r2g_thr.partition_S(sdQ)
     trdQ = cute.make_fragment_like(tsdQ, dtype)
     cute.copy(r2g, tsdQ, trdQ)
-    parts.copy_rows(
-        r2g, trdQ, r2g_thr.partition_D(gdQ), r2g_thr.partition_D(cute.make_identity_tensor((tile_m, head_dim))),
-        row_limit, False,
-    )  # fmt: skip
+    tdQc = r2g_thr.partition_D(cute.make_identity_tensor((tile_m, head_dim)))
+    if cutlass.const_expr(col_limit is None):
+        parts.copy_rows(r2g, trdQ, r2g_thr.partition_D(gdQ), tdQc, row_limit, False)
+    else:
+        head_pad.copy_tile(r2g, trdQ, r2g_thr.partition_D(gdQ), tdQc, row_limit, col_limit, False)

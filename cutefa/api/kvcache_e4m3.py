@@ -1,0 +1,44 @@
+"""The descales of an e4m3 KV cache in :func:`cutefa.api.kvcache.flash_attn_with_kvcache` (whose
+custom op ``cutefa::kvcache_attn_e4m3`` reads the cache only: appending into an e4m3 cache is
+refused by the validation).
+
+``k_cache``/``v_cache`` are torch.float8_e4m3fn and q 16-bit; ``k_descale``/``v_descale`` float32
+(batch, heads_kv), FA3's spelling: the cache's values are ``descale * stored``. The decode kernel
+(templates/decode_sm80.py.j2 with the ``kv_e4m3`` option, sm_90a and newer) widens the tiles on
+chip and folds the descales into the scores' scale and the output rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_descales(
+    q: torch.Tensor, k_cache: torch.Tensor, k_descale: object, v_descale: object
+) -> tuple[torch.Tensor, ...]:
+    """(k_descale, v_descale) float32 (batch, heads_kv) with a contiguous last dim for an e4m3 cache
+    (None: ones), () for a 16-bit one. Their values are checked finite and positive by an
+    asynchronous assert on their device (no host sync: a bad value fails the stream later)."""
+    given = [(name, t) for name, t in (("k_descale", k_descale), ("v_descale", v_descale)) if t is not None]
+    if k_cache.dtype != torch.float8_e4m3fn:
+        if given:
+            raise ValueError(f"{given[0][0]} is for an e4m3 cache; k_cache has dtype {k_cache.dtype}")
+        return ()
+    shape = (q.shape[0], k_cache.shape[2])
+    out = []
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            out.append(torch.ones(shape, dtype=torch.float32, device=q.device))
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be torch.float32; got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape (batch, heads_kv) = {shape}; got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        t = t if t.stride(-1) == 1 else t.contiguous()
+        torch._assert_async(torch.all(torch.isfinite(t) & (t > 0)), f"{name} must be finite and positive")
+        out.append(t)
+    return tuple(out)

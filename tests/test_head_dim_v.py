@@ -1,0 +1,318 @@
+"""A V head dim of its own through the forward API on the CPU (issue: q/k of 192 against v of 128,
+DeepSeek's prefill): what validation accepts and refuses, the output shapes of the ops' fake
+implementations and of a torch.compile(fullgraph=True) trace, dispatch and ``cutefa explain``,
+the call plan, and the backward refusing where a gradient is asked for.
+
+The kernels are stand-ins (``FakeKernel``: attention in float32 written into out and lse, refusing
+tensors whose head dims are not its spec's, as the TVM-FFI entry of a real kernel does); their
+GPU counterparts are in tests/gpu/test_head_dim_v_gpu.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from cpu_support import pretend_h200, reference, replace_in, trace_attention_block
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cutefa
+from cutefa import cli, dispatch
+from cutefa.api import attention, dense, feature_ops, launch, plans, validate
+from cutefa.model.defaults import default_spec
+from cutefa.model.spec import Features
+
+D, DV = 192, 128  # the pair of HEAD_DIM_V_PAIRS
+SCALE = 1 / math.sqrt(D)
+
+
+def qkv(batch=1, sq=8, sk=8, hq=4, hkv=2, d=D, dv=DV, dtype=torch.bfloat16, device="cpu", seed=0):
+    """q, k (head dim ``d``) and v (``dv``): random on the CPU, else empty (meta, or fake CUDA
+    tensors under a FakeTensorMode)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(s, h, dim):
+        if device != "cpu":
+            return torch.empty(batch, s, h, dim, dtype=dtype, device=device)
+        return torch.randn(batch, s, h, dim, generator=g).to(dtype)
+
+    return make(sq, hq, d), make(sk, hkv, d), make(sk, hkv, dv)
+
+
+def _meta(*shape):
+    return torch.empty(shape, dtype=torch.bfloat16, device="meta")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def test_validation_takes_the_pair_where_asked_and_refuses_odd_pairs_naming_the_supported_ones():
+    q, k, v = _meta(1, 4, 2, D), _meta(1, 4, 2, D), _meta(1, 4, 2, DV)
+    validate.validate_inputs(q, k, v, device_types=("meta",), separate_v=True)
+    validate.check_heads(q[0], k[0], v[0], separate_v=True)  # the packed layout
+    for d, dv in ((192, 96), (128, 64), (128, 192), (64, 128)):
+        with pytest.raises(ValueError, match=rf"head_dim_v={dv} \(v.shape\[-1\]\) with head_dim={d} .*\(192, 128\)"):
+            validate.validate_inputs(
+                _meta(1, 4, 2, d), _meta(1, 4, 2, d), _meta(1, 4, 2, dv), device_types=("meta",), separate_v=True
+            )
+    # a call that does not pass v's head dim on refuses it, naming the calls that take it
+    refused = r"this call takes v of q's head dim only.*\(192, 128\).*flash_attn_func"
+    with pytest.raises(NotImplementedError, match=refused):
+        validate.validate_inputs(q, k, v, device_types=("meta",))
+    with pytest.raises(ValueError, match="head_dim differs: q has 192, k has 128"):
+        validate.check_heads(q, _meta(1, 4, 2, DV), v, separate_v=True)
+
+
+def test_the_public_calls_refuse_odd_pairs_and_what_takes_no_v_head_dim(monkeypatch):
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
+    q, k, _ = qkv()
+    v96 = torch.randn(1, 8, 2, 96).bfloat16()
+    with pytest.raises(ValueError, match=r"head_dim_v=96 \(v.shape\[-1\]\) with head_dim=192.*\(192, 128\) only"):
+        cutefa.flash_attn_func(q, k, v96)
+    with pytest.raises(ValueError, match=r"head_dim_v=96 .*\(192, 128\) only"):
+        cutefa.flash_attn_func(q, k, v96, window_size=(4, 0))
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"head_dim_v=96 .*\(192, 128\) only"):
+        cutefa.flash_attn_varlen_func(q[0], k[0], v96[0], cu, cu, 8, 8)
+    # user mods: their kernels take v of q's head dim only
+    _, _, v = qkv()
+    with pytest.raises(NotImplementedError, match=r"head_dim_v=128 .*this call takes v of q's head dim only"):
+        cutefa.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: s)
+    # fp8
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    with pytest.raises(NotImplementedError, match=r"head_dim_v=128 .*the fp8 forward takes v of q's head dim only"):
+        cutefa.flash_attn_func(q8, k8, v8)
+
+
+def test_launch_shapes_name_head_dim_v_only_where_it_is_its_own():
+    q, k, v = qkv()
+    assert "head_dim_v" not in launch.shapes(q, k) and "head_dim_v" not in launch.shapes(q, k, k)
+    assert launch.shapes(q, k, v)["head_dim_v"] == DV
+    assert launch.out_shape(q) == tuple(q.shape) and launch.out_shape(q, DV) == (1, 8, 4, DV)
+    out, lse = launch.empty_outputs(q, head_dim_v=DV)
+    assert out.shape == (1, 8, 4, DV) and lse.shape == (1, 4, 8)
+    out, lse = feature_ops.empty_outputs(q[0], True, DV)
+    assert out.shape == (8, 4, DV) and lse.shape == (4, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake implementations and torch.compile
+
+
+def test_fake_impls_give_the_output_v_head_dim():
+    with FakeTensorMode():
+        q, k, v = qkv(batch=2, sq=5, sk=7, dtype=torch.float16, device="cuda")
+        out, lse = torch.ops.cutefa.flash_fwd(q, k, v, True, 0.1)
+        assert (out.shape, out.dtype, lse.shape) == ((2, 5, 4, DV), torch.float16, (2, 4, 5))
+        out, lse = torch.ops.cutefa.attn_fwd(
+            q, k, v, None, None, None, None, 5, 7, False, 0.1, 3, 0, 0.0, None, None, False
+        )
+        assert out.shape == (2, 5, 4, DV) and lse.shape == (2, 4, 5)
+        cu = torch.zeros(3, dtype=torch.int32, device="cuda")
+        out, lse = torch.ops.cutefa.attn_fwd(
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, None, None, 5, 7, True, 0.1, -1, -1, 0.0,
+            None, None, False,
+        )  # fmt: skip
+        assert out.shape == (10, 4, DV) and lse.shape == (4, 10)
+        with pytest.raises(ValueError, match=r"head_dim_v=96 .*\(192, 128\)"):
+            torch.ops.cutefa.flash_fwd(q, k, torch.empty(2, 7, 2, 96, dtype=q.dtype, device="cuda"), True, 0.1)
+
+
+def test_torch_compile_fullgraph_traces_a_forward_of_v_head_dim(monkeypatch):
+    monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu", "meta"))
+    with FakeTensorMode():
+        q, k, v = qkv(batch=2, device="cuda")
+        (out, lse), ops_called = trace_attention_block(q, k, v)
+    assert out.shape == (2, 8, 4, DV) and lse.shape == (2, 4, 8)
+    assert torch.ops.cutefa.flash_fwd.default in ops_called
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch and explain
+
+
+PROBLEM = {"dtype": "bf16", "head_dim": D, "seqlen_q": 4096, "seqlen_k": 4096, "batch": 2, "heads_q": 16,
+           "heads_kv": 16}  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dispatch_picks_the_family_default_with_head_dim_v(causal):
+    dispatch.clear_caches()
+    for target, family in (("sm_90a", "sm90"), ("sm_80", "sm80"), ("sm_100a", "sm80")):
+        choice = dispatch.choose(target=target, causal=causal, head_dim_v=DV, **PROBLEM)
+        assert choice.spec == default_spec(family, "fwd", "bf16", D, causal=causal, head_dim_v=DV), target
+        assert choice.reason.startswith("heuristic") and f"head_dim_v={DV}" in choice.reason
+    # the H200's tuned table serves hd192 (v of 192), never a V head dim of its own: memoized apart
+    tuned = dispatch.choose(target="sm_90a", causal=causal, gpu_name="NVIDIA H200", **PROBLEM)
+    own = dispatch.choose(target="sm_90a", causal=causal, gpu_name="NVIDIA H200", head_dim_v=DV, **PROBLEM)
+    assert "tuned table" in tuned.reason and tuned.spec.head_dim_v == D
+    assert own.spec.head_dim_v == DV and own.reason.startswith("heuristic")
+    assert dispatch.choose(target="sm_90a", causal=causal, head_dim_v=D, **PROBLEM).spec.head_dim_v == D
+    varlen = dispatch.choose(
+        target="sm_90a", causal=causal, head_dim_v=DV, features=Features(varlen=True), local=True, **PROBLEM
+    )
+    assert varlen.spec.head_dim_v == DV and varlen.spec.features.varlen and "varlen" in varlen.spec.name
+
+
+def test_explain_shows_v_and_why_a_family_is_passed_over():
+    q, k, v = qkv(batch=2, sq=4096, sk=4096, hq=16, hkv=16, device="meta")
+    text = attention.explain(q, k, v, causal=True, target="sm_100a")
+    assert text.startswith("cutefa forward: q=(2, 4096, 16, 192) k=(2, 4096, 16, 192) v=(2, 4096, 16, 128) bf16"), text
+    assert "chosen: cutefa_sm80_fwd_bf16_hd192v128_" in text
+    assert "cutefa_sm100_fwd_bf16_hd192v128_" in text and "(head_dim, head_dim_v) in (192, 128)" in text
+    text = attention.explain(q, k, v, target="sm_90a", varlen=True)
+    assert "head_dim 192 (v 128)" in text and "chosen: cutefa_sm90_fwd_bf16_hd192v128_" in text and "_varlen" in text
+    same = attention.explain(q, k, k, target="sm_90a")
+    assert "v=(" not in same and "hd192v" not in same
+
+
+def test_cli_explain_takes_dqk_colon_dv(capsys):
+    assert cli.main(["explain", "--shape", "2,4096,4096,16,16,192:128", "--gpu", "sm_90a", "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "v=(2, 4096, 16, 128)" in out and "chosen: cutefa_sm90_fwd_bf16_hd192v128_" in out
+    assert cli.main(["explain", "--shape", "2,4096,4096,16,16,192:192", "--gpu", "sm_90a"]) == 0
+    assert "v=(" not in capsys.readouterr().out
+    assert cli.main(["explain", "--shape", "2,4096,4096,16,16,192:96", "--gpu", "sm_90a"]) == 2
+    err = capsys.readouterr().err
+    assert "head_dim_v=96" in err and "(192, 128)" in err and "Traceback" not in err
+    for shape in ("2,4096,4096,16,16,192:", "2,4096,4096,16,16,192:128:64", "2,4096,4096,16,16,192:0", "1,2:3"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["explain", "--shape", shape, "--gpu", "sm_90a"])
+        assert exit_info.value.code == 2 and "DQK:DV" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# The calls on CPU stand-ins of the kernels
+
+
+class FakeKernel:
+    """Attention in float32 into out and lse; refuses (ValueError, before writing) q, k, v and out
+    whose head dims are not its spec's. Feature arguments (packed sequences) are read."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.calls = 0
+
+    def __call__(self, q, k, v, out, lse, scale, *extra):
+        d, dv = self.spec.head_dim, self.spec.head_dim_v
+        if (q.shape[-1], k.shape[-1], v.shape[-1], out.shape[-1]) != (d, d, dv, dv):
+            raise ValueError("Mismatched Shape on argument")
+        self.calls += 1
+        causal = self.spec.causal
+        if not self.spec.features.varlen:
+            o, l = reference(q, k, v, causal, scale)
+            out.copy_(o.to(out.dtype))
+            lse.copy_(l)
+            return
+        cu_q, cu_k, used_q, used_k = (t.tolist() for t in extra[:4])
+        for b in range(len(used_q)):
+            rows = slice(cu_q[b], cu_q[b] + used_q[b])
+            keys = slice(cu_k[b], cu_k[b] + used_k[b])
+            o, l = reference(q[rows][None], k[keys][None], v[keys][None], causal, scale)
+            out[rows] = o[0].to(out.dtype)
+            lse[:, rows] = l[0]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """CPU tensors accepted, an H200 pretended, every kernel a FakeKernel (one per variant)."""
+    kernels = {}
+
+    def get_kernel(spec, target):
+        return kernels.setdefault(spec.name, FakeKernel(spec))
+
+    pretend_h200(monkeypatch)
+    replace_in(monkeypatch, (dense, feature_ops), "get_kernel", get_kernel)
+    monkeypatch.setattr(plans, "_PLANS", {})
+    yield kernels
+    dispatch.clear_caches()
+
+
+def test_dense_call_and_its_plan(fake_gpu):
+    q, k, v = qkv(sq=9, sk=13)
+    out, lse = cutefa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    want, want_lse = reference(q, k, v, True, SCALE)
+    assert out.shape == (1, 9, 4, DV) and out.dtype == q.dtype
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=0)
+    torch.testing.assert_close(lse, want_lse)
+    (name,) = fake_gpu
+    assert "hd192v128" in name and "_causal" in name
+    (plan_key,) = plans._PLANS
+    # the second call takes the plan: its output template has v's head dim
+    again = cutefa.flash_attn_func(q, k, v, causal=True)
+    assert fake_gpu[name].calls == 2 and torch.equal(again, out)
+    # v of q's head dim under the same key (q's and k's shapes): the plan passes it on to the
+    # validating way, which dispatches for it
+    v_same = torch.randn(1, 13, 2, D).bfloat16()
+    out_same = cutefa.flash_attn_func(q, k, v_same, causal=True)
+    assert out_same.shape == q.shape and len(fake_gpu) == 2
+    torch.testing.assert_close(out_same.float(), reference(q, k, v_same, True, SCALE)[0], atol=1e-2, rtol=0)
+    assert list(plans._PLANS) == [plan_key] and fake_gpu[name].calls == 2
+    # the plan made for v of q's head dim passes v of 128 on too
+    plans._PLANS.clear()
+    cutefa.flash_attn_func(q, k, v_same, causal=True)
+    assert torch.equal(cutefa.flash_attn_func(q, k, v, causal=True), out)
+
+
+def test_the_op_path_and_an_empty_problem(fake_gpu):
+    q, k, v = qkv(batch=2, sq=1, sk=17, hq=4, hkv=1)
+    with torch.inference_mode():
+        out = torch.ops.cutefa.flash_fwd(q, k, v, False, SCALE)[0]
+    torch.testing.assert_close(out.float(), reference(q, k, v, False, SCALE)[0], atol=1e-2, rtol=0)
+    torch.library.opcheck(torch.ops.cutefa.flash_fwd.default, (q, k, v, True, SCALE))
+    q0, k0, v0 = qkv(sq=3, sk=0)
+    out, lse = cutefa.flash_attn_func(q0, k0, v0, return_lse=True)
+    assert out.shape == (1, 3, 4, DV) and (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_varlen_and_windowed_calls(fake_gpu):
+    lens = [(1, 1), (17, 5), (4, 30)]
+    cu_q = torch.tensor([0, 1, 18, 22], dtype=torch.int32)
+    cu_k = torch.tensor([0, 1, 6, 36], dtype=torch.int32)
+    q, k, v = (t[0] for t in qkv(sq=22, sk=36))
+    out, lse = cutefa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 30, causal=True, return_lse=True)
+    assert out.shape == (22, 4, DV) and lse.shape == (4, 22)
+    for b, (sq, sk) in enumerate(lens):
+        rows, keys = slice(cu_q[b], cu_q[b] + sq), slice(cu_k[b], cu_k[b] + sk)
+        want, _ = reference(q[rows][None], k[keys][None], v[keys][None], True, SCALE)
+        torch.testing.assert_close(out[rows].float(), want[0], atol=1e-2, rtol=0)
+    assert any("hd192v128" in n and "varlen" in n for n in fake_gpu)
+    qd, kd, vd = qkv(sq=5, sk=5)
+    windowed = cutefa.flash_attn_func(qd, kd, vd, window_size=(2, 0), softcap=0.0)
+    assert windowed.shape == (1, 5, 4, DV)
+    assert any("hd192v128" in n and "local" in n for n in fake_gpu)
+
+
+def _backward_error():
+    return pytest.raises(
+        NotImplementedError,
+        match=r"backward of attention with head_dim_v=128 \(v.shape\[-1\]\) apart from head_dim=192.*"
+        r"\(192, 128\).*torch.no_grad\(\)",
+    )
+
+
+def test_the_backward_raises_where_a_gradient_is_asked_for(fake_gpu):
+    q, k, v = (t.requires_grad_() for t in qkv(sq=6, sk=6))
+    with torch.no_grad():
+        plain = cutefa.flash_attn_func(q, k, v, causal=True)
+    out = cutefa.flash_attn_func(q, k, v, causal=True)  # the forward runs under autograd
+    assert out.requires_grad and torch.equal(out.detach(), plain)
+    with _backward_error():
+        out.float().sum().backward()
+    _, lse = cutefa.flash_attn_func(q, k, v, return_lse=True)
+    with _backward_error():
+        lse.sum().backward()
+    windowed = cutefa.flash_attn_func(q, k, v, window_size=(2, 0))
+    with _backward_error():
+        windowed.float().sum().backward()
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    packed = cutefa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 4, 4)
+    assert packed.shape == (6, 4, DV)
+    with _backward_error():
+        packed.float().sum().backward()
+    # v of q's head dim keeps its gradients
+    v_same = torch.randn(1, 6, 2, D).bfloat16().requires_grad_()
+    with torch.no_grad():
+        assert cutefa.flash_attn_func(q, k, v_same).shape == q.shape
