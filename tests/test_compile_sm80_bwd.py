@@ -22,7 +22,7 @@ from cutefa import sass
 from cutefa.kernels.sm80 import bwd_parts
 from cutefa.model.budgets import bwd_dq_accum_shape
 from cutefa.model.options import DqLayout
-from cutefa.model.rules import why_invalid, why_not_on
+from cutefa.model.rules import tile_head_dims, why_invalid, why_not_on
 from cutefa.model.spec import VariantSpec
 
 pytestmark = pytest.mark.compile
@@ -68,6 +68,11 @@ def cubins_sm80(tmp_path_factory):
     return sass.dump_cubins(A100_SUBSET, "sm_80", tmp_path_factory.mktemp("bwd_sm_80"))
 
 
+def _tile_d(spec) -> int:
+    """The head dim the kernel's tiles compute on (a padded head dim's next multiple of 32)."""
+    return tile_head_dims(spec)[0]
+
+
 def _reductions(text: str) -> tuple[int, int, int]:
     """(element-wise, 8-byte vector, 16-byte vector) fp32 reductions in the SASS ``text``."""
     pairs = len(re.findall(r"\bREDG?\.E\.ADD\.F32x2\b", text))
@@ -81,7 +86,7 @@ def _grid(rows: int, cols: int, spec, gemm: str) -> tuple[int, int]:
     dQ and dV grids are the squarer one again, dK keeps the tall one)."""
     tall, wide = (spec.warps // 2, 2), (2, spec.warps // 2)
     squarer_at_256 = spec.options.dq_layout is DqLayout.TILE and gemm in ("dq", "dv")
-    if (spec.head_dim == 256 and not squarer_at_256) or rows % (16 * wide[0]) or cols % (16 * wide[1]):
+    if (_tile_d(spec) == 256 and not squarer_at_256) or rows % (16 * wide[0]) or cols % (16 * wide[1]):
         return tall
     return wide if rows // wide[0] + cols // wide[1] < rows // tall[0] + cols // tall[1] else tall
 
@@ -94,7 +99,7 @@ def _ldmatrix_per_warp(spec) -> int:
     def gemm(rows, cols, depth, grid):
         return depth // 16 * (rows // grid[0] // 16 + cols // grid[1] // 16)
 
-    m, n, d = spec.tile_m, spec.tile_n, spec.head_dim
+    m, n, d = spec.tile_m, spec.tile_n, _tile_d(spec)
     sdp = gemm(m, n, d, (2, spec.warps // 2))
     dkv = gemm(n, d, m, _grid(n, d, spec, "dv")) + gemm(n, d, m, _grid(n, d, spec, "dk"))
     return 2 * sdp + dkv + gemm(m, d, n, _grid(m, d, spec, "dq"))
@@ -107,10 +112,12 @@ def _check(cubin, spec, vector_red: bool) -> None:
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
     assert 0 < report.registers <= 255, f"{spec.name}: {report.summary()}"
     # A non-causal kernel has the key-block loop twice: for its own key blocks and for the stream-K
-    # tail's segments (cutefa/kernels/sm80/tail.py); the counts below are per copy.
-    copies = 1 if spec.causal else 2
+    # tail's segments (cutefa/kernels/sm80/tail.py); the counts below are per copy. A padded head
+    # dim has no tail (it runs its own blocks only). Counts are over the tile's (padded) head dim.
+    d = _tile_d(spec)
+    copies = 1 if spec.causal or d != spec.head_dim else 2
     # Five GEMMs per query block (S, dP, dV, dK, dQ), each tile_m * tile_n * head_dim MACs per CTA.
-    per_warp = spec.tile_m * spec.tile_n * spec.head_dim // (16 * 8 * 16) // spec.warps
+    per_warp = spec.tile_m * spec.tile_n * d // (16 * 8 * 16) // spec.warps
     assert report.counts["HMMA"] == 5 * per_warp * copies, f"{spec.name}: {report.summary()}"
     # The warp grids the template chose: ldmatrix traffic as the model says (hd128 64x128: 144;
     # hd256 _dqtile: 180).
@@ -119,7 +126,7 @@ def _check(cubin, spec, vector_red: bool) -> None:
     # (DqLayout.QUAD) one per quad of permuted columns; the vector ones twice in the code: unpredicated
     # for full query blocks, guarded for the last one. DqLayout.TILE: one per quad of the fragment
     # order, unpredicated only (the padding rows add zeros).
-    per_thread = spec.tile_m * spec.head_dim // spec.threads
+    per_thread = spec.tile_m * d // spec.threads
     layout, dq_pipe = spec.options.dq_layout, spec.options.dq_pipe
     if not vector_red:
         expected = (per_thread, 0, 0)
@@ -132,7 +139,7 @@ def _check(cubin, spec, vector_red: bool) -> None:
     if dq_pipe:
         # the last chunk's reductions twice in the code: in the next step (after its S MMAs) and
         # after the loop for the last step
-        chunks = spec.head_dim // (16 * _grid(spec.tile_m, spec.head_dim, spec, "dq")[1])
+        chunks = d // (16 * _grid(spec.tile_m, d, spec, "dq")[1])
         per_chunk = sum(expected) // chunks
         expected = tuple(n + n // chunks for n in expected)
     assert _reductions(text) == tuple(n * copies for n in expected), spec.name
