@@ -35,7 +35,7 @@ from cutefa.api.validate import (
     default_scale,
     validate_fp8_inputs,
 )
-from cutefa.api.validate_features import assert_lengths_async
+from cutefa.api.validate_features import assert_lengths_async, check_sequences
 from cutefa.fp8 import add_v_mean
 from cutefa.loader import get_kernel
 from cutefa.model.spec import Features, VariantSpec
@@ -243,28 +243,6 @@ def make_plan(
 # Packed sequences (varlen)
 
 
-def _check_lengths(name: str, t: object, q: torch.Tensor, length: int | None) -> int:
-    """An int32 1-D tensor on q's device (of ``length`` entries where given); returns its length."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 torch.Tensor; got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype torch.int32; got {t.dtype}")
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D; got shape {tuple(t.shape)}")
-    if t.device != q.device:
-        raise ValueError(f"{name} must be on q's device ({q.device}); got {t.device}")
-    if length is not None and t.shape[0] != length:
-        raise ValueError(f"{name} must have {length} entries; got {t.shape[0]}")
-    return t.shape[0]
-
-
-def _check_max_seqlen(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-        raise TypeError(f"{name} must be an int; got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0; got {value}")
-
-
 def validate_fp8_varlen(
     q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: object, max_seqlen_q: object,
     max_seqlen_k: object, seqused_q: object, seqused_k: object, causal: object, softmax_scale: object,
@@ -287,18 +265,9 @@ def validate_fp8_varlen(
         )
     check_strides(tensors)
     check_options(causal, softmax_scale)
-    entries = _check_lengths("cu_seqlens_q", cu_seqlens_q, tensors[0], None)
-    if entries < 1:
-        raise ValueError("cu_seqlens_q must have batch + 1 >= 1 entries; got 0")
-    _check_lengths("cu_seqlens_k", cu_seqlens_k, tensors[0], entries)
-    batch = entries - 1
-    if batch > GRID_YZ_LIMIT:
-        raise ValueError(f"batch={batch} sequences is over cutefa's limit of {GRID_YZ_LIMIT} (the grid's z)")
-    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
-        if t is not None:
-            _check_lengths(name, t, tensors[0], batch)
-    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    batch = check_sequences(
+        tensors[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k
+    )
     return batch
 
 

@@ -28,7 +28,6 @@ takes its last row. Page ids are not range-checked (that costs launches on every
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 
 import torch
@@ -48,7 +47,6 @@ from cutefa.model.options import CacheDtype, Mask
 from cutefa.model.rules import why_invalid, why_not_on
 from cutefa.model.spec import HEAD_DIMS, TORCH_DTYPE_NAMES, VariantSpec
 
-MAX_SPLITS = 256  # num_splits asked for: the fp32 workspace grows with it
 _ALIGN = 16
 
 
@@ -305,18 +303,7 @@ def _validate(
         )
     _check_new(q, k_cache, k, v, cache_seqlens)
     _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        raise TypeError(f"num_splits must be an int (0: chosen by the heuristic); got {num_splits!r}")
-    if not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(
-            f"num_splits must be in [0, {MAX_SPLITS}] (0: chosen by the heuristic); got {num_splits}"
-        )
-    if softmax_scale is not None and (
-        isinstance(softmax_scale, bool)
-        or not isinstance(softmax_scale, numbers.Real)
-        or not (math.isfinite(softmax_scale) and softmax_scale > 0)
-    ):
-        raise ValueError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
+    validate.check_split_options(num_splits, softmax_scale)
     causal, left, right = mask_options(causal, window_size)
     return causal, left, right, check_softcap(softcap), default_scale(softmax_scale, head_dim)
 

@@ -45,7 +45,6 @@ from cutefa.model.spec import TORCH_DTYPE_NAMES, VariantSpec
 
 HEAD_DIM = policy_mla.HEAD_DIM
 HEAD_DIM_V = policy_mla.HEAD_DIM_V
-MAX_SPLITS = 256  # num_splits asked for: the fp32 workspace grows with it
 TARGET = "sm_90a"
 _ALIGN = 16
 
@@ -185,18 +184,7 @@ def validate_call(
         )
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool; got {causal!r}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        raise TypeError(f"num_splits must be an int (0: chosen by the heuristic); got {num_splits!r}")
-    if not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(
-            f"num_splits must be in [0, {MAX_SPLITS}] (0: chosen by the heuristic); got {num_splits}"
-        )
-    if softmax_scale is not None and (
-        isinstance(softmax_scale, bool)
-        or not isinstance(softmax_scale, numbers.Real)
-        or not (math.isfinite(softmax_scale) and softmax_scale > 0)
-    ):
-        raise ValueError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
+    validate.check_split_options(num_splits, softmax_scale)
 
 
 def _seqlens(

@@ -208,6 +208,26 @@ def check_options(causal: object, softmax_scale: object) -> None:
         raise ValueError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
 
 
+MAX_SPLITS = 256  # num_splits a decode call may ask for: the fp32 workspace grows with it
+
+
+def check_split_options(num_splits: object, softmax_scale: object) -> None:
+    """A decode call's ``num_splits`` (an int in [0, MAX_SPLITS], 0: the heuristic's choice) and
+    ``softmax_scale`` (a positive finite float or None)."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int (0: chosen by the heuristic); got {num_splits!r}")
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(
+            f"num_splits must be in [0, {MAX_SPLITS}] (0: chosen by the heuristic); got {num_splits}"
+        )
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, numbers.Real)
+        or not (math.isfinite(softmax_scale) and softmax_scale > 0)
+    ):
+        raise ValueError(f"softmax_scale must be a positive finite float or None; got {softmax_scale!r}")
+
+
 def check_deterministic(deterministic: object) -> None:
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool; got {deterministic!r}")

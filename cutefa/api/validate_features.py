@@ -141,16 +141,26 @@ def validate_varlen(
     check_strides(tensors)
     check_options(causal, softmax_scale)
     check_deterministic(deterministic)
-    entries = _check_lengths("cu_seqlens_q", cu_seqlens_q, q_, None)
+    return check_sequences(q_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+
+
+def check_sequences(
+    q: torch.Tensor, cu_seqlens_q: object, cu_seqlens_k: object, max_seqlen_q: object, max_seqlen_k: object,
+    seqused_q: object, seqused_k: object,
+) -> int:  # fmt: skip
+    """The sequences' metadata of a packed call (int32 1-D tensors on q's device of matching
+    lengths, max lengths ints >= 0), checked without reading GPU values; returns the number of
+    sequences."""
+    entries = _check_lengths("cu_seqlens_q", cu_seqlens_q, q, None)
     if entries < 1:
         raise ValueError("cu_seqlens_q must have batch + 1 >= 1 entries; got 0")
-    _check_lengths("cu_seqlens_k", cu_seqlens_k, q_, entries)
+    _check_lengths("cu_seqlens_k", cu_seqlens_k, q, entries)
     batch = entries - 1
     if batch > GRID_YZ_LIMIT:
         raise ValueError(f"batch={batch} sequences is over cutefa's limit of {GRID_YZ_LIMIT} (the launch grid's z)")
     for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if t is not None:
-            _check_lengths(name, t, q_, batch)
+            _check_lengths(name, t, q, batch)
     _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     return batch
