@@ -542,29 +542,14 @@ def explain_problem(
     return "\n".join(lines)
 
 
-# The family and key blocks of a mod kernel: cutefa.mods.api's ARCH and MOD_TILE_N (the same kernels).
-_MOD_ARCH = "sm80"
-_MOD_TILE_N = 64
-
-
-def _mod_base(arch: str, direction: str, p: Problem) -> VariantSpec | None:
-    """The variant a call's mods are fused into, as :func:`cutefa.mods.api.mod_base` picks it (that
-    module imports this one): the family default with key blocks of at most :data:`_MOD_TILE_N`."""
-    base = default_spec(arch, direction, p.dtype, p.head_dim, causal=p.causal)
-    if base is None or base.tile_n <= _MOD_TILE_N:
-        return base
-    smaller = base.replace(tile_n=_MOD_TILE_N)
-    return smaller if why_invalid(smaller) is None else base
-
-
 def _explain_mods(p: Problem, score_mod: Any, mask_mod: Any, block_mask: Any) -> list[str]:
     """:func:`explain_problem`'s lines for a call with user mods: the traced mods (their key names
     the kernels), the forward and backward kernels they are fused into (:mod:`cutefa.mods.api`),
     or why there is none. A mod that cannot be traced raises as the call would."""
     from cutefa.mods import BlockMask, trace_mods  # imports torch: only a call with mods gets here
+    from cutefa.mods.base import ARCH as arch
+    from cutefa.mods.base import MOD_TILE_N, mod_base
     from cutefa.mods.variant import ModVariantSpec
-
-    arch = _MOD_ARCH
 
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must come from cutefa.create_block_mask, got {type(block_mask).__name__}")
@@ -574,7 +559,7 @@ def _explain_mods(p: Problem, score_mod: Any, mask_mod: Any, block_mask: Any) ->
         why = "score_mod/mask_mod take 16-bit inputs without window_size, softcap, alibi_slopes, sinks or "
         return [*lines, f"no kernel: {why}packed sequences yet (write those into the mods)"]
     for direction in DIRECTIONS:
-        base = _mod_base(arch, direction, p)
+        base = mod_base(p.dtype, p.head_dim, p.causal, direction)
         why = f"no {arch} {direction} kernel for {p.dtype} head_dim {p.head_dim}" if base is None else None
         why = why or why_not_on(base, p.target)
         if why is not None:
@@ -587,7 +572,7 @@ def _explain_mods(p: Problem, score_mod: Any, mask_mod: Any, block_mask: Any) ->
         lines.append(f"chosen: {spec.name} (family {arch}, compiled for {p.target})")
         lines.append(
             f"  why: only the {arch} family's templates fuse score_mod/mask_mod: its default {spec.tile_m}x"
-            f"{spec.tile_n} forward (key blocks of at most {_MOD_TILE_N} with mods) with the traced mods"
+            f"{spec.tile_n} forward (key blocks of at most {MOD_TILE_N} with mods) with the traced mods"
         )
         if block_mask is not None:
             lines.append("  block mask: key blocks the mask_mod empties are skipped, full ones run unmasked")

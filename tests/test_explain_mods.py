@@ -117,11 +117,18 @@ def test_errors_are_the_calls():
 
 
 def test_dispatch_picks_the_mod_kernels_as_the_call_does():
-    """dispatch cannot import cutefa.mods.api (which imports it): its copy of the choice must agree."""
-    assert (dispatch._MOD_ARCH, dispatch._MOD_TILE_N) == (mods_api.ARCH, mods_api.MOD_TILE_N)
-    p = dispatch.Problem("sm_80", "fp16", 96, True, SQ, SK, B, HQ, HKV)
+    """explain names the kernels the call fuses its mods into (one choice: cutefa.mods.base)."""
+    from cutefa.mods.base import mod_base
+
+    assert (mods_api.ARCH, mods_api.mod_base) == ("sm80", mod_base)
     for direction in ("fwd", "bwd"):
-        assert dispatch._mod_base("sm80", direction, p) == mods_api.mod_base("fp16", 96, True, direction)
+        assert mod_base("fp16", 96, True, direction).tile_n <= 64
+    text = dispatch.explain_problem(
+        target="sm_80", dtype=torch.float16, head_dim=96, causal=True, seqlen_q=SQ, seqlen_k=SK, batch=B,
+        heads_q=HQ, heads_kv=HKV, score_mod=lambda s, b, h, qi, ki: s * 0.5,
+    )
+    for direction in ("fwd", "bwd"):
+        assert mod_base("fp16", 96, True, direction).name in text, (direction, text)
 
 
 def test_without_mods_nothing_changes():

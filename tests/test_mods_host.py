@@ -14,6 +14,7 @@ import cutefa
 from cutefa.codegen import render_source
 from cutefa.model.defaults import default_spec
 from cutefa.mods import ModTraceError, create_block_mask, trace_mods
+from cutefa.mods.base import MOD_TILE_N
 from cutefa.mods.block_mask import EMPTY, FULL, PARTIAL, block_kinds, kinds_to_ranges
 from cutefa.mods.evaluate import evaluate
 from cutefa.mods.variant import ModVariantSpec
@@ -363,7 +364,7 @@ def test_create_block_mask_checks_its_arguments():
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_mod_kernels_render_for_every_default_head_dim(head_dim, dtype):
-    from cutefa.mods.api import MOD_TILE_N, mod_base
+    from cutefa.mods.base import MOD_TILE_N, mod_base
 
     traced = trace_mods(softcap_mod(), prefix_lm(5))
     for causal in (False, True):
@@ -410,7 +411,7 @@ def test_the_api_passes_the_documented_kernel_arguments(monkeypatch):
     assert out.shape == q.shape and lse.shape == (2, 4, 100)
     ((spec, target, args),) = calls
     assert isinstance(spec, ModVariantSpec) and spec.block_sparse and spec.causal and target == "sm_80"
-    assert spec.direction == "fwd" and spec.tile_n == api.MOD_TILE_N and spec.head_dim == 64
+    assert spec.direction == "fwd" and spec.tile_n == MOD_TILE_N and spec.head_dim == 64
     assert args[:5] == (q, k, v, out, lse) and args[5] == pytest.approx(64**-0.5)
     ranges, t0, t1 = args[6:]
     assert torch.equal(ranges, bm.ranges(spec.tile_m, spec.tile_n, True, 2, 4))

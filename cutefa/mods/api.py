@@ -26,29 +26,10 @@ from cutefa.api.features import FeatureArgs
 from cutefa.api.launch import aligned, call_on, outputs
 from cutefa.api.validate import default_scale, validate_inputs
 from cutefa.loader import get_kernel
-from cutefa.model.defaults import default_spec
-from cutefa.model.rules import why_invalid
-from cutefa.model.spec import VariantSpec
+from cutefa.mods.base import ARCH, mod_base
 from cutefa.mods.block_mask import BlockMask
 from cutefa.mods.traced import TracedMods, trace_mods
 from cutefa.mods.variant import ModVariantSpec
-
-ARCH = "sm80"  # the family whose forward fuses mods (cutefa.mods.variant.MOD_TEMPLATES)
-# Key blocks of a mod kernel: a mod's reads and arithmetic per score take registers. With a
-# relative-bias table read per score and document ids at head dim 128 (sm_80), the dense defaults'
-# 128-key blocks spill: the forward 96 bytes of stack, the backward (64x128) 64 bytes; 64-key
-# blocks spill one register in the forward (8 bytes).
-MOD_TILE_N = 64
-
-
-def mod_base(dtype: str, head_dim: int, causal: bool, direction: str = "fwd") -> VariantSpec | None:
-    """The variant a mod kernel fuses its mods into: the family's default ``direction`` kernel, with
-    key blocks of at most :data:`MOD_TILE_N`."""
-    base = default_spec(ARCH, direction, dtype, head_dim, causal=causal)
-    if base is None or base.tile_n <= MOD_TILE_N:
-        return base
-    smaller = base.replace(tile_n=MOD_TILE_N)
-    return smaller if why_invalid(smaller) is None else base
 
 
 def mod_spec(q: torch.Tensor, causal: bool, mods: TracedMods, block_sparse: bool) -> ModVariantSpec:
