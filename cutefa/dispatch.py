@@ -18,14 +18,14 @@ import re
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from cutefa.identity import TUNED_DIR
-from cutefa.model.defaults import default_spec
+from cutefa.model.defaults import SEPARATE_V_BWD_FAMILIES, default_spec
 from cutefa.model.options import Mask
-from cutefa.model.rules import fitting_variant, tile_head_dims, why_invalid, why_no_kernel, why_not_on
+from cutefa.model.rules import fitting_variant, padded_tile_note, why_invalid, why_no_kernel, why_not_on
 from cutefa.model.spec import (
     ARCHS,
     DIRECTIONS,
@@ -484,18 +484,6 @@ def choose(
     return choice
 
 
-def _padded_tile(spec: VariantSpec) -> str | None:
-    """A line on the tile head dims of ``spec`` where they are not the problem's, or None."""
-    tile_d, tile_d_v = tile_head_dims(spec)
-    if (tile_d, tile_d_v) == (spec.head_dim, spec.head_dim_v):
-        return None
-    v = f", v head dim {spec.head_dim_v} on {tile_d_v}" if spec.head_dim_v != spec.head_dim else ""
-    return (
-        f"padded tile: head dim {spec.head_dim} computed on tiles {tile_d} columns wide{v} (predicated loads "
-        "zero-fill the pad in shared memory; only the real columns are stored)"
-    )
-
-
 def explain_problem(
     *,
     target: str,
@@ -518,12 +506,14 @@ def explain_problem(
 ) -> str:
     """Human-readable account of :func:`choose` for a problem: the pick, why, and every rejection.
     With ``score_mod``/``mask_mod``/``block_mask`` (a call with user mods): the traced mods and the
-    kernels they are fused into (:func:`_explain_mods`)."""
+    kernels they are fused into (:func:`cutefa.mods.explain.explain_mods`)."""
     p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
                 gpu_name, _v_centered(v_centered, dtype), local, features, head_dim_v)  # fmt: skip
     lines = [f"cutefa forward: {p.describe()}"]
     if score_mod is not None or mask_mod is not None or block_mask is not None:
-        return "\n".join(lines + _explain_mods(p, score_mod, mask_mod, block_mask))
+        from cutefa.mods.explain import explain_mods  # traces the mods: only a call with mods gets here
+
+        return "\n".join(lines + explain_mods(p, score_mod, mask_mod, block_mask))
     try:
         choice, rejected = _search(p)
     except NotImplementedError as exc:
@@ -533,54 +523,35 @@ def explain_problem(
     else:
         lines.append(f"chosen: {choice.spec.name} (family {choice.spec.arch}, compiled for {choice.target})")
         lines.append(f"  why: {choice.reason}")
-        padded = _padded_tile(choice.spec)
+        padded = padded_tile_note(choice.spec)
         if padded:
             lines.append(f"  {padded}")
+    if p.separate_v:
+        lines.append(_separate_v_backward(p))
     if rejected:
         lines.append("rejected:")
         lines += [f"  {label}: {why}" for label, why in rejected]
     return "\n".join(lines)
 
 
-def _explain_mods(p: Problem, score_mod: Any, mask_mod: Any, block_mask: Any) -> list[str]:
-    """:func:`explain_problem`'s lines for a call with user mods: the traced mods (their key names
-    the kernels), the forward and backward kernels they are fused into (:mod:`cutefa.mods.api`),
-    or why there is none. A mod that cannot be traced raises as the call would."""
-    from cutefa.mods import BlockMask, trace_mods  # imports torch: only a call with mods gets here
-    from cutefa.mods.base import ARCH as arch
-    from cutefa.mods.base import MOD_TILE_N, mod_base
-    from cutefa.mods.variant import ModVariantSpec
-
-    if block_mask is not None and not isinstance(block_mask, BlockMask):
-        raise TypeError(f"block_mask must come from cutefa.create_block_mask, got {type(block_mask).__name__}")
-    mods = trace_mods(score_mod, block_mask.mask_mod if mask_mod is None and block_mask else mask_mod)
-    lines = [mods.describe()]
-    if p.local or p.features.any or p.dtype not in ("fp16", "bf16"):
-        why = "score_mod/mask_mod take 16-bit inputs without window_size, softcap, alibi_slopes, sinks or "
-        return [*lines, f"no kernel: {why}packed sequences yet (write those into the mods)"]
-    for direction in DIRECTIONS:
-        base = mod_base(p.dtype, p.head_dim, p.causal, direction)
-        why = f"no {arch} {direction} kernel for {p.dtype} head_dim {p.head_dim}" if base is None else None
-        why = why or why_not_on(base, p.target)
-        if why is not None:
-            lines.append(f"no kernel: {why}" if direction == "fwd" else f"  backward: none ({why})")
+def _separate_v_backward(p: Problem) -> str:
+    """:func:`explain_problem`'s line on the gradients of a problem whose v has a head dim of its
+    own: the default backward of the family that takes the pair (the sm80 one, on Hopper too:
+    :data:`~cutefa.model.defaults.SEPARATE_V_BWD_FAMILIES`), or why there is none."""
+    others = [f for f in families_for_target(p.target) if f not in SEPARATE_V_BWD_FAMILIES]
+    passed = f"; the {'/'.join(others)} backward takes one head dim for q, k and v" if others else ""
+    for family in SEPARATE_V_BWD_FAMILIES:
+        spec = default_spec(family, "bwd", p.dtype, p.head_dim, causal=p.causal, head_dim_v=p.head_dim_v)
+        if spec is None:
             continue
-        spec = ModVariantSpec(base, mods, block_mask is not None)
-        if direction == "bwd":
-            lines.append(f"  backward: {spec.name}")
-            continue
-        lines.append(f"chosen: {spec.name} (family {arch}, compiled for {p.target})")
-        lines.append(
-            f"  why: only the {arch} family's templates fuse score_mod/mask_mod: its default {spec.tile_m}x"
-            f"{spec.tile_n} forward (key blocks of at most {MOD_TILE_N} with mods) with the traced mods"
-        )
-        if block_mask is not None:
-            lines.append("  block mask: key blocks the mask_mod empties are skipped, full ones run unmasked")
-        padded = _padded_tile(spec)
-        lines += [f"  {padded}"] if padded else []
-    families = [a for a in families_for_target(p.target) if a != arch]
-    others = [f"  {a}: no {a} template fuses score_mod/mask_mod yet" for a in families]
-    return lines + (["rejected:", *others] if others else [])
+        spec = p.with_features(fitting_variant(spec, p.target) or spec)
+        if spec.features.sinks:  # (the backward needs no kernel of its own for sinks)
+            spec = spec.replace(features=replace(spec.features, sinks=False))
+        why = why_invalid(spec) or why_not_on(spec, p.target)
+        if why is None:
+            return f"  backward: {spec.name} (family {family}{passed})"
+        return f"  backward: none ({spec.name}: {why})"
+    return f"  backward: none (no backward for head_dim={p.head_dim} with head_dim_v={p.head_dim_v})"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -183,6 +183,7 @@ def _fwd_sm90(spec: VariantSpec) -> Context:
         "tile_d": sm90_fwd_tile_head_dims(spec)[0],
         "tile_dv": sm90_fwd_tile_head_dims(spec)[1],
         "o_in_q_slab": policy_sm90.fwd_o_in_q_slab(spec),
+        **mods_context(spec),  # a user's score_mod/mask_mod (cutefa.mods), only where the spec has them
     }
 
 

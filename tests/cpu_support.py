@@ -1,16 +1,18 @@
 """What the CPU test files share: seeded random inputs, a plain attention reference, tracing a
 flash_attn_func call under torch.compile on fake CUDA tensors, loading a script of tools/ as a
 module, the compile tests' sample of variants, reading the branches and loops of a kernel's SASS,
-the sm90 backward's stmatrix / TMA-store checks, and an H200 pretended for the call plans on CPU
-tensors."""
+the sm90 backward's stmatrix / TMA-store checks, an H200 pretended for the call plans on CPU
+tensors, and compiling a test module's samples in a child process (:func:`compile_in_child`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -216,3 +218,29 @@ def pretend_h200(monkeypatch):
     monkeypatch.setattr(dispatch, "device_target", lambda device=None: ("sm_90a", "NVIDIA H200"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
     dispatch.clear_caches()
+
+
+def compile_in_child(out: Path, arch: str, child: str, tests: Path) -> dict:
+    """Run ``child`` (a Python source with a ``{tests}`` placeholder for the tests folder) in a fresh
+    process that compiles for ``arch`` and keeps its cubins under ``out``; return the JSON its last
+    line prints. A fresh process: the DSL's architecture is read once per process."""
+    env = {
+        **os.environ,
+        "CUTE_DSL_ARCH": arch,
+        "CUTE_DSL_KEEP": "cubin",
+        "CUTE_DSL_DUMP_DIR": str(out),
+        "CUTEFA_CACHE_DIR": str(out / "cache"),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(tests.parent), os.environ.get("PYTHONPATH")) if p),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", child.format(tests=str(tests))],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"compiling the samples for {arch} failed:\n" + (proc.stdout + proc.stderr)[-4000:]
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])

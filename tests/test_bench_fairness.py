@@ -191,6 +191,26 @@ def test_low_precision_reference_rounds_and_the_bar_is_as_documented():
     assert fwd.bars["LSE"].abs < 0.2
 
 
+def test_e4m3_lse_bar_allows_the_score_sums_precision_and_no_more():
+    """One key: the e4m3 reference's own LSE error is float32 rounding, so only ``score_eps`` lets
+    an fp8 kernel's shorter score sums pass; the bar grows by score_eps * scale * max sum |q k|."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 1, 2, 64, generator=gen) for _ in range(3))
+    common = {"causal": False, "scale": 0.125, "slices": 2, "low_dtype": torch.float32, "out_dtype": torch.bfloat16}
+    plain = bench_check.expectation(q, k, v, **common, p_round=bench_check.round_e4m3)
+    fp8 = bench_check.expectation(q, k, v, **common, p_round=bench_check.round_e4m3, score_eps=2.0**-10)
+    sums = max((q[0, :, h].abs() @ k[0, :, h].abs().T).max().item() for h in range(2))
+    allowed = 2.0**-10 * 0.125 * sums
+    assert fp8.bars["LSE"].abs == pytest.approx(plain.bars["LSE"].abs + allowed)
+    assert fp8.bars["O"] == plain.bars["O"]
+    lse = fp8.expect["LSE"]
+    assert fp8.bars["LSE"].abs < 0.01
+    shifted = lse + allowed / 2  # within the score sums' precision
+    assert bench_check.max_abs(shifted, lse) <= fp8.bars["LSE"].abs
+    assert bench_check.max_abs(shifted, lse) > plain.bars["LSE"].abs
+    assert bench_check.max_abs(lse + 0.01, lse) > fp8.bars["LSE"].abs
+
+
 def test_errors_treat_nan_as_a_failure_and_equal_infinities_as_equal():
     ref = torch.tensor([1.0, -math.inf, 2.0])
     assert bench_check.rel_l2(ref.clone(), ref) == 0.0

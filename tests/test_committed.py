@@ -18,7 +18,7 @@ from cutefa.api.descales import block_choice
 from cutefa.model import committed, rules
 from cutefa.model.defaults import default_config, small_smem_configs
 from cutefa.model.options import Mask, Quant
-from cutefa.model.spec import ARCHS, COMMITTED_HEAD_DIMS, DIRECTIONS, DTYPES, HEAD_DIMS, TARGETS, parse_name
+from cutefa.model.spec import ARCHS, COMMITTED_HEAD_DIMS, DIRECTIONS, DTYPES, TARGETS, parse_name
 
 # one seqlen_k in every bucket dispatch distinguishes (powers of two up to 65536, then the last one)
 SEQLENS = [1 << i for i in range(17)] + [dispatch.MAX_SEQLEN_BUCKET + 1]
@@ -122,10 +122,11 @@ def test_committed_set_is_valid_sorted_and_small():
         for spec in variants:
             assert rules.why_invalid(spec) is None, spec.name
             assert any(rules.why_not_on(spec, t) is None for t in TARGETS), spec.name
-    # the defaults (every family, direction, dtype and head dim it has, both masks) are all in it
+    # the defaults (every family, direction, dtype and head dim it has, the tuned head dims too, both
+    # masks) are all in it
     defaults = {
         config.spec(arch, direction, dtype, hd, mask=mask)
-        for arch, direction, dtype, hd in itertools.product(ARCHS, DIRECTIONS, DTYPES, HEAD_DIMS)
+        for arch, direction, dtype, hd in itertools.product(ARCHS, DIRECTIONS, DTYPES, COMMITTED_HEAD_DIMS)
         if (config := default_config(arch, direction, dtype, hd)) is not None
         for mask in (Mask.NONE, Mask.CAUSAL)
     }

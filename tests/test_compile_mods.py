@@ -5,14 +5,11 @@ finds the first compile's cache entry (no recompile)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cpu_support import compile_in_child
 from test_mods_examples import document_mask, prefix_lm, relative_bias, softcap_mod
 
 from cutefa import sass
@@ -34,10 +31,10 @@ def sample_specs() -> list[ModVariantSpec]:
     table = torch.zeros(4, 127)
     bias_docs = trace_mods(relative_bias(table, 64), document_mask(doc))
     capped = trace_mods(softcap_mod(), prefix_lm(16))
-    bwd = mod_base("bf16", 128, causal=False, direction="bwd")
+    bwd = mod_base("sm_80", "bf16", 128, causal=False, direction="bwd")
     return [
-        ModVariantSpec(mod_base("bf16", 128, causal=True), bias_docs),
-        ModVariantSpec(mod_base("bf16", 128, causal=False), capped, block_sparse=True),
+        ModVariantSpec(mod_base("sm_80", "bf16", 128, causal=True), bias_docs),
+        ModVariantSpec(mod_base("sm_80", "bf16", 128, causal=False), capped, block_sparse=True),
         ModVariantSpec(bwd.replace(causal=True), bias_docs),
         ModVariantSpec(bwd, capped, block_sparse=True),
     ]
@@ -65,24 +62,7 @@ print(json.dumps(found))
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("mods_sm_80")
-    env = {
-        **os.environ,
-        "CUTE_DSL_ARCH": "sm_80",
-        "CUTE_DSL_KEEP": "cubin",
-        "CUTE_DSL_DUMP_DIR": str(out),
-        "CUTEFA_CACHE_DIR": str(out / "cache"),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS.parent), os.environ.get("PYTHONPATH")) if p),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD.format(tests=str(TESTS))],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError("compiling the mod samples failed:\n" + (proc.stdout + proc.stderr)[-4000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return compile_in_child(out, "sm_80", _CHILD, TESTS)
 
 
 @pytest.mark.compile

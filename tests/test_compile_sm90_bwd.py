@@ -40,15 +40,18 @@ from cutefa.model.budgets_sm90 import (
 from cutefa.model.defaults import DEFAULT_BWD_TILES
 from cutefa.model.options import DqPath, Sm90BwdOptions
 from cutefa.model.rules import est_registers, smem_bytes, why_invalid
+from cutefa.model.spec import HEAD_DIMS
 
 # The head-dim split (head dims 192/256, tile_n=64) and the swapped-dK/dV partition (head dim 192,
 # tile_n=96) have their own templates and checks: tests/test_compile_sm90_bwd_hsplit.py and
 # tests/test_compile_sm90_bwd_swapkv.py.
-# The tile_m=80 tile (dQ transposed): tests/test_compile_sm90_bwd_dqswap.py.
+# The tile_m=80 tile (dQ transposed): tests/test_compile_sm90_bwd_dqswap.py. Head dims of their own
+# (80, 112): tests/test_compile_sm90_bwd_head_dims.py.
 COMMITTED = [
     s
     for s in all_variants("sm90", "bwd")
     if not (sm90_bwd_head_split(s) or sm90_bwd_swapped(s) or sm90_bwd_dq_swapped(s))
+    and s.head_dim in HEAD_DIMS
 ]
 
 
@@ -184,7 +187,10 @@ print(json.dumps(result))
 
 
 @pytest.mark.compile  # traces layouts with the DSL in a child process (~10 s each)
-@pytest.mark.parametrize(("tile_m", "head_dim"), [(128, 64), (64, 96), (64, 128), (80, 128)])
+@pytest.mark.parametrize(
+    ("tile_m", "head_dim"),
+    [(128, 64), (64, 96), (64, 128), (80, 128), (64, 80), (64, 112), (128, 48), (128, 32)],
+)
 def test_two_role_layouts_share_bytes(tmp_path, tile_m, head_dim):
     """K's K-major (A of S^T) and MN-major (B of dQ) layouts map every element to the same offset,
     as do Q/dO's K-major (B of S^T, dP^T) and MN-major (B of dK, dV) ones; dS's two buffers are

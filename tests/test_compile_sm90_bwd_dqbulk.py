@@ -45,14 +45,16 @@ from cutefa.model.budgets_sm90 import (
 from cutefa.model.defaults import DEFAULT_BWD_TILES
 from cutefa.model.options import DqPath, Sm90BwdOptions
 from cutefa.model.rules import why_invalid
-from cutefa.model.spec import VariantSpec
+from cutefa.model.spec import HEAD_DIMS, VariantSpec
 
 # (the swapped-dK/dV partition at head dim 192 has its own checks: test_compile_sm90_bwd_swapkv.py)
-# (the tile_m=80 tile, dQ transposed: test_compile_sm90_bwd_dqswap.py)
+# (the tile_m=80 tile, dQ transposed: test_compile_sm90_bwd_dqswap.py; head dims of their own, 80
+# and 112: test_compile_sm90_bwd_head_dims.py)
 BULK = [
     s
     for s in all_variants("sm90", "bwd")
     if s.options.dq_path is DqPath.BULK and not (sm90_bwd_swapped(s) or sm90_bwd_dq_swapped(s))
+    and s.head_dim in HEAD_DIMS
 ]
 # hd128 64x128 (a column split of dQ) non-causal, hd64 128x128 (a row split) causal; and the overlap
 # schedule's bulk path (its dQ staging runs while dK's WGMMA does) at hd128; the head-dim split at
@@ -288,7 +290,10 @@ def _trace_coords(tmp_path, cols: int) -> list[list[list[int]]]:
 
 
 @pytest.mark.compile  # traces the tiled-MMA partition with the DSL in a child process
-@pytest.mark.parametrize(("tile_m", "tile_n", "head_dim"), [(128, 128, 64), (64, 128, 128), (64, 128, 96), (64, 64, 192), (64, 64, 256)])
+@pytest.mark.parametrize(
+    ("tile_m", "tile_n", "head_dim"),
+    [(128, 128, 64), (64, 128, 128), (64, 128, 96), (64, 64, 192), (64, 64, 256), (64, 128, 80), (64, 128, 112)],
+)
 def test_chunk_order_is_a_bijection(tmp_path, tile_m, tile_n, head_dim):
     """Word w = offset(piece) + 4 (128 j + t) + e of a query block's chunk holds value 4 j + e of
     thread t's fragment of that piece; through bulk_dq_coords (the tiled-MMA partition the kernel's

@@ -1,11 +1,13 @@
 """A V head dim of its own through the forward API on the CPU (issue: q/k of 192 against v of 128,
 DeepSeek's prefill): what validation accepts and refuses, the output shapes of the ops' fake
 implementations and of a torch.compile(fullgraph=True) trace, dispatch and ``cutefa explain``,
-the call plan, and the backward refusing where a gradient is asked for.
+the call plan, and the gradients: the backward's variant (the sm80 one on every target), its
+rules, and the autograd path of both calls down to the kernel's arguments.
 
-The kernels are stand-ins (``FakeKernel``: attention in float32 written into out and lse, refusing
-tensors whose head dims are not its spec's, as the TVM-FFI entry of a real kernel does); their
-GPU counterparts are in tests/gpu/test_head_dim_v_gpu.py.
+The kernels are stand-ins (``FakeKernel``: attention in float32 written into out and lse;
+``FakeBwdKernel``: the sm80 backward's calling convention, gradients per query head by the
+backward's formulas in float32; both refuse tensors whose head dims are not their spec's, as the
+TVM-FFI entry of a real kernel does); their GPU counterparts are in tests/gpu/test_head_dim_v_gpu.py.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutefa
 from cutefa import cli, dispatch
-from cutefa.api import attention, dense, feature_ops, launch, plans, validate
+from cutefa.api import attention, backward, dense, feature_bwd, feature_ops, launch, plans, validate
+from cutefa.codegen import render_source
 from cutefa.model.defaults import default_spec
+from cutefa.model.options import DqLayout
+from cutefa.model.rules import why_invalid
 from cutefa.model.spec import Features
 
 D, DV = 192, 128  # the pair of HEAD_DIM_V_PAIRS
@@ -215,16 +220,79 @@ class FakeKernel:
             lse[:, rows] = l[0]
 
 
+class FakeBwdKernel:
+    """The sm80 backward's calling convention (q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum,
+    lse_log2, dpsum, dkv_part, tail_count, scale, deterministic, slots, <varlen: cu_seqlens_q,
+    cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k>): dq, and dk and dv per query
+    head, by the backward's formulas in float32 (:meth:`_sequence`); refuses (ValueError, before
+    writing) tensors whose head dims are not its spec's (q, k, dq, dk of head_dim; v, o, do, dv of head_dim_v)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.calls = 0
+
+    def __call__(self, q, k, v, o, do, lse, dlse, dq, dk, dv, *rest):
+        d, dv_ = self.spec.head_dim, self.spec.head_dim_v
+        if [t.shape[-1] for t in (q, k, dq, dk, v, o, do, dv)] != [d] * 4 + [dv_] * 4:
+            raise ValueError("Mismatched Shape on argument")
+        if dk.shape[-2] != q.shape[-2] or dv.shape[-2] != q.shape[-2]:
+            raise ValueError("dk and dv take one slice per query head")
+        self.calls += 1
+        scale, extra = rest[5], rest[8:]
+        if not self.spec.features.varlen:
+            self._sequence(q, k, v, do, dlse, scale, (dq, dk, dv))
+            return
+        cu_q, cu_k, used_q, used_k = (t.tolist() for t in extra[:4])
+        for b in range(len(used_q)):
+            rows = slice(cu_q[b], cu_q[b] + used_q[b])
+            keys = slice(cu_k[b], cu_k[b] + used_k[b])
+            grads = [dq[rows][None], dk[keys][None], dv[keys][None]]
+            inputs = (q[rows], k[keys], v[keys], do[rows], dlse[:, rows])
+            self._sequence(*(t[None] for t in inputs), scale, grads)
+            dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
+
+    def _sequence(self, q, k, v, do, dlse, scale, grads):
+        """The backward's formulas in float32 (the kernel's, with k and v expanded to query heads):
+        P from the reference's lse, dV = P^T dO, dS = P (dO V^T - D) with D = rowsum(dO O) - dLSE,
+        dQ = scale dS K, dK = scale dS^T Q."""
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+        q, k, v, do = (t.float() for t in (q, k, v, do))
+        out, lse = reference(q, k, v, self.spec.causal, scale)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        if self.spec.causal:
+            sq, sk = q.shape[1], k.shape[1]
+            s = s.masked_fill(torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + sk - sq, -math.inf)
+        p = torch.exp(s - lse[..., None])
+        d = (do * out).sum(-1).transpose(1, 2) - dlse  # (b, h, q)
+        ds = p * (torch.einsum("bqhd,bkhd->bhqk", do, v) - d[..., None])
+        values = (
+            torch.einsum("bhqk,bkhd->bqhd", ds, k) * scale,
+            torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale,
+            torch.einsum("bhqk,bqhd->bkhd", p, do),
+        )
+        for g, value in zip(grads, values):
+            g.copy_(value.to(g.dtype))
+
+
+class _H200Properties:
+    multi_processor_count = 132
+    regs_per_multiprocessor = 65536
+    shared_memory_per_multiprocessor = 228 * 1024
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """CPU tensors accepted, an H200 pretended, every kernel a FakeKernel (one per variant)."""
+    """CPU tensors accepted, an H200 pretended, every kernel a FakeKernel or FakeBwdKernel (one per
+    variant)."""
     kernels = {}
 
     def get_kernel(spec, target):
-        return kernels.setdefault(spec.name, FakeKernel(spec))
+        return kernels.setdefault(spec.name, (FakeKernel if spec.direction == "fwd" else FakeBwdKernel)(spec))
 
     pretend_h200(monkeypatch)
-    replace_in(monkeypatch, (dense, feature_ops), "get_kernel", get_kernel)
+    replace_in(monkeypatch, (dense, feature_ops, backward, feature_bwd), "get_kernel", get_kernel)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _H200Properties())
     monkeypatch.setattr(plans, "_PLANS", {})
     yield kernels
     dispatch.clear_caches()
@@ -285,34 +353,137 @@ def test_varlen_and_windowed_calls(fake_gpu):
     assert any("hd192v128" in n and "local" in n for n in fake_gpu)
 
 
-def _backward_error():
-    return pytest.raises(
-        NotImplementedError,
-        match=r"backward of attention with head_dim_v=128 \(v.shape\[-1\]\) apart from head_dim=192.*"
-        r"\(192, 128\).*torch.no_grad\(\)",
+# ---------------------------------------------------------------------------------------------
+# The backward
+
+
+def test_backward_head_dims_accepted_and_refused_naming_the_supported_pairs():
+    validate.check_backward_head_dims(D, DV)
+    validate.check_backward_head_dims(128, 128)
+    for d, dv in ((192, 96), (128, 64), (128, 192), (576, 512)):
+        with pytest.raises(
+            NotImplementedError,
+            match=rf"backward of attention with head_dim_v={dv} \(v.shape\[-1\]\) apart from head_dim={d} .*"
+            r"v of q's head dim, or \(head_dim, head_dim_v\) in \(192, 128\)",
+        ):
+            validate.check_backward_head_dims(d, dv)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_sm80_backward_takes_the_pair_on_the_tiled_dq_accumulator(dtype, causal):
+    spec = default_spec("sm80", "bwd", dtype, D, causal=causal, head_dim_v=DV)
+    hd192 = default_spec("sm80", "bwd", dtype, D, causal=causal)
+    assert (spec.tile_m, spec.tile_n, spec.stages, spec.warps, spec.options) == (
+        hd192.tile_m, hd192.tile_n, hd192.stages, hd192.warps, hd192.options
     )
+    assert "hd192v128" in spec.name and spec.options.dq_layout is DqLayout.TILE
+    assert why_invalid(spec) is None
+    for features in (Features(varlen=True), Features(varlen=True, softcap=True, alibi=True)):
+        assert why_invalid(spec.replace(features=features)) is None
+    for layout in (DqLayout.ROWS, DqLayout.QUAD):
+        why = why_invalid(spec.replace(dq_layout=layout, dq_pipe=False))
+        assert why is not None and "head_dim_v=128" in why and "dq_layout=TILE" in why, why
+    # the other backward families take one head dim for q, k and v
+    for family in ("sm90", "sm100"):
+        other = default_spec(family, "bwd", dtype, D, causal=causal)
+        if other is not None:
+            assert why_invalid(other.replace(head_dim_v=DV)) is not None
 
 
-def test_the_backward_raises_where_a_gradient_is_asked_for(fake_gpu):
-    q, k, v = (t.requires_grad_() for t in qkv(sq=6, sk=6))
-    with torch.no_grad():
-        plain = cutefa.flash_attn_func(q, k, v, causal=True)
-    out = cutefa.flash_attn_func(q, k, v, causal=True)  # the forward runs under autograd
-    assert out.requires_grad and torch.equal(out.detach(), plain)
-    with _backward_error():
-        out.float().sum().backward()
-    _, lse = cutefa.flash_attn_func(q, k, v, return_lse=True)
-    with _backward_error():
-        lse.sum().backward()
-    windowed = cutefa.flash_attn_func(q, k, v, window_size=(2, 0))
-    with _backward_error():
-        windowed.float().sum().backward()
-    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    packed = cutefa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 4, 4)
-    assert packed.shape == (6, 4, DV)
-    with _backward_error():
-        packed.float().sum().backward()
-    # v of q's head dim keeps its gradients
-    v_same = torch.randn(1, 6, 2, D).bfloat16().requires_grad_()
-    with torch.no_grad():
-        assert cutefa.flash_attn_func(q, k, v_same).shape == q.shape
+def test_the_generated_backward_computes_v_on_its_own_head_dim():
+    source = render_source(default_spec("sm80", "bwd", "bf16", D, causal=True, head_dim_v=DV))
+    assert "HEAD_DIM = 192\n" in source and "HEAD_DIM_V = 128\n" in source and "TILE_DV = 128" in source
+    # V and dO in shared memory, dV's accumulator and the preprocess's D over 128 columns
+    assert "sV_layout = parts.smem_layout(DTYPE, TILE_N, TILE_DV)" in source
+    assert "sdO_layout = parts.smem_layout(DTYPE, TILE_M, TILE_DV)" in source
+    assert "acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((TILE_N, TILE_DV)), Float32)" in source
+    assert "first + i, lane, HEAD_DIM_V, False" in source
+    assert "DV_WARPS = bwd_parts.warp_grid(TILE_N, TILE_DV, WARPS)" in source
+    # the compile's sample arguments: v, o, do and dv of head_dim_v
+    assert "k, v = bshd(seqlen_k, heads_kv), bshd(seqlen_k, heads_kv, spec.head_dim_v)" in source
+    plain = render_source(default_spec("sm80", "bwd", "bf16", D, causal=True))
+    assert "HEAD_DIM_V" not in plain and "TILE_DV" not in plain and "g2s_v" not in plain
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90a", "sm_100a"])
+def test_dispatch_routes_the_pair_to_the_sm80_backward(target):
+    for causal in (False, True):
+        spec = backward.choose_bwd(
+            target, torch.bfloat16, D, causal, seqlen_k=4096, gpu_name="NVIDIA H200", head_dim_v=DV
+        )  # fmt: skip
+        assert spec == default_spec("sm80", "bwd", "bf16", D, causal=causal, head_dim_v=DV)
+    # on Hopper hd192 itself keeps the sm90 backward (and its tuned table)
+    assert backward.choose_bwd("sm_90a", torch.bfloat16, D, True).arch == "sm90"
+    families, passed = backward.separate_v_families(target, D, DV)
+    assert families == ["sm80"] and all("one head dim for q, k and v" in why for why in passed)
+    assert len(passed) == {"sm_80": 0, "sm_90a": 1, "sm_100a": 1}[target]  # (sm_100a: sm100, sm80)
+
+
+def test_the_pair_takes_no_stream_k_tail():
+    """Its kernel walks its own key blocks (as a padded head dim's): no tail slots, no tail workspace."""
+    spec = default_spec("sm80", "bwd", "bf16", D, head_dim_v=DV)
+    plain = default_spec("sm80", "bwd", "bf16", D)
+    assert backward.tail_slots(plain, False, 2, 16, 4096, 4096, 132) > 0
+    assert backward.tail_slots(spec, False, 2, 16, 4096, 4096, 132) == 0
+
+
+def test_the_pair_has_no_backward_where_shared_memory_is_short():
+    with pytest.raises(NotImplementedError, match=r"head_dim=192 head_dim_v=128 on sm_86.*102.0 KiB"):
+        backward.choose_bwd("sm_86", torch.float16, D, False, head_dim_v=DV)
+
+
+def test_explain_names_the_backward_of_the_pair():
+    q, k, v = qkv(batch=2, sq=4096, sk=4096, hq=16, hkv=16, device="meta")
+    text = attention.explain(q, k, v, causal=True, target="sm_90a")
+    want = default_spec("sm80", "bwd", "bf16", D, causal=True, head_dim_v=DV).name
+    assert f"  backward: {want} (family sm80; the sm90 backward takes one head dim for q, k and v)" in text
+    packed = attention.explain(q, k, v, target="sm_80", varlen=True)
+    assert "  backward: cutefa_sm80_bwd_bf16_hd192v128_" in packed and "_varlen_" in packed
+    assert "backward:" not in attention.explain(q, k, k, target="sm_90a")
+
+
+def _grads(leaves, call, dout, dlse):
+    out, lse = call(*leaves)
+    torch.autograd.backward([out, lse], [dout, dlse])
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (4, 4)])
+def test_dense_gradients_through_the_backward_kernel(fake_gpu, hq, hkv):
+    q, k, v = (t.requires_grad_() for t in qkv(batch=2, sq=6, sk=9, hq=hq, hkv=hkv))
+    g = torch.Generator().manual_seed(1)
+    dout, dlse = torch.randn(2, 6, hq, DV, generator=g).bfloat16(), torch.randn(2, hq, 6, generator=g)
+    got = _grads([q, k, v], lambda *t: cutefa.flash_attn_func(*t, causal=True, return_lse=True), dout, dlse)
+    exact = _grads(
+        [t.detach().float().requires_grad_() for t in (q, k, v)], lambda *t: reference(*t, True, SCALE),
+        dout.float(), dlse,
+    )  # fmt: skip
+    for name, a, b in zip(("dq", "dk", "dv"), got, exact):
+        assert a.shape == b.shape and a.dtype == torch.bfloat16, name
+        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2, msg=name)
+    (name,) = [n for n in fake_gpu if "_bwd_" in n]
+    assert name == default_spec("sm80", "bwd", "bf16", D, causal=True, head_dim_v=DV).name
+    assert fake_gpu[name].calls == 1
+
+
+def test_packed_gradients_through_the_backward_kernel(fake_gpu):
+    cu_q = torch.tensor([0, 1, 1, 18], dtype=torch.int32)
+    cu_k = torch.tensor([0, 3, 8, 30], dtype=torch.int32)
+    q, k, v = (t[0].requires_grad_() for t in qkv(sq=18, sk=30))
+    g = torch.Generator().manual_seed(2)
+    dout, dlse = torch.randn(18, 4, DV, generator=g).bfloat16(), torch.randn(4, 18, generator=g)
+
+    def call(q, k, v):
+        return cutefa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 22, return_lse=True)
+
+    dq, dk, dv = _grads([q, k, v], call, dout, dlse)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for b in range(3):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        leaves = [t.detach()[s][None].float().requires_grad_() for t, s in ((q, rows), (k, keys), (v, keys))]
+        dout_b, dlse_b = dout[rows][None].float(), dlse[:, rows][None]
+        want = _grads(leaves, lambda *t: reference(*t, False, SCALE), dout_b, dlse_b)
+        for name, got, w, s in zip(("dq", "dk", "dv"), (dq, dk, dv), want, (rows, keys, keys)):
+            torch.testing.assert_close(got[s].float(), w[0], atol=3e-2, rtol=3e-2, msg=f"{name}, sequence {b}")
+    assert any("_bwd_" in n and "hd192v128" in n and "varlen" in n for n in fake_gpu)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cutefa import codegen, dispatch
-from cutefa.api import kvcache, kvcache_reference, validate
+from cutefa.api import kvcache, kvcache_e4m3, kvcache_reference, validate
 from cutefa.api.features import UNBOUNDED
 from cutefa.kernels.sm80 import decode_rows
 from cutefa.model import policy_decode
@@ -29,12 +29,13 @@ with_kvcache = kvcache.flash_attn_with_kvcache
 
 
 def emulate_append(
-    spec, q_in, q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, cache_map, leftpad, inter
+    spec, q_in, q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, cache_map, leftpad, inter, descales=None
 ):
     """What the append launch of templates/decode_sm80.py.j2 computes (kernels/sm80/decode_append.py):
     token t of sequence b into slot cache_seqlens[b] + t unless past the capacity, k rotated at
     cache_seqlens[b] - cache_leftpad[b] + t, q per token (causal, local) or at the first position,
-    positions clamped to the rotary table."""
+    positions clamped to the rotary table; an e4m3 cache (``descales``: (k, v) (batch, heads_kv))
+    takes each new token quantized with its sequence's descales."""
     seqlen_new, half, sq = k_new.shape[1], cos.shape[1], q.shape[1]
     if seqlen_new + half == 0:
         return
@@ -55,8 +56,12 @@ def emulate_append(
                     row, slot = int(cache_map[b, slot // k_cache.shape[1]]), slot % k_cache.shape[1]
                 else:
                     row = int(cache_map[b]) if cache_map.numel() else b
-                k_cache[row, slot] = turned(k_new[b, t], first + t)
-                v_cache[row, slot] = v_new[b, t]
+                k_row, v_row = turned(k_new[b, t], first + t), v_new[b, t]
+                if descales is not None:
+                    k_row = kvcache_e4m3.quantize(k_row[None, None], descales[0][b : b + 1])[0, 0]
+                    v_row = kvcache_e4m3.quantize(v_row[None, None], descales[1][b : b + 1])[0, 0]
+                k_cache[row, slot] = k_row
+                v_cache[row, slot] = v_row
             if half and t < sq:
                 q[b, t] = turned(q_in[b, t], first + t if spec.mask is not Mask.NONE else first)
 
@@ -71,7 +76,7 @@ def emulate_decode(spec, device, q_in, q, k_cache, v_cache, k_new, v_new, cos, s
     descales = (rest.pop(0), rest.pop(0)) if spec.options.kv_e4m3 else None  # (batch, heads_kv)
     scale, inter = rest.pop(0), rest.pop(0)
     emulate_append(
-        spec, q_in, q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, cache_map, leftpad, inter
+        spec, q_in, q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, cache_map, leftpad, inter, descales
     )
     seqlen_new = k_new.shape[1]
     if spec.mask is Mask.LOCAL:
@@ -803,7 +808,10 @@ def test_e4m3_decode_module_widens_and_takes_descales():
     text = codegen.render_source(spec)
     assert "mKDescale: cute.Tensor" in text and "mVDescale: cute.Tensor" in text
     assert text.count("decode_fp8.widen(") == 4  # K and V, masked and unmasked steps
-    assert "self.append(" not in text and "cutlass.Float8E4M3FN" in text
+    assert "self.append(" in text and "cutlass.Float8E4M3FN" in text
+    # the append quantizes the new keys and values with their sequence's descales
+    assert "quantize_row_pairs(" in text and "rope_row_pairs(\n                    mKnew" not in text
+    assert "mKDescale[batch, None]" in text and "mVDescale[batch, None]" in text
     assert "scale_log2 = scale_log2 * mKDescale[batch, head_kv]" in text
     assert "acc_O.load() * mVDescale[batch, head_kv]" in text
     capped = codegen.render_source(_e4m3(policy_decode.decode_spec("bf16", 128, 4, softcap=True)))
@@ -883,7 +891,9 @@ def test_e4m3_descales_default_to_one(emulated):
         ({"k_descale": torch.tensor([[1.0, 0.0], [1.0, 1.0]])}, RuntimeError, "k_descale must be finite and positive"),
         ({"v_descale": torch.tensor([[1.0, math.inf], [1.0, 1.0]])}, RuntimeError, "v_descale must be finite"),
         ({"v_descale": torch.tensor([[1.0, math.nan], [1.0, 1.0]])}, RuntimeError, "v_descale must be finite"),
-        ({"k": _rand(2, 1, 2, 64), "v": _rand(2, 1, 2, 64), "cache_seqlens": 3}, NotImplementedError, "e4m3 cache"),
+        ({"k": _rand(2, 1, 2, 64), "v": _rand(2, 1, 2, 64), "cache_seqlens": 3}, TypeError, "k must be torch.bfloat16"),
+        ({"k": _rand(2, 1, 2, 64, dtype=torch.bfloat16), "v": _rand(2, 1, 2, 64).to(torch.float8_e4m3fn),
+          "cache_seqlens": 3}, TypeError, "v must be torch.bfloat16 .* like q"),
     ],
 )  # fmt: skip
 def test_e4m3_bad_arguments_are_named(emulated, change, error, match):
@@ -914,8 +924,9 @@ def test_e4m3_fake_op_gives_the_output_shapes():
         lens = torch.empty(3, dtype=torch.int32, device="cuda")
         descale = torch.empty(3, 8, dtype=torch.float32, device="cuda")
         out, lse = kvcache.kvcache_attn_e4m3(
-            q, pool, pool, lens, None, None, table, descale, descale, 0.1, True, -1, -1, 0.0, 0
-        )
+            q, pool, pool, None, None, None, None, lens, None, None, table, descale, descale, 0.1, True, -1, -1, 0.0,
+            True, 0,
+        )  # fmt: skip
         assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (3, 32, 4)
 
 

@@ -14,7 +14,7 @@ import cutefa
 from cutefa.codegen import render_source
 from cutefa.model.defaults import default_spec
 from cutefa.mods import ModTraceError, create_block_mask, trace_mods
-from cutefa.mods.base import MOD_TILE_N
+from cutefa.mods.base import mod_tile_n
 from cutefa.mods.block_mask import EMPTY, FULL, PARTIAL, block_kinds, kinds_to_ranges
 from cutefa.mods.evaluate import evaluate
 from cutefa.mods.variant import ModVariantSpec
@@ -236,16 +236,22 @@ def test_mod_kernels_render_with_their_arguments():
 
 
 def test_dense_sources_have_no_mods():
-    for spec in (BASE, BASE.replace(causal=True)):
+    sm90 = default_spec("sm90", "fwd", "bf16", 128)
+    for spec in (BASE, BASE.replace(causal=True), sm90, sm90.replace(causal=True)):
         source = render_source(spec)
         assert "mod_scores" not in source and "FAKE_SPEC_NAME" not in source and "mBlockRanges" not in source
 
 
 def test_families_without_mods_refuse():
     traced = trace_mods(softcap_mod(), None)
-    for spec in (default_spec("sm90", "fwd", "bf16", 128), default_spec("sm100", "fwd", "bf16", 128)):
+    for spec in (
+        default_spec("sm90", "bwd", "bf16", 128), default_spec("sm100", "fwd", "bf16", 128),
+        default_spec("sm100", "bwd", "bf16", 128),
+    ):  # fmt: skip
         with pytest.raises(NotImplementedError, match="does not fuse score_mod/mask_mod yet"):
             ModVariantSpec(spec, traced)
+    with pytest.raises(NotImplementedError, match="16-bit inputs only"):
+        ModVariantSpec(default_spec("sm90", "fwd", "e4m3", 128), traced)
 
 
 def test_api_refuses_what_mods_do_not_combine_with():
@@ -364,20 +370,25 @@ def test_create_block_mask_checks_its_arguments():
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_mod_kernels_render_for_every_default_head_dim(head_dim, dtype):
-    from cutefa.mods.base import MOD_TILE_N, mod_base
+    from cutefa.mods.base import mod_base
 
     traced = trace_mods(softcap_mod(), prefix_lm(5))
     for causal in (False, True):
-        base = mod_base(dtype, head_dim, causal)
-        assert base.tile_n <= MOD_TILE_N and (base.mask.value == "causal") == causal
+        base = mod_base("sm_80", dtype, head_dim, causal)
+        assert base.tile_n <= mod_tile_n("sm80") and (base.mask.value == "causal") == causal
         for sparse in (False, True):
             source = render_source(ModVariantSpec(base, traced, block_sparse=sparse))
             compile(source, "mod kernel", "exec")
         for sparse in (False, True):
-            bwd = ModVariantSpec(mod_base(dtype, head_dim, causal, "bwd"), traced, block_sparse=sparse)
+            bwd = ModVariantSpec(
+                mod_base("sm_80", dtype, head_dim, causal, "bwd"), traced, block_sparse=sparse
+            )
             source = render_source(bwd)
             compile(source, "mod backward kernel", "exec")
             assert ("mBlockRanges[batch, head, n_block, 0]" in source) == sparse
+            # a block mask's full query blocks run without the mask_mod
+            assert ("m_full_first = mBlockRanges[batch, head, n_block, 2]" in source) == sparse
+            assert (", False, False," in source) == sparse
         # the backward scales P by d score_mod / d score (softcap's 1 - t^2 here)
         assert "d_mn=parts.acc_mn_view(dmod)" in source and "rPd = mod_p_grad(" in source
 
@@ -411,7 +422,7 @@ def test_the_api_passes_the_documented_kernel_arguments(monkeypatch):
     assert out.shape == q.shape and lse.shape == (2, 4, 100)
     ((spec, target, args),) = calls
     assert isinstance(spec, ModVariantSpec) and spec.block_sparse and spec.causal and target == "sm_80"
-    assert spec.direction == "fwd" and spec.tile_n == MOD_TILE_N and spec.head_dim == 64
+    assert spec.direction == "fwd" and spec.tile_n == mod_tile_n("sm80") and spec.head_dim == 64
     assert args[:5] == (q, k, v, out, lse) and args[5] == pytest.approx(64**-0.5)
     ranges, t0, t1 = args[6:]
     assert torch.equal(ranges, bm.ranges(spec.tile_m, spec.tile_n, True, 2, 4))

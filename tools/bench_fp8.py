@@ -203,7 +203,10 @@ def _expectations(torch, cutefa, q, k, v, causal: bool, slices: int):
     centered, v_mean = cutefa.center_v(v)
     vc = cutefa.quantize_fp8(centered, "head")
     deq = [dequantize_fp8(x, d) for x, d in quant]
-    e4m3 = {"low_dtype": torch.float32, "p_round": bench_check.round_e4m3, "out_dtype": torch.bfloat16}
+    e4m3 = {
+        "low_dtype": torch.float32, "p_round": bench_check.round_e4m3, "out_dtype": torch.bfloat16,
+        "score_eps": bench_check.E4M3_SCORE_EPS,
+    }  # fmt: skip
     common = {"causal": causal, "scale": scale, "slices": slices}
     return {
         "bf16": bench_check.expectation(*bf16, **common),
@@ -415,7 +418,7 @@ def _block_arguments(torch, cutefa, blocks: dict, q, k, v, spec, target: str, ca
         deq = [dequantize_fp8(x, d, block=b) for (x, d), b in zip(quant, sizes)]
         expect = bench_check.expectation(
             *deq, causal=causal, scale=1.0 / math.sqrt(q.shape[-1]), slices=slices, low_dtype=torch.float32,
-            p_round=bench_check.round_e4m3, out_dtype=torch.bfloat16,
+            p_round=bench_check.round_e4m3, out_dtype=torch.bfloat16, score_eps=bench_check.E4M3_SCORE_EPS,
         )  # fmt: skip
         blocks[tiles] = (quant, expect)
     ((qq, qd), (kq, kd), (vq, vd)), expect = blocks[tiles]

@@ -466,7 +466,11 @@ def drive(payload: dict) -> int:
         if expect is None:
             print(f"{label}: launched", flush=True)
             continue
-        low = {"low_dtype": torch.float32, "p_round": bench_check.round_e4m3} if spec.dtype == "e4m3" else {}
+        low = (
+            {"low_dtype": torch.float32, "p_round": bench_check.round_e4m3, "score_eps": bench_check.E4M3_SCORE_EPS}
+            if spec.dtype == "e4m3"
+            else {}
+        )
         verdict = bench_check.expectation(
             expect["q"], expect["k"], expect["v"], causal=bool(causal), scale=scale, dout=expect.get("dout"),
             slices=batch * (hq if spec.direction == "fwd" else hkv), out_dtype=torch.bfloat16, **low,

@@ -120,7 +120,8 @@ def flash_attn_func(
     two-level accumulation, which centered v does not need; the ``_vmean`` kernels take the mean and
     add it in their epilogue, after any other kernel it is added in one pass over the output).
 
-    User mods (keywords, 16-bit inputs, sm80 family kernels: :mod:`cutefa.mods`):
+    User mods (keywords, 16-bit inputs; the sm90 forward on sm_90a, the sm80 family otherwise and
+    for every backward: :mod:`cutefa.mods`):
     ``score_mod(score, b, h, q_idx, kv_idx) -> score`` changes each scaled score, ``mask_mod(b, h,
     q_idx, kv_idx) -> bool`` keeps the pairs where it is true; both are traced into the kernel
     (arithmetic, comparisons, ``torch.where``/``exp``/``tanh``/``abs``/``minimum``/``maximum``, reads of

@@ -27,25 +27,45 @@ from cutefa.api.validate import check_backward_head_dims, check_grid_limits
 from cutefa.loader import get_kernel
 from cutefa.model.budgets import bwd_dq_accum_shape
 from cutefa.model.budgets_sm90 import sm90_bwd_dkv_accum_shape
-from cutefa.model.defaults import default_spec
+from cutefa.model.defaults import SEPARATE_V_BWD_FAMILIES, default_spec
 from cutefa.model.rules import fitting_variant, smem_bytes, tile_head_dims, why_invalid, why_not_on
 from cutefa.model.spec import TORCH_DTYPE_NAMES, VariantSpec, families_for_target
 
 
+def separate_v_families(target: str, head_dim: int, head_dim_v: int) -> tuple[list[str], list[str]]:
+    """The families whose backward may serve q/k of ``head_dim`` and v of ``head_dim_v`` on
+    ``target``, newest first, and why each other one is passed over: every family where the head
+    dims are equal; for a V head dim of its own only
+    :data:`~cutefa.model.defaults.SEPARATE_V_BWD_FAMILIES` (the sm80 backward, on Hopper too)."""
+    families = families_for_target(target)
+    if head_dim_v == head_dim:
+        return list(families), []
+    taken = [f for f in families if f in SEPARATE_V_BWD_FAMILIES]
+    passed = [
+        f"{f}: its backward takes one head dim for q, k and v (head_dim_v={head_dim_v} with "
+        f"head_dim={head_dim} runs the {'/'.join(SEPARATE_V_BWD_FAMILIES)} backward)"
+        for f in families if f not in SEPARATE_V_BWD_FAMILIES
+    ]  # fmt: skip
+    return taken, passed
+
+
 def choose_bwd(
     target: str, dtype: torch.dtype, head_dim: int, causal: bool, *, seqlen_k: int | None = None,
-    gpu_name: str | None = None,
+    gpu_name: str | None = None, head_dim_v: int | None = None,
 ) -> VariantSpec:  # fmt: skip
     """The backward variant for a problem on compile target ``target``: per family, newest first,
     the entry of a tuned backward table measured for it (``cutefa tune --direction bwd``; needs
     ``seqlen_k``), else the family's default backward (:func:`cutefa.model.defaults.default_config`;
     where the target's GPUs do not hold its shared memory, the largest committed tile that they
     hold, :func:`cutefa.model.rules.fitting_variant`); a variant whose shared memory the target's
-    GPUs do not hold is passed over."""
+    GPUs do not hold is passed over. v of ``head_dim_v`` (None: ``head_dim``) apart from q's: the
+    default of the families that take it (:func:`separate_v_families`; no tuned table measures
+    such a pair yet)."""
     token = TORCH_DTYPE_NAMES[str(dtype).removeprefix("torch.")]
-    reasons = []
-    for family in families_for_target(target):
-        if seqlen_k is not None:
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    families, reasons = separate_v_families(target, head_dim, head_dim_v)
+    for family in families:
+        if seqlen_k is not None and head_dim_v == head_dim:
             tuned = dispatch.tuned_backward(
                 family, target=target, dtype=token, head_dim=head_dim, causal=causal, seqlen_k=seqlen_k,
                 gpu_name=gpu_name,
@@ -56,7 +76,7 @@ def choose_bwd(
                 if why is None:
                     return spec
                 reasons.append(f"{family} tuned backward entry: {why}")
-        spec = default_spec(family, "bwd", token, head_dim, causal=causal)
+        spec = default_spec(family, "bwd", token, head_dim, causal=causal, head_dim_v=head_dim_v)
         if spec is None:
             reasons.append(f"{family}: no default backward tile for head_dim={head_dim}")
             continue
@@ -65,8 +85,9 @@ def choose_bwd(
         if reason is None:
             return spec
         reasons.append(f"{spec.name}: {reason}")
+    v = f" head_dim_v={head_dim_v}" if head_dim_v != head_dim else ""
     raise NotImplementedError(
-        f"no cutefa backward kernel for {token} head_dim={head_dim} on {target}: {reasons}"
+        f"no cutefa backward kernel for {token} head_dim={head_dim}{v} on {target}: {reasons}"
     )
 
 
@@ -107,10 +128,10 @@ def tail_slots(
     an sm80 non-causal backward, deterministic mode (its CTAs own fixed key blocks), no query rows,
     a grid of whole waves (nothing to spread) or of less than one wave and a part (no full wave to
     take into the region), or a region whose step arithmetic would leave 32 bits; and a padded head
-    dim (its kernel walks its own key blocks only)."""
+    dim or a V head dim of its own (their kernels walk their own key blocks only)."""
     if spec.arch != "sm80" or spec.direction != "bwd" or spec.causal or deterministic:
         return 0
-    if tile_head_dims(spec)[0] != spec.head_dim:
+    if tile_head_dims(spec) != (spec.head_dim, spec.head_dim):
         return 0
     slots = TAIL_SLOTS if TAIL_SLOTS is not None else slots
     if slots <= 0:
@@ -216,7 +237,9 @@ def _launch_bwd(
     group = heads_q // heads_kv
     target, gpu_name = dispatch.device_target(q.device)
     if spec is None:
-        spec = choose_bwd(target, q.dtype, head_dim, causal, seqlen_k=seqlen_k, gpu_name=gpu_name)
+        spec = choose_bwd(
+            target, q.dtype, head_dim, causal, seqlen_k=seqlen_k, gpu_name=gpu_name, head_dim_v=v.shape[-1]
+        )
     kernel = get_kernel(spec, target)
     props = torch.cuda.get_device_properties(q.device)
     splits = dq_splits(deterministic, batch, heads_q, seqlen_k, spec.tile_n, props.multi_processor_count)
@@ -233,9 +256,9 @@ def _launch_bwd(
     else:  # per query head, the group summed here
         dk_heads, dv_heads = dk, dv
         if group > 1:
-            shape = (batch, seqlen_k, heads_q, head_dim)
-            dk_heads = torch.empty(shape, dtype=q.dtype, device=q.device)
-            dv_heads = torch.empty(shape, dtype=q.dtype, device=q.device)
+            shape = (batch, seqlen_k, heads_q)
+            dk_heads = torch.empty((*shape, head_dim), dtype=q.dtype, device=q.device)
+            dv_heads = torch.empty((*shape, v.shape[-1]), dtype=q.dtype, device=q.device)
         args = (*inputs, dq, dk_heads, dv_heads, dq_accum, lse_log2, dpsum)
         if spec.arch == "sm80":
             slots = device_tail_slots(spec, q.device, deterministic, batch, heads_q, seqlen_q, seqlen_k)

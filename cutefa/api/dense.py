@@ -81,7 +81,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _autograd_backward(ctx, grad_out, grad_lse):
     """:func:`cutefa.api.backward.backward`; ``NotImplementedError`` for v of a head dim of its own
-    (:func:`cutefa.api.validate.check_backward_head_dims`), raised here, where a gradient is asked for."""
+    that no backward takes (:func:`cutefa.api.validate.check_backward_head_dims`), raised here, where
+    a gradient is asked for."""
     check_backward_head_dims(*ctx.head_dims)
     return _backward.backward(ctx, grad_out, grad_lse)
 

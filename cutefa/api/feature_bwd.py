@@ -26,6 +26,7 @@ from cutefa import dispatch
 from cutefa.api.backward import (
     dq_accum_workspace,
     dq_splits,
+    separate_v_families,
     sm80_tail_workspaces,
     sm90_dkv_workspace,
     sum_query_heads,
@@ -39,7 +40,7 @@ from cutefa.model.budgets import bwd_dq_chunk_words
 from cutefa.model.defaults import default_spec
 from cutefa.model.options import DqLayout, DqPath, Mask
 from cutefa.model.rules import fitting_variant, why_invalid, why_not_on
-from cutefa.model.spec import TORCH_DTYPE_NAMES, Features, VariantSpec, families_for_target
+from cutefa.model.spec import TORCH_DTYPE_NAMES, Features, VariantSpec
 
 # The sm90 backward template that takes the feature axes (the head-dim split and swapped-partition
 # templates take none).
@@ -53,22 +54,28 @@ def backward_features(f: FeatureArgs) -> Features:
 
 def choose_bwd(
     target: str, dtype: torch.dtype, head_dim: int, causal: bool, f: FeatureArgs, *, seqlen_k: int,
-    gpu_name: str | None = None,
+    gpu_name: str | None = None, head_dim_v: int | None = None,
 ) -> VariantSpec:  # fmt: skip
-    """The backward variant for a call with features on ``target`` (module docstring)."""
+    """The backward variant for a call with features on ``target`` (module docstring); v of
+    ``head_dim_v`` apart from q's: the default of the families that take it
+    (:func:`cutefa.api.backward.separate_v_families`)."""
     token = TORCH_DTYPE_NAMES[str(dtype).removeprefix("torch.")]
     mask = f.mask(causal)
     features = backward_features(f)
-    reasons = []
-    for family in families_for_target(target):
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    families, reasons = separate_v_families(target, head_dim, head_dim_v)
+    for family in families:
         dense = []
-        tuned = dispatch.tuned_backward(
-            family, target=target, dtype=token, head_dim=head_dim, causal=mask is not Mask.NONE,
-            seqlen_k=seqlen_k, gpu_name=gpu_name,
-        )  # fmt: skip
+        tuned = None
+        if head_dim_v == head_dim:  # (no tuned table measures a V head dim of its own)
+            tuned = dispatch.tuned_backward(
+                family, target=target, dtype=token, head_dim=head_dim, causal=mask is not Mask.NONE,
+                seqlen_k=seqlen_k, gpu_name=gpu_name,
+            )  # fmt: skip
         if tuned is not None and tuned[0] is not None:
             dense.append(tuned[0])
-        default = default_spec(family, "bwd", token, head_dim, causal=mask is not Mask.NONE)
+        causal_mask = mask is not Mask.NONE
+        default = default_spec(family, "bwd", token, head_dim, causal=causal_mask, head_dim_v=head_dim_v)
         if default is not None:
             dense.append(fitting_variant(default, target) or default)
         for spec in dense:
@@ -79,8 +86,9 @@ def choose_bwd(
             reasons.append(f"{spec.name}: {why}")
         if not dense:
             reasons.append(f"{family}: no backward for head_dim={head_dim}")
+    v = f" head_dim_v={head_dim_v}" if head_dim_v != head_dim else ""
     raise NotImplementedError(
-        f"no cutefa backward kernel for {token} head_dim={head_dim} with mask {mask.name.lower()} and "
+        f"no cutefa backward kernel for {token} head_dim={head_dim}{v} with mask {mask.name.lower()} and "
         f"features {features.tokens} on {target}: {reasons}"
     )
 
@@ -161,14 +169,17 @@ def gradients(
     target, gpu_name = dispatch.device_target(q.device)
     seqlen_k = f.max_seqlen_k if f.varlen else k.shape[1]
     if spec is None:
-        spec = choose_bwd(target, q.dtype, q.shape[-1], causal, f, seqlen_k=seqlen_k, gpu_name=gpu_name)
+        spec = choose_bwd(
+            target, q.dtype, q.shape[-1], causal, f, seqlen_k=seqlen_k, gpu_name=gpu_name,
+            head_dim_v=v.shape[-1],
+        )  # fmt: skip
     kernel = get_kernel(spec, target)
     per_query_head = group > 1 and spec.arch != "sm90"  # sm90: the group summed in the kernel
     dk_heads, dv_heads = dk, dv
     if per_query_head:
-        shape = (*k.shape[:-2], heads_q, k.shape[-1])
-        dk_heads = zeros(shape, dtype=q.dtype, device=q.device)
-        dv_heads = zeros(shape, dtype=q.dtype, device=q.device)
+        shape = (*k.shape[:-2], heads_q)
+        dk_heads = zeros((*shape, k.shape[-1]), dtype=q.dtype, device=q.device)
+        dv_heads = zeros((*shape, v.shape[-1]), dtype=q.dtype, device=q.device)
     batch, rows, _ = _rows(q, f)
     n_seqs = f.cu_seqlens_q.shape[0] - 1 if f.varlen else batch
     props = torch.cuda.get_device_properties(q.device)

@@ -244,7 +244,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out, grad_lse):
-    check_backward_head_dims(*ctx.head_dims)  # v of a head dim of its own: no backward kernel yet
+    check_backward_head_dims(*ctx.head_dims)  # v of a head dim of its own that no backward takes
     *saved, out, lse = ctx.saved_tensors
     named = dict(zip(ctx.tensor_names, saved))
     s = ctx.scalars

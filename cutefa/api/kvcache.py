@@ -16,8 +16,8 @@ sm80 and newer GPUs) in one host call of up to three launches:
 - a combine kernel when there is more than one split.
 
 An e4m3 cache (q 16-bit, ``k_descale``/``v_descale``; :mod:`cutefa.api.kvcache_e4m3`) takes its own
-op, ``cutefa::kvcache_attn_e4m3`` (reads the cache only: no append), and the decode variant with the
-e4m3 cache option (sm_90a and newer).
+op, ``cutefa::kvcache_attn_e4m3`` (it mutates the cache too: the append quantizes the new tokens with
+the descales), and the decode variant with the e4m3 cache option (sm_90a and newer).
 
 Limits. ``cache_seqlens`` (plus the new tokens) past the cache's capacity are clamped to it by the
 kernel, and the new tokens past it are not written; a rotary position past ``rotary_cos``'s rows
@@ -117,10 +117,13 @@ def flash_attn_with_kvcache(
     e4m3 cache (FA3's spelling): ``k_cache``/``v_cache`` of torch.float8_e4m3fn with q 16-bit, and
     ``k_descale``/``v_descale`` float32 (batch, heads_kv) (None: 1): the cache's values are
     ``descale * stored``. The descales must be finite and positive (checked on the GPU, without a
-    host sync, by an asynchronous assert). Needs an sm_90a or newer GPU.
+    host sync, by an asynchronous assert). Needs an sm_90a or newer GPU. New ``k``/``v`` (q's dtype)
+    are appended quantized with the descales of their (batch, kv head), after the rotation (rounded to
+    q's dtype): ``(x.float() / descale).clamp(-448, 448).to(torch.float8_e4m3fn)`` (round to nearest
+    even, NaN kept). The descales are fixed, not updated: a token outside their range saturates at
+    +-448.
 
-    Not yet: ``alibi_slopes``, appending ``k``/``v`` (or rotary tables) into an e4m3 cache, an e5m2
-    cache (each a NotImplementedError).
+    Not yet: ``alibi_slopes``, an e5m2 cache (each a NotImplementedError).
     """
     page_table = _one_page_table(block_table, page_table)
     if v_cache is None:  # MLA: V is the latent cache's first 512 columns
@@ -163,8 +166,8 @@ def flash_attn_with_kvcache(
     if descales:
         attn_op = decode_e4m3 if direct else kvcache_attn_e4m3
         out, lse = attn_op(
-            q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, page_table, *descales, scale, causal,
-            window_left, window_right, softcap, int(num_splits),
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad, page_table,
+            *descales, scale, causal, window_left, window_right, softcap, rotary_interleaved, int(num_splits),
         )  # fmt: skip
         return (out, lse) if return_softmax_lse or return_lse else out
     attn_op = decode if direct else kvcache_attn
@@ -240,11 +243,6 @@ def _validate(
         raise TypeError(
             f"q, k_cache and v_cache must have one dtype (or k_cache and v_cache both torch.float8_e4m3fn); "
             f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
-    if e4m3 and (k is not None or rotary_cos is not None):
-        raise NotImplementedError(
-            "k/v: appending new tokens (or rotating them) into an e4m3 cache is not implemented yet; "
-            "quantize them into k_cache/v_cache and pass k=None, v=None"
         )
     batch, _, heads_q, head_dim = q.shape
     if k_cache.shape != v_cache.shape:
@@ -324,10 +322,8 @@ def _check_new(q: torch.Tensor, k_cache: torch.Tensor, k: object, v: object, cac
             raise ValueError(
                 f"{name} must have shape (batch, seqlen_new, heads_kv, head_dim) = {shape}; got {tuple(t.shape)}"
             )
-        if t.dtype != k_cache.dtype or t.device != q.device:
-            raise TypeError(
-                f"{name} must be {k_cache.dtype} on {q.device} like the cache; got {t.dtype} on {t.device}"
-            )
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name} must be {q.dtype} on {q.device} like q; got {t.dtype} on {t.device}")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens must be given with k and v: it says where the new tokens go")
 
@@ -571,25 +567,30 @@ def _attn_fake(
 
 
 def decode_e4m3(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor,
     cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, page_table: torch.Tensor | None,
     k_descale: torch.Tensor, v_descale: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
-    window_right: int, softcap: float, num_splits: int,
+    window_right: int, softcap: float, rotary_interleaved: bool, num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """:func:`decode` on an e4m3 cache with its descales (validated by :func:`kv_descales`)."""
+    """:func:`decode` on an e4m3 cache with its descales (validated by :func:`kv_descales`): the
+    append of ``k``/``v`` quantized, and the attention."""
     return decode(
-        q, k_cache, v_cache, None, None, None, None, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
-        softmax_scale, causal, window_left, window_right, softcap, True, num_splits, descales=(k_descale, v_descale),
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+        softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits,
+        descales=(k_descale, v_descale),
     )  # fmt: skip
 
 
-kvcache_attn_e4m3 = torch.library.custom_op("cutefa::kvcache_attn_e4m3", decode_e4m3, mutates_args=())
+kvcache_attn_e4m3 = torch.library.custom_op(
+    "cutefa::kvcache_attn_e4m3", decode_e4m3, mutates_args=("k_cache", "v_cache")
+)
 
 
 @kvcache_attn_e4m3.register_fake
 def _attn_e4m3_fake(
-    q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table, k_descale, v_descale,
-    softmax_scale, causal, window_left, window_right, softcap, num_splits,
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+    k_descale, v_descale, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return out, torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)

@@ -1,16 +1,30 @@
-"""The descales of an e4m3 KV cache in :func:`cutefa.api.kvcache.flash_attn_with_kvcache` (whose
-custom op ``cutefa::kvcache_attn_e4m3`` reads the cache only: appending into an e4m3 cache is
-refused by the validation).
+"""An e4m3 KV cache in :func:`cutefa.api.kvcache.flash_attn_with_kvcache` (whose custom op
+``cutefa::kvcache_attn_e4m3`` appends and attends; it mutates ``k_cache`` and ``v_cache``): the
+descales, and the quantization of appended tokens in torch (:func:`quantize`, the reference).
 
 ``k_cache``/``v_cache`` are torch.float8_e4m3fn and q 16-bit; ``k_descale``/``v_descale`` float32
 (batch, heads_kv), FA3's spelling: the cache's values are ``descale * stored``. The decode kernel
 (templates/decode_sm80.py.j2 with the ``kv_e4m3`` option, sm_90a and newer) widens the tiles on
-chip and folds the descales into the scores' scale and the output rows.
+chip and folds the descales into the scores' scale and the output rows. New tokens ``k``/``v`` (q's
+dtype) are appended by its append launch (cutefa/kernels/sm80/decode_append.py), k rotated first
+(rounded to q's dtype), each value quantized with the descale of its (batch, kv head) as
+:func:`quantize` does. The descales are fixed per (batch, kv head), never updated by an append: a
+new value past ``448 * descale`` saturates to +-448.
 """
 
 from __future__ import annotations
 
 import torch
+
+E4M3_MAX = 448.0
+
+
+def quantize(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """x (batch, seqlen, heads_kv, head_dim) as the append stores it into an e4m3 cache with
+    ``descale`` (batch, heads_kv): ``x / descale`` in float32, saturated to +-448, rounded to nearest
+    even e4m3 (NaN stays NaN)."""
+    scaled = x.float() / descale.float()[:, None, :, None]
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def kv_descales(

@@ -165,14 +165,14 @@ def int32_tensor(name: str, t: object, shape: tuple[int, ...], q: torch.Tensor, 
 
 
 def check_backward_head_dims(head_dim: int, head_dim_v: int) -> None:
-    """``NotImplementedError`` for the gradients of a forward whose v has a head dim of its own (no
-    backward kernel takes one yet), naming what is supported."""
-    if head_dim_v != head_dim:
+    """``NotImplementedError`` for the gradients of a forward whose (q/k, v) head dims no backward
+    kernel takes, naming what is supported: v of q's head dim, or a pair of
+    :data:`~cutefa.model.spec.HEAD_DIM_V_PAIRS` ((192, 128): the sm80 backward, on Hopper too)."""
+    if head_dim_v != head_dim and (head_dim, head_dim_v) not in HEAD_DIM_V_PAIRS:
         raise NotImplementedError(
             f"the backward of attention with head_dim_v={head_dim_v} (v.shape[-1]) apart from head_dim={head_dim} "
-            f"(q.shape[-1]) is not implemented: the backward takes v of q's head dim only; the forward takes "
-            f"(head_dim, head_dim_v) in {head_dim_v_pairs()} (run it under torch.no_grad() or "
-            "torch.inference_mode(), or on tensors that do not require grad)"
+            f"(q.shape[-1]) is not implemented: the backward takes v of q's head dim, or "
+            f"(head_dim, head_dim_v) in {head_dim_v_pairs()}"
         )
 
 

@@ -287,6 +287,14 @@ def sm90_fwd_over_budget(spec: VariantSpec) -> str | None:
 SM90_BWD_TILE_N = 128
 SM90_BWD_WARPS = 12
 SM90_BWD_HEAD_DIMS = (64, 96, 128)
+# Head dims of their own on the same partition: every multiple of WGMMA's 16-element k step from 32
+# to 128 (80 in Phi-2, StableLM and InternViT, 112), unpadded: S^T and dP^T step over the head dim
+# 16 at a time, dK and dV take it as WGMMA's N, and each shared-memory operand takes the widest
+# swizzle its rows' bytes allow (hd80's 160 and hd112's 224 bytes: 32-byte atoms,
+# :func:`sm90_bwd_swizzle_columns`), which the TMA boxes follow. A multiple of 8 that is not one of
+# 16 runs the sm80 backward.
+SM90_BWD_HEAD_DIM_STEP = 16
+SM90_BWD_OWN_HEAD_DIMS = tuple(range(32, 129, SM90_BWD_HEAD_DIM_STEP))
 SM90_BWD_REG_OVERHEAD = 40  # descriptors, pipeline state, coordinates, LSE/D reads, addresses
 SM90_BWD_SWAP_REG_OVERHEAD = 40  # as SM90_BWD_REG_OVERHEAD (sm90_bwd_swap_registers: SASS 226 vs 232)
 # FlashAttention-4's non-causal hd128 tile: 80 query rows per step (tile_m not a multiple of 64, so
@@ -345,8 +353,9 @@ def sm90_bwd_swapped(spec: VariantSpec) -> bool:
 def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | None:
     """The dQ piece of each consumer warpgroup, (64-row block, first column, columns), or None
     where none fits. tile_m=128: one 64-row block each, all columns. tile_m=64: a column split at a
-    swizzle-atom boundary of K (64 columns when head_dim is a multiple of 64, else 32): halves for
-    head_dim 128, 64 + 32 for head_dim 96; the second piece must tile the columns from its start.
+    swizzle-atom boundary of K (:func:`sm90_bwd_swizzle_columns`: 64 columns at head dims 64 and
+    128, 32 at 96, 16 at 80 and 112): halves for head_dim 128, 64 + 32 for 96, 64 + 16 for 80,
+    96 + 16 for 112; the second piece must tile the columns from its start.
     The head-dim split and the swapped-dK/dV partition: each consumer half the columns, all 64 rows."""
     if sm90_bwd_head_split(spec) or sm90_bwd_swapped(spec):
         half = spec.head_dim // 2
@@ -355,12 +364,33 @@ def sm90_bwd_dq_pieces(spec: VariantSpec) -> tuple[tuple[int, int, int], ...] | 
         return ((0, 0, spec.head_dim), (1, 0, spec.head_dim))
     if sm90_bwd_dq_swapped(spec):  # dQ^T: each consumer 64 head-dim columns of all tile_m rows
         return ((0, 0, 64), (0, 64, 64))
-    atom = 64 if spec.head_dim % 64 == 0 else 32
+    if spec.tile_m != 64:
+        return None
+    # the first piece: the narrowest run of whole atoms from half the columns on whose width the
+    # second piece divides (the second starts at a whole multiple of its own width): hd96 64 + 32,
+    # hd80 64 + 16, hd112 96 + 16
+    atom = sm90_bwd_swizzle_columns(spec.head_dim, spec.elem_bytes)
     first = -(-spec.head_dim // 2 // atom) * atom
+    while first < spec.head_dim and first % (spec.head_dim - first):
+        first += atom
     second = spec.head_dim - first
-    if spec.tile_m != 64 or second <= 0 or first % second:
+    if second <= 0:
         return None
     return ((0, 0, first), (0, first, second))
+
+
+def sm90_bwd_swizzle_columns(head_dim: int, elem_bytes: int = 2) -> int:
+    """Columns of the swizzle atom of a head_dim-wide row in shared memory (the DSL's
+    ``get_smem_layout_atom``: 128-, 64- or 32-byte swizzle, the widest that divides the row's bytes):
+    64 at head dims 64 and 128, 32 at 96, 16 at 80 and 112."""
+    row = head_dim * elem_bytes
+    return next((sw for sw in (128, 64, 32) if row % sw == 0), 16) // elem_bytes  # 16: interleaved
+
+
+def sm90_bwd_main_head_dim(head_dim: int) -> bool:
+    """Whether the tile_n = 128 backward (templates/bwd_sm90.py.j2) takes ``head_dim``: the standard
+    :data:`SM90_BWD_HEAD_DIMS` and :data:`SM90_BWD_OWN_HEAD_DIMS`."""
+    return head_dim in SM90_BWD_HEAD_DIMS or head_dim in SM90_BWD_OWN_HEAD_DIMS
 
 
 def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:

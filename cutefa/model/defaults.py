@@ -14,7 +14,7 @@ import dataclasses
 from typing import NamedTuple
 
 from cutefa.model.budgets_sm80 import sm80_tile_head_dim
-from cutefa.model.budgets_sm90 import sm90_fwd_own_tile_n
+from cutefa.model.budgets_sm90 import SM90_BWD_OWN_HEAD_DIMS, sm90_fwd_own_tile_n
 from cutefa.model.budgets_sm100 import SM100_BWD_TILE
 from cutefa.model.options import (
     DqLayout,
@@ -122,6 +122,12 @@ def sm80_bwd_options(head_dim: int, stages: int) -> Sm80BwdOptions:
     return Sm80BwdOptions(dq_layout=DqLayout.TILE, dq_pipe=stages == 1 and head_dim in (96, 192, 256))
 
 
+# The backward families that take a V head dim of its own (spec.HEAD_DIM_V_PAIRS: (192, 128)): the
+# sm80 one, on every target (the sm90 and sm100 backwards take one head dim for q, k and v), with
+# the default tile of its Q/K head dim (:func:`sm80_bwd_config`).
+SEPARATE_V_BWD_FAMILIES = ("sm80",)
+
+
 def sm80_bwd_config(head_dim: int) -> Config | None:
     """FlashAttention-2's backward tiles on the A100 (flash_bwd_launch_template.h): query rows x
     keys per CTA, 8 warps; hd64 its 128x128 tile with a double-buffered Q (150 KiB; +10% over
@@ -135,7 +141,13 @@ def sm80_bwd_config(head_dim: int) -> Config | None:
     their fp32 dK and dV accumulators and S/dP take an estimated 208 and 240 registers of 255
     (sm80_registers), and 110 and 134 KiB of shared memory (the A100's 163 KiB holds them; 128x128
     double-buffered, hd64's tile, would need 190 KiB at 96 columns, and 64x64 halves the work per K
-    and V load). Not yet timed against FA2 or FA4."""
+    and V load). Not yet timed against FA2 or FA4.
+
+    (192, 128) (v of head dim 128, :data:`SEPARATE_V_BWD_FAMILIES`) takes hd192's 64x64 tile with 8
+    warps, single-buffered Q and dq_pipe (FlashAttention-2's hd192 tile): 102 KiB of shared memory
+    by the budget model (hd192's 118), and on compiled SASS (DSL 4.8.1) 222-248 registers, no
+    spill, sm_80 and sm_90a, causal and not, dense and packed. 64x128 would spill (estimate 272);
+    128x64 (158 KiB, estimate 224) and a double-buffered 64x64 (126 KiB) fit but are not timed."""
     tile = _sm80_nearest(
         {
             32: Tile(128, 128, 1, 8),  # single-buffered Q: hd64's double buffer interleaves dQ's
@@ -227,6 +239,13 @@ def sm90_bwd_config(head_dim: int) -> Config | None:
     everywhere measured"), so fp16 runs it too."""
     if head_dim in (64, 96, 128):
         tile = Tile(128, 128, 2, 12) if head_dim == 64 else Tile(64, 128, 2, 12)
+        return Config(tile, Sm90BwdOptions(dq_path=DqPath.BULK))
+    if head_dim in SM90_BWD_OWN_HEAD_DIMS:
+        # a head dim of its own (multiples of 16 up to 128: hd80 and hd112 for Phi-2, StableLM and
+        # InternViT), unpadded on the same partition: the tile of the standard head dim at or above
+        # it (hd32 and hd48 128 query rows per step, as hd64; hd80 and hd112 64, as hd96 and hd128),
+        # the bulk dQ path. Not yet timed against FlashAttention-4's Hopper backward.
+        tile = Tile(128, 128, 2, 12) if head_dim <= 64 else Tile(64, 128, 2, 12)
         return Config(tile, Sm90BwdOptions(dq_path=DqPath.BULK))
     if head_dim == 192:
         return Config(Tile(64, 96, 2, 12), Sm90BwdOptions(dq_path=DqPath.BULK_STAGED))

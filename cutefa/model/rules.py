@@ -113,6 +113,18 @@ def tile_head_dims(spec: VariantSpec) -> tuple[int, int]:
     return spec.head_dim, spec.head_dim_v
 
 
+def padded_tile_note(spec: VariantSpec) -> str | None:
+    """``cutefa.explain``'s line on the tile head dims of ``spec`` where they are not the problem's, or None."""
+    tile_d, tile_d_v = tile_head_dims(spec)
+    if (tile_d, tile_d_v) == (spec.head_dim, spec.head_dim_v):
+        return None
+    v = f", v head dim {spec.head_dim_v} on {tile_d_v}" if spec.head_dim_v != spec.head_dim else ""
+    return (
+        f"padded tile: head dim {spec.head_dim} computed on tiles {tile_d} columns wide{v} (predicated loads "
+        "zero-fill the pad in shared memory; only the real columns are stored)"
+    )
+
+
 def est_registers(spec: VariantSpec) -> int:
     """Estimated registers per thread at the peak (sm90: per consumer thread; sm100 forward: per
     softmax thread), by its family's model."""
@@ -137,6 +149,11 @@ ANY_HEAD_DIM_KERNELS: frozenset[tuple[str, str, str]] = frozenset(
     for arch, direction in (("sm80", "fwd"), ("sm80", "bwd"), ("sm90", "fwd"))
     for dtype in ("fp16", "bf16")
 )
+# Kernels that take head dims of their own besides the standard ones, each by its family's rule
+# (the 16-bit sm90 backward: multiples of 16 up to 128, rules_sm90._sm90_bwd), head_dim_v equal.
+OWN_HEAD_DIM_KERNELS: frozenset[tuple[str, str, str]] = frozenset(
+    ("sm90", "bwd", dtype) for dtype in ("fp16", "bf16")
+)
 
 
 def _head_dim(spec: VariantSpec) -> str | None:
@@ -145,6 +162,9 @@ def _head_dim(spec: VariantSpec) -> str | None:
         return reason
     standard = spec.head_dim in HEAD_DIMS and spec.head_dim_v == spec.head_dim
     if standard or (spec.arch, spec.direction, spec.dtype) in ANY_HEAD_DIM_KERNELS:
+        return None
+    own = spec.head_dim_v == spec.head_dim and (spec.arch, spec.direction, spec.dtype) in OWN_HEAD_DIM_KERNELS
+    if own:
         return None
     pairs = ", ".join(f"({d}, {dv})" for d, dv in HEAD_DIM_V_PAIRS)
     which = f"head_dim={spec.head_dim}" + (
@@ -279,7 +299,7 @@ def _sm80_bwd_head_dims(spec: VariantSpec) -> str | None:
     """The sm80 backward takes every accepted head dim, padded to its 32-column shared-memory atoms
     (:func:`~cutefa.model.budgets_sm80.sm80_tile_head_dim`; a padded one with the tiled dQ
     accumulator, DqLayout.TILE, and without dq_pipe: the only dQ path whose reductions and
-    postprocess take the padded width), and one head dim for q, k and v."""
+    postprocess take the padded width); a V head dim of its own, (192, 128), with DqLayout.TILE too."""
     tile_d = sm80_tile_head_dim(spec.head_dim)
     if tile_d != spec.head_dim and (spec.options.dq_layout is not DqLayout.TILE or spec.options.dq_pipe):
         return (
@@ -287,10 +307,12 @@ def _sm80_bwd_head_dims(spec: VariantSpec) -> str | None:
             f"{', dq_pipe' if spec.options.dq_pipe else ''}: the padded sm80 backward takes dq_layout=TILE "
             "without dq_pipe"
         )
-    if spec.head_dim_v != spec.head_dim:
+    if spec.head_dim_v != spec.head_dim and spec.options.dq_layout is not DqLayout.TILE:
         return (
-            f"head_dim_v={spec.head_dim_v} with head_dim={spec.head_dim}: the sm80 backward takes one head dim "
-            "for q, k and v (no separate V head dim yet); the forward takes it"
+            f"head_dim_v={spec.head_dim_v} with head_dim={spec.head_dim} and "
+            f"dq_layout={spec.options.dq_layout.name}: the sm80 backward takes a V head dim of its own with "
+            "dq_layout=TILE (whose preprocess reads head_dim_v columns of O and dO and zeroes dq_accum's "
+            "head_dim columns apart)"
         )
     threads = 32 * spec.warps
     if spec.options.dq_layout is DqLayout.TILE and spec.stages >= 2 and (4 * tile_d) % threads:

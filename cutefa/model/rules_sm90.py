@@ -9,7 +9,9 @@ from __future__ import annotations
 from cutefa.model.budgets_sm90 import (
     SM90_BWD_DQ_SWAP_HEAD_DIMS,
     SM90_BWD_DQ_SWAP_TILE_M,
+    SM90_BWD_HEAD_DIM_STEP,
     SM90_BWD_HEAD_DIMS,
+    SM90_BWD_OWN_HEAD_DIMS,
     SM90_BWD_SPLIT_HEAD_DIMS,
     SM90_BWD_SPLIT_TILE_N,
     SM90_BWD_SWAP_HEAD_DIMS,
@@ -21,6 +23,7 @@ from cutefa.model.budgets_sm90 import (
     sm90_bwd_dq_pieces,
     sm90_bwd_dq_swapped,
     sm90_bwd_head_split,
+    sm90_bwd_main_head_dim,
     sm90_bwd_over_budget,
     sm90_bwd_swapped,
 )
@@ -189,6 +192,11 @@ def _sm90_bwd_dq_path(spec: VariantSpec) -> str | None:
                 f"{what} with {where}: built for the tile_n=128 backward with tile_m 64 or 128 "
                 "(templates/bwd_sm90.py.j2) only"
             )
+        if on and spec.head_dim not in SM90_BWD_HEAD_DIMS:
+            return (
+                f"{what} with head_dim={spec.head_dim}: built for head dims {SM90_BWD_HEAD_DIMS} (at 80 and "
+                "112 its kernels spill on sm_90a)"
+            )
     if o.dq_path is DqPath.BULK_STAGED and not sm90_bwd_swapped(spec):
         return (
             f"dq_path=BULK_STAGED with {where}: built for the swapped-dK/dV backward (tile_n=96, head dim 192, "
@@ -223,12 +231,14 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
             f"tile_m={spec.tile_m} must be 64 or 128 (the two consumers split dQ into 64-row blocks), "
             f"or {SM90_BWD_DQ_SWAP_TILE_M} with head_dim in {SM90_BWD_DQ_SWAP_HEAD_DIMS} and a bulk dQ path (dQ transposed)"
         )
-    if spec.head_dim not in SM90_BWD_HEAD_DIMS:
+    if not sm90_bwd_main_head_dim(spec.head_dim):
         return (
             f"head_dim={spec.head_dim}: the sm90 backward with tile_n={SM90_BWD_TILE_N} handles "
-            f"{SM90_BWD_HEAD_DIMS} (fp32 dK + dV of 64 keys, head_dim registers per thread, must fit "
-            f"beside S^T and dP^T); head dims {SM90_BWD_SPLIT_HEAD_DIMS} run tile_n={SM90_BWD_SPLIT_TILE_N} "
-            "(the head-dim split)"
+            f"{SM90_BWD_HEAD_DIMS} and the other multiples of {SM90_BWD_HEAD_DIM_STEP} from "
+            f"{SM90_BWD_OWN_HEAD_DIMS[0]} to {SM90_BWD_OWN_HEAD_DIMS[-1]} (fp32 dK + dV of 64 keys, head_dim "
+            "registers per thread, must fit beside S^T and dP^T; WGMMA's k step is 16); head dims "
+            f"{SM90_BWD_SPLIT_HEAD_DIMS} run tile_n={SM90_BWD_SPLIT_TILE_N} (the head-dim split), other "
+            "multiples of 8 the sm80 backward"
         )
     pieces = sm90_bwd_dq_pieces(spec)
     if pieces is None:

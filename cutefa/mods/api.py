@@ -1,8 +1,9 @@
 """Attention with a user's ``score_mod`` / ``mask_mod`` / ``block_mask`` (``cutefa.flash_attn_func``'s
 keywords): trace, pick the kernel, launch.
 
-The kernel is the sm80 family's default forward for the dtype and head dim (it runs on every GPU
-from sm_80 on), with the mods fused (:class:`cutefa.mods.variant.ModVariantSpec`): its name, and so
+The forward is the default forward of the target's family that fuses mods (:func:`cutefa.mods.base.mod_arch`:
+the sm90 family's on sm_90a, else the sm80 family's, which runs on every GPU from sm_80 on) for the
+dtype and head dim, with the mods fused (:class:`cutefa.mods.variant.ModVariantSpec`): its name, and so
 its rendered module, compile-cache entry and process memo, are keyed by the traced expression, so a
 second call with the same mods (the same function or another that traces the same) reuses the
 kernel. Tracing runs on every call (tens of microseconds), which picks up a captured tensor that
@@ -26,19 +27,23 @@ from cutefa.api.features import FeatureArgs
 from cutefa.api.launch import aligned, call_on, outputs
 from cutefa.api.validate import default_scale, validate_inputs
 from cutefa.loader import get_kernel
-from cutefa.mods.base import ARCH, mod_base
+from cutefa.mods.base import mod_arch, mod_base
 from cutefa.mods.block_mask import BlockMask
 from cutefa.mods.traced import TracedMods, trace_mods
 from cutefa.mods.variant import ModVariantSpec
 
 
-def mod_spec(q: torch.Tensor, causal: bool, mods: TracedMods, block_sparse: bool) -> ModVariantSpec:
-    """The kernel of a call: the family's default forward for q's dtype and head dim, with ``mods``."""
+def mod_spec(
+    q: torch.Tensor, causal: bool, mods: TracedMods, block_sparse: bool, target: str, direction: str = "fwd"
+) -> ModVariantSpec:  # fmt: skip
+    """The ``direction`` kernel of a call on ``target``: its family's default kernel for q's dtype
+    and head dim (:func:`cutefa.mods.base.mod_base`), with ``mods``."""
     dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
-    base = mod_base(dtype, q.shape[-1], causal)
+    base = mod_base(target, dtype, q.shape[-1], causal, direction, reads_per_score=mods.reads_per_score())
     if base is None:
         raise NotImplementedError(
-            f"score_mod/mask_mod: no {ARCH} forward kernel for {dtype} head_dim {q.shape[-1]}"
+            f"score_mod/mask_mod: no {mod_arch(target, direction)} {'forward' if direction == 'fwd' else 'backward'} "
+            f"kernel for {dtype} head_dim {q.shape[-1]}"
         )
     return ModVariantSpec(base, mods, block_sparse)
 
@@ -78,11 +83,11 @@ def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, mods: TracedMods,
     tensors: list[torch.Tensor], block_mask: BlockMask | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    spec = mod_spec(q, causal, mods, block_mask is not None)
+    target, _ = dispatch.device_target(q.device)
+    spec = mod_spec(q, causal, mods, block_mask is not None, target)
     out, lse, done = outputs(q, k)
     if done:
         return out, lse
-    target, _ = dispatch.device_target(q.device)
     kernel = get_kernel(spec, target)
     extra: list[Any] = []
     if block_mask is not None:
@@ -91,19 +96,9 @@ def _forward(
     return out, lse
 
 
-def _backward_spec(q: torch.Tensor, causal: bool, mods: TracedMods, block_sparse: bool) -> ModVariantSpec:
-    dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
-    base = mod_base(dtype, q.shape[-1], causal, "bwd")
-    if base is None:
-        raise NotImplementedError(
-            f"score_mod/mask_mod: no {ARCH} backward kernel for {dtype} head_dim {q.shape[-1]}"
-        )
-    return ModVariantSpec(base, mods, block_sparse)
-
-
 class _ModAttention(torch.autograd.Function):
-    """Autograd of attention with mods: the sm80 backward with the same mods and d score_mod / d score
-    (the captured tensors get no gradient)."""
+    """Autograd of attention with mods: the sm80 backward (on every target, after either family's
+    forward) with the same mods and d score_mod / d score (the captured tensors get no gradient)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, deterministic, mods, tensors, block_mask):
@@ -120,7 +115,8 @@ class _ModAttention(torch.autograd.Function):
         scale, causal, deterministic, mods, tensors, block_mask = ctx.args
         if dout is None:
             dout = torch.zeros_like(out)
-        spec = _backward_spec(q, causal, mods, block_mask is not None)
+        target, _ = dispatch.device_target(q.device)
+        spec = mod_spec(q, causal, mods, block_mask is not None, target, "bwd")
         if block_mask is not None:
             ranges = block_mask.query_ranges(spec.tile_m, spec.tile_n, causal, q.shape[0], q.shape[2])
             tensors = (ranges, *tensors)

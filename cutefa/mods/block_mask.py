@@ -6,11 +6,12 @@ per-element mask) or *partial*. :func:`create_block_mask` evaluates the mask_mod
 GPU, or the CPU) one stripe of query blocks at a time, so a long sequence never holds a dense
 (seqlen_q, seqlen_k) mask per head.
 
-The sm80 forward visits, per query block, one contiguous run of key blocks ``[n_first, n_last)``
+The sm80 and sm90 forwards visit, per query block, one contiguous run of key blocks ``[n_first, n_last)``
 (from the first to the last non-empty block) of which ``[u_first, u_last)`` (the longest run of
 full blocks) runs without any per-element mask; the other blocks of the run get the mask_mod per
 element (:meth:`BlockMask.ranges`). The sm80 backward visits, per key block, the query blocks
-from the first to the last non-empty one (:meth:`BlockMask.query_ranges`), every one masked. Document masks, prefix-LM, causal and sliding windows have such
+from the first to the last non-empty one, of which the longest run of full ones runs without the
+mask_mod (:meth:`BlockMask.query_ranges`). Document masks, prefix-LM, causal and sliding windows have such
 runs; a mask with holes between its blocks is still exact, with less skipped.
 """
 
@@ -162,7 +163,8 @@ class BlockMask:
 
     def query_ranges(self, tile_m: int, tile_n: int, causal: bool, batch: int, heads: int) -> torch.Tensor:
         """int32 (batch, heads, ceil(KV_LEN / tile_n), 4): the same runs over the query blocks of
-        each key block (a backward's loop over query blocks per key block reads the first two)."""
+        each key block (a backward's loop over query blocks per key block: the run it visits, and
+        the full ones it computes without the mask_mod)."""
         key = ("queries", tile_m, tile_n, causal, batch, heads)
         if key not in self._ranges:
             ranges = kinds_to_ranges(self._tile_kinds(tile_m, tile_n, causal).transpose(-1, -2))

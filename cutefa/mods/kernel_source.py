@@ -42,6 +42,17 @@ def _level(node: Sym, levels: dict[tuple, str]) -> str:
     return "r" if "r" in found else "c" if "c" in found else "g"
 
 
+def reads_per_score(*roots: Sym | None) -> bool:
+    """Whether the expressions read a captured tensor at an index that depends on both the query
+    and the key index (or the score): one load per score, which a kernel holds in flight."""
+    levels: dict[tuple, str] = {}
+    for node in walk([r for r in roots if r is not None]):
+        levels[node.key] = _level(node, levels)
+        if node.op == "load" and levels[node.key] == "e":
+            return True
+    return False
+
+
 def _const(node: Sym) -> str:
     if node.kind == "b":
         return f"cutlass.Boolean({node.value})"

@@ -78,6 +78,11 @@ class TracedMods:
             return Sym("const", "f", value=1.0)
         return derivative.d_score(self.score)
 
+    def reads_per_score(self) -> bool:
+        """Whether a captured tensor is read once per score (an index of both q_idx and kv_idx):
+        the register pressure that bounds a mod kernel's key blocks (:mod:`cutefa.mods.base`)."""
+        return kernel_source.reads_per_score(self.score, self.mask)
+
     def describe(self) -> str:
         parts = []
         if self.score is not None:

@@ -8,13 +8,14 @@ Its module is rendered on demand (``generated/`` holds no mod kernel) and names 
 (``FAKE_SPEC_NAME``) for the compile's sample arguments.
 
 Kernel arguments of a mod variant (after the kernel's own scalars and the feature arguments of its
-base, of which mods allow none today, before the stream):
+base, of which mods allow none today, before the stream, and before a persistent sm90 forward's SM
+count):
 
 1. block mask (``_bsparse``): ``block_ranges`` int32 (batch, heads_q, query blocks, 4): per query
    block of the kernel's tile, key blocks ``[n_first, n_last)`` hold every key it needs and
    ``[u_first, u_last)`` (inside them) need no per-element mask (:mod:`cutefa.mods.block_mask`); a
-   backward's is (batch, heads_q, key blocks, 4), the same runs over query blocks, of which it
-   reads the first two;
+   backward's is (batch, heads_q, key blocks, 4), the same runs over query blocks (from the first
+   to the last that attends the key block, and the run of those that attend all of it: no mask_mod);
 2. the captured tensors ``mod_t0, mod_t1, ...`` in the order of their first read, float32 or int32
    (:meth:`cutefa.mods.traced.TracedMods.kernel_tensors`), any rank.
 """
@@ -27,7 +28,7 @@ from cutefa.mods.traced import TracedMods
 
 BSPARSE_TOKEN = "bsparse"
 # The families whose templates fuse mods, by (arch, direction).
-MOD_TEMPLATES = frozenset({("sm80", "fwd"), ("sm80", "bwd")})
+MOD_TEMPLATES = frozenset({("sm80", "fwd"), ("sm80", "bwd"), ("sm90", "fwd")})
 
 
 class ModVariantSpec(VariantSpec):
@@ -44,6 +45,8 @@ class ModVariantSpec(VariantSpec):
                 f"{base.name}: score_mod/mask_mod with the feature axes or a window are not implemented "
                 "(write them into the mods)"
             )
+        if base.dtype not in ("fp16", "bf16"):
+            raise NotImplementedError(f"{base.name}: score_mod/mask_mod take 16-bit inputs only")
         if (base.arch, base.direction) not in MOD_TEMPLATES:
             raise NotImplementedError(
                 f"{base.name}: the {base.arch} {base.direction} template does not fuse score_mod/mask_mod yet "

@@ -85,11 +85,16 @@ def target():
 
 
 def test_bulk_variants_committed():
-    """The defaults at head dims 64/96/128 (both dtypes), the bf16 overlap alternatives there, the
+    """The defaults at head dims 64/80/96/112/128 (both dtypes), the bf16 overlap alternatives, the
     bf16 head-dim-split variants at 192/256 (plain and overlap), and hd256's default (the split with
     the overlap schedule) and the hd64/hd128 overlap alternatives in fp16."""
     assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if not s.options.overlap) == sorted(
-        [(dt, hd, causal) for dt in ("bf16", "fp16") for hd in (64, 96, 128) for causal in (False, True)]
+        [
+            (dt, hd, causal)
+            for dt in ("bf16", "fp16")
+            for hd in (64, 80, 96, 112, 128)
+            for causal in (False, True)
+        ]
         + [("bf16", hd, causal) for hd in (192, 256) for causal in (False, True)]
     )
     assert sorted((s.dtype, s.head_dim, s.causal) for s in BULK if s.options.overlap) == sorted(

@@ -92,7 +92,7 @@ def target():
 def test_every_head_dim_and_partition_is_covered():
     from cutefa.model.budgets_sm90 import sm90_bwd_head_split, sm90_bwd_swapped
 
-    assert {s.head_dim for s in VARIANTS} == {64, 96, 128, 192, 256}
+    assert {s.head_dim for s in VARIANTS} == {64, 80, 96, 112, 128, 192, 256}
     assert {s.causal for s in VARIANTS} == {False, True}
     assert any(sm90_bwd_head_split(s) for s in VARIANTS) and any(sm90_bwd_swapped(s) for s in VARIANTS)
 

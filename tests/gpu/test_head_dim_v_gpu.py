@@ -1,7 +1,8 @@
-"""q/k of head dim 192 against v of 128 (DeepSeek's prefill) through the public forward calls,
+"""q/k of head dim 192 against v of 128 (DeepSeek's prefill) through the public calls,
 ``cutefa.flash_attn_func`` and ``cutefa.flash_attn_varlen_func``, against the float32 reference of
-tests/gpu/reference.py, on each kernel family this GPU runs (dispatch held to one family at a
-time: the sm90 forward on Hopper, the sm80 forward everywhere).
+tests/gpu/reference.py: the forward on each kernel family this GPU runs (dispatch held to one family
+at a time: the sm90 forward on Hopper, the sm80 forward everywhere), and the gradients, which the
+sm80 backward computes on every GPU (dQ and dK over 192 columns, dV and D = rowsum(dO * O) over 128).
 
 Every input is a slice of a wider buffer whose extra columns hold NaN, so a read past the real head
 dim poisons the output; every output the call allocates comes NaN-filled
@@ -10,9 +11,15 @@ test_fwd_sm80.check_forward's bars (twice PyTorch's own attention's error on the
 ones to test_varlen.judge_forward's; both check out's shape (v's head dim) and the rows that attend
 no key (0, lse -inf). Lengths 1, 17 and 1000 against each other, GQA and MQA, causal and not, fp16
 and bf16, a packed batch with empty sequences, slack (seqused) and a tail of unused rows, a sliding
-window; the call plan a repeated call takes; torch.compile(fullgraph=True) under no_grad. No backward
-kernel takes a V head dim of its own yet: asking for a gradient must raise NotImplementedError
-naming what is supported, while the forward of inputs that require grad runs.
+window; the call plan a repeated call takes; torch.compile(fullgraph=True) under no_grad.
+
+Gradients (dq, dk, dv of a loss on out and lse) are judged against the float32 reference's with
+test_varlen.judge_grads: a relative error at most 3x that of the same reference computed in the
+input dtype, + 1e-3. Dense calls take NaN-poisoned views for q, k, v and dO and write into
+NaN-filled allocations (dq, dk, dv and the per-query-head dK/dV of grouped heads); batch 2, lengths
+1, 17 and 1000 against each other, causal and not, MHA and GQA 8/2, and deterministic mode; packed
+ones a batch with empty sequences, slack and unused rows (whose gradients must be 0). Backward
+NotImplementedError remains for an odd pair of head dims, named by the forward's ValueError first.
 
 Run on an H100/H200: ``python -m pytest -q tests/gpu/test_head_dim_v_gpu.py``.
 """
@@ -29,7 +36,7 @@ from gpu_support import sm80_skip_reason as _skip_reason
 
 import cutefa
 from cutefa import dispatch
-from cutefa.api import launch
+from cutefa.api import backward, launch
 from cutefa.model.defaults import default_spec
 from cutefa.model.spec import families_for_target
 
@@ -154,26 +161,90 @@ def test_windowed_forward(gen, family, window_size):
     vl.judge_forward(f"{family} window {window_size}", out[0], lse[0], exact[0], exact_lse[0], has_keys)
 
 
-def _backward_error():
-    return pytest.raises(
-        NotImplementedError, match=r"backward of attention with head_dim_v=128 .*head_dim=192.*\(192, 128\)"
-    )
+# --- the backward ------------------------------------------------------------------------------
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv): MHA and GQA 8/2 at lengths 1, 17 and 1000 and sq != sk
+BWD_SHAPES = tuple(
+    (2, sq, sk, hq, hkv)
+    for sq, sk in ((1, 1), (17, 17), (1000, 1000), (17, 1000), (1000, 17))
+    for hq, hkv in ((4, 4), (8, 2))
+)
 
 
-def test_the_backward_raises_and_the_forward_runs(gen, family):
-    q, k, v = (t.detach().requires_grad_() for t in dense_inputs(gen, (1, 17, 1000, 4, 2), torch.bfloat16))
-    with torch.inference_mode():
-        plain = cutefa.flash_attn_func(q, k, v, causal=True)
-    out = cutefa.flash_attn_func(q, k, v, causal=True)
-    assert out.requires_grad and torch.equal(out.detach(), plain)
-    with _backward_error():
-        out.float().sum().backward()
-    p = packed_inputs(gen, torch.bfloat16, 4, 2)
-    leaves = [t.detach().requires_grad_() for t in (p.q, p.k, p.v)]
-    out, _ = p.call(*leaves, causal=False)
-    with _backward_error():
-        out.float().sum().backward()
-    assert all(t.grad is None for t in leaves)
+def _expected_bwd_spec(dtype, causal):
+    """The backward dispatch picks for (192, 128) on this GPU: the sm80 default (on Hopper too)."""
+    target = dispatch.device_target(torch.device("cuda"))[0]
+    spec = backward.choose_bwd(target, dtype, D, causal, head_dim_v=DV)
+    token = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    assert spec == default_spec("sm80", "bwd", token, D, causal=causal, head_dim_v=DV), spec.name
+    return spec
+
+
+def _dense_grads(q, k, v, dout, dlse, causal, deterministic=False):
+    """(dq, dk, dv) of the call on ``q``, ``k``, ``v`` (views of poisoned buffers, kept as they are)
+    with out's gradient ``dout`` and lse's ``dlse``, every allocation NaN-filled."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with fwd80.nan_filled_allocations():
+        out, lse = cutefa.flash_attn_func(
+            *leaves, causal=causal, return_lse=True, deterministic=deterministic
+        )
+        assert out.shape == (*q.shape[:-1], DV)
+        torch.autograd.backward([out, lse], [dout, dlse])
+    torch.cuda.synchronize()
+    return [t.grad for t in leaves]
+
+
+def _reference_grads(q, k, v, dout, dlse, causal, compute_dtype):
+    leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = ref.attention_ref(*leaves, causal=causal, compute_dtype=compute_dtype)
+    torch.autograd.backward([out, lse], [dout.to(compute_dtype), dlse.to(compute_dtype)])
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}_sq{}_sk{}_hq{}_hkv{}".format(*s))
+def test_dense_backward(gen, causal, shape):
+    dtype = torch.bfloat16
+    spec = _expected_bwd_spec(dtype, causal)
+    q, k, v = dense_inputs(gen, shape, dtype)
+    batch, sq, sk, hq, _ = shape
+    dout = poisoned(torch.randn(batch, sq, hq, DV, generator=gen, device="cuda").to(dtype))
+    # lse's gradient on the rows that attend a key (a row of none has lse -inf and no slope)
+    rows = torch.arange(sq, device="cuda")
+    has_key = rows + sk - sq >= 0 if causal else rows >= 0
+    dlse = torch.randn(batch, hq, sq, generator=gen, device="cuda") * has_key
+    got = _dense_grads(q, k, v, dout, dlse, causal)
+    assert [tuple(g.shape) for g in got] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+    exact = _reference_grads(q, k, v, dout, dlse, causal, torch.float32)
+    base = _reference_grads(q, k, v, dout, dlse, causal, dtype)
+    vl.judge_grads(f"{spec.name} {shape}", got, exact, base)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_backward_is_reproducible(gen, causal):
+    dtype = torch.float16
+    _expected_bwd_spec(dtype, causal)
+    q, k, v = dense_inputs(gen, (2, 1000, 1000, 8, 2), dtype)
+    dout = poisoned(torch.randn(2, 1000, 8, DV, generator=gen, device="cuda").to(dtype))
+    dlse = torch.zeros(2, 8, 1000, device="cuda")
+    first = _dense_grads(q, k, v, dout, dlse, causal, deterministic=True)
+    second = _dense_grads(q, k, v, dout, dlse, causal, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second)), "deterministic gradients differ"
+    exact = _reference_grads(q, k, v, dout, dlse, causal, torch.float32)
+    base = _reference_grads(q, k, v, dout, dlse, causal, dtype)
+    vl.judge_grads(f"deterministic causal={causal}", first, exact, base)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(("heads_q", "heads_kv"), [(4, 4), (8, 2)])
+def test_varlen_backward(gen, causal, heads_q, heads_kv):
+    """A packed batch with empty sequences, slack and a tail (test_varlen.check_varlen_grads: rows of
+    no sequence get zero gradients)."""
+    _expected_bwd_spec(torch.bfloat16, causal)
+    p = packed_inputs(gen, torch.bfloat16, heads_q, heads_kv)
+    tag = f"varlen causal={causal} heads {heads_q}/{heads_kv}"
+    dq, dk, dv = vl.check_varlen_grads(tag, p, gen, causal=causal)[:3]
+    assert dq.shape[-1] == dk.shape[-1] == D and dv.shape[-1] == DV
 
 
 def test_torch_compile_fullgraph_forward(gen, family):

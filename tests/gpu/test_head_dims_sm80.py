@@ -236,13 +236,3 @@ def _api_forward_and_backward(gen, head_dim, **opts):
         assert got.shape == want.shape and not torch.isnan(got).any(), f"{name}: NaN"
         bound = 2 * ref.max_abs(low, want) + ref.rounding_error(want, dtype) + 1e-4
         assert ref.max_abs(got, want) <= bound, f"{name}: {ref.max_abs(got, want)} > {bound}"
-
-
-def test_api_refuses_a_separate_v_head_dim_clearly(gen):
-    """(192, 128) runs in the sm80 forward kernels (above), but the attention calls do not pass a
-    V head dim of their own yet: a NotImplementedError naming head_dim_v."""
-    q, _ = _poisoned(gen, (1, 16, HEADS_Q), 192, torch.bfloat16)
-    k, _ = _poisoned(gen, (1, 16, HEADS_KV), 192, torch.bfloat16)
-    v, _ = _poisoned(gen, (1, 16, HEADS_KV), 128, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="head_dim_v=128"):
-        cutefa.flash_attn_func(q, k, v)

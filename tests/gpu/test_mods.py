@@ -139,8 +139,8 @@ def test_softcap_as_a_score_mod_matches_the_builtin(gen):
     """Both against the float32 reference of the capped scores: each kernel's tanh is the hardware
     approximation (relative error 2^-11, so a score moves by up to cap * 2^-11 in natural-log units),
     which bounds the lse's error by that and the output's by about twice that times max |v| beside
-    the output's own rounding. The two kernels may be different families (the mod runs on the sm80
-    kernel, the built-in on the GPU's own)."""
+    the output's own rounding. The two kernels may be different families (the mod's forward runs on
+    the sm90 kernel on sm_90a, else the sm80 one; the built-in on the GPU's own)."""
     cap = 30.0
     q, k, v = inputs(gen, 2, 300, 500)
     q = q * 4  # scores large enough for the cap to bend them

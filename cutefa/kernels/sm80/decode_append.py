@@ -15,11 +15,22 @@ page through the page table); its rotary position is ``cache_seqlens[b] - cache_
 and ``cache_seqlens[b] - cache_leftpad[b]`` for every token otherwise. A slot at or past the
 cache's capacity is not written; a rotary position is clamped to the rows of ``cos``/``sin``. No
 other byte of the cache is touched.
+
+An e4m3 cache (the ``kv_e4m3`` option, sm_89 and newer: :func:`quantize_row_pairs`): each new key
+(rotated as above, then rounded to its 16-bit dtype) and value is divided by its (batch, kv head)
+descale and rounded to nearest even e4m3, saturating to +-448 (NaN stays NaN): the bytes torch's
+``(x.float() / descale).clamp(-448, 448).to(torch.float8_e4m3fn)`` gives. The rotation's products
+and sums are rounded one by one (never fused into an fma), in torch's order, so that the bytes are
+those of the torch reference bit for bit. The descales are fixed: a token outside their range
+saturates.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from cutefa.kernels.common.ptx import pure_asm
 
 APPEND_THREADS = 128
 
@@ -74,3 +85,76 @@ def rope_row_pairs(
 def clamp_position(position: Int32, seqlen_ro: Int32) -> Int32:
     """A rotary position inside [0, seqlen_ro) (0 when there is no table)."""
     return cutlass.max(cutlass.min(position, seqlen_ro - 1), 0)
+
+
+@dsl_user_op
+def _products(a: Float32, b: Float32, c: Float32, d: Float32, add: bool, *, loc=None, ip=None) -> Float32:
+    """``a * b - c * d`` (or ``+`` with ``add``), each product and the sum rounded on its own
+    (``mul.rn``/``sub.rn`` are never contracted into an fma): torch's float32 result bit for bit."""
+    op = "add" if add else "sub"
+    return Float32(
+        pure_asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+            f"{{\n.reg .f32 p, q;\nmul.rn.f32 p, $1, $2;\nmul.rn.f32 q, $3, $4;\n{op}.rn.f32 $0, p, q;\n}}",
+            "=f,f,f,f,f",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def _e4m3_pair(x1: Float32, x2: Float32, descale: Float32, *, loc=None, ip=None) -> Int32:
+    """``x1 / descale`` and ``x2 / descale`` (IEEE division) as e4m3 bytes, rounded to nearest even
+    and saturated to +-448, NaN kept (``cvt.rn.satfinite.e4m3x2.f32``, sm_89 and newer): ``x1`` in
+    the lowest byte, ``x2`` in the next, 0 above."""
+    return Int32(
+        pure_asm(
+            T.i32(),
+            [Float32(x).ir_value(loc=loc, ip=ip) for x in (x1, x2, descale)],
+            "{\n.reg .f32 a, b;\n.reg .b16 h;\ndiv.rn.f32 a, $1, $3;\ndiv.rn.f32 b, $2, $3;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 h, b, a;\ncvt.u32.u16 $0, h;\n}",
+            "=r,f,f,f",
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@cute.jit
+def quantize_row_pairs(
+    src: cute.Tensor,
+    dst: cute.Tensor,
+    cos: cute.Tensor,
+    sin: cute.Tensor,
+    descale: cute.Tensor,
+    rows: Int32,
+    position: Int32,
+    half: Int32,
+    interleaved: Int32,
+    tidx: Int32,
+    head_dim: cutlass.Constexpr,
+    threads: cutlass.Constexpr,
+):
+    """As :func:`rope_row_pairs` into an e4m3 ``dst`` (heads, head_dim): a rotated pair rounded to
+    ``src``'s dtype first, then every value divided by ``descale[h]`` (``descale``: (heads,)
+    float32) and stored as e4m3 (:func:`_e4m3_pair`)."""
+    dst8 = cute.make_tensor(cute.recast_ptr(dst.iterator, dtype=cutlass.Uint8), dst.layout)
+    pairs = head_dim // 2
+    for i in cutlass.range(tidx, rows * pairs, threads, unroll=1):
+        h = i // pairs
+        p = i - h * pairs
+        c1, c2 = pair_columns(p, half, interleaved)
+        x1 = Float32(src[h, c1])
+        x2 = Float32(src[h, c2])
+        if p < half:
+            c = Float32(cos[position, p])
+            s = Float32(sin[position, p])
+            y1 = _products(x1, c, x2, s, False)
+            y2 = _products(x1, s, x2, c, True)
+            x1 = Float32(src.element_type(y1))
+            x2 = Float32(src.element_type(y2))
+        word = _e4m3_pair(x1, x2, Float32(descale[h]))
+        dst8[h, c1] = cutlass.Uint8(word & 0xFF)
+        dst8[h, c2] = cutlass.Uint8(word >> 8)

@@ -79,10 +79,15 @@ def zero_bulk_part(
     first = (bx % per_chunk) * (rows * head_dim // BULK_VEC)
     zero = cute.make_rmem_tensor((BULK_VEC,), Float32)
     zero.fill(0.0)
+    part = rows * head_dim // BULK_VEC  # 16-byte vectors of a part
     for s in cutlass.range(cute.size(mdQaccum, mode=[0]), unroll=1):
         vectors = cute.logical_divide(mdQaccum[s, batch, head, m_block, None], cute.make_layout(BULK_VEC))
-        for j in cutlass.range_constexpr(rows * head_dim // BULK_VEC // threads):
+        for j in cutlass.range_constexpr(part // threads):
             cute.autovec_copy(zero, vectors[None, first + j * threads + thread])
+        if cutlass.const_expr(part % threads):
+            # a part that the threads do not cover evenly (head dims 80, 112: 320, 448 vectors)
+            if thread < part % threads:
+                cute.autovec_copy(zero, vectors[None, first + part // threads * threads + thread])
 
 
 POST_ROW_PAD = 8  # 16-bit elements after each row of the postprocess's dQ tile: 16 bytes, so that
