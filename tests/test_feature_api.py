@@ -214,11 +214,13 @@ def test_sink_gradient_formula_matches_autograd(varlen):
     out, lse = _attention_with_sinks(q, k, v, sinks)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     ((out * dout).sum() + (lse * dlse).sum()).backward()
-    if varlen:  # packed: (total, h, d) and lse (h, total)
+    # D = rowsum(dO * O) - dlse, as the backward kernels' preprocess writes it (lse's layout)
+    dpsum = (dout * out.detach()).sum(-1).permute(0, 2, 1) - dlse
+    if varlen:  # packed: lse and D (h, total)
         got = feature_ops.sink_grad(
-            sinks.detach(), dout.reshape(b * s, h, d), out.detach().reshape(b * s, h, d),
-            lse.detach().permute(1, 0, 2).reshape(h, b * s), dlse.permute(1, 0, 2).reshape(h, b * s), True,
+            sinks.detach(), lse.detach().permute(1, 0, 2).reshape(h, b * s), dpsum.permute(1, 0, 2).reshape(h, b * s),
+            True,
         )  # fmt: skip
     else:
-        got = feature_ops.sink_grad(sinks.detach(), dout, out.detach(), lse.detach(), dlse, False)
+        got = feature_ops.sink_grad(sinks.detach(), lse.detach(), dpsum, False)
     torch.testing.assert_close(got.double(), sinks.grad, rtol=1e-5, atol=1e-6)

@@ -199,7 +199,8 @@ def _fa4() -> Side:
         cu, m = _cu(p), max(p.lengths)
 
         def fwd(q, k, v):
-            res = fa4(q, k, v, cu, cu, m, m, causal=p.causal, **extra)
+            # by name: FA4's varlen call takes qv before cu_seqlens_q
+            res = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=p.causal, **extra)
             out, lse = (res[0], res[1]) if isinstance(res, tuple) else (res, None)
             return out, packed_lse(lse, q.shape[1], q.shape[0])
 

@@ -204,22 +204,20 @@ def _flash_bwd(
 def gradients(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, causal: bool, softmax_scale: float, deterministic: bool,
-    spec: VariantSpec | None = None,
+    spec: VariantSpec | None = None, dpsum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`_flash_bwd`'s work, with the backward variant ``spec`` instead of the dispatched one
     when given (tuning and benchmarks time each variant this way). ValueError, before anything is
     allocated, where q's batch or heads are over the launch grid's limits (the forward's
-    validation refuses them too)."""
+    validation refuses them too). ``dpsum``: a float32 tensor of lse's shape that receives the
+    kernel's D = rowsum(dO * O) - dLSE per row (the sinks' gradient reads it), else a workspace."""
     check_backward_head_dims(q.shape[-1], v.shape[-1])
     check_grid_limits(q)
     dq, dk, dv = _empty_grads(q, k, v)
     if dq.numel() == 0 or dk.numel() == 0:  # nothing attends anything: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_()
     args = (dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, softmax_scale, deterministic)
-    if spec is None:
-        _launch_bwd(*args)
-    else:
-        _launch_bwd(*args, spec=spec)
+    _launch_bwd(*args, spec=spec, dpsum=dpsum)
     return dq, dk, dv
 
 
@@ -227,6 +225,7 @@ def _launch_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     causal: bool, softmax_scale: float, deterministic: bool, spec: VariantSpec | None = None,
+    dpsum: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Choose the variant (unless ``spec`` names one), allocate the workspaces and run the kernel on
     the current stream of q's device, writing dq, dk and dv (a KV head's query heads summed: by the
@@ -246,7 +245,7 @@ def _launch_bwd(
     f32 = {"dtype": torch.float32, "device": q.device}
     dq_accum = dq_accum_workspace(spec, splits, batch, seqlen_q, heads_q, q.device)
     lse_log2 = torch.empty((batch, heads_q, seqlen_q), **f32)
-    dpsum = torch.empty((batch, heads_q, seqlen_q), **f32)
+    dpsum = torch.empty((batch, heads_q, seqlen_q), **f32) if dpsum is None else dpsum
     dlse = torch.zeros_like(lse_log2) if dlse is None else dlse.float().contiguous()
     inputs = (aligned(q), aligned(k), aligned(v), aligned(out), aligned(dout), lse.float().contiguous(), dlse)
     if spec.arch == "sm90":  # a KV head's group summed in the kernel

@@ -156,9 +156,10 @@ def _rows(q: torch.Tensor, f: FeatureArgs) -> tuple[int, int, int]:
 def gradients(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, causal: bool, softmax_scale: float, deterministic: bool,
-    f: FeatureArgs, spec: VariantSpec | None = None,
+    f: FeatureArgs, spec: VariantSpec | None = None, dpsum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(dq, dk, dv) shaped like (q, k, v). Packed rows outside every sequence get zero gradients."""
+    """(dq, dk, dv) shaped like (q, k, v). Packed rows outside every sequence get zero gradients.
+    ``dpsum``: as :func:`cutefa.api.backward.gradients`'s (rows outside every sequence untouched)."""
     check_backward_head_dims(q.shape[-1], v.shape[-1])
     zeros = torch.zeros if f.varlen else torch.empty
     dq, dk, dv = (zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -192,7 +193,7 @@ def gradients(
         dq_accum = dq_accum_workspace(spec, splits, batch, rows, heads_q, q.device)
     f32 = {"dtype": torch.float32, "device": q.device}
     lse_log2 = torch.empty(lse.shape, **f32)
-    dpsum = torch.empty(lse.shape, **f32)
+    dpsum = torch.empty(lse.shape, **f32) if dpsum is None else dpsum
     dlse = torch.zeros_like(lse_log2) if dlse is None else dlse.float().contiguous()
     args = (
         aligned(q), aligned(k), aligned(v), aligned(out), aligned(dout), lse.float().contiguous(), dlse,

@@ -10,8 +10,10 @@ allocates by one: calls can be captured in CUDA graphs once warm.
 
 Packed rows that belong to no sequence (past ``cu_seqlens_q[-1]``, or past a sequence's
 ``seqused_q``) get output 0 and lse ``-inf``, and zero gradients; the kernels never touch them.
-The gradient of ``sinks`` is computed here from the lse and ``D = rowsum(dO * O)``:
-``dsink_h = sum_i exp(sink_h - lse_i) * (dlse_i - D_i)`` over the rows of head ``h``.
+The gradient of ``sinks`` is computed here from the lse and the backward kernel's own
+``D_i = rowsum(dO * O)_i - dlse_i`` (its preprocess writes it for every row):
+``dsink_h = -sum_i exp(sink_h - lse_i) * D_i`` over the rows of head ``h`` (one pass over
+(heads, rows) float32 numbers, not over dO and O again).
 
 v may have a head dim of its own (:data:`cutefa.model.spec.HEAD_DIM_V_PAIRS`): out has v's. Its
 gradient raises ``NotImplementedError`` when asked for (no backward kernel takes one yet).
@@ -169,18 +171,13 @@ def _attn_fwd_fake(
 # Backward
 
 
-def sink_grad(
-    sinks: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-    varlen: bool,
-) -> torch.Tensor:  # fmt: skip
-    """d loss / d sinks (heads_q,) float32 (module docstring); rows with lse -inf (no sequence's)
-    take no part."""
-    d = (dout.float() * out.float()).sum(-1)  # (total_q, hq) or (b, sq, hq)
-    d = d.transpose(0, 1) if varlen else d.permute(0, 2, 1)  # like lse
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, dpsum: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """d loss / d sinks (heads_q,) float32 (module docstring) from the lse and the backward
+    kernel's D (``dpsum``, lse's shape); rows with lse -inf (no sequence's) take no part."""
     sink = sinks.float().view(-1, 1) if varlen else sinks.float().view(1, -1, 1)
-    p = torch.where(torch.isfinite(lse), torch.exp(sink - lse), torch.zeros_like(lse))
-    g = p * ((dlse.float() if dlse is not None else 0.0) - d)
-    return g.sum(dim=1) if varlen else g.sum(dim=(0, 2))
+    live = torch.isfinite(lse)
+    g = torch.where(live, torch.exp(sink - lse) * dpsum, torch.zeros_like(dpsum))
+    return -(g.sum(dim=1) if varlen else g.sum(dim=(0, 2)))
 
 
 def _attn_bwd(
@@ -199,14 +196,23 @@ def _attn_bwd(
         cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, window_left,
         window_right, softcap, alibi_slopes, sinks, batch,
     )  # fmt: skip
+    # with sinks the kernel's D per row is kept for their gradient (zeros: rows of no sequence
+    # are never written)
+    dpsum = None if sinks is None else torch.zeros(lse.shape, dtype=torch.float32, device=q.device)
     if feature_bwd.backward_features(f).any or f.window is not None:
-        dq, dk, dv = feature_bwd.gradients(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic, f)
+        dq, dk, dv = feature_bwd.gradients(
+            dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic, f, dpsum=dpsum
+        )
     else:  # sinks alone: the dense backward (the lse carries them)
-        dq, dk, dv = backward.gradients(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic)
+        dq, dk, dv = backward.gradients(
+            dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic, dpsum=dpsum
+        )
     if sinks is None:
         dsinks = torch.zeros((0,), dtype=torch.float32, device=q.device)
+    elif dq.numel() == 0 or dk.numel() == 0:  # no kernel ran: D is rowsum(0 * O) - dlse
+        dsinks = sink_grad(sinks, lse, -(dlse.float() if dlse is not None else torch.zeros_like(dpsum)), varlen)
     else:
-        dsinks = sink_grad(sinks, dout, out, lse, dlse, varlen)
+        dsinks = sink_grad(sinks, lse, dpsum, varlen)
     return dq, dk, dv, dsinks
 
 
