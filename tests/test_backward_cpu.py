@@ -165,9 +165,13 @@ def on_cpu(monkeypatch):
         out.copy_(o.to(out.dtype))
         lse.copy_(l)
 
-    def launch_bwd(*args):
+    def launch_bwd(*args, spec=None, dpsum=None):
         calls.append(args)
         emulate_kernel(*args)
+        if dpsum is not None:  # the preprocess's D = rowsum(dO * O) - dLSE, lse's layout
+            dout, out, dlse = args[0], args[4], args[6]
+            d = (dout.float() * out.float()).sum(-1).permute(0, 2, 1)
+            dpsum.copy_(d - (dlse.float() if dlse is not None else 0.0))
 
     monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(dense, "_launch", launch)
