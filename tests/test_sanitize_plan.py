@@ -15,6 +15,7 @@ from cpu_support import load_tool
 from cutefa.model.defaults import default_spec
 
 sanitize = load_tool("sanitize")
+sanitize_drive = load_tool("sanitize_drive")
 
 MEMCHECK_ERRORS = """\
 ========= COMPUTE-SANITIZER
@@ -299,7 +300,7 @@ def test_the_backward_driver_gets_the_float32_forward():
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 9, 4, 16, generator=gen).bfloat16()
     k, v = (torch.randn(2, 5, 2, 16, generator=gen).bfloat16() for _ in range(2))
-    out, lse = sanitize._forward_reference(bench_check, q, k, v, True, 0.25)
+    out, lse = sanitize_drive._forward_reference(bench_check, q, k, v, True, 0.25)
     expect, expect_lse = reference(q.float(), k.float(), v.float(), True, 0.25)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     torch.testing.assert_close(out, expect.bfloat16())
