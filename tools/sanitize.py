@@ -5,11 +5,11 @@ kernels the dispatcher runs (tools/sanitize_features.py: the sm90 forward over p
 with a sliding window, the sm80 backward with each, the paged split-KV decode kernel with its
 combine), on ragged packed batches with an empty sequence inside.
 
-Each run is one small driver process (this file with ``--drive``: tools/sanitize_drive.py) under one tool, launching one
-default kernel (dispatch's default for the family, head dim and target: ``default_spec`` and, where
-the GPU's shared memory asks for it, ``fitting_variant``) directly on its cases, bf16 inputs (e4m3:
-quantized per head; backward: out and lse from a float32 reference, so that the run launches the
-backward kernels alone):
+Each run is one small driver process (this file with ``--drive``: tools/sanitize_drive.py) under one
+tool, launching one default kernel (dispatch's default for the family, head dim and target:
+``default_spec`` and, where the GPU's shared memory asks for it, ``fitting_variant``) directly on
+its cases, bf16 inputs (e4m3: quantized per head; backward: out and lse from a float32 reference, so
+that the run launches the backward kernels alone):
 
 - memcheck, synccheck, initcheck: seqlen 1, 17 and 1000 (queries = keys), causal and not; seqlen_q
   1000 over 17 keys (causal: rows with no key) and 17 over 1000; batch 2 with 8 query heads over 2
