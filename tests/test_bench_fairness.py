@@ -16,6 +16,7 @@ bench_run = load_tool("bench_run")  # puts tools/ on sys.path: the siblings as t
 import bench_backends
 import bench_check
 import bench_grid
+import bench_sides
 
 
 def _exact(q, k, v, causal):
@@ -346,6 +347,31 @@ def test_preallocated_outputs_are_poisoned_before_the_checked_call():
     entry = bench_run.Entry("kernel", lambda: bench_run.Preallocated(launch, (out, lse_out)), expect.judge)
     res = bench_run.run_entries([entry], Timer(), rounds=1, device="cpu")["kernel"]
     assert res.status == "FAIL" and "not finite" in res.error
+
+
+def test_a_fresh_check_makes_its_callable_inside_the_poisoned_block():
+    """A backward entry (``check_fresh``) is made again for the checked call, within the poisoned
+    block (deterministic mode on), so its forward runs in the mode its backward will; the timed
+    callable is the one made outside."""
+    q, k, v = (torch.randn(1, 8, 2, 16).bfloat16() for _ in range(3))
+    ref, lse = _exact(q, k, v, False)
+    expect = bench_check.expectation(q, k, v, causal=False, scale=0.25, slices=2)
+    modes = []
+
+    def make():
+        modes.append(torch.are_deterministic_algorithms_enabled())
+        return lambda: (ref.clone(), lse.clone())
+
+    entry = bench_run.Entry("fresh", make, expect.judge, check_fresh=True)
+    timed = []
+    res = bench_run.run_entries([entry], lambda fn: timed.append(fn) or 1.0, rounds=2, device="cpu")["fresh"]
+    assert res.status == "ok" and res.ms == 1.0
+    assert modes == [False, True]  # made for warm-up and timing, then again for the check
+    assert len(timed) == 2 and not torch.are_deterministic_algorithms_enabled()
+    sides_entry = bench_sides.side_entries(
+        [bench_sides.Side("s", lambda p: lambda q, k, v: (q, None))], None, (q, k, v, q), expect, "bwd"
+    )[0][0]
+    assert sides_entry.check_fresh
 
 
 def test_default_rounds_are_three():

@@ -45,13 +45,17 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 class Entry:
     """One thing to time. ``make()`` builds the timed callable (within ``context``); its return
     value is what ``judge`` (outputs -> :class:`bench_check.Verdict`) checks. ``missing``: why it
-    cannot run at all (not installed)."""
+    cannot run at all (not installed). ``check_fresh``: the checked call is a callable made anew
+    within the poisoned block (a backward whose forward must run under the same settings: the
+    poisoning turns on torch's deterministic mode, and a torch.compile'd autograd graph refuses a
+    backward in another mode than its forward's)."""
 
     name: str
     make: Callable[[], Callable[[], object]] | None
     judge: Callable[[object], "bench_check.Verdict"]
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     missing: str | None = None
+    check_fresh: bool = False
 
 
 class Preallocated:
@@ -106,7 +110,7 @@ def run_entries(
                 if hasattr(fn, "poison"):
                     fn.poison()
                 with bench_check.poisoned_allocations(device):
-                    outputs = fn()
+                    outputs = (entry.make() if entry.check_fresh else fn)()
                     _sync(device)
                 verdict = entry.judge(outputs)
                 del outputs

@@ -80,7 +80,8 @@ def side_entries(sides: list[Side], problem, inputs, expect, pass_: str,
                 out, _ = fwd(*leaves)
                 return lambda: torch.autograd.grad(out, leaves, rest[0], retain_graph=True)
 
-        entries.append(Entry(side.name, make, (judges or {}).get(side.name, expect).judge))
+        judge = (judges or {}).get(side.name, expect).judge
+        entries.append(Entry(side.name, make, judge, check_fresh=pass_ != "fwd"))
     return entries, not_applicable
 
 
