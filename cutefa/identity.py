@@ -26,6 +26,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.metadata
+import itertools
 import os
 import re
 import shlex
@@ -164,13 +165,50 @@ def _file_imports(path: Path, root: str, root_dir: Path) -> frozenset[Path] | No
     return None if found is None else frozenset(found)
 
 
+_IMPORT_LINE = re.compile(r"^[ \t]*(?:from[ \t]+[\w.]+[ \t]*(?:import\b|\\$)|import[ \t]+\w)", re.MULTILINE)
+
+
+def import_statements(source: str) -> list[ast.stmt]:
+    """The import statements of ``source``, as ``ast.walk(ast.parse(source))`` finds them, without
+    parsing the rest (a kernel module's closure is read at start-up: parsing whole modules was most
+    of it). Each line that starts an import (at any indentation) is taken with its continuation
+    lines (open parentheses, a trailing backslash) and parsed alone. An import-like line inside a
+    string is taken too where it parses alone (a superset, never fewer imports: the digest can only
+    grow more cautious); tests/test_identity.py holds this to the full parse on every generated
+    module and every module of the package, which have no such line."""
+    lines = source.split("\n")
+    starts = itertools.accumulate((len(line) + 1 for line in lines), initial=0)
+    line_of = dict(zip(starts, range(len(lines))))  # offset of a line's first character -> its index
+    found: list[ast.stmt] = []
+    done = -1  # the last line of the statement read before
+    for match in _IMPORT_LINE.finditer(source):
+        first = line_of[match.start()]
+        if first <= done:  # a continuation line of that statement
+            continue
+        text, depth, last = "", 0, first
+        while last < len(lines):
+            line = lines[last]
+            text += line.strip() + "\n"
+            code = line.split("#", 1)[0]  # import lines hold no "#" in strings
+            depth += code.count("(") - code.count(")")
+            if depth <= 0 and not code.rstrip().endswith("\\"):
+                break
+            last += 1
+        done = last
+        try:
+            found.extend(ast.parse(text).body)
+        except SyntaxError:
+            continue
+    return found
+
+
 def imported_files(source: str, package: str | None, root: str, root_dir: Path) -> set[Path] | None:
     """The files of package ``root`` (at ``root_dir``) that the import statements of ``source``
     name, not followed further: each imported module, the modules among the names a ``from`` import
     takes, and the package ``__init__`` files on the way. ``package``: the dotted package of
     ``source``, for its relative imports. None when a module of ``root`` resolves to no file."""
     found: set[Path] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in import_statements(source):
         if isinstance(node, ast.Import):
             imports = [(alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
