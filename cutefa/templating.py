@@ -60,6 +60,7 @@ def _sm90_fwd(o: Sm90FwdOptions) -> Context:
         "pingpong": o.schedule.pingpong,
         "persistent": o.scheduler is Scheduler.PERSISTENT,
         "lpt_grid": o.scheduler is Scheduler.LPT,
+        "hfirst_grid": o.scheduler is Scheduler.HEAVY_FIRST,
         "early_rescale": o.early_rescale,
         "pair_cvt": o.pair_cvt,
         "lazy_rescale": o.lazy_rescale,
@@ -276,6 +277,10 @@ def _decode_sm80(spec: VariantSpec) -> Context:
         "features": spec.features.tokens,  # the docstring's list
         "combine_warps": policy_decode.COMBINE_WARPS,
         "copy_threads_per_row": policy_decode.copy_threads_per_row(spec),
+        # the KEYS schedule (policy_decode.DecodeSchedule): warps splitting each key block
+        "key_split": policy_decode.key_warps(spec) > 1,
+        "key_warps": policy_decode.key_warps(spec),
+        "warp_keys": policy_decode.warp_keys(spec),
     }
 
 

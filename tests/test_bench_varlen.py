@@ -163,3 +163,60 @@ def test_plot_writes_a_png(tmp_path):
     assert (
         bench_sides.plot([line], ["cutefa"], tmp_path / "a.png", "t") and (tmp_path / "a.png").stat().st_size
     )
+
+
+def test_variant_tails_complete_per_cell():
+    p = small(causal=True)
+    tail = "128x128_s2_w12_varlen_ov_pp_hfirst"
+    assert (
+        bench_varlen.variant_name(tail, p)
+        == "cutefa_sm90_fwd_bf16_hd16_128x128_s2_w12_causal_varlen_ov_pp_hfirst"
+    )
+    flat = bench_varlen.Problem("t", "fp16", 128, False, "fwd", (3,), heads_=1)
+    assert (
+        bench_varlen.variant_name(tail, flat)
+        == "cutefa_sm90_fwd_fp16_hd128_128x128_s2_w12_varlen_ov_pp_hfirst"
+    )
+    # a causal tail runs non-causal in a non-causal cell: one column per configuration
+    assert bench_varlen.variant_name("128x128_s2_w12_causal_varlen_ov_pp", flat).endswith(
+        "_128x128_s2_w12_varlen_ov_pp"
+    )
+    with pytest.raises(ValueError, match="varlen"):
+        bench_varlen.variant_name("128x128_s2_w12_ov_pp", flat)
+    args = bench_varlen.parse_args(["--quick", "--variants", f"{tail}, 128x176_s2_w12_varlen_ov_pp_pcvt"])
+    assert args.variants == [tail, "128x176_s2_w12_varlen_ov_pp_pcvt"] and "cutefa-next" in args.sides
+    for bad in ("128x128_s2_w12_ov_pp", "cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_varlen_ov_pp"):
+        with pytest.raises(SystemExit):
+            bench_varlen.parse_args(["--variants", bad])
+
+
+def test_direct_sides_are_forward_only_and_report_against_cutefa():
+    sides = bench_varlen.variant_sides(["128x128_s2_w12_varlen_ov_pp_hfirst"]) + [bench_varlen._cutefa_next()]
+    assert [s.name for s in sides] == ["cutefa:128x128_s2_w12_varlen_ov_pp_hfirst", "cutefa-next"]
+    for side in sides:
+        assert side.make is not None, side.missing
+        with pytest.raises(bench_sides.NotApplicable, match="forward only"):
+            side.make(small("bwd"))
+    line = bench_varlen.run_problem(
+        small(), [_side("cutefa"), _side("cutefa-next")], _Timer(), 3, 4, device="cpu"
+    )
+    text = bench_varlen.report([line], ["cutefa", "cutefa-next"], {})
+    assert "| cutefa-next / cutefa |" in text.splitlines()[4]
+    row = next(ln for ln in text.splitlines() if ln.startswith(f"| {line.label}"))
+    assert row.endswith("| 1.00x |")
+
+
+def test_next_is_the_policys_varlen_form_of_the_dense_choice(monkeypatch):
+    from cutefa.model.spec import parse_name
+
+    dense = parse_name("cutefa_sm90_fwd_bf16_hd128_128x176_s2_w12_ov_pp_pcvt")
+    monkeypatch.setattr(bench_varlen, "dense_choice", lambda p: dense)
+    p = bench_varlen.Problem("8x2k", "bf16", 128, False, "fwd", (2048,) * 8)
+    assert (
+        bench_varlen.next_spec(p).name == "cutefa_sm90_fwd_bf16_hd128_128x176_s2_w12_varlen_ov_pp_hfirst_pcvt"
+    )
+    monkeypatch.setattr(
+        bench_varlen, "dense_choice", lambda p: parse_name("cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4")
+    )
+    with pytest.raises(bench_sides.NotApplicable):
+        bench_varlen.next_spec(p)

@@ -4,7 +4,8 @@ rows, exp2 on MUFU, no local-memory spills, registers within the 255 limit, and 
 kernels beside the decode kernel in the same cubin.
 
 Dense and paged caches, the masks and softcap, head dims 64 and 128, row tiles of 1, 2, 4 and 8
-warps; for sm_90a (H100/H200: the GPUs the decode path is measured on) and a subset for sm_80.
+warps, and the KEYS schedule (4 warps splitting the keys of a 16-row tile); for sm_90a (H100/H200:
+the GPUs the decode path is measured on) and a subset for sm_80.
 """
 
 from __future__ import annotations
@@ -18,8 +19,15 @@ from cutefa.model.options import CacheDtype, Mask
 pytestmark = pytest.mark.compile
 
 
-def _spec(head_dim, rows, mask=Mask.NONE, paged=False, softcap=False):
-    return policy_decode.decode_spec("bf16", head_dim, rows, mask=mask, paged=paged, softcap=softcap)
+def _spec(
+    head_dim, rows, mask=Mask.NONE, paged=False, softcap=False, schedule=policy_decode.DecodeSchedule.ROWS
+):
+    return policy_decode.decode_spec(
+        "bf16", head_dim, rows, mask=mask, paged=paged, softcap=softcap, schedule=schedule
+    )  # fmt: skip
+
+
+KEYS = policy_decode.DecodeSchedule.KEYS
 
 
 SM90A = [
@@ -28,8 +36,14 @@ SM90A = [
     _spec(64, 32, Mask.LOCAL, softcap=True),  # MQA 32/1 or 8 heads x 4 tokens: two warps
     _spec(64, 64, Mask.CAUSAL, paged=True),  # 4 heads x 16 tokens: four warps
     _spec(128, 128, Mask.LOCAL, paged=True, softcap=True),  # eight warps
+    _spec(128, 4, schedule=KEYS),  # four warps splitting the keys
+    _spec(128, 4, Mask.CAUSAL, paged=True, schedule=KEYS),
 ]
-SM80 = [_spec(128, 4, Mask.CAUSAL, paged=True), _spec(64, 64)]
+SM80 = [
+    _spec(128, 4, Mask.CAUSAL, paged=True),
+    _spec(64, 64),
+    _spec(64, 4, Mask.LOCAL, softcap=True, schedule=KEYS),
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +57,11 @@ def cubins_sm80(tmp_path_factory):
 
 
 def _hmma_per_body(spec) -> int:
-    """Per mainloop body each warp issues (tile_n / 8) * (head_dim / 16) HMMAs for S = Q K^T of its
-    16 rows and (head_dim / 8) * (tile_n / 16) for O += P V."""
-    return (spec.tile_n // 8) * (spec.head_dim // 16) + (spec.head_dim // 8) * (spec.tile_n // 16)
+    """Per mainloop body each warp issues (keys / 8) * (head_dim / 16) HMMAs for S = Q K^T of its
+    16 rows and (head_dim / 8) * (keys / 16) for O += P V (keys: its keys of a block, tile_n or
+    the KEYS schedule's 16)."""
+    keys = policy_decode.warp_keys(spec)
+    return (keys // 8) * (spec.head_dim // 16) + (spec.head_dim // 8) * (keys // 16)
 
 
 def _check(cubin, spec) -> None:
@@ -82,6 +98,22 @@ def test_decode_sass_sm90a(cubins_sm90a, spec):
 @pytest.mark.parametrize("spec", SM80, ids=lambda s: s.name)
 def test_decode_sass_sm80(cubins_sm80, spec):
     _check(cubins_sm80[spec.name], spec)
+
+
+def test_keys_tile_syncs_its_warps_only_outside_the_mainloop(cubins_sm90a):
+    """The KEYS schedule: each warp copies its own 16-key slices (one row a thread: 16 cp.async of
+    16 bytes per K or V block of 16 x 128), no CTA barrier in the mainloop (one after Q landed, two
+    around the merge of the warps' rows), Q kept in registers (ldmatrix of Q once), registers low
+    enough for 2 CTAs of 128 threads an SM (policy_decode.KEY_REGISTERS_PER_THREAD)."""
+    for spec in (s for s in SM90A if policy_decode.schedule_of(s) is KEYS):
+        report = sass.analyze(cubins_sm90a[spec.name])
+        assert report.counts["BAR.SYNC"] == 3, report.summary()
+        assert report.registers <= policy_decode.KEY_REGISTERS_PER_THREAD[spec.head_dim], report.summary()
+        # per body: K and V slices 8 ldmatrix.x4 each; Q: 8 once (16 x 128)
+        assert report.counts["LDSM"] == 2 * 16 + spec.head_dim // 16, report.summary()
+        text = sass.disassemble(cubins_sm90a[spec.name])
+        forms = sass.opcode_forms(sass.kernel_text(text, "kernel"))
+        assert {f for f in forms if f.startswith("LDGSTS")} == {"LDGSTS.E.BYPASS.LTC128B.128"}, forms
 
 
 def test_one_warp_tile_keeps_few_copy_rows(cubins_sm90a):

@@ -20,8 +20,8 @@ SWITCHES = {
     "Sm80FwdOptions": {"causal"},
     "Sm80BwdOptions": {"causal", "dq_quad", "dq_tile", "dq_pipe"},
     "Sm90FwdOptions": {
-        "causal", "overlap", "pingpong", "persistent", "lpt_grid", "early_rescale", "pair_cvt", "lazy_rescale",
-        "exp_emu",
+        "causal", "overlap", "pingpong", "persistent", "lpt_grid", "hfirst_grid", "early_rescale", "pair_cvt",
+        "lazy_rescale", "exp_emu",
     },
     "Sm90Fp8FwdOptions": {
         "causal", "overlap", "pingpong", "persistent", "block_quant", "hoist_vt", "wide_vt", "lazy_rescale",
@@ -85,7 +85,7 @@ def test_switches_follow_the_option_record():
     assert templating.switches(sm90) == {
         "causal": False, "local": False, "varlen": False, "paged_kv": False, "split_kv": False,
         "softcap": False, "alibi": False, "sinks": False, "overlap": True, "pingpong": True,
-        "persistent": False, "lpt_grid": True, "early_rescale": False, "pair_cvt": False,
+        "persistent": False, "lpt_grid": True, "hfirst_grid": False, "early_rescale": False, "pair_cvt": False,
         "lazy_rescale": False, "exp_emu": 0,
     }  # fmt: skip
     windowed = sm90.replace(mask=Mask.LOCAL, features=Features(varlen=True, sinks=True))

@@ -25,6 +25,7 @@ turns for ``--rounds`` rounds (default 3), the median kept.
     python3 tools/bench.py --pass both --plot bench_out/bench.png
     python3 tools/bench.py --enqueue            # host cost per call, all backends
     python3 tools/bench.py --enqueue --pack DIR # ... with cutefa's kernel from a kernel pack
+    python3 tools/bench.py --enqueue --train    # host cost per fwd+bwd training call, side by side
     python3 tools/bench.py --startup            # import cutefa -> first result from a pack, ms
     python3 tools/bench.py --pass bwd --hdim 128 --seqlen 2048 --causal 0 \
         --bwd-variants cutefa_sm90_bwd_bf16_hd128_64x128_s2_w12_ov,cutefa_sm90_bwd_bf16_hd128_64x128_s3_w12
@@ -36,6 +37,7 @@ the backward cells whose dtype, head dim and mask it serves, as one more backend
 each gets a row of its own in a "Backward variants" table beside FA4 and the default cutefa backward.
 
 Writes ``bench.md`` and ``bench.json`` (``enqueue.md``/``enqueue.json`` for ``--enqueue``,
+``enqueue_train.md``/``enqueue_train.json`` for ``--enqueue --train``,
 ``startup.md``/``startup.json`` for ``--startup``) under ``--out`` (default ``bench_out/``);
 ``--plot FILE.png`` also draws the grid side by side (needs matplotlib). ``--pack DIR`` (default for
 ``--startup``: ``<out>/pack``) names the kernel pack cutefa runs from; the kernel of the tiny
@@ -43,8 +45,8 @@ problem is compiled into it first when it lacks it. ``cutefa bench ARGS`` runs t
 
 This file holds the command line and the grid's run; beside it: bench_grid.py (shapes, cells,
 results), bench_backends.py (timer, backends), bench_check.py (the reference and the bars),
-bench_run.py (check, then time in turns), bench_report.py (tables, JSON, plot) and bench_host.py
-(--enqueue, --startup).
+bench_run.py (check, then time in turns), bench_report.py (tables, JSON, plot), bench_host.py
+(--enqueue, --startup) and bench_train_host.py (--enqueue --train).
 """
 
 import argparse
@@ -208,6 +210,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--enqueue", action="store_true", help="measure host cost per call instead of the grid")
     p.add_argument("--enqueue-iters", type=int, default=1000, help="calls per enqueue loop")
     p.add_argument(
+        "--train", action="store_true",
+        help="with --enqueue: host cost per forward + backward call of inputs that require gradients",
+    )  # fmt: skip
+    p.add_argument(
         "--startup",
         action="store_true",
         help="time from `import cutefa` to the first result from a kernel pack",
@@ -315,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.startup:
         return run_startup(args)
+    if args.enqueue and args.train:
+        from bench_train_host import run_train_enqueue
+
+        return run_train_enqueue(args)
     if args.enqueue:
         return run_enqueue(args)
     return run_grid(args)

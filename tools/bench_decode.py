@@ -20,6 +20,16 @@ Usage (on the GPU machine)::
     python tools/bench_decode.py --out DIR                      # the default grid
     python tools/bench_decode.py --batches 1,64 --caches 8192 --layouts dense,16 --tokens 1,4
     python tools/bench_decode.py --grid full --mem-gib 24       # the issue's grid, cells within memory
+    python tools/bench_decode.py --grid quick --variants rows,keys   # both decode schedules side by side
+
+``--variants`` takes decode schedules (cutefa.model.policy_decode.DecodeSchedule: ``rows``, one warp
+per 16-row slab, the default; ``keys``, warps splitting the keys of a 16-row tile): one cutefa
+column each (``cutefa`` for the first, ``cutefa[<schedule>]`` for the others), each run under
+``CUTEFA_DECODE_SCHEDULE`` set to it, and a cutefa / best peer ratio each.
+
+``--graphs`` times every side as serving engines run a decode step: captured once in a CUDA graph
+and replayed (the host's cost per call then drops out; a side that cannot be captured is n/a), the
+replay's output checked against the reference again before it is timed.
 
 Writes DIR/bench_decode.md (the table), DIR/bench_decode.json and DIR/bench_decode.png (with
 matplotlib). ``--precompile`` compiles the cutefa variants of the grid in parallel first.
@@ -169,6 +179,36 @@ def cutefa_backend(cell):
     )
 
 
+class CutefaVariant:
+    """cutefa under one decode schedule: ``env`` is set while the cell is checked and timed."""
+
+    def __init__(self, schedule: str):
+        self.schedule = schedule
+        self.env = {kvcache.SCHEDULE_ENV: schedule}
+
+    def __call__(self, cell):
+        return cutefa_backend(cell)
+
+
+@contextlib.contextmanager
+def environment(env):
+    """``env`` (a dict, or None) set in os.environ for the block, the previous values restored."""
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def ours(name: str) -> bool:
+    return name.startswith("cutefa")
+
+
 def _accepts(fn, name):
     try:
         return name in inspect.signature(fn).parameters
@@ -245,12 +285,13 @@ def flashinfer_backend(cell):
 
 
 BACKENDS = {
-    "cutefa": cutefa_backend,
+    "cutefa": cutefa_backend,  # --variants replaces it with a column per schedule
     "fa4": fa4_backend,
     "cudnn": sdpa_backend("cudnn"),
     "sdpa-flash": sdpa_backend("flash"),
     "flashinfer": flashinfer_backend,
 }
+PEERS = {n: m for n, m in BACKENDS.items() if not ours(n)}
 
 
 def rel_l2(x, ref):
@@ -259,13 +300,36 @@ def rel_l2(x, ref):
     ).item()
 
 
-def run_cell(cell, time_ms, gen):
-    """{backend: (status, ms)} for one cell: built, checked against the reference, then timed."""
+def captured(fn):
+    """``fn`` captured in a CUDA graph (after two warm-up calls on a side stream): a callable that
+    replays it and returns the captured call's outputs (rewritten by each replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
+def run_cell(cell, time_ms, gen, graphs: bool = False):
+    """{backend: (status, ms)} for one cell: built, checked against the reference, then timed
+    (``graphs``: captured in a CUDA graph first, the replay's output checked too)."""
     cell.build(gen)
     refs = {b: cell.reference(b) for b in sorted({0, cell.batch - 1})}
     results = {}
     for name, make in BACKENDS.items():
         try:
+            scope = environment(getattr(make, "env", None))
+            scope.__enter__()
             fn = make(cell)
             if fn is None:
                 results[name] = ("n/a", None)
@@ -276,6 +340,14 @@ def run_cell(cell, time_ms, gen):
             if not all(e <= REL_L2_LIMIT for e in errors):
                 results[name] = (f"FAIL {max(errors):.1e}", None)
                 continue
+            if graphs:
+                fn = captured(fn)
+                out = fn()
+                torch.cuda.synchronize()
+                errors = [rel_l2(out[b], ref) for b, ref in refs.items()]
+                if not all(e <= REL_L2_LIMIT for e in errors):
+                    results[name] = (f"FAIL (graph replay) {max(errors):.1e}", None)
+                    continue
             results[name] = ("ok", time_ms(fn))
         except Exception as exc:  # noqa: BLE001 -- a backend that cannot run the cell is reported, not fatal
             results[name] = (
@@ -284,6 +356,7 @@ def run_cell(cell, time_ms, gen):
             )
         finally:
             torch.cuda.synchronize()
+            scope.__exit__(None, None, None)
     cell.free()
     torch.cuda.empty_cache()
     return results
@@ -295,12 +368,14 @@ def run_cell(cell, time_ms, gen):
 
 def table(rows, copy_bw) -> str:
     names = list(BACKENDS)
+    mine = [n for n in names if ours(n)]
     head = (
         "| cell | K/V MiB | "
         + " | ".join(f"{n} us (TB/s)" for n in names)
-        + " | cutefa / best peer | cutefa / copy |"
+        + "".join(f" | {n} / best peer | {n} / copy" for n in mine)
+        + " |"
     )
-    lines = [head, "|" + "---|" * (len(names) + 4)]
+    lines = [head, "|" + "---|" * (len(names) + 2 + 2 * len(mine))]
     for row in rows:
         cells = []
         for n in names:
@@ -308,15 +383,12 @@ def table(rows, copy_bw) -> str:
             cells.append(
                 f"{ms * 1e3:.1f} ({row['kv_bytes'] / (ms * 1e-3) / 1e12:.2f})" if ms else status.split(":")[0]
             )
-        ours = row["results"]["cutefa"][1]
-        peers = [ms for n, (s, ms) in row["results"].items() if n != "cutefa" and ms]
-        ratio = f"{min(peers) / ours:.2f}x" if ours and peers else "-"
-        frac = f"{row['kv_bytes'] / (ours * 1e-3) / copy_bw:.0%}" if ours else "-"
-        lines.append(
-            f"| {row['cell']} | {row['kv_bytes'] / 2**20:.0f} | "
-            + " | ".join(cells)
-            + f" | {ratio} | {frac} |"
-        )
+        peers = [ms for n, (s, ms) in row["results"].items() if not ours(n) and ms]
+        for n in mine:
+            ms = row["results"][n][1]
+            cells.append(f"{min(peers) / ms:.2f}x" if ms and peers else "-")
+            cells.append(f"{row['kv_bytes'] / (ms * 1e-3) / copy_bw:.0%}" if ms else "-")
+        lines.append(f"| {row['cell']} | {row['kv_bytes'] / 2**20:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -358,7 +430,7 @@ def cells_of(args) -> list[Cell]:
     return cells
 
 
-def precompile(cells, jobs: int) -> None:
+def precompile(cells, jobs: int, schedules=("rows",)) -> None:
     from cutefa import dispatch
     from cutefa.compile import compile_variants
     from cutefa.model import policy_decode
@@ -367,9 +439,9 @@ def precompile(cells, jobs: int) -> None:
     specs = {
         policy_decode.decode_spec(
             "bf16", HEAD_DIM, c.tokens * (c.hq // c.hkv), mask=Mask.CAUSAL if c.tokens > 1 else Mask.NONE,
-            paged=c.page is not None,
+            paged=c.page is not None, schedule=policy_decode.DecodeSchedule(schedule),
         )
-        for c in cells
+        for c in cells for schedule in schedules
     }  # fmt: skip
     results = compile_variants(sorted(specs), target=dispatch.current_target(), jobs=jobs, progress=True)
     for r in results:
@@ -386,18 +458,34 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=".", help="folder for bench_decode.{md,json,png}")
     parser.add_argument("--precompile", action="store_true", help="compile the grid's cutefa variants first")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument(
+        "--variants", default="", help="comma-separated decode schedules (rows, keys): a cutefa column each"
+    )
+    parser.add_argument(
+        "--graphs", action="store_true", help="time each side captured in a CUDA graph (replays: no host cost)"
+    )
     args = parser.parse_args(argv)
+    schedules = [v.strip() for v in args.variants.split(",") if v.strip()] or ["rows"]
+    for schedule in schedules:
+        with environment({kvcache.SCHEDULE_ENV: schedule}):
+            kvcache.decode_schedule()  # a ValueError naming the known schedules
+    if args.variants:
+        columns = {
+            ("cutefa" if i == 0 else f"cutefa[{v}]"): CutefaVariant(v) for i, v in enumerate(schedules)
+        }
+        BACKENDS.clear()
+        BACKENDS.update(columns | {n: m for n, m in PEERS.items()})
     cells = cells_of(args)
     skipped = [c for c in cells if c.kv_bytes > args.mem_gib * 2**30]
     cells = [c for c in cells if c not in skipped]
     if args.precompile:
-        precompile(cells, args.jobs)
+        precompile(cells, args.jobs, schedules)
     timer, time_ms = make_timer()
     copy_bw = copy_bandwidth(time_ms)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for cell in cells:
-        results = run_cell(cell, time_ms, gen)
+        results = run_cell(cell, time_ms, gen, args.graphs)
         rows.append({"cell": cell.name, "kv_bytes": cell.kv_bytes, "results": results})
         print(
             cell.name,
@@ -407,7 +495,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = (
-        f"# Decode bandwidth, {torch.cuda.get_device_name()} (torch {torch.__version__}, timer {timer})\n\n"
+        f"# Decode bandwidth, {torch.cuda.get_device_name()} (torch {torch.__version__}, timer {timer}"
+        + (", every side replayed from a CUDA graph" if args.graphs else "")
+        + ")\n\n"
         f"Device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write). Cells show microseconds and "
         "K/V TB/s; FAIL: output off the float32 reference; n/a: the backend cannot run the cell.\n\n"
         + table(rows, copy_bw)

@@ -10,7 +10,12 @@ and not, forward and backward:
   (8, 2048, heads, head_dim) (``cutefa-dense``): the varlen overhead;
 - (c) ``64x100-300``: 64 sequences of 100 to 300 tokens (fixed seed).
 
-Sides: ``cutefa`` (``flash_attn_varlen_func``); ``FA4`` (``flash_attn.cute.flash_attn_varlen_func``,
+Sides: ``cutefa`` (``flash_attn_varlen_func``); ``cutefa-next`` (forward only: the variant
+:func:`cutefa.model.policy_sm90.fwd_varlen_from_dense` makes of the dense call's choice, run
+directly with the varlen calling convention: what the varlen call would run if dispatch took it);
+``cutefa:TAIL`` for each ``--variants`` entry (forward only: the variant named
+``cutefa_sm90_fwd_<dtype>_hd<hdim>_TAIL`` with ``causal_`` before ``varlen`` in causal cells, run
+the same way; e.g. ``128x128_s2_w12_varlen_ov_pp_hfirst``); ``FA4`` (``flash_attn.cute.flash_attn_varlen_func``,
 its packed lse (heads, total)); ``FA2``: PyTorch's FlashAttention-2 on the packed sequences
 (``torch.ops.aten._flash_attention_forward`` with ``cum_seq_q``/``cum_seq_k``, what SDPA runs for
 nested tensors, differentiable): SDPA's flash backend on the padded equivalent cannot mask the
@@ -27,6 +32,8 @@ sequence, 2.5x backward; causal counts the pairs below the bottom-right diagonal
 
     python tools/bench_varlen.py --out DIR --precompile        # the grid, ~6 minutes on an H100/H200
     python tools/bench_varlen.py --quick --out DIR --precompile  # bf16 hd128, (a) and (b)
+    python tools/bench_varlen.py --quick --pass fwd --precompile --out DIR \
+        --variants 128x128_s2_w12_varlen_ov_pp_lpt,128x128_s2_w12_varlen_ov_pp_hfirst  # beside today's
 
 Writes DIR/bench_varlen.md, .json and .png (with matplotlib).
 """
@@ -54,7 +61,8 @@ GROUPS = ("longtail", "8x2k", "64x100-300")
 DTYPES = ("bf16", "fp16")
 HDIMS = (64, 128, 256)
 QUICK = {"groups": ("longtail", "8x2k"), "dtypes": ("bf16",), "hdims": (128,)}
-SIDES = ("cutefa", "cutefa-dense", "FA4", "FA2", "cuDNN")
+SIDES = ("cutefa", "cutefa-dense", "cutefa-next", "FA4", "FA2", "cuDNN")
+FAMILY_PREFIX = "cutefa_sm90_fwd_{dtype}_hd{hdim}_"  # + a --variants tail
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -169,6 +177,92 @@ def _cutefa_dense() -> Side:
     return Side("cutefa-dense", make)
 
 
+def variant_name(tail: str, p: Problem) -> str:
+    """The full name of a ``--variants`` tail in cell ``p``: its dtype and head dim in front,
+    ``causal_`` before ``varlen`` when the cell is causal."""
+    if "varlen" not in tail.split("_"):
+        raise ValueError(f"--variants entry {tail!r} names no varlen variant (its tokens lack 'varlen')")
+    tokens = [t for t in tail.split("_") if t != "causal"]
+    if p.causal:
+        tokens.insert(tokens.index("varlen"), "causal")
+    return FAMILY_PREFIX.format(dtype=p.dtype, hdim=p.hdim) + "_".join(tokens)
+
+
+def dense_choice(p: Problem):
+    """The variant cutefa's dense call chooses for the cell's problem (max lengths, its batch)."""
+    import torch
+
+    from cutefa import dispatch
+
+    m = max(p.lengths)
+    return dispatch.choose(
+        target=dispatch.current_target(), dtype=getattr(torch, DTYPE_NAMES[p.dtype]), causal=p.causal,
+        head_dim=p.hdim, seqlen_q=m, seqlen_k=m, batch=len(p.lengths), heads_q=p.heads, heads_kv=p.heads,
+    ).spec  # fmt: skip
+
+
+def next_spec(p: Problem):
+    """The ``cutefa-next`` side's variant of a cell: the policy's varlen form of the dense choice."""
+    from cutefa.model.policy_sm90 import fwd_varlen_from_dense
+
+    spec = fwd_varlen_from_dense(dense_choice(p))
+    if spec is None:
+        raise NotApplicable("no packed form of the dense choice")
+    return spec
+
+
+def _direct(name: str, spec_of) -> Side:
+    """A side running one variant (``spec_of(problem)``) directly with the varlen calling
+    convention (cutefa/api/features.py), the outputs prepared as the varlen call prepares them."""
+    try:
+        from cutefa import dispatch
+        from cutefa.api.feature_ops import empty_outputs
+        from cutefa.api.launch import aligned, call_on
+        from cutefa.api.validate_features import assert_lengths_async
+        from cutefa.loader import get_kernel
+        from cutefa.model.rules import why_invalid, why_not_on
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        return Side(name, None, f"cutefa not importable: {exc}")
+
+    def make(p: Problem):
+        if p.pass_ != "fwd":
+            raise NotApplicable("forward only")
+        spec = spec_of(p)
+        target = dispatch.current_target()
+        why = why_invalid(spec) or why_not_on(spec, target)
+        if why:
+            raise NotApplicable(why)
+        kernel = get_kernel(spec, target)
+        cu, m = _cu(p), max(p.lengths)
+        scale = 1.0 / math.sqrt(p.hdim)
+
+        def fwd(q, k, v):
+            # the varlen call's own work around the kernel, so that the sides differ by the kernel only
+            assert_lengths_async(cu, None, q.shape[0], m, "q")
+            assert_lengths_async(cu, None, k.shape[0], m, "k")
+            used = cu[1:] - cu[:-1]  # seqused from the spans, as the call makes it
+            out, lse = empty_outputs(q, True)
+            out.zero_()
+            lse.fill_(-math.inf)
+            call_on(q.device, kernel, aligned(q), aligned(k), aligned(v), out, lse, scale, cu, cu, used, used, m)
+            return out, lse
+
+        return fwd
+
+    return Side(name, make)
+
+
+def _cutefa_next() -> Side:
+    return _direct("cutefa-next", next_spec)
+
+
+def variant_sides(tails) -> list[Side]:
+    """A ``cutefa:TAIL`` side per ``--variants`` entry."""
+    from cutefa.model.spec import parse_name
+
+    return [_direct(f"cutefa:{t}", lambda p, t=t: parse_name(variant_name(t, p))) for t in tails]
+
+
 def packed_lse(lse, heads: int, total: int):
     """A side's packed lse as (heads, total): a (total, heads) one transposed, unit dims dropped;
     None for a shape it is not."""
@@ -253,7 +347,10 @@ def _cudnn() -> Side:
 
 
 def load_sides(names) -> list[Side]:
-    makers = {"cutefa": _cutefa, "cutefa-dense": _cutefa_dense, "FA4": _fa4, "FA2": _fa2, "cuDNN": _cudnn}
+    makers = {
+        "cutefa": _cutefa, "cutefa-dense": _cutefa_dense, "cutefa-next": _cutefa_next, "FA4": _fa4, "FA2": _fa2,
+        "cuDNN": _cudnn,
+    }  # fmt: skip
     return [makers[n]() for n in names]
 
 
@@ -282,14 +379,15 @@ def run_problem(p: Problem, sides, time_ms, rounds: int, slices: int, device="cu
     return run_line(line, sides, p, [q, k, v, *rest], expect, time_ms, rounds, device)
 
 
-def cutefa_specs(ps: list[Problem]) -> list:
-    """The variants cutefa's calls of the grid dispatch to (for --precompile)."""
+def cutefa_specs(ps: list[Problem], tails=(), sides=SIDES) -> list:
+    """The variants cutefa's calls of the grid dispatch to, and the forward variants of the
+    ``cutefa-next`` and ``--variants`` sides (for --precompile)."""
     import torch
 
     from cutefa import dispatch
     from cutefa.api import backward, feature_bwd
     from cutefa.api.features import FeatureArgs
-    from cutefa.model.spec import Features
+    from cutefa.model.spec import Features, parse_name
 
     target = dispatch.current_target()
     specs = []
@@ -309,6 +407,10 @@ def cutefa_specs(ps: list[Problem]) -> list:
             picks.append((dispatch.choose, {"target": target, "dtype": dtype, "causal": p.causal, **shape}))
             picks.append((backward.choose_bwd, {"target": target, "dtype": dtype, "head_dim": p.hdim,
                                                 "causal": p.causal, "seqlen_k": m}))  # fmt: skip
+        if p.pass_ == "fwd" and "cutefa-next" in sides:
+            picks.append((next_spec, {"p": p}))
+        if p.pass_ == "fwd":
+            picks += [(lambda tail, p: parse_name(variant_name(tail, p)), {"tail": t, "p": p}) for t in tails]
         for pick, kwargs in picks:
             with contextlib.suppress(Exception):  # a problem with no kernel shows as err in its cell
                 chosen = pick(**kwargs)
@@ -325,6 +427,11 @@ def parse_args(argv=None):
     ap.add_argument("--causal", choices=("0", "1", "both"), default="both")
     ap.add_argument("--pass", dest="passes", default="fwd,bwd", help="fwd, bwd or fwd,bwd")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated of {','.join(SIDES)}")
+    ap.add_argument(
+        "--variants", default="",
+        help="comma-separated variant name tails timed as sides of their own, forward only (module docs), "
+        "e.g. 128x176_s2_w12_varlen_ov_pp_hfirst_pcvt",
+    )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--slices", type=int, default=bench_check.SLICES, help="(sequence, head) slices checked")
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
@@ -346,6 +453,10 @@ def parse_args(argv=None):
     args.passes = listed(args.passes, ("fwd", "bwd"), ("fwd", "bwd"))
     args.sides = listed(args.sides, SIDES, SIDES)
     args.causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+    args.variants = [t.strip() for t in args.variants.split(",") if t.strip()]
+    for tail in args.variants:
+        if "varlen" not in tail.split("_") or tail.startswith("cutefa_"):
+            ap.error(f"--variants takes name tails with 'varlen' (e.g. 128x128_s2_w12_varlen_ov_pp_hfirst), got {tail!r}")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     return args
@@ -353,6 +464,9 @@ def parse_args(argv=None):
 
 def report(lines: list[Line], names: list[str], meta: dict) -> str:
     extra = {"cutefa / cutefa-dense": lambda ln: ratio(ln.tflops("cutefa"), ln.tflops("cutefa-dense"))}
+    for n in names:
+        if n == "cutefa-next" or n.startswith("cutefa:"):
+            extra[f"{n} / cutefa"] = lambda ln, n=n: ratio(ln.tflops(n), ln.tflops("cutefa"))
     head = (
         f"# Packed sequences, {meta.get('gpu', '')}\n\ntorch {meta.get('torch')}, timer {meta.get('timer')}, "
         f"{meta.get('rounds')} rounds in turns. TFLOP/s of the unmasked work; FAIL: an output off the "
@@ -369,10 +483,11 @@ def main(argv=None) -> int:
 
     ps = problems(args.groups, args.dtype, args.hdim, args.causals, args.passes)
     if args.precompile:
-        for failure in precompile(cutefa_specs(ps), args.jobs):
+        for failure in precompile(cutefa_specs(ps, args.variants, args.sides), args.jobs):
             print(f"compile failed: {failure}", file=sys.stderr)
     timer, time_ms = make_timer(10, 40)
-    sides = load_sides(args.sides)
+    sides = load_sides(args.sides) + variant_sides(args.variants)
+    names = args.sides + [s.name for s in sides[len(args.sides) :]]
     lines = []
     for p in ps:
         line = run_problem(p, sides, time_ms, args.rounds, args.slices)
@@ -381,10 +496,10 @@ def main(argv=None) -> int:
               flush=True)  # fmt: skip
     meta = environment() | {"timer": timer, "rounds": args.rounds}
     args.out.mkdir(parents=True, exist_ok=True)
-    text = report(lines, args.sides, meta)
+    text = report(lines, names, meta)
     (args.out / "bench_varlen.md").write_text(text)
     write_json(args.out / "bench_varlen.json", meta, lines)
-    drew = plot(lines, args.sides, args.out / "bench_varlen.png", "packed sequences")
+    drew = plot(lines, names, args.out / "bench_varlen.png", "packed sequences")
     print(text)
     print(f"wrote {args.out / 'bench_varlen.md'}" + ("" if drew else " (no matplotlib: no PNG)"))
     return 0

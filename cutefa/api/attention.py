@@ -207,7 +207,7 @@ def flash_attn_func(
         return fp8.call(q, k, v, causal, softmax_scale, return_lse, deterministic, *fp8_options)
     check_options(causal, softmax_scale)
     check_deterministic(deterministic)
-    out, lse = dense.flash_fwd(q, k, v, causal, default_scale(softmax_scale, q.shape[-1]), deterministic)
+    out, lse = dense.attention(q, k, v, causal, default_scale(softmax_scale, q.shape[-1]), deterministic)
     return (out, lse) if return_lse else out
 
 

@@ -18,10 +18,14 @@ bitwise-reproducible gradients, at the cost of fewer CTAs in flight.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from cutefa import dispatch
+from cutefa.api import backward_plan as _backward_plan
+from cutefa.api import plans as _plans
 from cutefa.api.launch import aligned, call_on
 from cutefa.api.validate import check_backward_head_dims, check_grid_limits
 from cutefa.loader import get_kernel
@@ -197,8 +201,10 @@ def _flash_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, causal: bool, softmax_scale: float, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Gradients (dq, dk, dv) of attention, shaped and typed like (q, k, v)."""
-    return gradients(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic)
+    """Gradients (dq, dk, dv) of attention, shaped and typed like (q, k, v): :func:`gradients`
+    through the backward plan of the call's signature (:func:`planned_gradients`; the op
+    runs on real tensors only, its fake implementation under tracing)."""
+    return planned_gradients(dout, q, k, v, out, lse, dlse, causal, softmax_scale, deterministic)
 
 
 def gradients(
@@ -226,11 +232,39 @@ def _launch_bwd(
     lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     causal: bool, softmax_scale: float, deterministic: bool, spec: VariantSpec | None = None,
     dpsum: torch.Tensor | None = None,
-) -> None:  # fmt: skip
+) -> BwdSetup:  # fmt: skip
     """Choose the variant (unless ``spec`` names one), allocate the workspaces and run the kernel on
     the current stream of q's device, writing dq, dk and dv (a KV head's query heads summed: by the
     sm90 family's kernels in float32, for the other families here, in float32, from per-query-head
-    dK and dV)."""
+    dK and dV), and ``dpsum`` where given. Returns what it decided (:func:`bwd_setup`)."""
+    setup = bwd_setup(q, k, v, causal, deterministic, spec)
+    run_bwd(setup, dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, deterministic, dpsum=dpsum)
+    return setup
+
+
+class BwdSetup(NamedTuple):
+    """What a backward launch decides from the shapes, dtype, device, mask and mode alone (the
+    variant, its kernel and the workspaces' shapes): :func:`bwd_setup` makes it and a backward
+    plan (:func:`cutefa.api.backward_plan.make_bwd_plan`) keeps it, so repeated calls decide nothing
+    again."""
+
+    spec: VariantSpec
+    target: str
+    kernel: Any
+    splits: int  # dQ accumulator splits (deterministic mode)
+    slots: int  # the sm80 stream-K tail's slots (0: none)
+    group: int  # query heads per KV head
+    dq_accum_shape: tuple[int, ...]
+    dkv_accum_shape: tuple[int, ...] | None  # sm90 with group > 1; None: the dQ workspace stands in
+    lse_shape: tuple[int, int, int]  # (batch, heads_q, seqlen_q)
+
+
+def bwd_setup(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, deterministic: bool,
+    spec: VariantSpec | None = None,
+) -> BwdSetup:  # fmt: skip
+    """The variant (``spec``, else dispatch's choice for q's device), its kernel and the workspace
+    shapes of a backward of q, k, v."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -242,33 +276,108 @@ def _launch_bwd(
     kernel = get_kernel(spec, target)
     props = torch.cuda.get_device_properties(q.device)
     splits = dq_splits(deterministic, batch, heads_q, seqlen_k, spec.tile_n, props.multi_processor_count)
-    f32 = {"dtype": torch.float32, "device": q.device}
-    dq_accum = dq_accum_workspace(spec, splits, batch, seqlen_q, heads_q, q.device)
-    lse_log2 = torch.empty((batch, heads_q, seqlen_q), **f32)
-    dpsum = torch.empty((batch, heads_q, seqlen_q), **f32) if dpsum is None else dpsum
-    dlse = torch.zeros_like(lse_log2) if dlse is None else dlse.float().contiguous()
-    inputs = (aligned(q), aligned(k), aligned(v), aligned(out), aligned(dout), lse.float().contiguous(), dlse)
+    slots = 0
+    if spec.arch == "sm80":
+        slots = device_tail_slots(spec, q.device, deterministic, batch, heads_q, seqlen_q, seqlen_k)
+    dkv_shape = None
+    if spec.arch == "sm90" and group > 1:
+        slots_dkv = group if deterministic else 1
+        dkv_shape = tuple(sm90_bwd_dkv_accum_shape(spec, slots_dkv, batch, seqlen_k, heads_kv))
+    dq_shape = tuple(bwd_dq_accum_shape(spec, splits, batch, seqlen_q, heads_q))
+    lse_shape = (batch, heads_q, seqlen_q)
+    return BwdSetup(spec, target, kernel, splits, slots, group, dq_shape, dkv_shape, lse_shape)
+
+
+def run_bwd(
+    setup: BwdSetup, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+    softmax_scale: float, deterministic: bool, empty: Callable[..., torch.Tensor] | None = None,
+    dpsum: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Allocate the workspaces of ``setup`` and run its kernel on the current stream of q's device,
+    writing dq, dk and dv. ``empty(name, shape, dtype)``: how a workspace is allocated (a plan's
+    prototypes; default ``torch.empty``); ``dlse`` None: zeros (a plan's shared zero buffer where
+    it has one, :func:`cutefa.api.plans.zero_lse`); ``dpsum`` None: a workspace, else it receives D
+    (:func:`gradients`)."""
+    if empty is None:
+        device = q.device
+
+        def empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+    spec, kernel = setup.spec, setup.kernel
+    f32 = torch.float32
+    dq_accum = empty("dq_accum", setup.dq_accum_shape, f32)
+    lse_log2 = empty("lse_log2", setup.lse_shape, f32)
+    if dpsum is None:
+        dpsum = empty("dpsum", setup.lse_shape, f32)
+    if dlse is None:
+        dlse = _plans.zero_lse(q.device, setup.lse_shape)
+        if dlse is None:
+            dlse = torch.zeros_like(lse_log2)
+    elif dlse.dtype is not f32 or not dlse.is_contiguous():
+        dlse = dlse.float().contiguous()
+    if lse.dtype is not f32 or not lse.is_contiguous():
+        lse = lse.float().contiguous()
+    inputs = (aligned(q), aligned(k), aligned(v), aligned(out), aligned(dout), lse, dlse)
+    scale = float(softmax_scale)
     if spec.arch == "sm90":  # a KV head's group summed in the kernel
-        dkv_accum = sm90_dkv_workspace(spec, deterministic, batch, seqlen_k, heads_q, heads_kv, dq_accum)
-        args = (*inputs, dq, dk, dv, dq_accum, dkv_accum, lse_log2, dpsum, float(softmax_scale), int(deterministic))
+        dkv_accum = dq_accum
+        if setup.dkv_accum_shape is not None:
+            dkv_accum = empty("dkv_accum", setup.dkv_accum_shape, f32)
+        args = (*inputs, dq, dk, dv, dq_accum, dkv_accum, lse_log2, dpsum, scale, int(deterministic))
         call_on(q.device, kernel, *args)
     else:  # per query head, the group summed here
         dk_heads, dv_heads = dk, dv
-        if group > 1:
-            shape = (batch, seqlen_k, heads_q)
-            dk_heads = torch.empty((*shape, head_dim), dtype=q.dtype, device=q.device)
-            dv_heads = torch.empty((*shape, v.shape[-1]), dtype=q.dtype, device=q.device)
+        if setup.group > 1:
+            shape = (*dk.shape[:2], q.shape[2])
+            dk_heads = empty("dk_heads", (*shape, dk.shape[-1]), q.dtype)
+            dv_heads = empty("dv_heads", (*shape, dv.shape[-1]), q.dtype)
         args = (*inputs, dq, dk_heads, dv_heads, dq_accum, lse_log2, dpsum)
         if spec.arch == "sm80":
-            slots = device_tail_slots(spec, q.device, deterministic, batch, heads_q, seqlen_q, seqlen_k)
-            args += (*sm80_tail_workspaces(spec, slots, q.device), float(softmax_scale), int(deterministic), slots)
+            tail = sm80_tail_workspaces(spec, setup.slots, q.device)
+            args += (*tail, scale, int(deterministic), setup.slots)
         else:
-            args += (float(softmax_scale), int(deterministic))
+            args += (scale, int(deterministic))
         call_on(q.device, kernel, *args)
-        if group > 1:
+        if setup.group > 1:
             sum_query_heads(dk, dk_heads)
             sum_query_heads(dv, dv_heads)
-    dispatch.log_run(dispatch.Choice(spec, target, "backward"), q.shape, k.shape, causal)
+    if dispatch._LOG_RUNS:
+        dispatch.log_run(dispatch.Choice(spec, setup.target, "backward"), q.shape, k.shape, spec.causal)
+
+
+def planned_gradients(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dlse: torch.Tensor | None, causal: bool, softmax_scale: float, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`gradients` of real tensors (the op's implementation, or an eager training call:
+    :func:`cutefa.api.dense.attention`), through the backward plan memoized for its signature
+    (:func:`cutefa.api.backward_plan.make_bwd_plan`; made by the first call that launched, unless a
+    CUDA graph was being captured). ``dlse`` None: no gradient flows into the lse (zeros stand for
+    it). The key also holds :func:`choose_bwd` and :data:`TAIL_SLOTS` as they are at the call:
+    benchmarks and tests that replace the choice (tools' forced backward variants) or set the tail
+    get plans of their own and leave the others alone."""
+    key = (
+        q.shape, k.shape, v.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale, deterministic,
+        choose_bwd, TAIL_SLOTS,
+    )  # fmt: skip
+    plan = _plans._BWD_PLANS.get(key)
+    if plan is not None:
+        return plan(dout, q, k, v, out, lse, dlse)
+    check_backward_head_dims(q.shape[-1], v.shape[-1])
+    check_grid_limits(q)
+    dq, dk, dv = _empty_grads(q, k, v)
+    if dq.numel() == 0 or dk.numel() == 0:  # nothing attends anything: every gradient is 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    since = _plans.clears()
+    setup = _launch_bwd(
+        dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, softmax_scale, deterministic
+    )
+    if isinstance(setup, BwdSetup) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        plan = _backward_plan.make_bwd_plan(setup, q, k, v, softmax_scale, deterministic, run_bwd)
+        _plans.remember(_plans._BWD_PLANS, key, plan, since)
+    return dq, dk, dv
 
 
 def sum_query_heads(out: torch.Tensor, per_query_head: torch.Tensor) -> None:

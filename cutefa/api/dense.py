@@ -91,6 +91,83 @@ torch.library.register_autograd("cutefa::flash_fwd", _autograd_backward, setup_c
 
 
 # ---------------------------------------------------------------------------------------------
+# Eager training calls
+
+# Whether eager training calls take :class:`_Attention` (False: the custom op, as under tracing;
+# benchmarks and tests compare the two).
+FAST_TRAINING = True
+
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float, deterministic: bool
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``cutefa::flash_fwd`` of validated options, differentiable: an eager training call (plain
+    tensors of which one requires a gradient, grad mode on, no tracing, no dispatch mode, no
+    functorch transform) goes through :class:`_Attention`, which runs the same kernels as the
+    custom op and its autograd without the op dispatcher's and ``torch.library``'s host cost, from
+    the call plans of the forward (:data:`cutefa.api.plans._TRAIN_PLANS`) and of the backward
+    (:func:`cutefa.api.backward.planned_gradients`); every other call (``torch.compile``, dispatch
+    modes, ``torch.func``) is the custom op itself."""
+    if (
+        FAST_TRAINING
+        and type(q) is type(k) is type(v) is _Tensor
+        and _grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+        and not _plans._is_compiling()
+        and not _plans._dispatch_modes()
+        and not _functorch_active()
+    ):
+        return _Attention.apply(q, k, v, causal, softmax_scale, deterministic)
+    return flash_fwd(q, k, v, causal, softmax_scale, deterministic)
+
+
+def planned_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out, lse) of validated options through the call plan of the signature (made by the first
+    call that launched, outside CUDA graph capture), as a plain eager call with ``return_lse``."""
+    key = (q.shape, k.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale)
+    plan = _plans._TRAIN_PLANS.get(key)
+    if plan is not None:
+        return plan(q, k, v, True)
+    since = _plans.clears()
+    out, lse, launched = forward(q, k, v, causal, softmax_scale)
+    if launched is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _plans.remember(_plans._TRAIN_PLANS, key, make_plan(*launched, q, k, causal, softmax_scale), since)
+    return out, lse
+
+
+class _Attention(torch.autograd.Function):
+    """``cutefa::flash_fwd`` and its autograd (:func:`_setup_context`, :func:`_autograd_backward`)
+    for eager training calls: the same kernels, outputs and gradients, called directly."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, deterministic):
+        out, lse = planned_forward(q, k, v, causal, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (causal, softmax_scale, deterministic)
+        ctx.set_materialize_grads(False)  # an unused out or lse gets no zeros tensor
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None and grad_lse is None:
+            return None, None, None, None, None, None
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        causal, softmax_scale, deterministic = ctx.options
+        dq, dk, dv = _backward.planned_gradients(
+            grad_out, q, k, v, out, lse, grad_lse, causal, softmax_scale, deterministic
+        )
+        return dq, dk, dv, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
 # The call plan
 
 

@@ -15,6 +15,11 @@ sm80 and newer GPUs) in one host call of up to three launches:
   split across CTAs by :mod:`cutefa.model.policy_decode` (``num_splits=0``) or as asked;
 - a combine kernel when there is more than one split.
 
+The decode tile's schedule (:class:`cutefa.model.policy_decode.DecodeSchedule`: one warp per 16-row
+slab, or warps splitting the keys of a 16-row tile) is ROWS unless the environment variable
+``CUTEFA_DECODE_SCHEDULE`` says ``keys`` (read at each call, so that a benchmark compares both in
+one process).
+
 An e4m3 cache (q 16-bit, ``k_descale``/``v_descale``; :mod:`cutefa.api.kvcache_e4m3`) takes its own
 op, ``cutefa::kvcache_attn_e4m3`` (it mutates the cache too: the append quantizes the new tokens with
 the descales), and the decode variant with the e4m3 cache option (sm_90a and newer).
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import os
 
 import torch
 
@@ -48,6 +54,7 @@ from cutefa.model.rules import why_invalid, why_not_on
 from cutefa.model.spec import HEAD_DIMS, TORCH_DTYPE_NAMES, VariantSpec
 
 _ALIGN = 16
+SCHEDULE_ENV = "CUTEFA_DECODE_SCHEDULE"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,17 +381,27 @@ def capacity(k_cache: torch.Tensor, page_table: torch.Tensor | None) -> int:
 # The attention op
 
 
+def decode_schedule() -> policy_decode.DecodeSchedule:
+    """The decode schedule :data:`SCHEDULE_ENV` asks for (``rows``, the default, or ``keys``)."""
+    value = os.environ.get(SCHEDULE_ENV, "").strip().lower() or policy_decode.DecodeSchedule.ROWS.value
+    try:
+        return policy_decode.DecodeSchedule(value)
+    except ValueError:
+        known = ", ".join(s.value for s in policy_decode.DecodeSchedule)
+        raise ValueError(f"{SCHEDULE_ENV}={value!r} is not a decode schedule; known: {known}") from None
+
+
 def decode_spec(
     q: torch.Tensor, k_cache: torch.Tensor, paged: bool, causal: bool, windowed: bool, softcap: float
 ) -> VariantSpec:
-    """The decode variant for the call (:func:`cutefa.model.policy_decode.decode_spec`; an e4m3
-    ``k_cache`` takes the e4m3-cache variant)."""
+    """The decode variant for the call (:func:`cutefa.model.policy_decode.decode_spec` with
+    :func:`decode_schedule`; an e4m3 ``k_cache`` takes the e4m3-cache variant)."""
     mask = Mask.LOCAL if windowed else Mask.CAUSAL if causal else Mask.NONE
     rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
     cache_dtype = CacheDtype.E4M3 if k_cache.dtype == torch.float8_e4m3fn else CacheDtype.SAME
     return policy_decode.decode_spec(
         TORCH_DTYPE_NAMES[str(q.dtype).removeprefix("torch.")], q.shape[3], rows, mask=mask, paged=paged,
-        softcap=softcap != 0.0, cache_dtype=cache_dtype,
+        softcap=softcap != 0.0, cache_dtype=cache_dtype, schedule=decode_schedule(),
     )  # fmt: skip
 
 
@@ -403,7 +420,7 @@ def splits_for(
     return policy_decode.num_splits(
         batch=q.shape[0], heads_kv=k_cache.shape[2], row_tiles=policy_decode.row_tiles(spec, rows),
         seqlen_k=capacity(k_cache, page_table), tile_n=spec.tile_n, sm_count=sm_count(q.device),
-        ctas_per_sm=policy_decode.ctas_per_sm(spec, target),
+        ctas_per_sm=policy_decode.ctas_per_sm(spec, target), min_blocks=policy_decode.min_blocks_per_split(spec),
     )  # fmt: skip
 
 

@@ -34,11 +34,21 @@ _PLANS: dict[tuple[Any, ...], Callable[..., Any]] = {}
 # v_mean) -> plan(q, k, v, q_descale, k_descale, v_descale, v_mean, return_lse). Calls with block
 # descales (3-D) have no plan.
 _FP8_PLANS: dict[tuple[Any, ...], Callable[..., Any]] = {}
+# Training calls (eager autograd, cutefa.api.dense.attention): their forwards' plans, keyed like
+# _PLANS (kept apart: a call with gradients never takes or leaves a plan of _PLANS), and (q.shape,
+# k.shape, v.shape, q.dtype, q.is_cuda, q.get_device(), causal, softmax_scale, deterministic,
+# backward.choose_bwd, backward.TAIL_SLOTS) -> the backward's plan
+# (cutefa.api.backward_plan.make_bwd_plan).
+_TRAIN_PLANS: dict[tuple[Any, ...], Callable[..., Any]] = {}
+_BWD_PLANS: dict[tuple[Any, ...], Callable[..., Any]] = {}
 MAX_PLANS = 1024  # the oldest plan is dropped beyond this (e.g. a new seqlen on every call)
 # Per device: float32 buffers the kernel writes an unwanted lse into (return_lse=False). Never
 # freed, so a kernel still writing one on any stream never writes memory handed out again.
 _SCRATCH: dict[torch.device, list[torch.Tensor]] = {}
 MAX_SCRATCH_ELEMENTS = 1 << 22  # 16 MiB of lse; larger problems allocate their lse per call
+# Per device: float32 zeros that stand for an absent gradient of the lse (the backward kernels
+# read dLSE and never write it). Never freed, like _SCRATCH.
+_ZEROS: dict[torch.device, torch.Tensor] = {}
 # Per (device, dtype): a one-element tensor; expanded views of it are allocation templates.
 _PROTOS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 _LOCK = threading.Lock()
@@ -63,6 +73,8 @@ def clear_plans() -> None:
         _CLEARS += 1
         _PLANS.clear()
         _FP8_PLANS.clear()
+        _TRAIN_PLANS.clear()
+        _BWD_PLANS.clear()
 
 
 def clears() -> int:
@@ -115,6 +127,33 @@ def scratch_lse(device: torch.device, shape: tuple[int, int, int]) -> torch.Tens
             size = min(MAX_SCRATCH_ELEMENTS, max(n, 2 * buffers[-1].numel() if buffers else 4096))
             buffers.append(torch.empty(size, dtype=torch.float32, device=device))
         return buffers[-1][:n].view(shape)
+
+
+def zero_lse(device: torch.device, shape: tuple[int, int, int]) -> torch.Tensor | None:
+    """A (batch, heads_q, seqlen_q) float32 view of zeros on ``device`` that kernels only read (an
+    absent dLSE), or None when too big (over :data:`MAX_SCRATCH_ELEMENTS`) or while the current
+    stream is being captured into a CUDA graph (a buffer made then would be zeroed only when the
+    graph replays). A new buffer is zeroed and waited for before any stream reads it."""
+    n = math.prod(shape)
+    zeros = _ZEROS.get(device)
+    if zeros is None or zeros.numel() < n:
+        if n > MAX_SCRATCH_ELEMENTS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        with _LOCK:
+            zeros = _ZEROS.get(device)
+            if zeros is None or zeros.numel() < n:
+                size = min(MAX_SCRATCH_ELEMENTS, max(n, 2 * zeros.numel() if zeros is not None else 4096))
+                zeros = torch.zeros(size, dtype=torch.float32, device=device)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()  # every stream may read it from now on
+                old = _ZEROS.get(device)
+                if old is not None:
+                    _RETIRED.append(old)  # a kernel may still read it: never freed
+                _ZEROS[device] = zeros
+    return zeros[:n].view(shape)
+
+
+_RETIRED: list[torch.Tensor] = []  # zero buffers replaced by larger ones
 
 
 def plain_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *more: torch.Tensor) -> bool:

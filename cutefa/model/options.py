@@ -64,6 +64,10 @@ class Scheduler(Choice):
     GRID = ""  # one CTA per tile, the hardware's launch order
     PERSISTENT = "persist"  # one CTA per SM walking the tiles longest-first
     LPT = "lpt"  # one CTA per tile in a 1-D grid, longest-first in L2-sized sections (16-bit only)
+    # Packed batches (16-bit only): LPT's 1-D order over ceil(max_seqlen_q / tile_m) query tiles of
+    # every (head, sequence), the last (heaviest when causal) first; a CTA past its sequence's tiles
+    # exits before it sets anything up.
+    HEAVY_FIRST = "hfirst"
 
 
 class Quant(Choice):

@@ -11,9 +11,23 @@ enough for about :data:`TARGET_WAVES` waves of resident CTAs, each split keeping
 :data:`MIN_BLOCKS_PER_SPLIT` key blocks, and among the counts that do, the one whose last wave is
 fullest. Only shapes are read (the cache's capacity stands for the lengths, which live on the GPU),
 so the choice needs no host sync and is the same at graph capture and replay.
+
+Two schedules (:class:`DecodeSchedule`). ROWS, the one above: a warp per 16-row slab, so a tile of up to
+16 rows is a one-warp CTA. That CTA holds 68 KiB of shared memory at head dim 128 (Q plus 2 stages
+of 64-key K and V tiles), so an H100 SM keeps 3 of them: 3 warps on its 4 schedulers, each alone
+on its scheduler to hide the latency of its own ldmatrix, mma.sync, softmax and cp.async issue
+chain, and a batch-1 split walks its key blocks one after the other through that chain. KEYS, for
+tiles of 16 rows: :data:`KEY_WARPS` warps share the tile's rows and split each key block among them
+(16 keys a warp); each warp copies, multiplies and softmaxes its own slice of every stage (no CTA
+barrier in the mainloop), keeps Q in registers, and the warps' partial rows merge through shared
+memory at the end (kernels/sm80/decode_warps.py). Then an SM keeps 2 CTAs (8 warps) with 3 stages
+each (80 KiB in flight per CTA), a block's latency is a quarter of ROWS', and the grid's splits
+stay as few as ROWS' (the same 64-key block per CTA step).
 """
 
 from __future__ import annotations
+
+import enum
 
 from cutefa.model.budgets import TARGET_SMEM_LIMITS
 from cutefa.model.budgets_sm80 import sm80_smem_bytes
@@ -39,6 +53,26 @@ REGISTERS_PER_SM = 65536
 REGISTERS_PER_THREAD = 256
 SMEM_PER_CTA_RESERVE = 1024  # the driver's shared memory per resident CTA
 
+# The KEYS schedule: warps splitting each key block, 16 keys a warp (the k-step of O += P V).
+WARP_KEYS = 16
+# tile_n = 16 * warps: TILE_N's 64-key blocks. Head dims 64 and 128 only: at 192 and 256 Q (kept in
+# registers) and O do not fit 255 registers (hd256 spills), and hd96's 16x96 Q tile does not split
+# into one warp's 16-byte copies.
+KEY_WARPS = {64: 4, 128: 4}
+KEY_STAGES = 3
+# Registers a thread of a KEYS CTA (S of 16 keys, Q and O in registers): the most its SASS shows
+# (sm_90a, DSL 4.8.1: hd64 128; hd128 192 dense, 168 paged), for the residency count.
+KEY_REGISTERS_PER_THREAD = {64: 128, 128: 192}
+# Splits of at least this many keys (MIN_BLOCKS_PER_SPLIT blocks of 64 keys).
+MIN_KEYS_PER_SPLIT = 256
+
+
+class DecodeSchedule(enum.Enum):
+    """How a decode CTA's warps share its work (module docs)."""
+
+    ROWS = "rows"  # a warp per 16-row slab, each walking every key
+    KEYS = "keys"  # 16 rows, the warps splitting each key block, merged in shared memory
+
 
 def row_tile(rows: int) -> tuple[int, int]:
     """(tile_m, warps) for ``rows`` packed query rows of a kv head (group x new tokens): the fewest
@@ -60,23 +94,63 @@ def decode_spec(
     paged: bool = False,
     softcap: bool = False,
     cache_dtype: CacheDtype = CacheDtype.SAME,
+    schedule: DecodeSchedule = DecodeSchedule.ROWS,
 ) -> VariantSpec:
     """The decode variant for ``rows`` packed query rows per kv head (group x new tokens);
-    ``cache_dtype``: the KV cache's element type (E4M3: an e4m3 cache read with descales)."""
+    ``cache_dtype``: the KV cache's element type (E4M3: an e4m3 cache read with descales);
+    ``schedule``: KEYS where the tile is 16 rows and the cache is 16-bit (:func:`keys_apply`),
+    else ROWS."""
     tile_m, warps = row_tile(rows)
     if head_dim not in TILE_N:
         raise ValueError(f"head_dim={head_dim} has no decode tile; known: {sorted(TILE_N)}")
     features = Features(paged_kv=paged, split_kv=True, softcap=softcap)
+    if schedule is DecodeSchedule.KEYS and keys_apply(rows, head_dim, cache_dtype):
+        warps = KEY_WARPS[head_dim]
+        return VariantSpec(
+            "sm80", "fwd", dtype, head_dim, tile_m, WARP_KEYS * warps, KEY_STAGES, warps, mask=mask,
+            features=features, options=Sm80FwdOptions(cache_dtype=cache_dtype),
+        )  # fmt: skip
     return VariantSpec(
         "sm80", "fwd", dtype, head_dim, tile_m, TILE_N[head_dim], STAGES, warps, mask=mask, features=features,
         options=Sm80FwdOptions(cache_dtype=cache_dtype),
     )  # fmt: skip
 
 
+def keys_apply(rows: int, head_dim: int, cache_dtype: CacheDtype = CacheDtype.SAME) -> bool:
+    """Whether the KEYS schedule takes a problem of ``rows`` packed rows: one 16-row slab, a head
+    dim of :data:`KEY_WARPS`, a 16-bit cache."""
+    return rows <= MMA_ROWS and head_dim in KEY_WARPS and cache_dtype is CacheDtype.SAME
+
+
+def key_warps(spec: VariantSpec) -> int:
+    """Warps that split each key block of a decode ``spec`` (1: the ROWS schedule): its warps
+    beyond one per 16-row slab."""
+    return spec.warps // max(1, spec.tile_m // MMA_ROWS)
+
+
+def schedule_of(spec: VariantSpec) -> DecodeSchedule:
+    return DecodeSchedule.KEYS if key_warps(spec) > 1 else DecodeSchedule.ROWS
+
+
+def warp_keys(spec: VariantSpec) -> int:
+    """Keys of a key block each warp takes (tile_n for the ROWS schedule)."""
+    return spec.tile_n // key_warps(spec)
+
+
+def min_blocks_per_split(spec: VariantSpec) -> int:
+    """The fewest key blocks of a split: :data:`MIN_BLOCKS_PER_SPLIT` (ROWS, as measured), at least
+    :data:`MIN_KEYS_PER_SPLIT` keys (KEYS)."""
+    if schedule_of(spec) is DecodeSchedule.KEYS:
+        return max(1, MIN_KEYS_PER_SPLIT // spec.tile_n)
+    return MIN_BLOCKS_PER_SPLIT
+
+
 def copy_threads_per_row(spec: VariantSpec) -> int:
     """Threads side by side on a row in the global->shared copies (decode_rows.g2s_tiled_copy): 2 (a
     32-byte sector a pair, the fewest rows a thread), more where the CTA's threads would otherwise
     span more rows than a K/V tile has."""
+    if schedule_of(spec) is DecodeSchedule.KEYS:
+        return 2  # a warp copies its own 16-key slice: 16 rows of 2 threads
     return max(2, spec.threads // spec.tile_n)
 
 
@@ -90,7 +164,12 @@ def ctas_per_sm(spec: VariantSpec, target: str) -> int:
     smem = (TARGET_SMEM_LIMITS[target] + SMEM_PER_CTA_RESERVE) // (
         sm80_smem_bytes(spec) + SMEM_PER_CTA_RESERVE
     )
-    registers = REGISTERS_PER_SM // (REGISTERS_PER_THREAD * spec.threads)
+    per_thread = (
+        KEY_REGISTERS_PER_THREAD[spec.head_dim]
+        if schedule_of(spec) is DecodeSchedule.KEYS
+        else REGISTERS_PER_THREAD
+    )
+    registers = REGISTERS_PER_SM // (per_thread * spec.threads)
     return max(1, min(smem, registers, MAX_THREADS_PER_SM // spec.threads, MAX_CTAS_PER_SM))
 
 
@@ -100,11 +179,20 @@ def _last_wave_fill(ctas: int, slots: int) -> float:
 
 
 def num_splits(
-    *, batch: int, heads_kv: int, row_tiles: int, seqlen_k: int, tile_n: int, sm_count: int, ctas_per_sm: int
+    *,
+    batch: int,
+    heads_kv: int,
+    row_tiles: int,
+    seqlen_k: int,
+    tile_n: int,
+    sm_count: int,
+    ctas_per_sm: int,
+    min_blocks: int = MIN_BLOCKS_PER_SPLIT,
 ) -> int:
     """How many splits the keys take (module docs). ``seqlen_k``: the longest a sequence can be
-    (the cache's capacity, plus the new tokens). 1 when the grid already fills
-    :data:`TARGET_WAVES` waves or the cache has too few blocks to split."""
+    (the cache's capacity, plus the new tokens); ``min_blocks``: the fewest key blocks of a split
+    (:func:`min_blocks_per_split`). 1 when the grid already fills :data:`TARGET_WAVES` waves or
+    the cache has too few blocks to split."""
     ctas = batch * heads_kv * row_tiles
     if ctas <= 0 or seqlen_k <= 0:
         return 1
@@ -112,7 +200,7 @@ def num_splits(
     if ctas >= TARGET_WAVES * slots:
         return 1
     blocks = -(-seqlen_k // tile_n)
-    most = max(1, min(MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
+    most = max(1, min(MAX_SPLITS, blocks // min_blocks))
     least = min(most, -(-TARGET_WAVES * slots // ctas))
     candidates = range(least, min(most, 2 * least) + 1)
     best = max(_last_wave_fill(ctas * s, slots) for s in candidates)

@@ -16,7 +16,7 @@ from cutefa.model.budgets_sm90 import (
     sm90_fwd_tile_head_dims,
 )
 from cutefa.model.options import Mask, Scheduler
-from cutefa.model.spec import VariantSpec
+from cutefa.model.spec import Features, VariantSpec
 
 WG_ROWS = 64  # query rows of one consumer warpgroup (WGMMA's M)
 PRODUCER_REGS = 24  # setmaxnreg of the 16-bit producer warpgroup (TMA issue only)
@@ -52,7 +52,8 @@ def fwd_ptxas_options(spec: VariantSpec) -> str:
     PTXAS_OPTIONS). 16-bit: ``-regUsageLevel 3`` for causal three-consumer tiles with ping-pong or
     the 1-D longest-first grid: at its default level (above 3) ptxas gives them up the uniform
     datapath at 160 registers (WGMMA descriptors and pipeline state in regular registers, ~130 R2UR,
-    ~55 more instructions per key block); levels 0-3 keep it. e4m3:
+    ~55 more instructions per key block); levels 0-3 keep it (the packed batches' heavy-first grid,
+    LPT's order, likewise). e4m3:
     :func:`~cutefa.model.budgets_sm90.sm90_fp8_ptxas_options`."""
     if spec.dtype == "e4m3":
         return sm90_fp8_ptxas_options(spec)
@@ -60,7 +61,7 @@ def fwd_ptxas_options(spec: VariantSpec) -> str:
     if (
         consumers(spec) == 3
         and spec.mask is Mask.CAUSAL
-        and (o.schedule.pingpong or o.scheduler is Scheduler.LPT)
+        and (o.schedule.pingpong or o.scheduler in (Scheduler.LPT, Scheduler.HEAVY_FIRST))
     ):
         return UNIFORM_DATAPATH_PTXAS
     return ""
@@ -142,3 +143,19 @@ def fwd_o_in_q_slab(spec: VariantSpec) -> bool:
     (:func:`~cutefa.model.budgets_sm90.sm90_smem_bytes` counts it)."""
     d, dv = sm90_fwd_tile_head_dims(spec)
     return spec.options.scheduler is not Scheduler.PERSISTENT and dv <= d
+
+
+def fwd_varlen_from_dense(dense: VariantSpec) -> VariantSpec | None:
+    """The packed-batch variant that a 16-bit sm90 forward problem's dense choice carries over to
+    (``dense``: the tuned table's or the default variant of the same problem, mask included): its
+    tile, stages and options (the tuned non-causal hd128 128x176 with pair_cvt, say) with the varlen
+    axis, on the heavy-first grid (Scheduler.HEAVY_FIRST: LPT's order over every sequence's query
+    tiles, a CTA past its sequence's tiles exiting at once) whatever scheduler the dense call runs.
+    None for a variant of another family or one with features. Not the dispatched default yet:
+    dispatch runs the family default with the varlen axis until a benchmark puts this one ahead
+    (tools/bench_varlen.py's ``cutefa-next`` side times it beside today's choice)."""
+    if (dense.arch, dense.direction) != ("sm90", "fwd") or dense.dtype == "e4m3" or dense.features.any:
+        return None
+    if dense.mask is Mask.LOCAL:
+        return None
+    return dense.replace(features=Features(varlen=True), scheduler=Scheduler.HEAVY_FIRST)

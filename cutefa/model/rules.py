@@ -55,6 +55,7 @@ from cutefa.model.rules_sm90 import (  # the sm90 families' rules, held to the s
     _sm90_fp8_tile,
     _sm90_fp8_varlen,
     _sm90_fp8_wide_transpose,
+    _sm90_heavy_first,
     _sm90_lazy_rescale,
     _sm90_roles,
 )
@@ -251,7 +252,28 @@ def _sm80_cache_dtype(spec: VariantSpec) -> str | None:
 KV_E4M3_MIN_CC = 90
 
 
+def _sm80_decode_key_warps(spec: VariantSpec) -> str | None:
+    """A decode tile of one 16-row slab with more warps: they split each key block, 16 keys a
+    warp (cutefa.model.policy_decode, the KEYS schedule)."""
+    if spec.tile_m != 16 or spec.warps not in (2, 4, 8):
+        return (
+            f"tile_m={spec.tile_m} with {spec.warps} warps: warps split the keys of 16-row decode tiles only"
+        )
+    if spec.tile_n != 16 * spec.warps:
+        return f"tile_n={spec.tile_n}: the {spec.warps} warps splitting the keys take 16 each (tile_n = {16 * spec.warps})"
+    if spec.options.kv_e4m3:
+        return "cache_dtype=E4M3 with warps splitting the keys: the e4m3 cache is read by the one-warp-per-slab tile"
+    if spec.head_dim not in (64, 128):
+        return (
+            f"head_dim={spec.head_dim} with warps splitting the keys: head dims 64 and 128 only (Q and O in "
+            "registers; a warp's 16-byte copies of the Q tile)"
+        )
+    return None
+
+
 def _sm80_warps(spec: VariantSpec) -> str | None:
+    if spec.direction == "fwd" and spec.features.split_kv and spec.warps * 16 > spec.tile_m:
+        return _sm80_decode_key_warps(spec)
     if spec.direction == "fwd":
         rows = 16 * spec.warps
         if spec.tile_m % rows:
@@ -415,7 +437,7 @@ def _sm100_bwd(spec: VariantSpec) -> str | None:
 _OPTION_RULES: dict[type[Options], tuple[Rule, ...]] = {
     Sm80FwdOptions: (_sm80_cache_dtype,),
     Sm80BwdOptions: (_sm80_dq_layout,),
-    Sm90FwdOptions: (_sm90_early_rescale, _sm90_lazy_rescale),
+    Sm90FwdOptions: (_sm90_early_rescale, _sm90_lazy_rescale, _sm90_heavy_first),
     Sm90Fp8FwdOptions: (_sm90_fp8_wide_transpose, _sm90_fp8_accumulation),
     Sm90BwdOptions: (_sm90_bwd_dq_path,),
 }

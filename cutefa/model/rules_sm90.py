@@ -97,8 +97,19 @@ def _sm90_fp8_accumulation(spec: VariantSpec) -> str | None:
         return "v_mean with o_accum=TWO_LEVEL: centered v needs no two-level accumulation"
     if o.v_mean and block:
         return "v_mean with quant=BLOCK: not built for the block path"
-    if o.scheduler is Scheduler.LPT:
-        return "scheduler=LPT: the sm90 e4m3 forward has its own grid (GRID or PERSISTENT)"
+    if o.scheduler in (Scheduler.LPT, Scheduler.HEAVY_FIRST):
+        return f"scheduler={o.scheduler.name}: the sm90 e4m3 forward has its own grid (GRID or PERSISTENT)"
+    return None
+
+
+def _sm90_heavy_first(spec: VariantSpec) -> str | None:
+    """The heavy-first grid orders the query tiles of a packed batch (templates/fwd_sm90.py.j2):
+    a dense batch's tiles are ordered by the GRID, PERSISTENT and LPT schedulers."""
+    if spec.options.scheduler is Scheduler.HEAVY_FIRST and not spec.features.varlen:
+        return (
+            "scheduler=HEAVY_FIRST without varlen: the heavy-first grid walks a packed batch's query tiles "
+            "(a dense batch takes GRID, PERSISTENT or LPT)"
+        )
     return None
 
 

@@ -31,6 +31,9 @@ the tensor is.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass.cutlass_dsl import dsl_user_op
+
+from cutefa.kernels.common.ptx import effect_asm
 
 # The view's modes: rows first and head_dim contiguous (Q, K, O: (rows, d, heads, x, w)), or
 # head_dim first (V as the N-major B operand of O += P V: (d, rows, heads, x, w)).
@@ -96,6 +99,21 @@ def grid_m_block(bx: Int32, seqlen_q: Int32, tile_m: cutlass.Constexpr) -> Int32
     most key blocks when causal), so the first columns of the grid carry each sequence's longest
     tiles; negative for the columns past the sequence's tiles (the CTA has nothing to do)."""
     return cute.ceil_div(seqlen_q, tile_m) - 1 - bx
+
+
+@dsl_user_op
+def exit_past(row0: Int32, length: Int32, *, loc=None, ip=None) -> None:
+    """Ends the calling thread (PTX ``exit``) where ``row0 >= length``: a CTA whose query tile starts
+    past its sequence's rows leaves before it sets up shared memory, barriers or registers. Every
+    thread of the CTA must call it with the same values, before any barrier (none is left waiting)."""
+    effect_asm(
+        None,
+        [Int32(row0).ir_value(loc=loc, ip=ip), Int32(length).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred past;\nsetp.ge.s32 past, $0, $1;\n@past exit;\n}",
+        "r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""The packed-batch forward's heavy-first grid (Scheduler.HEAVY_FIRST, templates/fwd_sm90.py.j2) and
+the policy that carries a dense choice over to a packed batch (policy_sm90.fwd_varlen_from_dense):
+which specs take them, the names, what the generated module does (LPT's order over every
+sequence's query tiles, a CTA past its sequence's tiles leaving before any setup), and that the
+dispatched defaults stay as they were."""
+
+from __future__ import annotations
+
+import pytest
+
+from cutefa import codegen
+from cutefa.model import policy_sm90
+from cutefa.model.options import Mask, Schedule, Scheduler
+from cutefa.model.rules import why_invalid
+from cutefa.model.spec import Features, VariantSpec, parse_name
+
+VARLEN = Features(varlen=True)
+
+
+def _spec(
+    dtype="bf16", head_dim=128, tile=(128, 128), mask=Mask.CAUSAL, features=VARLEN, **options
+) -> VariantSpec:
+    options.setdefault("schedule", Schedule.OVERLAP_PINGPONG)
+    return VariantSpec(
+        "sm90", "fwd", dtype, head_dim, tile[0], tile[1], 2, 4 * (tile[0] // 64 + 1), mask=mask, features=features,
+        **options,
+    )  # fmt: skip
+
+
+def test_heavy_first_takes_packed_16_bit_batches_only():
+    hfirst = _spec(scheduler=Scheduler.HEAVY_FIRST)
+    assert hfirst.name == "cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_causal_varlen_ov_pp_hfirst"
+    assert parse_name(hfirst.name) == hfirst
+    for spec in (
+        hfirst,
+        _spec(mask=Mask.NONE, tile=(128, 176), scheduler=Scheduler.HEAVY_FIRST, pair_cvt=True),
+        _spec("fp16", 64, (192, 128), scheduler=Scheduler.HEAVY_FIRST),
+        _spec(
+            mask=Mask.LOCAL,
+            features=Features(varlen=True, softcap=True, sinks=True),
+            scheduler=Scheduler.HEAVY_FIRST,
+        ),
+    ):
+        assert why_invalid(spec) is None, (spec.name, why_invalid(spec))
+    assert "without varlen" in why_invalid(hfirst.replace(features=Features()))
+    assert "without varlen" in why_invalid(hfirst.replace(features=Features(softcap=True)))
+    fp8 = VariantSpec("sm90", "fwd", "e4m3", 128, 128, 128, 2, 12, scheduler=Scheduler.HEAVY_FIRST)
+    assert "own grid" in why_invalid(fp8)
+    assert why_invalid(fp8.replace(features=VARLEN)) is not None
+
+
+def test_the_heavy_first_module_exits_before_any_setup():
+    text = codegen.render_source(_spec(scheduler=Scheduler.HEAVY_FIRST))
+    kernel = text[text.index("    def kernel(") :]
+    exit_at = kernel.index("varlen.exit_past(m_block * TILE_M, seqlen_q)")
+    assert (
+        kernel.index("parts.lpt_tile(bx, cutlass.max(num_m, 1), heads_q, heads_q * batch_size, lpt_pairs)")
+        < exit_at
+    )
+    assert exit_at < kernel.index("SmemAllocator()") < kernel.index("pipeline_init_arrive")
+    assert "if m_block >= 0:" not in kernel  # no tile is gated: the CTAs without one have left
+    assert "grid = (cutlass.max(num_m * mQ.shape[1] * batch, 1), 1, 1)" in text
+    assert "lpt_pairs = parts.lpt_group(mK.shape[0] // cutlass.max(batch, 1), HEAD_DIM" in text
+    # today's grid scheduler is unchanged: its CTAs past a sequence's tiles are gated
+    grid = codegen.render_source(_spec())
+    assert "exit_past" not in grid and "if m_block >= 0:" in grid and "lpt_pairs" not in grid
+
+
+def test_three_consumer_causal_heavy_first_keeps_the_uniform_datapath_option():
+    spec = _spec("bf16", 64, (192, 128), scheduler=Scheduler.HEAVY_FIRST)
+    assert policy_sm90.fwd_ptxas_options(spec) == policy_sm90.UNIFORM_DATAPATH_PTXAS
+    assert policy_sm90.fwd_ptxas_options(spec.replace(mask=Mask.NONE)) == ""
+
+
+@pytest.mark.parametrize(
+    "dense, expected",
+    [
+        ("cutefa_sm90_fwd_bf16_hd128_128x176_s2_w12_ov_pp_pcvt",
+         "cutefa_sm90_fwd_bf16_hd128_128x176_s2_w12_varlen_ov_pp_hfirst_pcvt"),
+        ("cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_causal_ov_pp_persist",
+         "cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_causal_varlen_ov_pp_hfirst"),
+        ("cutefa_sm90_fwd_fp16_hd64_192x128_s2_w16_causal_ov_pp_lpt",
+         "cutefa_sm90_fwd_fp16_hd64_192x128_s2_w16_causal_varlen_ov_pp_hfirst"),
+    ],
+)  # fmt: skip
+def test_a_dense_choice_carries_over_to_a_packed_batch(dense, expected):
+    spec = policy_sm90.fwd_varlen_from_dense(parse_name(dense))
+    assert spec is not None and spec.name == expected and why_invalid(spec) is None
+
+
+def test_no_packed_form_outside_the_16_bit_sm90_forward():
+    for name in (
+        "cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4",
+        "cutefa_sm90_fwd_e4m3_hd128_128x128_s2_w12_ov_pp",
+    ):
+        assert policy_sm90.fwd_varlen_from_dense(parse_name(name)) is None
+    assert (
+        policy_sm90.fwd_varlen_from_dense(_spec(features=Features(softcap=True), scheduler=Scheduler.GRID))
+        is None
+    )
+    assert policy_sm90.fwd_varlen_from_dense(_spec(mask=Mask.LOCAL, features=Features())) is None
+
+
+def test_dispatch_still_runs_the_default_with_the_varlen_axis():
+    import torch
+
+    from cutefa import dispatch
+
+    for causal in (False, True):
+        choice = dispatch.choose(
+            target="sm_90a", dtype=torch.bfloat16, causal=causal, gpu_name="NVIDIA H100 80GB HBM3", head_dim=128,
+            seqlen_q=2048, seqlen_k=2048, batch=8, heads_q=16, heads_kv=16, features=VARLEN,
+        )  # fmt: skip
+        assert choice.spec.features == VARLEN
+        assert choice.spec.options.scheduler is Scheduler.GRID, choice.spec.name
