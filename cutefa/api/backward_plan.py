@@ -21,6 +21,11 @@ from cutefa import dispatch
 from cutefa.api import plans as _plans
 
 _F32 = torch.float32
+# Whether a plan pre-binds the sm90 backward's launcher (:func:`bind`): off until a GPU run has held
+# the bound launch to the full call (tests/gpu/test_host_train_gpu.py turns it on and compares them
+# bit for bit); the plan's other savings (no variant choice, prototypes, the shared zero lse
+# gradient) stand without it.
+BIND = False
 
 
 def bind(
@@ -91,7 +96,7 @@ def make_bwd_plan(
     accum_proto, log2_proto, dpsum_proto = protos["dq_accum"], protos["lse_log2"], protos["dpsum"]
     dkv_proto = protos.get("dkv_accum")
     zeros = _plans.zero_lse(device, setup.lse_shape)  # kept for good: a view of it stays valid
-    fast = bind(setup, q, k, v, softmax_scale, deterministic)
+    fast = bind(setup, q, k, v, softmax_scale, deterministic) if BIND else None
     out_shape, lse_shape = (*q.shape[:-1], v.shape[-1]), setup.lse_shape
     choice = dispatch.Choice(setup.spec, setup.target, "backward")
 
@@ -118,6 +123,11 @@ def make_bwd_plan(
             and v.is_contiguous()
             and out.is_contiguous()
             and lse.is_contiguous()
+            and lse.dtype is _F32
+            and lse.shape == lse_shape
+            and k.dtype is dtype
+            and v.dtype is dtype
+            and out.dtype is dtype
         ):
             accum = empty_like(accum_proto)
             dkv = accum if dkv_proto is None else empty_like(dkv_proto)

@@ -74,15 +74,21 @@ def test_fast_path_matches_the_op(name, gen):
     reason="the sm90 backward binds",
 )
 def test_the_backward_plan_binds_on_hopper(gen, monkeypatch):
-    """On Hopper the backward plan gets a bound launcher, and a call it cannot take (a strided
-    dout) goes through the full call with the same result."""
+    """On Hopper, with backward_plan.BIND on, the backward plan gets a bound launcher whose results
+    equal the full call's bit for bit, and a call it cannot take (a strided dout) goes through the
+    full call with the same result."""
+    q, k, v, dout, dlse, causal = inputs(PROBLEMS["bf16-gqa8/2-hd128-causal"], gen)
+    monkeypatch.setattr(plans, "_BWD_PLANS", {})
+    want = step(q, k, v, dout, dlse, causal, fast=False, deterministic=True)  # BIND off: the full call
     bound = []
     real_bind = backward_plan.bind
+    monkeypatch.setattr(backward_plan, "BIND", True)
     monkeypatch.setattr(backward_plan, "bind", lambda *a: bound.append(real_bind(*a)) or bound[-1])
     monkeypatch.setattr(plans, "_BWD_PLANS", {})
-    q, k, v, dout, dlse, causal = inputs(PROBLEMS["bf16-gqa8/2-hd128-causal"], gen)
-    want = step(q, k, v, dout, dlse, causal, fast=False, deterministic=True)
-    step(q, k, v, dout, dlse, causal, fast=True, deterministic=True)
+    for fast in (True, False):
+        got = step(q, k, v, dout, dlse, causal, fast=fast, deterministic=True)
+        for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"bound launch, fast={fast}: {what}"
     assert len(bound) == 1 and bound[0] is not None
     strided = torch.empty((*dout.shape[:-1], 2 * dout.shape[-1]), device="cuda", dtype=dout.dtype)[..., ::2]
     strided.copy_(dout)
