@@ -22,6 +22,7 @@ from cutefa.identity import GENERATED_DIR, REPO_ROOT, TEMPLATES_DIR  # noqa: F40
 from cutefa.model.budgets_sm90 import sm90_bwd_head_split, sm90_bwd_swapped
 from cutefa.model.options import Choice
 from cutefa.model.policy_mla import is_mla
+from cutefa.model.policy_mla_wgmma import is_wgmma as is_wgmma_mla
 from cutefa.model.rules import why_invalid, why_no_kernel
 from cutefa.model.spec import ARCHS, VariantSpec, parse_name
 from cutefa.templating import template_context
@@ -33,6 +34,8 @@ Rendered = dict[Path, tuple[VariantSpec, str]]  # module path -> (spec, text)
 
 def template_name(spec: VariantSpec) -> str:
     """File name of the template that renders ``spec``, inside the templates directory."""
+    if is_wgmma_mla(spec):
+        return "decode_mla_wgmma_sm90.py.j2"  # MLA decode with warpgroup MMA (opt-in variant, tile_m 64)
     if is_mla(spec):
         return "decode_mla_sm90.py.j2"  # MLA decode: q of head dim 576 against one paged latent cache
     if spec.features.split_kv:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cutefa.model import policy_decode, policy_mla, policy_sm80, policy_sm90, policy_sm100
+from cutefa.model import policy_decode, policy_mla, policy_mla_wgmma, policy_sm80, policy_sm90, policy_sm100
 from cutefa.model.budgets_sm90 import sm90_bwd_dq_bulk_aliases, sm90_bwd_dq_pieces, sm90_fwd_tile_head_dims
 from cutefa.model.budgets_sm100 import sm100_tmem_columns
 from cutefa.model.options import (
@@ -288,6 +288,10 @@ def _decode_mla_sm90(spec: VariantSpec) -> Context:
     return {"features": spec.features.tokens, **policy_mla.template_numbers(spec)}
 
 
+def _decode_mla_wgmma_sm90(spec: VariantSpec) -> Context:
+    return {"features": spec.features.tokens, **policy_mla_wgmma.template_numbers(spec)}
+
+
 def _bwd_sm100(spec: VariantSpec) -> Context:
     tmem_dp, tmem_dv, tmem_dk, tmem_end = policy_sm100.bwd_tmem_columns(spec)
     return {"tmem_dp": tmem_dp, "tmem_dv": tmem_dv, "tmem_dk": tmem_dk, "tmem_end": tmem_end}
@@ -306,6 +310,7 @@ _NUMBERS: dict[str, Callable[[VariantSpec], Context]] = {
     "bwd_sm100.py.j2": _bwd_sm100,
     "decode_sm80.py.j2": _decode_sm80,
     "decode_mla_sm90.py.j2": _decode_mla_sm90,
+    "decode_mla_wgmma_sm90.py.j2": _decode_mla_wgmma_sm90,
 }
 
 

@@ -401,10 +401,8 @@ def _backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: boo
     deterministic = torch.are_deterministic_algorithms_enabled()
     if packed is None and window == (-1, -1):
         return torch.ops.cutefa.flash_bwd(dout, q, k, v, out, lse, None, causal, softmax_scale, deterministic)
-    if not hasattr(torch.ops.cutefa, "attn_bwd"):
-        raise NotImplementedError(
-            "this cutefa has no backward for windows or packed sequences (cutefa::attn_bwd)"
-        )
+    import cutefa.api.feature_ops  # noqa: F401 -- registers cutefa::attn_bwd (loaded on first use)
+
     cu_q, cu_k, max_q, max_k = packed if packed is not None else (None, None, q.shape[1], k.shape[1])
     dq, dk, dv, _ = torch.ops.cutefa.attn_bwd(
         dout, q, k, v, out, lse, None, cu_q, cu_k, None, None, int(max_q), int(max_k), causal, softmax_scale,

@@ -6,10 +6,12 @@ of head dim 576, one query token, output head dim 512. Effective bandwidth = byt
 cache read (batch * cache * 576 * 2) / time, printed beside the GPU's device-to-device copy
 bandwidth measured in the same run.
 
-Peers, where importable (else "n/a (why)"): FlashMLA (``flash_mla_with_kvcache``), FlashInfer's
-``BatchMLAPagedAttentionWrapper`` (latent and rope parts as two caches, copied apart before timing),
-FA3's ``flash_attn_interface.flash_attn_with_kvcache`` (``qv``: rope part as q/k, latent as v) and
-FA4 (``flash_attn.cute``: the same split where its signature takes ``qv``). Every output is checked
+Sides: cutefa (the default kernel) and cutefa-wgmma (the opt-in WGMMA variant,
+cutefa.model.policy_mla_wgmma). Peers, where importable (else "n/a (why)"): FlashMLA
+(``flash_mla_with_kvcache``), FlashInfer's ``BatchMLAPagedAttentionWrapper`` (latent and rope
+parts as two caches, copied apart before timing), FA3's
+``flash_attn_interface.flash_attn_with_kvcache`` (``qv``: rope part as q/k, latent as v) and FA4
+(``flash_attn.cute``: the same split where its signature takes ``qv``). Every output is checked
 against a float32 reference (first and last sequence) before it is timed; a failure is FAIL and
 not timed.
 
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_decode import copy_bandwidth, make_timer, rel_l2
 
 from cutefa.api import mla
+from cutefa.model import policy_mla_wgmma
 
 PAGE = 64
 DTYPE = torch.bfloat16
@@ -77,6 +80,12 @@ class Cell:
 
 def cutefa_backend(cell):
     return lambda: mla.mla_decode(cell.q, cell.kv, cell.table, cell.seqlens, softmax_scale=SCALE)[0][:, 0]
+
+
+def cutefa_wgmma_backend(cell):
+    """The opt-in WGMMA variant (cutefa.model.policy_mla_wgmma), selected by its spec."""
+    spec = policy_mla_wgmma.mla_spec("bf16")
+    return lambda: mla.decode(cell.q, cell.kv, cell.table, cell.seqlens, SCALE, False, 0, spec=spec)[0][:, 0]
 
 
 def flashmla_backend(cell):
@@ -146,6 +155,7 @@ def fa4_backend(cell):
 
 BACKENDS = {
     "cutefa": cutefa_backend,
+    "cutefa-wgmma": cutefa_wgmma_backend,
     "flashmla": flashmla_backend,
     "flashinfer": flashinfer_backend,
     "fa3": fa3_backend,

@@ -71,6 +71,8 @@ SAMPLE: tuple[Sample, ...] = (
            "sm80 decode: one token per sequence, a group's query heads in one tile, paged K/V, split-KV"),
     Sample("cutefa_sm90_fwd_bf16_hd576v512_32x64_s2_w8_causal_paged_split", "sm_90a",
            "sm90 MLA decode: 128 query heads over one latent kv head (576/512), paged, split-KV, causal"),
+    Sample("cutefa_sm90_fwd_bf16_hd576v512_64x64_s2_w8_paged_split", "sm_90a",
+           "sm90 MLA decode with WGMMA (the opt-in variant): 64 packed rows, two warpgroups, paged, split-KV"),
     Sample("cutefa_sm100_fwd_bf16_hd128_256x128_s3_w16_emu25", "sm_100a",
            "sm100 forward: the bf16 hd128 default"),
     Sample("cutefa_sm100_fwd_e4m3_hd128_256x128_s3_w16_causal_emu25", "sm_100a",

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from cutefa import dispatch
-from cutefa.api import dense, fp8
+from cutefa.api import dense
 from cutefa.api import plans as _plans
 from cutefa.api.launch import shapes
 from cutefa.api.plans import plain_eager
@@ -45,9 +45,10 @@ from cutefa.api.validate import (
     validate_fp8_inputs,
     validate_inputs,
 )
-from cutefa.api.validate_features import check_dropout, check_softcap, mask_options
-from cutefa.api.varlen import dense_with_features, has_features
 from cutefa.model.spec import Features
+
+# A dense call loads none of the feature, fp8 or mods modules: each is imported where its branch
+# begins (its custom ops register then), so ``import cutefa.api`` stays short.
 
 # window_size values that ask for no window (score_mod/mask_mod take no window)
 WINDOWLESS = ((-1, -1), (None, None))
@@ -132,6 +133,9 @@ def flash_attn_func(
     no gradient).
     """
     if score_mod is not None or mask_mod is not None or block_mask is not None:
+        from cutefa.api.validate_features import check_dropout
+        from cutefa.api.varlen import has_features
+
         if has_features(window_size, softcap, alibi_slopes, sinks) or window_size not in WINDOWLESS:
             raise NotImplementedError(
                 "score_mod/mask_mod/block_mask with window_size, softcap, alibi_slopes or sinks is not "
@@ -149,7 +153,12 @@ def flash_attn_func(
             return out, lse, None
         return (out, lse) if return_lse else out
     if window_size != (-1, -1) or softcap != 0.0 or alibi_slopes is not None or sinks is not None:
+        from cutefa.api.varlen import has_features
+
         if has_features(window_size, softcap, alibi_slopes, sinks):
+            from cutefa.api.validate_features import check_dropout
+            from cutefa.api.varlen import dense_with_features
+
             check_dropout(dropout_p)
             if q_descale is not None or k_descale is not None or v_descale is not None or v_mean is not None:
                 raise NotImplementedError(
@@ -163,6 +172,8 @@ def flash_attn_func(
             return (out, lse) if return_lse else out
         causal = flash_attn_options(dropout_p, causal, window_size)
     elif dropout_p != 0.0:
+        from cutefa.api.validate_features import check_dropout
+
         check_dropout(dropout_p)
     if return_attn_probs:
         out, lse = flash_attn_func(
@@ -204,6 +215,8 @@ def flash_attn_func(
     check_tensors((q, k, v))  # the op validates the rest; these are needed to call it at all
     fp8_options = (q_descale, k_descale, v_descale, out_dtype, v_mean)
     if q.dtype in FP8_DTYPES or any(o is not None for o in fp8_options):
+        from cutefa.api import fp8
+
         return fp8.call(q, k, v, causal, softmax_scale, return_lse, deterministic, *fp8_options)
     check_options(causal, softmax_scale)
     check_deterministic(deterministic)
@@ -220,6 +233,8 @@ def _eager(
     :func:`cutefa.api.fp8.call`."""
     q, k, v = check_tensors((q, k, v))
     if q.dtype in FP8_DTYPES or any(o is not None for o in fp8_options):
+        from cutefa.api import fp8
+
         fp8_key = key if q.dtype in FP8_DTYPES else None  # (flash_attn_func made it the fp8 plan key)
         return fp8.call(q, k, v, causal, softmax_scale, return_lse, deterministic, *fp8_options, fp8_key)
     check_options(causal, softmax_scale)
@@ -240,6 +255,8 @@ def flash_attn_options(dropout_p: object, causal: object, window_size: object) -
     """flash-attn's options of a call without features (:func:`cutefa.api.varlen.has_features`):
     dropout refused by name; returns the mask's ``causal`` (``window_size=(-1, 0)`` is the causal
     mask, as in flash-attn)."""
+    from cutefa.api.validate_features import check_dropout
+
     check_dropout(dropout_p)
     _, right = window_size  # type: ignore[misc]  # has_features let only (-1|None, -1|None|0) through
     return True if right == 0 and isinstance(causal, bool) else causal
@@ -269,6 +286,8 @@ def explain(
     ``mask_mod``, ``block_mask``: a call with user mods: the traced mods and the kernels they are
     fused into.
     """
+    from cutefa.api.validate_features import check_softcap, mask_options
+
     q, k, v = check_tensors((q, k, v))
     device_types = None if target is None else (q.device.type,)
     if q.dtype in FP8_DTYPES:

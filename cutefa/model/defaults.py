@@ -11,6 +11,7 @@ Measurements quoted here are on the H200 (docs/log/perf-notes.md has each run).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 from cutefa.model.budgets_sm80 import sm80_tile_head_dim
@@ -382,57 +383,69 @@ def _sm90_fp8_fwd_grid_options() -> tuple[Sm90Fp8FwdOptions, ...]:
     return tuple(r.replace(quant=q, exp_emu=emu) for r in records for q in Quant for emu in (0, 25))
 
 
-_SM80_TILES = tuple(
-    Tile(m, n, s, w) for m in (64, 128) for n in (32, 64, 128) for s in (1, 2) for w in (4, 8)
-)
-# FA3: one producer warpgroup plus one consumer warpgroup per 64 query rows.
-_SM90_FWD_TILES = tuple(Tile(m, n, 2, 4 * (m // 64 + 1)) for m in (64, 128, 192) for n in range(64, 193, 16))
-_SM90_BWD_TILES = (
-    *(Tile(m, 128, s, 12) for m in (64, 128) for s in (2, 3)),
-    *(Tile(64, 64, s, 12) for s in (2, 3)),
-    Tile(64, 96, 2, 12),  # the swapped-dK/dV partition (hd192)
-    Tile(80, 128, 2, 12),  # hd128 with dQ transposed
-)
-# FA4: 16 warps (two softmax warpgroups, correction, MMA, load, epilogue).
-_SM100_FWD_TILES = tuple(Tile(m, n, s, 16) for m in (128, 256) for n in (64, 128) for s in (2, 3))
+@functools.cache
+def _grid() -> tuple[
+    dict[tuple[str, str], tuple[Tile, ...]], dict[tuple[str, str, bool], tuple[Options, ...]]
+]:
+    """(tiles per (family, direction), option records per (family, direction, e4m3)) of the candidate
+    grid; built on first use (a dense call never enumerates the grid)."""
+    sm80_tiles = tuple(
+        Tile(m, n, s, w) for m in (64, 128) for n in (32, 64, 128) for s in (1, 2) for w in (4, 8)
+    )
+    # FA3: one producer warpgroup plus one consumer warpgroup per 64 query rows.
+    sm90_fwd_tiles = tuple(
+        Tile(m, n, 2, 4 * (m // 64 + 1)) for m in (64, 128, 192) for n in range(64, 193, 16)
+    )
+    sm90_bwd_tiles = (
+        *(Tile(m, 128, s, 12) for m in (64, 128) for s in (2, 3)),
+        *(Tile(64, 64, s, 12) for s in (2, 3)),
+        Tile(64, 96, 2, 12),  # the swapped-dK/dV partition (hd192)
+        Tile(80, 128, 2, 12),  # hd128 with dQ transposed
+    )
+    # FA4: 16 warps (two softmax warpgroups, correction, MMA, load, epilogue).
+    sm100_fwd_tiles = tuple(Tile(m, n, s, 16) for m in (128, 256) for n in (64, 128) for s in (2, 3))
 
-_GRID_TILES: dict[tuple[str, str], tuple[Tile, ...]] = {
-    ("sm80", "fwd"): _SM80_TILES,
-    ("sm80", "bwd"): _SM80_TILES,
-    ("sm90", "fwd"): _SM90_FWD_TILES,
-    ("sm90", "bwd"): _SM90_BWD_TILES,
-    ("sm100", "fwd"): _SM100_FWD_TILES,
-    ("sm100", "bwd"): (Tile(*SM100_BWD_TILE),),
-}
-_GRID_OPTIONS: dict[tuple[str, str, bool], tuple[Options, ...]] = {
-    ("sm80", "fwd", False): (Sm80FwdOptions(),),
-    ("sm80", "bwd", False): (
-        Sm80BwdOptions(),
-        Sm80BwdOptions(dq_layout=DqLayout.QUAD),
-        Sm80BwdOptions(dq_layout=DqLayout.TILE),
-        Sm80BwdOptions(dq_layout=DqLayout.TILE, dq_pipe=True),
-    ),
-    ("sm90", "fwd", False): _sm90_fwd_grid_options(),
-    ("sm90", "fwd", True): _sm90_fp8_fwd_grid_options(),
-    # the default schedule and overlap (a query block's dQ WGMMA stays in flight behind the next
-    # block's S^T/dP^T WGMMAs), each on every dQ path; the dQ-writer warp's with LSE2/D read ahead
-    ("sm90", "bwd", False): (
-        *(
-            Sm90BwdOptions(overlap=ov, dq_path=p)
-            for p in (DqPath.RED, DqPath.BULK, DqPath.BULK_WARP)
-            for ov in (False, True)
+    tiles: dict[tuple[str, str], tuple[Tile, ...]] = {
+        ("sm80", "fwd"): sm80_tiles,
+        ("sm80", "bwd"): sm80_tiles,
+        ("sm90", "fwd"): sm90_fwd_tiles,
+        ("sm90", "bwd"): sm90_bwd_tiles,
+        ("sm100", "fwd"): sm100_fwd_tiles,
+        ("sm100", "bwd"): (Tile(*SM100_BWD_TILE),),
+    }
+    options: dict[tuple[str, str, bool], tuple[Options, ...]] = {
+        ("sm80", "fwd", False): (Sm80FwdOptions(),),
+        ("sm80", "bwd", False): (
+            Sm80BwdOptions(),
+            Sm80BwdOptions(dq_layout=DqLayout.QUAD),
+            Sm80BwdOptions(dq_layout=DqLayout.TILE),
+            Sm80BwdOptions(dq_layout=DqLayout.TILE, dq_pipe=True),
         ),
-        *(Sm90BwdOptions(overlap=ov, dq_path=DqPath.BULK_WARP, row_prefetch=True) for ov in (False, True)),
-        Sm90BwdOptions(dq_path=DqPath.BULK_STAGED),
-    ),
-    ("sm100", "fwd", False): tuple(
-        Sm100FwdOptions(cta_pair=p, exp_emu=e) for p in (False, True) for e in (0, 25)
-    ),
-    ("sm100", "fwd", True): tuple(
-        Sm100FwdOptions(cta_pair=p, exp_emu=e) for p in (False, True) for e in (0, 25)
-    ),
-    ("sm100", "bwd", False): (Sm100BwdOptions(),),
-}
+        ("sm90", "fwd", False): _sm90_fwd_grid_options(),
+        ("sm90", "fwd", True): _sm90_fp8_fwd_grid_options(),
+        # the default schedule and overlap (a query block's dQ WGMMA stays in flight behind the next
+        # block's S^T/dP^T WGMMAs), each on every dQ path; the dQ-writer warp's with LSE2/D read ahead
+        ("sm90", "bwd", False): (
+            *(
+                Sm90BwdOptions(overlap=ov, dq_path=p)
+                for p in (DqPath.RED, DqPath.BULK, DqPath.BULK_WARP)
+                for ov in (False, True)
+            ),
+            *(
+                Sm90BwdOptions(overlap=ov, dq_path=DqPath.BULK_WARP, row_prefetch=True)
+                for ov in (False, True)
+            ),
+            Sm90BwdOptions(dq_path=DqPath.BULK_STAGED),
+        ),
+        ("sm100", "fwd", False): tuple(
+            Sm100FwdOptions(cta_pair=p, exp_emu=e) for p in (False, True) for e in (0, 25)
+        ),
+        ("sm100", "fwd", True): tuple(
+            Sm100FwdOptions(cta_pair=p, exp_emu=e) for p in (False, True) for e in (0, 25)
+        ),
+        ("sm100", "bwd", False): (Sm100BwdOptions(),),
+    }
+    return tiles, options
 
 
 def candidate_dtypes(arch: str, direction: str) -> tuple[str, ...]:
@@ -448,7 +461,8 @@ def candidate_grid(arch: str, direction: str = "fwd") -> list[VariantSpec]:
         raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction={direction!r} is not one of {DIRECTIONS}")
-    grid = _GRID_TILES[(arch, direction)]
+    grid_tiles, grid_options = _grid()
+    grid = grid_tiles[(arch, direction)]
     specs = []
     for dtype in candidate_dtypes(arch, direction):
         own = {c.tile for hd in HEAD_DIMS if (c := default_config(arch, direction, dtype, hd)) is not None}
@@ -458,6 +472,6 @@ def candidate_grid(arch: str, direction: str = "fwd") -> list[VariantSpec]:
             for head_dim in HEAD_DIMS
             for tile in tiles
             for mask in (Mask.NONE, Mask.CAUSAL)
-            for options in _GRID_OPTIONS[(arch, direction, dtype == "e4m3")]
+            for options in grid_options[(arch, direction, dtype == "e4m3")]
         ]
     return specs

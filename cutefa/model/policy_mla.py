@@ -15,8 +15,10 @@ heuristic at one CTA per SM).
 
 Not yet: an e4m3 latent cache (design: the stage is loaded as e4m3 and widened to bf16 in shared
 memory by the consumer warps before the MMAs; k_descale folds into the exp2 scale and v_descale into
-the output, both exact) and a WGMMA version (rows = heads as an M=64 tile, P V's N=512 split across
-warpgroups); both are refused by :func:`why_invalid`.
+the output, both exact), refused by :func:`why_invalid`. A WGMMA version (rows = heads as an M=64
+tile, P V's N=512 split across two warpgroups) is its own variant
+(:mod:`cutefa.model.policy_mla_wgmma`), compiled and SASS-checked, not yet run on a GPU: only an
+explicit spec reaches it.
 """
 
 from __future__ import annotations

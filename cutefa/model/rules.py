@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from cutefa.model import policy_mla
+from cutefa.model import policy_mla, policy_mla_wgmma
 from cutefa.model.budgets import TARGET_SMEM_LIMITS
 from cutefa.model.budgets_sm80 import sm80_over_budget, sm80_registers, sm80_smem_bytes, sm80_tile_head_dim
 from cutefa.model.budgets_sm90 import (
@@ -101,6 +101,8 @@ DECODE_FEATURES_IMPLEMENTED: dict[tuple[str, str, str], frozenset[str]] = {
 
 def smem_bytes(spec: VariantSpec) -> int:
     """Shared memory of one CTA of ``spec``, by its family's model."""
+    if policy_mla_wgmma.is_wgmma(spec):
+        return policy_mla_wgmma.smem_bytes(spec)
     if policy_mla.is_mla(spec):
         return policy_mla.smem_bytes(spec)
     return {"sm80": sm80_smem_bytes, "sm90": sm90_smem_bytes, "sm100": sm100_smem_bytes}[spec.arch](spec)
@@ -455,6 +457,8 @@ _TILE_RULES: dict[type[Options], tuple[Rule, ...]] = {
 def why_invalid(spec: VariantSpec) -> str | None:
     """The first rule ``spec`` breaks, as a sentence naming it; None when the spec can be built."""
     kind = type(spec.options)
+    if policy_mla_wgmma.is_wgmma(spec):  # the WGMMA MLA decode variant (cutefa.model.policy_mla_wgmma)
+        return policy_mla_wgmma.why_invalid(spec)
     if policy_mla.is_mla(spec):  # MLA decode: its own rules (cutefa.model.policy_mla)
         return policy_mla.why_invalid(spec)
     for rule in (_fp8_dtype, *_OPTION_RULES.get(kind, ()), _head_dim, why_no_kernel, *_TILE_RULES[kind]):
