@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the bench_* siblings, also when loaded by path
@@ -21,7 +20,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the bench_* siblings
 import bench_check
 from bench_backends import Backend, _first_line, environment, load_backends
 from bench_grid import DTYPE_NAMES
-from bench_run import Entry, Preallocated, run_entries
+from bench_run import Entry, Preallocated, host_timer, run_entries
 
 ENQUEUE_SHAPE = {"batch": 1, "seqlen": 128, "heads": 16, "hdim": 128, "causal": True}
 
@@ -109,7 +108,6 @@ def run_enqueue(args: argparse.Namespace) -> int:
     of each. Every backend is first checked (O and log-sum-exp against the float32 reference on
     every (batch, head), outputs poisoned: tools/bench_check.py) and then timed in turns,
     ``--rounds`` rounds of 5 loops (tools/bench_run.py)."""
-    import torch
 
     sh = ENQUEUE_SHAPE
     q, k, v, causal = _tiny_problem(args.dtype[0])
@@ -137,23 +135,7 @@ def run_enqueue(args: argparse.Namespace) -> int:
     totals: dict[int, list[float]] = {}
     timed: dict[str, int] = {}
 
-    def host_us(fn) -> float:
-        """Median host microseconds per call over 5 loops (the total, with the final sync, kept aside)."""
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        host, total = [], []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            host.append((t1 - t0) / iters * 1e6)
-            total.append((t2 - t0) / iters * 1e6)
-        totals.setdefault(id(fn), []).append(statistics.median(total))
-        return statistics.median(host)
+    host_us = host_timer(iters, 50, totals)
 
     def entry(b: Backend) -> Entry:
         def make():

@@ -91,6 +91,34 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def host_timer(iters: int, warmup: int, totals: dict) -> Callable[[Callable], float]:
+    """A timer of the host's cost of a call: median microseconds per call over 5 loops of ``iters``
+    calls (after ``warmup`` calls and a synchronize); each loop's total with the final synchronize
+    goes into ``totals[id(fn)]`` (the median of the five, one per timing)."""
+    import time
+
+    import torch
+
+    def host_us(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        host, total = [], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            host.append((t1 - t0) / iters * 1e6)
+            total.append((t2 - t0) / iters * 1e6)
+        totals.setdefault(id(fn), []).append(statistics.median(total))
+        return statistics.median(host)
+
+    return host_us
+
+
 def run_entries(
     entries: list[Entry], time_ms: Callable, rounds: int = ROUNDS, device="cuda"
 ) -> dict[str, Result]:

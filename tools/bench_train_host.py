@@ -127,7 +127,7 @@ def run_train_enqueue(args: argparse.Namespace) -> int:
     import torch
     from bench_backends import environment
     from bench_check import expectation
-    from bench_run import Entry, run_entries
+    from bench_run import Entry, host_timer, run_entries
 
     dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[args.dtype[0]])
     q, k, v = _inputs("cuda", dtype)
@@ -139,21 +139,7 @@ def run_train_enqueue(args: argparse.Namespace) -> int:
     totals: dict[int, list[float]] = {}
     names: dict[str, int] = {}
 
-    def host_us(fn) -> float:
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        host, total = [], []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            host.append((t1 - t0) / iters * 1e6)
-            total.append((time.perf_counter() - t0) / iters * 1e6)
-        totals.setdefault(id(fn), []).append(statistics.median(total))
-        return statistics.median(host)
+    host_us = host_timer(iters, 20, totals)
 
     entries = []
     for name in BACKENDS:
