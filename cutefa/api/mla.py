@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import torch
 
@@ -38,6 +37,7 @@ from cutefa.api import validate
 from cutefa.api.launch import aligned, call_on
 from cutefa.api.plans import plain_eager
 from cutefa.api.validate import int32_tensor, tensor_of_dims
+from cutefa.api.validate_kvcache import capacity, sequence_lengths
 from cutefa.fp8 import FP8_DTYPES
 from cutefa.loader import get_kernel
 from cutefa.model import policy_mla
@@ -67,7 +67,7 @@ def mla_decode(
     """MLA decode (module docs): (out, lse). ``cache_seqlens`` an int32 tensor (batch,), an int, or
     None (every sequence fills its pages); ``num_splits`` 0 lets the heuristic choose."""
     validate_call(q, kv_cache, page_table, cache_seqlens, head_dim_v, softmax_scale, causal, num_splits)
-    seqlens = _seqlens(cache_seqlens, q, kv_cache, page_table)
+    seqlens = sequence_lengths(cache_seqlens, q, kv_cache, page_table)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else float(softmax_scale)
     q = q if _rows_aligned(q) else q.contiguous()
     direct = plain_eager(q, kv_cache, page_table, seqlens)
@@ -172,33 +172,10 @@ def validate_call(
         raise ValueError(
             f"the latent cache's page_size (kv_cache.shape[1]) must be a power of two; got {page_size}"
         )
-    if isinstance(cache_seqlens, torch.Tensor):
-        int32_tensor("cache_seqlens", cache_seqlens, (batch,), q, "(batch,)")
-    elif cache_seqlens is not None and (
-        isinstance(cache_seqlens, bool)
-        or not isinstance(cache_seqlens, numbers.Integral)
-        or cache_seqlens < 0
-    ):
-        raise TypeError(
-            f"cache_seqlens must be an int32 tensor (batch,), an int >= 0 or None; got {cache_seqlens!r}"
-        )
+    validate.check_cache_seqlens(cache_seqlens, batch, q)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool; got {causal!r}")
     validate.check_split_options(num_splits, softmax_scale)
-
-
-def _seqlens(
-    cache_seqlens: object, q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
-) -> torch.Tensor:
-    if isinstance(cache_seqlens, torch.Tensor):
-        return cache_seqlens.contiguous()
-    length = capacity(kv_cache, page_table) if cache_seqlens is None else int(cache_seqlens)
-    return torch.full((q.shape[0],), length, dtype=torch.int32, device=q.device)
-
-
-def capacity(kv_cache: torch.Tensor, page_table: torch.Tensor) -> int:
-    """The most keys a sequence can have: max_pages * page_size."""
-    return kv_cache.shape[1] * page_table.shape[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -164,6 +164,21 @@ def int32_tensor(name: str, t: object, shape: tuple[int, ...], q: torch.Tensor, 
         raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
+def check_cache_seqlens(cache_seqlens: object, batch: int, q: torch.Tensor) -> None:
+    """A KV-cache call's ``cache_seqlens``: an int32 tensor (batch,) on q's device, an int >= 0 (every
+    sequence that long) or None (the whole cache)."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        int32_tensor("cache_seqlens", cache_seqlens, (batch,), q, "(batch,)")
+    elif cache_seqlens is not None and (
+        isinstance(cache_seqlens, bool)
+        or not isinstance(cache_seqlens, numbers.Integral)
+        or cache_seqlens < 0
+    ):
+        raise TypeError(
+            f"cache_seqlens must be an int32 tensor (batch,), an int >= 0 or None; got {cache_seqlens!r}"
+        )
+
+
 def check_backward_head_dims(head_dim: int, head_dim_v: int) -> None:
     """``NotImplementedError`` for the gradients of a forward whose (q/k, v) head dims no backward
     kernel takes, naming what is supported: v of q's head dim, or a pair of

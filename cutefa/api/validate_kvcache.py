@@ -4,8 +4,6 @@ values only where reading them costs no host sync)."""
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from cutefa.api import validate
@@ -125,16 +123,7 @@ def validate_call(
             )
         if cache_leftpad is not None:
             int32_tensor("cache_leftpad", cache_leftpad, (batch,), q, "(batch,)")
-    if isinstance(cache_seqlens, torch.Tensor):
-        int32_tensor("cache_seqlens", cache_seqlens, (batch,), q, "(batch,)")
-    elif cache_seqlens is not None and (
-        isinstance(cache_seqlens, bool)
-        or not isinstance(cache_seqlens, numbers.Integral)
-        or cache_seqlens < 0
-    ):
-        raise TypeError(
-            f"cache_seqlens must be an int32 tensor (batch,), an int >= 0 or None; got {cache_seqlens!r}"
-        )
+    validate.check_cache_seqlens(cache_seqlens, batch, q)
     _check_new(q, k_cache, k, v, cache_seqlens)
     _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
     validate.check_split_options(num_splits, softmax_scale)
