@@ -64,18 +64,25 @@ def mla_spec(dtype: str, rows: int, *, causal: bool = False) -> VariantSpec:
     )  # fmt: skip
 
 
-def smem_bytes(spec: VariantSpec) -> int:
-    """Shared memory of one CTA: the Q tile, the latent stages, P, and the two cross-warp row
-    exchanges (row maxima, row sums), each buffer 1 KiB aligned."""
+def smem_aligned(n: int) -> int:
+    """``n`` bytes rounded up to a shared-memory buffer's alignment."""
+    return -(-n // SMEM_ALIGN) * SMEM_ALIGN
 
-    def aligned(n: int) -> int:
-        return -(-n // SMEM_ALIGN) * SMEM_ALIGN
 
+def tile_smem_bytes(spec: VariantSpec) -> int:
+    """The Q tile, the latent stages and P of an MLA decode CTA, each buffer 1 KiB aligned (both MLA
+    kernels hold these; each adds its own row exchange)."""
     q = spec.tile_m * spec.head_dim * ELEM_BYTES
     kv = spec.stages * spec.tile_n * spec.head_dim * ELEM_BYTES
     p = spec.tile_m * spec.tile_n * ELEM_BYTES
+    return smem_aligned(q) + smem_aligned(kv) + smem_aligned(p)
+
+
+def smem_bytes(spec: VariantSpec) -> int:
+    """Shared memory of one CTA: the Q tile, the latent stages, P, and the two cross-warp row
+    exchanges (row maxima, row sums), each buffer 1 KiB aligned."""
     exchange = spec.tile_m * WARP_COLS * FP32_BYTES
-    return aligned(q) + aligned(kv) + aligned(p) + 2 * aligned(exchange)
+    return tile_smem_bytes(spec) + 2 * smem_aligned(exchange)
 
 
 def why_invalid(spec: VariantSpec) -> str | None:

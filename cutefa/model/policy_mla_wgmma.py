@@ -30,9 +30,6 @@ WARPS = 8  # two warpgroups: S and O's columns 0-255; O's columns 256-511
 WARPGROUPS = 2
 EXCHANGE_COLS = 2  # the cross-warpgroup exchange: (rescale factor | 1 / row sum, lse) per row
 COPY_THREADS_PER_ROW = 8  # threads side by side on a latent row in the cp.async copies (128 bytes)
-ELEM_BYTES = 2
-FP32_BYTES = 4
-SMEM_ALIGN = 1024
 
 
 def is_wgmma(spec: VariantSpec) -> bool:
@@ -51,15 +48,8 @@ def mla_spec(dtype: str, *, causal: bool = False) -> VariantSpec:
 
 def smem_bytes(spec: VariantSpec) -> int:
     """Shared memory of one CTA: Q, the latent stages, P and the exchange, each 1 KiB aligned."""
-
-    def aligned(n: int) -> int:
-        return -(-n // SMEM_ALIGN) * SMEM_ALIGN
-
-    q = spec.tile_m * spec.head_dim * ELEM_BYTES
-    kv = spec.stages * spec.tile_n * spec.head_dim * ELEM_BYTES
-    p = spec.tile_m * spec.tile_n * ELEM_BYTES
-    exchange = spec.tile_m * EXCHANGE_COLS * FP32_BYTES
-    return aligned(q) + aligned(kv) + aligned(p) + aligned(exchange)
+    exchange = spec.tile_m * EXCHANGE_COLS * policy_mla.FP32_BYTES
+    return policy_mla.tile_smem_bytes(spec) + policy_mla.smem_aligned(exchange)
 
 
 def why_invalid(spec: VariantSpec) -> str | None:
