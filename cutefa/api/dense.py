@@ -7,9 +7,10 @@ results and one without keys a zero output and a ``-inf`` log-sum-exp, neither w
 Gradients of out and lse come from ``cutefa::flash_bwd`` (:mod:`cutefa.api.backward`).
 
 v may have a head dim of its own (a pair of :data:`cutefa.model.spec.HEAD_DIM_V_PAIRS`, e.g.
-DeepSeek's q/k of 192 against v of 128): out then has v's head dim. No backward kernel takes one
-yet: the gradient of such a call raises ``NotImplementedError`` when it is asked for (a forward
-under ``torch.no_grad()``/``torch.inference_mode()`` runs).
+DeepSeek's q/k of 192 against v of 128): out then has v's head dim. Its gradient comes from the
+backward that takes the pair (:func:`cutefa.api.validate.check_backward_head_dims`: (192, 128) in the
+sm80 family); a pair no backward takes raises ``NotImplementedError`` when a gradient is asked for
+(a forward under ``torch.no_grad()``/``torch.inference_mode()`` runs).
 """
 
 from __future__ import annotations
