@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ class Run:
     tokens_per_step: int = 0
     peak_bytes: int = 0
     note: str = ""
+    profile: str = ""  # --profile's table
 
     @property
     def tokens_per_second(self) -> float:
@@ -206,26 +208,55 @@ def train(backend: str, args: argparse.Namespace, settings: Settings, data: torc
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=tokens, labels=tokens).loss  # the model shifts the labels
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
     with context:
-        for step, tokens in enumerate(data):
-            if step == warmup:
+        for i, tokens in enumerate(data):
+            if i == warmup:
                 _sync(args.device)
                 start = time.perf_counter()
-            loss = model(input_ids=tokens, labels=tokens).loss  # the model shifts the labels
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            schedule.step()
-            opt.zero_grad(set_to_none=True)
-            run.losses.append(loss.detach())
+            run.losses.append(step(tokens))
         _sync(args.device)
-    run.timed_steps = len(data) - warmup
-    run.seconds = time.perf_counter() - start if run.timed_steps > 0 else 0.0
+        run.timed_steps = len(data) - warmup
+        run.seconds = time.perf_counter() - start if run.timed_steps > 0 else 0.0
+        if args.profile:
+            run.profile = profile_steps(step, data[-args.profile :], args.device)
     run.losses = [x.item() for x in run.losses]
     if args.device == "cuda":
         run.peak_bytes = torch.cuda.max_memory_allocated()
-    del model, opt
+    model = opt = None  # free the GPU memory before the next backend
     return run
+
+
+def profile_steps(step: Any, batches: torch.Tensor, device: str, rows: int = 12) -> str:
+    """The table of where ``len(batches)`` more steps spent their time (torch.profiler: the ops and
+    kernels of the most device time), headed by the wall and device milliseconds per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for tokens in batches:
+            step(tokens)
+        _sync(device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events) / 1e3  # us -> ms
+    n = len(batches)
+    head = (
+        f"profiled {n} steps: wall {1e3 * wall / n:.2f} ms/step (with the profiler's own cost), "
+        f"device {kernels / n:.2f} ms/step of kernels"
+    )
+    return head + "\n" + events.table(sort_by="self_device_time_total", row_limit=rows)
 
 
 def _sync(device: str) -> None:
@@ -267,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="(cuda; cpu only for trying sdpa out)")
     parser.add_argument("--plot", type=Path, default=Path("train_llama_loss.png"), help="loss-curve PNG")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="after the timed steps, profile N more of each backend and print where the time went",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     backends = [b.strip() for b in args.attn.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
@@ -292,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  peak {run.peak_bytes / 2**30:6.2f} GiB  loss {run.losses[0]:.3f} -> {run.losses[-1]:.3f}",
             flush=True,
         )
+        if run.profile:
+            print(run.profile, flush=True)
     done = [r for r in runs if r.losses]
     if len(done) > 1:
         base = max((r for r in done if r.backend.startswith(("sdpa", "fa4"))), key=lambda r: r.tokens_per_second,

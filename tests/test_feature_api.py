@@ -12,8 +12,9 @@ import torch
 import cutefa
 from cutefa import dispatch
 from cutefa.api import feature_bwd, feature_ops, validate
+from cutefa.api.check_lengths import assert_lengths_async
 from cutefa.api.features import UNBOUNDED, FeatureArgs
-from cutefa.api.validate_features import assert_lengths_async, mask_options, validate_varlen
+from cutefa.api.validate_features import mask_options, validate_varlen
 from cutefa.model.options import Mask
 from cutefa.model.spec import Features
 
@@ -111,6 +112,39 @@ def test_varlen_lengths_checked_on_the_device_without_sync():
     for cu_, used, total, max_seqlen in bad:
         with pytest.raises(RuntimeError, match="cu_seqlens_k"):
             assert_lengths_async(cu_, used, total, max_seqlen, "k")
+
+
+def test_varlen_lengths_checked_once_per_tensor_and_version(monkeypatch):
+    """The device check runs again only for another tensor object, an in-place write, other bounds,
+    or while a CUDA graph is captured; a tensor equal to a checked one but new is checked."""
+    from cutefa.api import check_lengths
+
+    runs = []
+    monkeypatch.setattr(torch, "_assert_async", lambda ok, msg: runs.append(bool(ok)))
+    monkeypatch.setattr(check_lengths, "_CHECKED", {})
+    cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    used = torch.tensor([2, 0, 1], dtype=torch.int32)
+    assert_lengths_async(cu, None, 5, 3, "q")
+    assert_lengths_async(cu, None, 5, 3, "k")  # self-attention: the same tensor for q and k
+    assert len(runs) == 1
+    assert_lengths_async(cu, None, 6, 3, "k")  # other packed rows
+    assert_lengths_async(cu, used, 5, 3, "q")  # with seqused
+    assert_lengths_async(cu, used, 5, 3, "q")
+    assert len(runs) == 3
+    cu[2] = 4  # an in-place write: checked again (spans 3, 1, 1)
+    assert_lengths_async(cu, None, 5, 3, "q")
+    used.add_(0)  # seqused written (a no-op write still counts)
+    assert_lengths_async(cu, used, 5, 3, "q")
+    assert_lengths_async(cu.clone(), None, 5, 3, "q")  # equal values, another tensor
+    assert len(runs) == 6 and all(runs)
+    monkeypatch.setattr(check_lengths, "_capturing", lambda t: True)
+    assert_lengths_async(cu, None, 5, 3, "q")
+    assert_lengths_async(cu, None, 5, 3, "q")
+    assert len(runs) == 8  # during a capture every call is part of the graph
+    monkeypatch.setattr(check_lengths, "_capturing", lambda t: False)
+    for n in range(check_lengths.CHECKED_KEPT + 4):  # the memo stays bounded
+        assert_lengths_async(torch.tensor([0, n], dtype=torch.int32), None, 100, 100, "q")
+    assert len(check_lengths._CHECKED) <= check_lengths.CHECKED_KEPT
 
 
 def test_feature_arguments_checked(cpu_ok):

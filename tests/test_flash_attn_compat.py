@@ -57,6 +57,7 @@ def test_windows_softcap_alibi_and_sinks_take_the_feature_op(monkeypatch, option
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
     monkeypatch.setattr(feature_ops, "attn_fwd", fake_attn_fwd)
+    monkeypatch.setattr(feature_ops, "attn_fwd_impl", fake_attn_fwd)  # plain eager calls skip the op
     q, k, v = qkv()
     cutefa.flash_attn_func(q, k, v, **options)
     assert seen == [expected]

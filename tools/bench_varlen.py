@@ -216,9 +216,9 @@ def _direct(name: str, spec_of) -> Side:
     convention (cutefa/api/features.py), the outputs prepared as the varlen call prepares them."""
     try:
         from cutefa import dispatch
+        from cutefa.api.check_lengths import assert_lengths_async
         from cutefa.api.feature_ops import empty_outputs
         from cutefa.api.launch import aligned, call_on
-        from cutefa.api.validate_features import assert_lengths_async
         from cutefa.loader import get_kernel
         from cutefa.model.rules import why_invalid, why_not_on
     except Exception as exc:  # noqa: BLE001 - reported in the table

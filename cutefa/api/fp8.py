@@ -20,6 +20,7 @@ import torch
 from cutefa import dispatch
 from cutefa.api import descales as _descales
 from cutefa.api import plans as _plans
+from cutefa.api.check_lengths import assert_lengths_async
 from cutefa.api.launch import aligned, call_on, choose, empty_outputs, outputs
 from cutefa.api.validate import (
     FP8_DTYPES,
@@ -35,7 +36,7 @@ from cutefa.api.validate import (
     default_scale,
     validate_fp8_inputs,
 )
-from cutefa.api.validate_features import assert_lengths_async, check_sequences
+from cutefa.api.validate_features import check_sequences
 from cutefa.fp8 import add_v_mean
 from cutefa.loader import get_kernel
 from cutefa.model.spec import Features, VariantSpec
@@ -328,7 +329,7 @@ def fp8_varlen_forward(
     Returns ``out`` bf16 (total_q, heads_q, head_dim), or ``(out, lse)`` (lse float32 (heads_q,
     total_q), of the dequantized scores) with ``return_lse``. Packed rows of no sequence are 0 with
     lse ``-inf``. No backward. The lengths are never read on the host (CUDA-graph safe); their
-    consistency is asserted on the device (:func:`cutefa.api.validate_features.assert_lengths_async`).
+    consistency is asserted on the device (:func:`cutefa.api.check_lengths.assert_lengths_async`).
     """
     batch = validate_fp8_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,

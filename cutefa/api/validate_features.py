@@ -3,8 +3,9 @@ errors that name the argument.
 
 Only metadata is read, so the checks also run on fake tensors while ``torch.compile`` traces. The
 values inside ``cu_seqlens_*``/``seqused_*`` live on the GPU and cannot be read without a host
-sync: :func:`assert_lengths_async` checks them on the device instead (a failing check is a device
-assert, which ends the CUDA context like the out-of-bounds reads it prevents).
+sync: :func:`cutefa.api.check_lengths.assert_lengths_async` checks them on the device instead (a
+failing check is a device assert, which ends the CUDA context like the out-of-bounds reads it
+prevents).
 """
 
 from __future__ import annotations
@@ -164,27 +165,6 @@ def check_sequences(
     _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     return batch
-
-
-def assert_lengths_async(
-    cu_seqlens: torch.Tensor, seqused: torch.Tensor | None, total: int, max_seqlen: int, side: str
-) -> None:
-    """On the device, no host sync: ``cu_seqlens`` non-decreasing from >= 0, its last entry within the
-    packed tensor's ``total`` rows, every used length (``seqused`` or the span) within
-    ``max_seqlen`` and, with ``seqused``, within its span."""
-    spans = cu_seqlens[1:] - cu_seqlens[:-1]
-    lengths = spans if seqused is None else seqused
-    ok = (cu_seqlens[0] >= 0) & (cu_seqlens[-1] <= total)
-    if spans.numel():
-        ok = ok & (spans >= 0).all() & (lengths >= 0).all() & (lengths <= max_seqlen).all()
-        if seqused is not None:
-            ok = ok & (seqused <= spans).all()
-    torch._assert_async(
-        ok,
-        f"cu_seqlens_{side}/seqused_{side} are not valid: cu_seqlens_{side} must be non-decreasing from 0 "
-        f"to at most the packed rows ({total}), every length at most max_seqlen_{side} ({max_seqlen}) and "
-        f"seqused_{side} within its span",
-    )
 
 
 def mask_options(causal: object, window_size: object) -> tuple[bool, int, int]:

@@ -5,12 +5,15 @@ ALiBi or sinks). Both validate, then call the ``cutefa::attn_fwd`` op (:mod:`cut
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cutefa.api import feature_ops
+from cutefa.api.check_lengths import assert_lengths_async
+from cutefa.api.plans import plain_eager
 from cutefa.api.validate import default_scale
 from cutefa.api.validate_features import (
-    assert_lengths_async,
     check_dropout,
     check_features,
     mask_options,
@@ -87,7 +90,7 @@ def flash_attn_varlen_func(
     if not torch.compiler.is_compiling() and q.is_cuda:
         assert_lengths_async(cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q, "q")
         assert_lengths_async(cu_seqlens_k, seqused_k, k.shape[0], max_seqlen_k, "k")
-    out, lse = feature_ops.attn_fwd(
+    out, lse = _attn_fwd(q, k, v, alibi_slopes, sinks)(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, int(max_seqlen_q), int(max_seqlen_k), causal,
         default_scale(softmax_scale, q.shape[-1]), left, right, softcap, alibi_slopes,
         None if sinks is None else sinks.float(), deterministic,
@@ -136,10 +139,19 @@ def dense_with_features(
     causal, left, right = mask_options(causal, window_size)
     validate_dense(q, k, v, causal, softmax_scale)
     softcap = check_features(q, q.shape[0], softcap, alibi_slopes, sinks)
-    return feature_ops.attn_fwd(
+    return _attn_fwd(q, k, v, alibi_slopes, sinks)(
         q, k, v, None, None, None, None, q.shape[1], k.shape[1], causal, default_scale(softmax_scale, q.shape[-1]),
         left, right, softcap, alibi_slopes, None if sinks is None else sinks.float(), deterministic,
     )  # fmt: skip
+
+
+def _attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """The ``cutefa::attn_fwd`` op, or its implementation itself for a plain eager call with nothing
+    to differentiate (the same work without the op dispatcher's host cost)."""
+    tensors = [t for t in (alibi_slopes, sinks) if t is not None]
+    return feature_ops.attn_fwd_impl if plain_eager(q, k, v, *tensors) else feature_ops.attn_fwd
 
 
 def has_features(window_size: object, softcap: object, alibi_slopes: object, sinks: object) -> bool:

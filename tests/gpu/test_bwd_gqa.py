@@ -197,6 +197,7 @@ def test_llama_step_through_autograd(gen, dtype, causal, monkeypatch):
         log_run(choice, *args)
 
     monkeypatch.setattr(dispatch, "log_run", logged)
+    monkeypatch.setattr(dispatch, "_LOG_RUNS", True)  # runs are reported only while logging is on
     q, k, v, dout = bwd80.random_inputs(gen, dtype, 128, 2, 2048, 2048, 8, 2)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     cutefa.flash_attn_func(*leaves, causal=causal).backward(dout)

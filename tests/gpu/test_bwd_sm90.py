@@ -195,6 +195,7 @@ def test_dispatch_picks_sm90_backward(gen, target, monkeypatch):
         log_run(choice, *args)
 
     monkeypatch.setattr(dispatch, "log_run", logged)
+    monkeypatch.setattr(dispatch, "_LOG_RUNS", True)  # runs are reported only while logging is on
     gpu_name = dispatch.device_target(torch.device("cuda"))[1]
     seqlen, tuned_picks = 1000, 0
     for head_dim in (64, 96, 128, 192, 256):

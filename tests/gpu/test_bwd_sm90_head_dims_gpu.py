@@ -106,6 +106,7 @@ def test_through_the_api(gen, head_dim, causal, monkeypatch):
         log_run(choice, *args)
 
     monkeypatch.setattr(dispatch, "log_run", logged)
+    monkeypatch.setattr(dispatch, "_LOG_RUNS", True)  # runs are reported only while logging is on
     dtype = torch.bfloat16
     q = torch.randn(2, 300, 8, head_dim, generator=gen, device="cuda", dtype=dtype)
     k = torch.randn(2, 451, 2, head_dim, generator=gen, device="cuda", dtype=dtype)

@@ -312,9 +312,10 @@ def test_dense_append_into_a_poisoned_cache_and_cache_batch_idx(gen):
 
 
 def rope_reference(x, cos, sin, positions, interleaved):
-    """Rotary embedding in float32: pairs (2i, 2i + 1) as complex numbers, or the halves."""
+    """Rotary embedding in float32 with cos and sin rounded to x's dtype first, as the kernel takes
+    them: pairs (2i, 2i + 1) as complex numbers, or the halves."""
     half = cos.shape[1]
-    c, s = cos.float()[positions][:, :, None], sin.float()[positions][:, :, None]
+    c, s = (t.to(x.dtype).float()[positions][:, :, None] for t in (cos, sin))
     x = x.float()
     head, tail = x[..., : 2 * half], x[..., 2 * half :]
     if interleaved:
