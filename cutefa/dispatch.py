@@ -2,8 +2,8 @@
 
 For a compile target, every kernel family that runs there is tried, newest first. Within a family
 a tuned table measured on a real GPU (``cutefa/tuned/<arch>_<gpu>.json``, schema in
-``cutefa/tuned/README.md``) is consulted first, then the family's default kernel
-(:func:`cutefa.model.defaults.default_config`). Each candidate must pass
+``cutefa/tuned/README.md``, read by :mod:`cutefa.tuned_tables`) is consulted first, then the
+family's default kernel (:func:`cutefa.model.defaults.default_config`). Each candidate must pass
 :func:`cutefa.model.rules.why_invalid` and fit the target's GPUs (:func:`cutefa.model.rules.why_not_on`:
 its family runs there, its shared memory fits their per-block limit); rejected candidates keep
 their reason so :func:`explain_problem` can say why they lost.
@@ -11,7 +11,6 @@ their reason so :func:`explain_problem` can say why they lost.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -19,16 +18,13 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from cutefa.identity import TUNED_DIR
 from cutefa.model.defaults import SEPARATE_V_BWD_FAMILIES, default_spec
 from cutefa.model.options import Mask
 from cutefa.model.rules import fitting_variant, padded_tile_note, why_invalid, why_no_kernel, why_not_on
 from cutefa.model.spec import (
     ARCHS,
-    DIRECTIONS,
     TARGETS,
     TORCH_DTYPE_NAMES,
     Features,
@@ -37,13 +33,12 @@ from cutefa.model.spec import (
     parse_name,
     target_for_capability,
 )
+from cutefa.tuned_tables import forget_tables, seqlen_bucket, tables_for
 
 log = logging.getLogger("cutefa")
 
 NO_FEATURES = Features()  # a dense problem's feature axes
 
-# Problems are bucketed by seqlen_k rounded up to a power of two; longer ones share one bucket.
-MAX_SEQLEN_BUCKET = 65536
 MIN_CC = 80
 
 
@@ -97,7 +92,8 @@ class Problem:
 
     @property
     def bucket(self) -> int | None:
-        """seqlen_k rounded up to a power of two, or None above :data:`MAX_SEQLEN_BUCKET`."""
+        """seqlen_k rounded up to a power of two, or None above
+        :data:`cutefa.tuned_tables.MAX_SEQLEN_BUCKET` (the tuned tables' granularity)."""
         return seqlen_bucket(self.seqlen_k)
 
     def describe(self) -> str:
@@ -114,7 +110,10 @@ class Problem:
             shapes = (
                 f"q=({self.batch}, {self.seqlen_q}, {self.heads_q}, {self.head_dim}) "
                 f"k=({self.batch}, {self.seqlen_k}, {self.heads_kv}, {self.head_dim})"
-                + (f" v=({self.batch}, {self.seqlen_k}, {self.heads_kv}, {self.head_dim_v})" * self.separate_v)
+                + (
+                    f" v=({self.batch}, {self.seqlen_k}, {self.heads_kv}, {self.head_dim_v})"
+                    * self.separate_v
+                )
             )
         return (
             f"{shapes} {self.dtype} causal={self.causal}{''.join(extras)}"
@@ -132,63 +131,8 @@ class Choice:
     rejected: list[tuple[str, str]] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class TunedEntry:
-    """One row of a tuned table: the variant to use up to ``max_seqlen_k`` (None: any length)."""
-
-    dtype: str
-    head_dim: int
-    causal: bool
-    max_seqlen_k: int | None
-    variant: str
-    # For fp8 problems whose v was centered (Problem.v_centered) only; they fall back to the others.
-    v_centered: bool = False
-
-    def matches(self, problem: Problem) -> bool:
-        if (self.dtype, self.head_dim, self.causal) != (problem.dtype, problem.head_dim, problem.causal):
-            return False
-        if self.v_centered and not problem.v_centered:
-            return False
-        return self.max_seqlen_k is None or (
-            problem.bucket is not None and problem.bucket <= self.max_seqlen_k
-        )
-
-    def describe(self) -> str:
-        return (
-            f"dtype={self.dtype} head_dim={self.head_dim} causal={self.causal} "
-            f"max_seqlen_k={self.max_seqlen_k}{' v_centered=True' if self.v_centered else ''}"
-        )
-
-
-@dataclass(frozen=True)
-class TunedTable:
-    """A dispatch table measured on one GPU for one kernel family compiled for one target."""
-
-    path: Path
-    arch: str
-    gpu: str
-    target: str
-    measured_on: str
-    entries: tuple[TunedEntry, ...]
-    direction: str = "fwd"  # the pass its variants compute: fwd, or bwd (files <arch>_bwd_<gpu>.json)
-
-    def lookup(self, problem: Problem) -> TunedEntry | None:
-        """The matching entry with the tightest ``max_seqlen_k``; for a problem with centered v, among
-        the ``v_centered`` entries when it has one, else among the others."""
-        hits = [e for e in self.entries if e.matches(problem)]
-        if problem.v_centered and any(e.v_centered for e in hits):
-            hits = [e for e in hits if e.v_centered]
-        return min(hits, key=lambda e: (e.max_seqlen_k is None, e.max_seqlen_k or 0), default=None)
-
-
 # ---------------------------------------------------------------------------------------------
 # Targets and devices
-
-
-def seqlen_bucket(seqlen_k: int) -> int | None:
-    """``seqlen_k`` rounded up to a power of two; None when above :data:`MAX_SEQLEN_BUCKET`."""
-    bucket = 1 << max(0, seqlen_k - 1).bit_length()
-    return bucket if bucket <= MAX_SEQLEN_BUCKET else None
 
 
 _DEVICES: dict[int, tuple[str, str]] = {}
@@ -231,82 +175,26 @@ def check_target(target: str, gpu_name: str | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tuned tables
+# Forgetting
 
 
-_TABLES: list[TunedTable] | None = None
-# Held while the tables are read, while a choice is memoized and while both are forgotten.
+# Held while a choice is memoized and while the memo is forgotten.
 _LOCK = threading.Lock()
 _CLEARS = 0  # how many times clear_caches ran: a choice made across a clear is not memoized
 
 
-def _parse_entry(raw: dict[str, Any]) -> TunedEntry:
-    max_seqlen_k = raw["max_seqlen_k"]
-    if max_seqlen_k is not None and (max_seqlen_k > MAX_SEQLEN_BUCKET or max_seqlen_k & (max_seqlen_k - 1)):
-        raise ValueError(f"max_seqlen_k={max_seqlen_k} is not null or a power of two <= {MAX_SEQLEN_BUCKET}")
-    v_centered = raw.get("v_centered", False)
-    if not isinstance(v_centered, bool) or (v_centered and raw["dtype"] != "e4m3"):
-        raise ValueError(f"v_centered={v_centered!r}: a bool, true only on e4m3 entries")
-    return TunedEntry(
-        raw["dtype"], int(raw["head_dim"]), bool(raw["causal"]), max_seqlen_k, raw["variant"], v_centered
-    )
-
-
-def load_table(path: Path) -> TunedTable:
-    """Read one tuned table; raises ``ValueError``/``KeyError`` when it does not follow the schema."""
-    raw = json.loads(Path(path).read_text())
-    entries = tuple(_parse_entry(e) for e in raw["entries"])
-    direction = raw.get("direction", "fwd")
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction={direction!r} is not one of {DIRECTIONS}")
-    return TunedTable(Path(path), raw["arch"], raw["gpu"], raw["target"], raw["measured_on"], entries, direction)
-
-
-def tuned_tables() -> list[TunedTable]:
-    """Every readable table in ``$CUTEFA_TUNED_DIR`` (searched first, for freshly measured tables)
-    and :data:`TUNED_DIR`; malformed ones are skipped with a warning."""
-    global _TABLES
-    tables = _TABLES
-    if tables is None:
-        with _LOCK:
-            tables = _TABLES  # another thread may have read them meanwhile
-            if tables is None:
-                tables = _TABLES = _read_tables()
-    return tables
-
-
-def _read_tables() -> list[TunedTable]:
-    tables = []
-    extra = os.environ.get("CUTEFA_TUNED_DIR")
-    dirs = ([Path(extra)] if extra else []) + [TUNED_DIR]
-    for path in [p for d in dirs for p in sorted(d.glob("*.json"))]:
-        try:
-            tables.append(load_table(path))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("cutefa: ignoring tuned table %s: %s: %s", path.name, type(exc).__name__, exc)
-    return tables
-
-
-def _tables_for(family: str, problem: Problem, direction: str = "fwd") -> list[TunedTable]:
-    """The family's tables of ``direction`` for this target in the order they are asked: those
-    measured on this GPU first, each group in :func:`tuned_tables` order ($CUTEFA_TUNED_DIR first).
-    A table without an entry for a problem (a fresh table of some head dims) passes it on to the next."""
-    tables = [
-        t for t in tuned_tables() if t.arch == family and t.target == problem.target and t.direction == direction
-    ]
-    gpu = (problem.gpu_name or "").lower()
-    same_gpu = [t for t in tables if gpu and t.gpu.lower() in gpu]
-    return same_gpu + [t for t in tables if t not in same_gpu]
-
-
 def clear_caches() -> None:
-    """Forget memoized choices, device facts and loaded tables (after editing :data:`TUNED_DIR`),
-    and the call plans built on those choices. Safe while other threads dispatch: a reading of the
-    tables under way finishes before they are forgotten, and a choice made before the clear is
-    not memoized after it."""
-    global _TABLES, _CLEARS
+    """Forget memoized choices, device facts and loaded tables (after editing
+    :data:`cutefa.identity.TUNED_DIR`; :func:`cutefa.tuned_tables.forget_tables`), and the call
+    plans built on those choices. Safe while other threads dispatch: a reading of the tables under
+    way finishes before they are forgotten, and a choice made before the clear is not memoized
+    after it."""
+    global _CLEARS
+    # The tables first, then the count: a choose that read the count after this clear's bump
+    # searches tables read after the clear; one that read it before either memoizes before the
+    # bump (and the memo is emptied with it) or finds the count moved and memoizes nothing.
+    forget_tables()
     with _LOCK:
-        _TABLES = None
         _CLEARS += 1
         _CHOICES.clear()
     _DEVICES.clear()
@@ -340,7 +228,7 @@ def _table_candidate(
     family: str, problem: Problem, direction: str = "fwd"
 ) -> tuple[str, VariantSpec | None, str] | None:
     """(label, spec or None, how it was picked or why it is unusable) from the tuned table, if any."""
-    for table in _tables_for(family, problem, direction):
+    for table in tables_for(family, problem, direction):
         entry = table.lookup(problem)
         if entry is not None:
             break
@@ -360,7 +248,14 @@ def _table_candidate(
 
 
 def tuned_backward(
-    family: str, *, target: str, dtype: Any, head_dim: int, causal: bool, seqlen_k: int, gpu_name: str | None = None
+    family: str,
+    *,
+    target: str,
+    dtype: Any,
+    head_dim: int,
+    causal: bool,
+    seqlen_k: int,
+    gpu_name: str | None = None,
 ) -> tuple[VariantSpec | None, str] | None:
     """The backward variant of ``family`` that a tuned backward table (``direction: bwd``) names for
     this problem: (spec, how it was picked) or (None, why its entry is unusable); None without an entry."""

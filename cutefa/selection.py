@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cutefa import dispatch
+from cutefa import tuned_tables
 from cutefa.model.committed import default_variants
 from cutefa.model.defaults import default_spec
 from cutefa.model.feature_sets import feature_variants
@@ -295,7 +295,7 @@ def _table_variants(
 ) -> list[VariantSpec]:
     """Every variant a tuned table for ``target`` names for the problem (any GPU, any length)."""
     found = []
-    for table in dispatch.tuned_tables():
+    for table in tuned_tables.tuned_tables():
         if (table.arch, table.direction, table.target) != (family, direction, target):
             continue
         for entry in table.entries:
@@ -395,7 +395,9 @@ def _model_feature_variants(
         for dtype in dtypes:
             for mask, features in wanted:
                 for family in families:
-                    spec = _default_variant(family, direction, target, dtype, model.head_dim, mask is Mask.CAUSAL)
+                    spec = _default_variant(
+                        family, direction, target, dtype, model.head_dim, mask is Mask.CAUSAL
+                    )
                     if spec is None:
                         continue
                     spec = spec.replace(mask=mask, features=features)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cutefa import dispatch
+from cutefa import dispatch, tuned_tables
 from cutefa.api.backward import choose_bwd
 from cutefa.api.descales import block_choice
 from cutefa.model import committed, rules
@@ -21,14 +21,16 @@ from cutefa.model.options import Mask, Quant
 from cutefa.model.spec import ARCHS, COMMITTED_HEAD_DIMS, DIRECTIONS, DTYPES, TARGETS, parse_name
 
 # one seqlen_k in every bucket dispatch distinguishes (powers of two up to 65536, then the last one)
-SEQLENS = [1 << i for i in range(17)] + [dispatch.MAX_SEQLEN_BUCKET + 1]
+SEQLENS = [1 << i for i in range(17)] + [tuned_tables.MAX_SEQLEN_BUCKET + 1]
 COMMITTED = {s for arch in ARCHS for s in committed.default_variants(arch)}
 
 
 def _choices() -> dict:
     """Every variant dispatch returns for the problems it distinguishes -> one problem that gets it."""
     found: dict = {}
-    for target, dtype, head_dim, causal in itertools.product(TARGETS, DTYPES, COMMITTED_HEAD_DIMS, (False, True)):
+    for target, dtype, head_dim, causal in itertools.product(
+        TARGETS, DTYPES, COMMITTED_HEAD_DIMS, (False, True)
+    ):
         for v_centered, seqlen_k in itertools.product(
             (False, True) if dtype == "e4m3" else (False,), SEQLENS
         ):
@@ -65,7 +67,7 @@ def reached() -> dict[str, dict]:
         mp.delenv("CUTEFA_TUNED_DIR", raising=False)
         dispatch.clear_caches()
         with_tables = _choices()
-        mp.setattr(dispatch, "TUNED_DIR", Path(__file__).resolve().parent / "no_tuned_tables_here")
+        mp.setattr(tuned_tables, "TUNED_DIR", Path(__file__).resolve().parent / "no_tuned_tables_here")
         dispatch.clear_caches()
         heuristic = _choices()
     dispatch.clear_caches()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cutefa import dispatch
+from cutefa import dispatch, tuned_tables
 from cutefa.model import rules
 from cutefa.model.committed import default_variants
 from cutefa.model.defaults import DEFAULT_BWD_TILES, DEFAULT_TILES, default_spec
@@ -25,7 +25,7 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty tuned-table dir, only the sm80 forward implemented, and fresh memo caches."""
     tuned = tmp_path / "tuned"
     tuned.mkdir()
-    monkeypatch.setattr(dispatch, "TUNED_DIR", tuned)
+    monkeypatch.setattr(tuned_tables, "TUNED_DIR", tuned)
     monkeypatch.setattr(rules, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16")})
     dispatch.clear_caches()
     yield tuned
@@ -157,7 +157,9 @@ def test_table_of_this_gpu_wins_over_another_gpu_of_the_target(isolated):
     assert "a A100; no table for this GPU" in other.reason
 
 
-def test_a_fresh_table_of_some_head_dims_leaves_the_others_to_the_committed_one(isolated, tmp_path, monkeypatch):
+def test_a_fresh_table_of_some_head_dims_leaves_the_others_to_the_committed_one(
+    isolated, tmp_path, monkeypatch
+):
     """A table in $CUTEFA_TUNED_DIR (asked first) that covers head dim 64 only: head dim 64 takes its
     entry, head dim 128 the committed table's (not the heuristic)."""
     committed = "cutefa_sm80_fwd_bf16_hd128_128x128_s1_w8"
@@ -250,7 +252,10 @@ def test_a_tile_the_target_cannot_hold_falls_back_to_one_it_can():
         assert rules.why_not_on(small.spec, target) is None
         assert f"over the shared memory of {target} GPUs (needs 129.0 KiB of shared memory" in small.reason
         assert "the largest committed tile that fits: 64x64, 1 stage(s), 4 warps" in small.reason
-    assert dispatch.choose(**problem(head_dim=128, target="sm_89")).spec == dispatch.choose(**problem(head_dim=128)).spec
+    assert (
+        dispatch.choose(**problem(head_dim=128, target="sm_89")).spec
+        == dispatch.choose(**problem(head_dim=128)).spec
+    )
 
 
 def test_fitting_variant():
@@ -290,8 +295,8 @@ def test_choices_are_memoized_per_seqlen_bucket(monkeypatch):
 
 
 def test_seqlen_bucket():
-    assert [dispatch.seqlen_bucket(n) for n in (0, 1, 2, 3, 1000, 65536)] == [1, 1, 2, 4, 1024, 65536]
-    assert dispatch.seqlen_bucket(65537) is None
+    assert [tuned_tables.seqlen_bucket(n) for n in (0, 1, 2, 3, 1000, 65536)] == [1, 1, 2, 4, 1024, 65536]
+    assert tuned_tables.seqlen_bucket(65537) is None
 
 
 def test_current_target_from_capability(monkeypatch):
@@ -324,8 +329,8 @@ def test_run_log_line(caplog, capsys):
 def test_cutefa_log_env_enables_run_logging_to_stderr(isolated):
     code = (
         "from pathlib import Path\n"
-        "from cutefa import dispatch as d\n"
-        f"d.TUNED_DIR = Path({str(isolated)!r})\n"
+        "from cutefa import dispatch as d, tuned_tables\n"
+        f"tuned_tables.TUNED_DIR = Path({str(isolated)!r})\n"
         "c = d.choose(target='sm_80', dtype='fp16', head_dim=64, causal=True, seqlen_q=5, seqlen_k=5,"
         " batch=1, heads_q=2, heads_kv=1)\n"
         "d.log_run(c, (1, 5, 2, 64), (1, 5, 1, 64), True)\n"
@@ -344,7 +349,9 @@ def test_cutefa_log_env_enables_run_logging_to_stderr(isolated):
 def test_backward_tables_steer_the_backward_only(isolated, monkeypatch):
     from cutefa.api import backward
 
-    monkeypatch.setattr(rules, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")})
+    monkeypatch.setattr(
+        rules, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")}
+    )
     default = default_spec("sm80", "bwd", "bf16", 128)
     assert (default.tile_m, default.tile_n, default.stages, default.warps) == DEFAULT_BWD_TILES["sm80"][128]
     other = default.replace(tile_m=128, tile_n=64)
@@ -367,7 +374,9 @@ def test_backward_tables_steer_the_backward_only(isolated, monkeypatch):
 def test_backward_table_entry_for_a_forward_variant_is_refused(isolated, monkeypatch):
     from cutefa.api import backward
 
-    monkeypatch.setattr(rules, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")})
+    monkeypatch.setattr(
+        rules, "IMPLEMENTED", {("sm80", "fwd"): ("fp16", "bf16"), ("sm80", "bwd"): ("fp16", "bf16")}
+    )
     write_table(isolated, "sm80_bwd_a100.json", [entry(heuristic_name(), None)], direction="bwd")
     dispatch.clear_caches()
     default = default_spec("sm80", "bwd", "bf16", 128)
@@ -402,7 +411,8 @@ def test_centered_v_takes_the_v_centered_entries(isolated, monkeypatch):
     centered = dispatch.choose(**h200, v_centered=True)
     assert centered.spec.name == plain and "v_centered=True" in centered.reason
     assert dispatch.choose(**h200, v_centered=False).spec.name == two_level  # memoized apart
-    assert dispatch.choose(**{**h200, "head_dim": 256}, v_centered=True).spec.name == hd256  # no centered entry
+    # (hd256 has no centered entry: the plain one)
+    assert dispatch.choose(**{**h200, "head_dim": 256}, v_centered=True).spec.name == hd256
     text = dispatch.explain_problem(**h200, v_centered=True)
     assert "v centered" in text and f"chosen: {plain}" in text
     with pytest.raises(ValueError, match="v_centered applies to e4m3"):
@@ -410,7 +420,9 @@ def test_centered_v_takes_the_v_centered_entries(isolated, monkeypatch):
     with pytest.raises(TypeError, match="v_centered must be a bool"):
         dispatch.choose(**h200, v_centered=1)
     with pytest.raises(ValueError, match="true only on e4m3 entries"):
-        dispatch.load_table(write_table(isolated, "bad.json", [entry(heuristic_name(), None, v_centered=True)]))
+        tuned_tables.load_table(
+            write_table(isolated, "bad.json", [entry(heuristic_name(), None, v_centered=True)])
+        )
 
 
 def test_tables_cleared_while_being_read_are_still_returned(monkeypatch):
@@ -426,10 +438,10 @@ def test_tables_cleared_while_being_read_are_still_returned(monkeypatch):
             assert not cleared.wait(0.2), "the clear did not wait for the reading under way"
         return []
 
-    monkeypatch.setattr(dispatch, "_read_tables", read)
-    assert dispatch.tuned_tables() == []
+    monkeypatch.setattr(tuned_tables, "_read_tables", read)
+    assert tuned_tables.tuned_tables() == []
     assert cleared.wait(10)
-    assert dispatch.tuned_tables() == [] and reads == [0, 1]
+    assert tuned_tables.tuned_tables() == [] and reads == [0, 1]
 
 
 def test_a_choice_made_across_a_clear_is_not_memoized(monkeypatch):

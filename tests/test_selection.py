@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cutefa import cli, dispatch, pack, pack_build, selection
+from cutefa import cli, dispatch, pack, pack_build, selection, tuned_tables
 from cutefa import compile as cc
 from cutefa.model.committed import default_variants
 from cutefa.model.defaults import default_spec
@@ -242,7 +242,7 @@ def test_model_config_errors_name_the_field(tmp_path, config, words):
 
 def dispatch_picks(target: str, dtype: str, head_dim: int, causal: bool) -> set[VariantSpec]:
     """What dispatch chooses for the forward at every seqlen bucket, on every GPU with a table."""
-    gpus = [None] + sorted({t.gpu for t in dispatch.tuned_tables() if t.target == target})
+    gpus = [None] + sorted({t.gpu for t in tuned_tables.tuned_tables() if t.target == target})
     return {
         dispatch.choose(target=target, dtype=dtype, head_dim=head_dim, causal=causal, seqlen_q=n, seqlen_k=n,
                         batch=1, heads_q=8, heads_kv=8, gpu_name=gpu).spec
@@ -255,7 +255,7 @@ def table_entries(
 ) -> set[str]:
     return {
         e.variant
-        for t in dispatch.tuned_tables()
+        for t in tuned_tables.tuned_tables()
         if (t.arch, t.direction, t.target) == (arch, direction, target)
         for e in t.entries
         if (e.dtype, e.head_dim, e.causal) == (dtype, head_dim, causal)
@@ -301,7 +301,10 @@ def test_mistral_and_qwen_need_what_llama_needs_with_their_notes():
     # Mistral: Llama's kernels and its sliding window's, dense and packed
     windowed = set(mistral.specs) - set(llama.specs)
     assert set(llama.specs) < set(mistral.specs) and windowed
-    assert {(s.mask, s.features) for s in windowed} == {(Mask.LOCAL, Features()), (Mask.LOCAL, Features(varlen=True))}
+    assert {(s.mask, s.features) for s in windowed} == {
+        (Mask.LOCAL, Features()),
+        (Mask.LOCAL, Features(varlen=True)),
+    }
     assert {(s.arch, s.direction) for s in windowed} == {("sm90", "fwd"), ("sm90", "bwd")}
     assert mistral.notes == () and qwen.notes == ()
 
@@ -315,7 +318,9 @@ def test_gemma2_gets_hd256_kernels_and_a_note_per_gap():
     # its softcap on every layer, its window on the local ones, dense and packed
     featured = {(s.mask, s.features) for s in plan.specs if s not in dense}
     assert featured == {
-        (mask, Features(softcap=True, varlen=varlen)) for mask in (Mask.CAUSAL, Mask.LOCAL) for varlen in (False, True)
+        (mask, Features(softcap=True, varlen=varlen))
+        for mask in (Mask.CAUSAL, Mask.LOCAL)
+        for varlen in (False, True)
     }
     text = "\n".join(plan.notes)
     assert len(plan.notes) == 1
