@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cutefa import sdpa_serve
 from cutefa import torch_sdpa as ts
 from cutefa.api import validate
 
@@ -40,10 +41,10 @@ def test_the_ring_calls_the_flash_ops_the_provider_overrides():
     ops the provider overrides (so CP reaches cutefa with no adapter)."""
     forward = inspect.getsource(cp._scaled_dot_product_ring_flash_attention)
     backward = inspect.getsource(cp._scaled_dot_product_ring_flash_attention_backward)
-    assert f"aten.{ts._SDPA_FWD}," in forward
-    assert f"aten.{ts._SDPA_BWD}.default" in backward
+    assert f"aten.{sdpa_serve._SDPA_FWD}," in forward
+    assert f"aten.{sdpa_serve._SDPA_BWD}.default" in backward
     handled = {str(op) for op in cp.custom_ops}
-    assert {f"aten.{ts._SDPA_FWD}.default", f"aten.{ts._SDPA_BWD}.default"} <= handled
+    assert {f"aten.{sdpa_serve._SDPA_FWD}.default", f"aten.{sdpa_serve._SDPA_BWD}.default"} <= handled
 
 
 def test_the_ring_reads_out_and_lse_and_passes_the_rest_through():
@@ -71,10 +72,10 @@ def provider(monkeypatch):
 
     recorder = Recorder()
     monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(ts, "_device_target", lambda device: ("sm_90a", "NVIDIA H100 80GB HBM3"))
-    monkeypatch.setattr(ts, "_REASONS", {})
-    monkeypatch.setattr(ts, "_dense_forward", recorder.dense_forward)
-    monkeypatch.setattr(ts, "_backward", recorder.backward)
+    monkeypatch.setattr(sdpa_serve, "_device_target", lambda device: ("sm_90a", "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(sdpa_serve, "_REASONS", {})
+    monkeypatch.setattr(sdpa_serve, "_dense_forward", recorder.dense_forward)
+    monkeypatch.setattr(sdpa_serve, "_backward", recorder.backward)
     handle = ts._install(prefer_flash=False, dispatch_key="CPU")
     yield recorder
     handle.remove()
@@ -161,8 +162,8 @@ def _rank_main(rank: int, world: int, port: int, cases: list[tuple[bool, bool, i
 
     recorder = Recorder()
     validate.DEVICE_TYPES = ("cuda", "cpu")
-    ts._device_target = lambda device: ("sm_90a", "NVIDIA H100 80GB HBM3")
-    ts._dense_forward, ts._backward = recorder.dense_forward, recorder.backward
+    sdpa_serve._device_target = lambda device: ("sm_90a", "NVIDIA H100 80GB HBM3")
+    sdpa_serve._dense_forward, sdpa_serve._backward = recorder.dense_forward, recorder.backward
     handle = ts._install(prefer_flash=False, dispatch_key="CPU")
     mesh = init_device_mesh("cpu", (world,))
     options = cp._cp_options

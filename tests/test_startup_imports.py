@@ -1,6 +1,6 @@
 """``import cutefa.api`` loads what a dense ``flash_attn_func`` call needs and nothing more: the
-feature, fp8, kv-cache, MLA and mods modules load on their first use (each check runs in a fresh
-interpreter, since this process has imported them all long ago)."""
+feature, fp8, kv-cache, MLA and mods modules, and the SDPA provider's kernels, load on their first
+use (each check runs in a fresh interpreter, since this process has imported them all long ago)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ LAZY_MODULES = (
     "cutefa.codegen",
     "cutefa.tune",
     "cutefa.cli",
+    "cutefa.sdpa_serve",
 )
 
 

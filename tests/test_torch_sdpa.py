@@ -1,6 +1,6 @@
-"""The SDPA provider (cutefa.torch_sdpa) on the CPU: registration, activation, which calls cutefa
-serves and why the others go back to PyTorch's kernel, and that served outputs are views in the
-layout PyTorch's own kernel gives them.
+"""The SDPA provider (cutefa.torch_sdpa, its kernels in cutefa.sdpa_serve) on the CPU:
+registration, activation, which calls cutefa serves and why the others go back to PyTorch's
+kernel, and that served outputs are views in the layout PyTorch's own kernel gives them.
 
 The provider is installed on the CPU dispatch key here (aten's flash ops have no CPU kernels), an
 H100 is pretended, and the kernel calls are replaced by a float32 reference, so the real aten ops,
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from cutefa import dispatch
+from cutefa import dispatch, sdpa_serve
 from cutefa import torch_sdpa as ts
 from cutefa.api import validate
 
@@ -109,11 +109,11 @@ def provider(monkeypatch):
     """The provider installed on the CPU key, an H100 pretended, kernel calls recorded."""
     recorder = Recorder()
     monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(ts, "_device_target", lambda device: ("sm_90a", "NVIDIA H100 80GB HBM3"))
-    monkeypatch.setattr(ts, "_REASONS", {})
-    monkeypatch.setattr(ts, "_dense_forward", recorder.dense_forward)
-    monkeypatch.setattr(ts, "_varlen_forward", recorder.varlen_forward)
-    monkeypatch.setattr(ts, "_backward", recorder.backward)
+    monkeypatch.setattr(sdpa_serve, "_device_target", lambda device: ("sm_90a", "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(sdpa_serve, "_REASONS", {})
+    monkeypatch.setattr(sdpa_serve, "_dense_forward", recorder.dense_forward)
+    monkeypatch.setattr(sdpa_serve, "_varlen_forward", recorder.varlen_forward)
+    monkeypatch.setattr(sdpa_serve, "_backward", recorder.backward)
     handle = ts._install(prefer_flash=False, dispatch_key="CPU")
     yield recorder, handle
     handle.remove()
@@ -146,6 +146,14 @@ def test_register_is_idempotent_and_never_activates():
     assert torch.nn.attention.current_flash_attention_impl() != "cutefa" and not ts.is_active()
 
 
+def run_fresh(code):
+    """Run ``code`` in a fresh interpreter (this one imported everything long ago); it must pass."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_register_before_torch_is_imported_waits_for_its_registry():
     code = (
         "import sys\n"
@@ -157,14 +165,33 @@ def test_register_before_torch_is_imported_waits_for_its_registry():
         "assert ts._watch is None and not any(isinstance(f, ts._Watch) for f in sys.meta_path)\n"
         "assert torch.nn.attention.current_flash_attention_impl() is None\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300
+    run_fresh(code)
+
+
+def test_the_serving_module_loads_with_the_provider_only():
+    code = (
+        "import sys\n"
+        "import torch, cutefa\n"
+        "from cutefa import torch_sdpa as ts\n"
+        "assert 'cutefa' in torch.nn.attention.list_flash_attention_impls()\n"
+        "assert 'cutefa.sdpa_serve' not in sys.modules, 'import cutefa loaded the serving module'\n"
+        "handle = ts._install(prefer_flash=False, dispatch_key='CPU')\n"
+        "assert 'cutefa.sdpa_serve' in sys.modules and ts.is_active()\n"
+        "handle.remove()\n"
+        "from cutefa import sdpa_serve\n"
+        "assert ts.why_not is sdpa_serve.why_not and 'why_not' in vars(ts)\n"
+        "try:\n"
+        "    ts.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    assert 'no_such_name' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
     )
-    assert done.returncode == 0, done.stderr
+    run_fresh(code)
 
 
 def test_activate_overrides_the_flash_ops_and_deactivate_restores_them():
-    ops = [f"aten::{op}" for op in (ts._SDPA_FWD, ts._SDPA_BWD, ts._FLASH_FWD, ts._FLASH_BWD)]
+    ops = [f"aten::{op}" for op in sdpa_serve.OPS]
     before = {op: torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA") for op in ops}
     order = list(torch._C._get_sdp_priority_order())
     flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
@@ -206,8 +233,8 @@ def test_a_torch_without_get_kernel_is_told_so(monkeypatch):
 @pytest.fixture
 def h100(monkeypatch):
     monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "meta"))
-    monkeypatch.setattr(ts, "_device_target", lambda device: ("sm_90a", "NVIDIA H100"))
-    monkeypatch.setattr(ts, "_REASONS", {})
+    monkeypatch.setattr(sdpa_serve, "_device_target", lambda device: ("sm_90a", "NVIDIA H100"))
+    monkeypatch.setattr(sdpa_serve, "_REASONS", {})
 
 
 def meta(batch, heads, seqlen, head_dim, dtype=torch.bfloat16):
@@ -238,14 +265,14 @@ def test_which_calls_cutefa_serves(h100, shapes, dtype, options, words):
 
 def test_a_gpu_without_cutefa_kernels_goes_to_pytorch(monkeypatch):
     monkeypatch.setattr(validate, "DEVICE_TYPES", ("cuda", "meta"))
-    monkeypatch.setattr(ts, "_REASONS", {})
-    monkeypatch.setattr(ts, "_device_target", lambda device: ("sm_75", "Tesla T4"))
+    monkeypatch.setattr(sdpa_serve, "_REASONS", {})
+    monkeypatch.setattr(sdpa_serve, "_device_target", lambda device: ("sm_75", "Tesla T4"))
     q = meta(1, 4, 64, 64)
     assert "Tesla T4" in ts.why_not(q, q, q, layout="bhsd")
 
 
 def test_cpu_tensors_are_not_served(monkeypatch):
-    monkeypatch.setattr(ts, "_REASONS", {})
+    monkeypatch.setattr(sdpa_serve, "_REASONS", {})
     q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
     assert "CUDA" in ts.why_not(q, q, q, layout="bhsd")
 
@@ -253,9 +280,9 @@ def test_cpu_tensors_are_not_served(monkeypatch):
 def test_the_decision_is_memoized_per_shape(h100):
     q = meta(1, 4, 64, 64)
     assert ts.why_not(q, q, q, layout="bhsd") is None
-    assert len(ts._REASONS) == 1
+    assert len(sdpa_serve._REASONS) == 1
     ts.why_not(q, q, q, layout="bhsd")
-    assert len(ts._REASONS) == 1
+    assert len(sdpa_serve._REASONS) == 1
 
 
 @pytest.mark.parametrize(
@@ -271,7 +298,7 @@ def test_the_decision_is_memoized_per_shape(h100):
     ],
 )
 def test_aten_windows_map_to_cutefa_masks(causal, left, right, expected):
-    assert ts._mask(causal, left, right) == expected
+    assert sdpa_serve._mask(causal, left, right) == expected
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,7 +426,7 @@ def test_dropout_goes_to_pytorchs_kernel_with_the_call_unchanged(provider, logge
     recorder, handle = provider
     q, k, v = bhsd(), bhsd(), bhsd()
     marker = (torch.zeros(1),) * 9
-    fake = _install_original(handle, ts._SDPA_FWD, marker)
+    fake = _install_original(handle, sdpa_serve._SDPA_FWD, marker)
     result = aten._scaled_dot_product_flash_attention(q, k, v, 0.25, True, scale=0.5)
     assert result[0] is marker[0] or torch.equal(result[0], marker[0])
     ((args, kwargs),) = fake.calls
@@ -415,8 +442,8 @@ def test_a_call_cutefa_refuses_goes_to_pytorchs_kernel(provider, logged, monkeyp
     def refuse(*args):
         raise NotImplementedError("no cutefa kernel for this problem")
 
-    monkeypatch.setattr(ts, "_dense_forward", refuse)
-    fake = _install_original(handle, ts._SDPA_FWD, (torch.zeros(1),) * 9)
+    monkeypatch.setattr(sdpa_serve, "_dense_forward", refuse)
+    fake = _install_original(handle, sdpa_serve._SDPA_FWD, (torch.zeros(1),) * 9)
     q = bhsd()
     aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False)
     assert len(fake.calls) == 1
@@ -425,8 +452,8 @@ def test_a_call_cutefa_refuses_goes_to_pytorchs_kernel(provider, logged, monkeyp
 
 def test_unsupported_head_dims_and_paged_kv_go_to_pytorchs_kernel(provider, logged):
     recorder, handle = provider
-    fake_sdpa = _install_original(handle, ts._SDPA_FWD, (torch.zeros(1),) * 9)
-    fake_flash = _install_original(handle, ts._FLASH_FWD, (torch.zeros(1),) * 5)
+    fake_sdpa = _install_original(handle, sdpa_serve._SDPA_FWD, (torch.zeros(1),) * 9)
+    fake_flash = _install_original(handle, sdpa_serve._FLASH_FWD, (torch.zeros(1),) * 5)
     q = bhsd(head_dim=84)
     aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False)
     qd = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
@@ -440,7 +467,7 @@ def test_unsupported_head_dims_and_paged_kv_go_to_pytorchs_kernel(provider, logg
 
 def test_a_backward_with_a_foreign_lse_goes_to_pytorchs_kernel(provider):
     recorder, handle = provider
-    fake = _install_original(handle, ts._SDPA_BWD, (torch.zeros(1),) * 3)
+    fake = _install_original(handle, sdpa_serve._SDPA_BWD, (torch.zeros(1),) * 3)
     q = bhsd()
     padded_lse = torch.zeros(2, 4, 128)  # not (batch, heads, seqlen)
     aten._scaled_dot_product_flash_attention_backward(
@@ -451,7 +478,7 @@ def test_a_backward_with_a_foreign_lse_goes_to_pytorchs_kernel(provider):
 
 def test_without_a_kernel_of_pytorchs_the_refusal_is_an_error(provider):
     _, handle = provider
-    handle.originals[ts._SDPA_FWD] = None
+    handle.originals[sdpa_serve._SDPA_FWD] = None
     q = bhsd(head_dim=84)
     with pytest.raises(NotImplementedError, match="head dims"):
         aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False)
