@@ -147,6 +147,30 @@ def test_varlen_lengths_checked_once_per_tensor_and_version(monkeypatch):
     assert len(check_lengths._CHECKED) <= check_lengths.CHECKED_KEPT
 
 
+def test_plain_eager_varlen_calls_skip_the_op_and_gradients_keep_it(cpu_ok, monkeypatch):
+    """A varlen call with nothing to differentiate runs the op's implementation directly; one whose
+    inputs require gradients goes through the op (its autograd)."""
+    ran = []
+
+    def impl(q, k, v, *rest):
+        ran.append("impl")
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+    monkeypatch.setattr(feature_ops, "attn_fwd_impl", impl)
+    monkeypatch.setattr(feature_ops, "attn_fwd", lambda *a: (ran.append("op"), impl(*a))[1])
+    q, k, v = packed(total_q=12)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    cutefa.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+    assert ran == ["impl"]
+    ran.clear()
+    cutefa.flash_attn_varlen_func(q.requires_grad_(), k, v, cu, cu, 7, 7)
+    assert ran == ["op", "impl"]
+    ran.clear()
+    with torch.no_grad():  # gradients off: nothing to differentiate
+        cutefa.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+    assert ran == ["impl"]
+
+
 def test_feature_arguments_checked(cpu_ok):
     q, k, v = (torch.randn(2, 8, 4, 64, dtype=torch.float16) for _ in range(3))
     with pytest.raises(ValueError, match="softcap"):
