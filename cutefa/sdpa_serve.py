@@ -202,25 +202,27 @@ def _backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: boo
 
 
 _REFUSED = (NotImplementedError, ValueError, TypeError)  # raised before any launch: PyTorch's kernel runs
-_originals: dict[str, Any] = {}  # PyTorch's kernel of each op behind the installed overrides
 
 
 def overrides(originals: dict[str, Any]) -> dict[str, Callable[..., Any]]:
     """The kernel that overrides each of :data:`OPS`. A call cutefa does not serve goes to
     ``originals[op]``, PyTorch's kernel (None where there is none: then a NotImplementedError);
     ``originals`` is kept, not copied (the installation's handle holds the same dict)."""
-    global _originals
-    _originals = originals
-    return {
-        _SDPA_FWD: _sdpa_forward,
-        _SDPA_BWD: _sdpa_backward,
-        _FLASH_FWD: _flash_forward,
-        _FLASH_BWD: _flash_backward,
-    }
+
+    def bound(serve: Callable[..., Any]) -> Callable[..., Any]:
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            return serve(originals, keyset, *args, **kwargs)
+
+        return kernel
+
+    served = {_SDPA_FWD: _sdpa_forward, _SDPA_BWD: _sdpa_backward, _FLASH_FWD: _flash_forward,
+              _FLASH_BWD: _flash_backward}  # fmt: skip
+    return {op: bound(serve) for op, serve in served.items()}
 
 
-def _sdpa_forward(keyset: Any, query: Any, key: Any, value: Any, dropout_p: float = 0.0, is_causal: bool = False,
-                  return_debug_mask: bool = False, *, scale: float | None = None) -> Any:  # fmt: skip
+def _sdpa_forward(originals: dict[str, Any], keyset: Any, query: Any, key: Any, value: Any,
+                  dropout_p: float = 0.0, is_causal: bool = False, return_debug_mask: bool = False, *,
+                  scale: float | None = None) -> Any:  # fmt: skip
     why = why_not(query, key, value, dropout_p=dropout_p, debug_mask=return_debug_mask, layout="bhsd")
     if why is None:
         try:
@@ -243,14 +245,15 @@ def _sdpa_forward(keyset: Any, query: Any, key: Any, value: Any, dropout_p: floa
                 unused,
                 debug,
             )
-    return _fallback(_SDPA_FWD, why)(
+    return _fallback(originals, _SDPA_FWD, why)(
         keyset, query, key, value, dropout_p, is_causal, return_debug_mask, scale=scale
     )
 
 
-def _sdpa_backward(keyset: Any, grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsumexp: Any,
-                   cum_seq_q: Any, cum_seq_k: Any, max_q: int, max_k: int, dropout_p: float, is_causal: bool,
-                   philox_seed: Any, philox_offset: Any, *, scale: float | None = None) -> Any:  # fmt: skip
+def _sdpa_backward(originals: dict[str, Any], keyset: Any, grad_out: Any, query: Any, key: Any, value: Any,
+                   out: Any, logsumexp: Any, cum_seq_q: Any, cum_seq_k: Any, max_q: int, max_k: int,
+                   dropout_p: float, is_causal: bool, philox_seed: Any, philox_offset: Any, *,
+                   scale: float | None = None) -> Any:  # fmt: skip
     why = why_not(query, key, value, dropout_p=dropout_p, layout="bhsd")
     if why is None:
         why = _why_not_lse(logsumexp, (query.shape[0], query.shape[1], query.shape[2]))
@@ -268,11 +271,12 @@ def _sdpa_backward(keyset: Any, grad_out: Any, query: Any, key: Any, value: Any,
             return tuple(_like(g.transpose(1, 2), like) for g, like in pairs)
     args = (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
             philox_seed, philox_offset)  # fmt: skip
-    return _fallback(_SDPA_BWD, why)(keyset, *args, scale=scale)
+    return _fallback(originals, _SDPA_BWD, why)(keyset, *args, scale=scale)
 
 
-def _flash_forward(keyset: Any, query: Any, key: Any, value: Any, cum_seq_q: Any, cum_seq_k: Any, max_q: int,
-                   max_k: int, dropout_p: float, is_causal: bool, return_debug_mask: bool, **options: Any) -> Any:  # fmt: skip
+def _flash_forward(originals: dict[str, Any], keyset: Any, query: Any, key: Any, value: Any, cum_seq_q: Any,
+                   cum_seq_k: Any, max_q: int, max_k: int, dropout_p: float, is_causal: bool,
+                   return_debug_mask: bool, **options: Any) -> Any:  # fmt: skip
     packed = cum_seq_q is not None
     why = why_not(query, key, value, dropout_p=dropout_p, debug_mask=return_debug_mask,
                   layout="thd" if packed else "bshd")  # fmt: skip
@@ -294,7 +298,7 @@ def _flash_forward(keyset: Any, query: Any, key: Any, value: Any, cum_seq_q: Any
             rng, unused, debug = _aux(query)
             return _like(out, query), lse, rng, unused, debug
     args = (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask)
-    return _fallback(_FLASH_FWD, why)(keyset, *args, **options)
+    return _fallback(originals, _FLASH_FWD, why)(keyset, *args, **options)
 
 
 def _why_not_options(options: dict[str, Any], packed: bool, cum_seq_k: Any) -> str | None:
@@ -311,10 +315,10 @@ def _why_not_options(options: dict[str, Any], packed: bool, cum_seq_k: Any) -> s
     return None  # num_splits: a hint; cutefa never splits the keys, so any result is batch-invariant
 
 
-def _flash_backward(keyset: Any, grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsumexp: Any,
-                    cum_seq_q: Any, cum_seq_k: Any, max_q: int, max_k: int, dropout_p: float, is_causal: bool,
-                    rng_state: Any, unused: Any, *, scale: float | None = None, window_size_left: int | None = None,
-                    window_size_right: int | None = None) -> Any:  # fmt: skip
+def _flash_backward(originals: dict[str, Any], keyset: Any, grad_out: Any, query: Any, key: Any, value: Any,
+                    out: Any, logsumexp: Any, cum_seq_q: Any, cum_seq_k: Any, max_q: int, max_k: int,
+                    dropout_p: float, is_causal: bool, rng_state: Any, unused: Any, *, scale: float | None = None,
+                    window_size_left: int | None = None, window_size_right: int | None = None) -> Any:  # fmt: skip
     packed = cum_seq_q is not None
     why = why_not(query, key, value, dropout_p=dropout_p, layout="thd" if packed else "bshd")
     if why is None and packed and cum_seq_k is None:
@@ -338,7 +342,7 @@ def _flash_backward(keyset: Any, grad_out: Any, query: Any, key: Any, value: Any
             return _like(dq, query), _like(dk, key), _like(dv, value)
     args = (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
             rng_state, unused)  # fmt: skip
-    return _fallback(_FLASH_BWD, why)(
+    return _fallback(originals, _FLASH_BWD, why)(
         keyset, *args, scale=scale, window_size_left=window_size_left, window_size_right=window_size_right
     )
 
@@ -394,13 +398,14 @@ def _served(op: str, query: Any, key: Any, causal: bool, window: tuple[int, int]
         )  # fmt: skip
 
 
-def _fallback(op: str, why: str | None) -> Callable[..., Any]:
-    """PyTorch's kernel for ``op`` (as ``kernel(keyset, *args, **kwargs)``), after logging why."""
+def _fallback(originals: dict[str, Any], op: str, why: str | None) -> Callable[..., Any]:
+    """PyTorch's kernel for ``op`` among ``originals`` (as ``kernel(keyset, *args, **kwargs)``),
+    after logging why."""
     from cutefa import dispatch
 
     if dispatch._LOG_RUNS:
         log.info("cutefa sdpa: aten.%s runs PyTorch's kernel: %s", op, why)
-    original = _originals.get(op)
+    original = originals.get(op)
     if original is None:
         raise NotImplementedError(
             f"aten.{op}: cutefa does not serve this call ({why}) and PyTorch has no kernel of its own for it here"

@@ -232,7 +232,7 @@ def train(backend: str, args: argparse.Namespace, settings: Settings, data: torc
     run.losses = [x.item() for x in run.losses]
     if args.device == "cuda":
         run.peak_bytes = torch.cuda.max_memory_allocated()
-    model = opt = None  # free the GPU memory before the next backend
+    model = opt = schedule = None  # free the GPU memory (weights, optimizer state) before the next backend
     return run
 
 
