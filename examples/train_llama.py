@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import importlib.util
 import math
 import sys
@@ -51,10 +52,48 @@ class Run:
     peak_bytes: int = 0
     note: str = ""
     profile: str = ""  # --profile's table
+    gc: GcTimer | None = None  # Python's garbage collections during the timed steps
 
     @property
     def tokens_per_second(self) -> float:
         return self.timed_steps * self.tokens_per_step / self.seconds if self.seconds else math.nan
+
+
+class GcTimer:
+    """The time Python's garbage collector took between ``start`` and ``stop`` (``gc.callbacks``), by generation:
+    a full (generation 2) collection walks every tracked object, so its cost grows with what the
+    process holds (a compiler's objects, for one), and the host-bound steps of a small model feel it."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.counts = [0, 0, 0]
+        self._start = 0.0
+        self.objects = 0  # tracked objects when the timing ended
+        self.dsl_loaded = False
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            generation = info["generation"]
+            self.seconds[generation] += time.perf_counter() - self._start
+            self.counts[generation] += 1
+
+    def start(self) -> None:
+        gc.callbacks.append(self._callback)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+        self.objects = len(gc.get_objects())
+        self.dsl_loaded = "cutlass" in sys.modules  # a JIT compile in this process loads the CuTe DSL
+
+    def line(self, steps: int) -> str:
+        total = sum(self.seconds)
+        return (
+            f"gc {1e3 * total / max(steps, 1):.2f} ms/step ({self.counts[0]}/{self.counts[1]}/{self.counts[2]} "
+            f"collections of generations 0/1/2, {1e3 * self.seconds[2]:.0f} ms in generation 2; "
+            f"{self.objects / 1e6:.2f}M objects tracked{', the CuTe DSL loaded' if self.dsl_loaded else ''})"
+        )
 
 
 @dataclass(frozen=True)
@@ -219,12 +258,17 @@ def train(backend: str, args: argparse.Namespace, settings: Settings, data: torc
         return loss.detach()
 
     with context:
+        timer = GcTimer()
         for i, tokens in enumerate(data):
             if i == warmup:
                 _sync(args.device)
+                timer.start()
                 start = time.perf_counter()
             run.losses.append(step(tokens))
         _sync(args.device)
+        if len(data) > warmup:
+            timer.stop()
+            run.gc = timer
         run.timed_steps = len(data) - warmup
         run.seconds = time.perf_counter() - start if run.timed_steps > 0 else 0.0
         if args.profile:
@@ -327,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  peak {run.peak_bytes / 2**30:6.2f} GiB  loss {run.losses[0]:.3f} -> {run.losses[-1]:.3f}",
             flush=True,
         )
+        if run.gc is not None:
+            print(f"{'':12s}  {run.gc.line(run.timed_steps)}", flush=True)
         if run.profile:
             print(run.profile, flush=True)
     done = [r for r in runs if r.losses]

@@ -81,13 +81,15 @@ def test_plot_panels_keep_the_passes_and_head_layouts_apart():
     rows.append(bench_grid.Row(bench_grid.Cell("bf16", 128, False, 1024, "fwd", 32, 8)))
     panels = bench_report.plot_panels(rows)
     assert list(panels) == [
-        ("fwd", "bf16", 128, False, ""), ("fwd", "bf16", 128, True, ""),
-        ("bwd", "bf16", 128, False, ""), ("bwd", "bf16", 128, True, ""),
-        ("fwd", "bf16", 128, False, "32/8"),
+        ("fwd", "bf16", "128", False, ""), ("fwd", "bf16", "128", True, ""),
+        ("bwd", "bf16", "128", False, ""), ("bwd", "bf16", "128", True, ""),
+        ("fwd", "bf16", "128", False, "32/8"),
     ]  # fmt: skip
     assert all(len({r.cell.pass_ for r in p}) == 1 for p in panels.values())
-    assert bench_report.panel_title(("bwd", "fp16", 64, True, "")) == "bwd fp16 hd64 causal"
-    assert bench_report.panel_title(("fwd", "bf16", 256, False, "32/8")) == "fwd bf16 hd256 h=32/8 non-causal"
+    assert bench_report.panel_title(("bwd", "fp16", "64", True, "")) == "bwd fp16 hd64 causal"
+    assert (
+        bench_report.panel_title(("fwd", "bf16", "256", False, "32/8")) == "fwd bf16 hd256 h=32/8 non-causal"
+    )
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys, tmp_path):

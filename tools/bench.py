@@ -2,10 +2,13 @@
 memory-efficient backends, and FlexAttention, in one run.
 
 Grid (as in the anchor figures): layout (batch, seqlen, heads, head_dim) with batch x seqlen =
-16384 tokens; heads (``--heads``) "mha" = 2048 / head_dim query and key/value heads, grouped-query
-"32/8" (Llama 3 8B) and "64/8" (Llama 3 70B), "mqa" = 2048 / head_dim query heads over one key/value
-head. Random normal inputs; median time of ``triton.testing.do_bench`` (CUDA events when triton is
-missing). TFLOP/s counts 4*b*hq*s^2*d for the forward (2.5x for the backward), halved when causal.
+16384 tokens; head dims (``--hdim``) D for q, k and v, or QK:V pairs (q and k of head dim d_qk, v
+and the output of d_v: 192:128 is DeepSeek's prefill); heads (``--heads``) "mha" = 2048 // d_qk query
+and key/value heads (rounded down where d_qk does not divide 2048: 25 at 80, 18 at 112, 10 at 192),
+grouped-query "32/8" (Llama 3 8B) and "64/8" (Llama 3 70B), "mqa" = 2048 // d_qk query heads over
+one key/value head. Random normal inputs; median time of ``triton.testing.do_bench`` (CUDA events
+when triton is missing). TFLOP/s counts 2*b*hq*s^2*(d_qk + d_v) for the forward (4*b*hq*s^2*d with
+one head dim; 2.5x that for the backward), halved when causal.
 The dense bf16 matmul rate (8192^3) is measured in the same run: the ceiling the attention figures
 are read against.
 
@@ -14,7 +17,9 @@ Every backend is checked before it is timed, on every cell (tools/bench_check.py
 float32 reference on a sample of (batch, head) slices (``--slices``), each within a bar set from the
 error of the same reference computed in the inputs' 16-bit dtype (3x it, plus an epsilon). A cell
 that fails prints FAIL and no speed; a backend that raises prints "err" (the message in the notes);
-one that is not installed leaves its column empty. Every backend is timed the same way
+one that is not installed leaves its column empty; one that does not take the cell's head dims, by
+its own library's check (cutefa's head-dim rule, FA4's head-dim validation, torch's SDPA dispatcher
+checks where v's head dim differs from q's), prints "n/a (why)" and has no bar in the plot. Every backend is timed the same way
 (tools/bench_run.py): through its library's own call (which allocates its outputs), forward as a
 plain call, backward as autograd over a graph its forward built once, all backends of a cell in
 turns for ``--rounds`` rounds (default 3), the median kept.
@@ -22,6 +27,7 @@ turns for ``--rounds`` rounds (default 3), the median kept.
     python3 tools/bench.py                      # full grid, bf16, causal and not
     python3 tools/bench.py --quick              # a few cells
     python3 tools/bench.py --hdim 128 --seqlen 4096,8192 --causal 1 --dtype bf16,fp16 --heads mha,32/8
+    python3 tools/bench.py --hdim 80,112,192:128 --seqlen 8192 --pass fwd,bwd --causal both --heads mha
     python3 tools/bench.py --pass both --plot bench_out/bench.png
     python3 tools/bench.py --enqueue            # host cost per call, all backends
     python3 tools/bench.py --enqueue --pack DIR # ... with cutefa's kernel from a kernel pack
@@ -77,11 +83,12 @@ from bench_grid import (
     QUICK_SEQLENS,
     SEQLENS,
     grid,
+    parse_hdim,
     parse_heads,
     variant_serves,
 )
 from bench_host import run_enqueue, run_startup
-from bench_report import check_plot, plot, report_json, report_markdown
+from bench_report import check_plot, not_taken_notes, plot, report_json, report_markdown
 from bench_run import ROUNDS, run_cell
 
 # ----------------------------------------------------------------------------------------------
@@ -96,6 +103,23 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _parsed_list(text: str, parse, empty: str) -> list:
+    """A comma list, each item through ``parse`` (its ValueError the argparse error), duplicates
+    dropped in order; ``empty``: the error of a list without items."""
+    try:
+        values = [parse(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{empty}, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def _hdim_list(text: str) -> list[tuple[int, int]]:
+    """``--hdim``: a comma list of D and QK:V items, as (d_qk, d_v) pairs."""
+    return _parsed_list(text, parse_hdim, "--hdim takes head dims D or QK:V pairs")
 
 
 def _positive_int(text: str) -> int:
@@ -133,13 +157,7 @@ def _backend_list(text: str) -> list[str]:
 
 
 def _heads_list(text: str) -> list[str]:
-    try:
-        values = [parse_heads(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"--heads takes mha, mqa or HQ/HKV entries, got {text!r}")
-    return list(dict.fromkeys(values))
+    return _parsed_list(text, parse_heads, "--heads takes mha, mqa or HQ/HKV entries")
 
 
 def _bwd_variant_list(text: str) -> list[str]:
@@ -178,7 +196,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="cutefa vs FA4 / cuDNN / FA2 / efficient / FlexAttention, checked and timed side by "
         "side on one GPU.",
     )
-    p.add_argument("--hdim", type=_int_list, default=None, help="head dims, e.g. 64,128,256 (default)")
+    p.add_argument(
+        "--hdim", type=_hdim_list, default=None,
+        help="head dims: D (q, k and v) or QK:V (q and k of QK, v and the output of V), e.g. 64,128,256 "
+        "(default) or 80,112,192:128",
+    )  # fmt: skip
     p.add_argument("--seqlen", type=_int_list, default=None, help="seqlens (default 1024..16384)")
     p.add_argument(
         "--heads", type=_heads_list, default=None,
@@ -235,7 +257,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.bwd_variants and "bwd" not in args.passes:
         args.passes = [*args.passes, "bwd"]
     if args.hdim is None:
-        args.hdim = list(QUICK_HDIMS if args.quick else HDIMS)
+        args.hdim = [(hd, hd) for hd in (QUICK_HDIMS if args.quick else HDIMS)]
     if args.seqlen is None:
         args.seqlen = list(QUICK_SEQLENS if args.quick else SEQLENS)
     if args.heads is None:
@@ -296,6 +318,7 @@ def run_grid(args: argparse.Namespace) -> int:
         f"{name} returned no log-sum-exp on {n} forward cell(s): O checked alone there"
         for name, n in no_lse.items()
     ]
+    notes += not_taken_notes(rows)
     md_text = report_markdown(meta, rows, names, notes)
     print()
     print(md_text)

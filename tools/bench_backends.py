@@ -11,6 +11,17 @@ head_dim) views, or on grouped-query cells ``F.scaled_dot_product_attention(...,
 under ``sdpa_kernel`` (torch refuses a backend that cannot; no log-sum-exp is returned there, so only
 the output is checked); FlexAttention compiled once, its block mask built outside the timed call.
 SDPA's causal mask is aligned top-left: the grid's cells have seqlen_q == seqlen_k.
+
+v may have a head dim of its own (a ``--hdim QK:V`` cell): the output then has v's. Whether a backend
+takes a cell's head dims is its own library's word, asked before the cell runs (``Backend.refuses``;
+a refused cell is "n/a (why)", neither run nor timed): cutefa's head-dim rule
+(``cutefa.model.spec.why_not_head_dims``: one head dim, a multiple of 8 up to 256, or a pair of
+``HEAD_DIM_V_PAIRS``); FA4's own validation (``flash_attn.cute.interface._validate_head_dims``: on
+sm90 each of d_qk and d_v a multiple of 8 from 8 to 256, on sm100 up to 128 or (192, 128) and a few
+other pairs; an FA4 without it lets the call decide); SDPA's backends, where v's head dim differs
+from q's, torch's dispatcher checks (``torch.backends.cuda.can_use_{flash,efficient,cudnn}_attention``,
+the reason its warning: the FlashAttention-2 backend wants one head dim for q, k and v, cuDNN's
+limits depend on its version and the GPU). FlexAttention has no check: its call decides.
 """
 
 # No `from __future__ import annotations`: tools load this file by path, not always registering it
@@ -21,6 +32,7 @@ import inspect
 import re
 import statistics
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,15 +93,18 @@ def make_timer(warmup: int, rep: int) -> tuple[str, Callable[[Callable[[], objec
 @dataclass
 class Backend:
     """``make(q, k, v, causal)`` -> a no-argument callable running the forward once (q, k, v in
-    (batch, seqlen, heads, head_dim)); ``outputs(raw)`` -> (out (b, sq, hq, d), lse (b, hq, sq) or
-    None) of what that callable returned (views, outside the timed call); ``context``: entered
-    around every call; ``missing``: why the backend is absent."""
+    (batch, seqlen, heads, head_dim), v's head dim d_v); ``outputs(raw)`` -> (out (b, sq, hq, d_v),
+    lse (b, hq, sq) or None) of what that callable returned (views, outside the timed call);
+    ``context``: entered around every call; ``missing``: why the backend is absent; ``refuses(q, k,
+    v, causal)`` (within ``context``; None: the call decides): why the backend does not take the
+    problem, by its library's own check, or None."""
 
     name: str
     make: Callable | None
     outputs: Callable = None  # type: ignore[assignment]
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     missing: str | None = None
+    refuses: Callable | None = None
 
     def __post_init__(self):
         if self.outputs is None:
@@ -155,6 +170,7 @@ def bwd_variant_backend(name: str, cutefa_backend: "Backend", label: str | None 
     return Backend(
         label or name, cutefa_backend.make, cutefa_backend.outputs,
         context=lambda: forced_bwd_variant(name, tail), missing=cutefa_backend.missing,
+        refuses=cutefa_backend.refuses,
     )  # fmt: skip
 
 
@@ -167,7 +183,14 @@ def _cutefa() -> Backend:
     def make(q, k, v, causal, _f=cutefa.flash_attn_func):
         return lambda: _f(q, k, v, causal=causal, return_lse=True)
 
-    return Backend("cutefa", make)
+    return Backend("cutefa", make, refuses=_cutefa_refuses)
+
+
+def _cutefa_refuses(q, k, v, causal) -> str | None:
+    """cutefa's own head-dim rule (its forward and backward take the same head dims)."""
+    from cutefa.model.spec import why_not_head_dims
+
+    return why_not_head_dims(int(q.shape[-1]), int(v.shape[-1]))
 
 
 def _fa4() -> Backend:
@@ -184,7 +207,26 @@ def _fa4() -> Backend:
     def make(q, k, v, causal):
         return lambda: fa4(q, k, v, causal=causal, **extra)
 
-    return Backend("FA4", make)
+    return Backend("FA4", make, refuses=_fa4_refuses)
+
+
+def _fa4_refuses(q, k, v, causal) -> str | None:
+    """FA4's own head-dim validation for q's GPU (the one its forward and backward run first); None
+    where this FA4 has none (its call decides)."""
+    import torch
+
+    try:
+        from flash_attn.cute.interface import _validate_head_dims
+    except ImportError:
+        return None
+    major, _ = torch.cuda.get_device_capability(q.device)
+    try:
+        _validate_head_dims(int(q.shape[-1]), int(v.shape[-1]), major, 16 // v.element_size())
+    except AssertionError as exc:
+        return f"FA4: {exc}"
+    except TypeError:  # another signature: not the check this knows
+        return None
+    return None
 
 
 SDPA_OPS = {"cuDNN": "CUDNN_ATTENTION", "FA2": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
@@ -213,7 +255,37 @@ def _sdpa(name: str) -> Backend:
         b, h, s = out.shape[:3]
         return out.transpose(1, 2), canonical_lse(lse, b, h, s)
 
-    return Backend(name, make, outputs, context=lambda: sdpa_kernel(kind))
+    return Backend(name, make, outputs, context=lambda: sdpa_kernel(kind), refuses=sdpa_refuses(name))
+
+
+SDPA_CHECKS = {"cuDNN": "can_use_cudnn_attention", "FA2": "can_use_flash_attention",
+               "efficient": "can_use_efficient_attention"}  # fmt: skip
+
+
+def sdpa_refuses(name: str) -> Callable:
+    """``refuses`` of SDPA's backend ``name``: where v's head dim differs from q's, torch's own
+    dispatcher check of that backend (within its ``sdpa_kernel`` context), the reason the warning it
+    gives; with one head dim the backend is called as before (None)."""
+
+    def refuses(q, k, v, causal) -> str | None:
+        import torch.backends.cuda as tbc
+
+        if q.shape[-1] == v.shape[-1]:
+            return None
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        try:
+            params = tbc.SDPAParams(qt, kt, vt, None, 0.0, causal, q.shape[2] != k.shape[2])
+        except TypeError:  # a torch without enable_gqa
+            params = tbc.SDPAParams(qt, kt, vt, None, 0.0, causal)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ok = getattr(tbc, SDPA_CHECKS[name])(params, True)
+        if ok:
+            return None
+        said = [str(w.message).split(" (Triggered internally")[0].strip() for w in seen]
+        return said[-1] if said else f"torch's {SDPA_CHECKS[name]} is False for this problem"
+
+    return refuses
 
 
 _FLEX: dict = {}

@@ -4,7 +4,8 @@ cell, with the outputs poisoned (NaN) first.
 
 The sample: a few (batch, head) slices of the cell (:func:`sample_slices`: the first, the last, and
 seeded random ones); forward slices are query heads, backward slices are key/value heads with all
-the query heads that share them (dK and dV sum over those). The reference of a slice is computed
+the query heads that share them (dK and dV sum over those). v may have a head dim d_v of its own
+(q and k of d_qk): O, dout and dV then have d_v columns, dQ and dK d_qk. The reference of a slice is computed
 here in row blocks (:func:`attend`), twice: in float32 (the truth) and in the inputs' own precision
 (every matmul's result rounded to the 16-bit dtype, P and dS rounded to it before their matmuls,
 the softmax statistics kept in float32 as every flash kernel keeps them; for fp8 inputs: the
@@ -352,7 +353,7 @@ class Expectation:
     sampled values and their bars. ``pass_`` fwd: outputs (out (b, sq, hq, dv), lse (b, hq, sq));
     bwd: (dq like q, dk like k, dv like v). Packed sequences (``spans``: per sequence (first q row,
     q rows, first k row, k rows)): out (total_q, hq, dv), lse (hq, total_q), dq like q (total_q, hq,
-    d), dk and dv like k (total_k, hkv, d); a slice is (sequence, head) and the sampled values are
+    d), dk like k (total_k, hkv, d) and dv like v (total_k, hkv, dv); a slice is (sequence, head) and the sampled values are
     flattened and concatenated (the sequences' lengths differ)."""
 
     pass_: str
@@ -476,8 +477,8 @@ def _slopes_of(slopes, b: int, heads: slice):
 def expectation(q, k, v, *, causal: bool, scale: float, dout=None, slices: int = SLICES, seed: int = 0,
                 low_dtype=None, p_round: Callable | None = None, out_dtype=None, window=None,
                 softcap: float = 0.0, slopes=None, sinks=None, score_eps: float = 0.0) -> Expectation:  # fmt: skip
-    """The :class:`Expectation` of attention on q (b, sq, hq, d), k, v (b, sk, hkv, d): forward
-    without ``dout``, backward with it. The low-precision reference runs in ``low_dtype`` (default
+    """The :class:`Expectation` of attention on q (b, sq, hq, d), k (b, sk, hkv, d), v (b, sk, hkv,
+    dv) (dv may differ from d; dout (b, sq, hq, dv)): forward without ``dout``, backward with it. The low-precision reference runs in ``low_dtype`` (default
     q's dtype) with ``p_round`` (:func:`attend`); ``out_dtype`` is the dtype the outputs are stored
     in (default q's) for the bars' epsilon. ``window``, ``softcap``, ``slopes`` ((hq,) or (b, hq))
     and ``sinks`` (hq,): the features, as :func:`attend` takes them. ``score_eps``: see

@@ -1,10 +1,14 @@
 """The benchmark's grid (tools/bench.py): its shapes and backends, the cells, and what a backend
 gives on a cell (Result) and all backends on one (Row).
 
-Layout (batch, seqlen, heads, head_dim) with batch x seqlen = TOKENS. Heads per cell (``--heads``):
-"mha" has heads_q = heads_kv = MODEL_DIM / head_dim; "HQ/HKV" (e.g. 32/8, Llama 3 8B; 64/8, Llama
-3 70B) grouped-query heads as given; "mqa" heads_q = MODEL_DIM / head_dim over one key/value head.
-TFLOP/s counts 4*b*hq*s^2*d for the forward, 2.5x that for the backward, halved when causal.
+Layout (batch, seqlen, heads, head_dim) with batch x seqlen = TOKENS. A cell's head dims
+(``--hdim``): one head dim d for q, k and v, or a pair ``QK:V`` (q and k of head dim d_qk, v and the
+output of d_v, e.g. 192:128, DeepSeek's prefill). Heads per cell (``--heads``): "mha" has heads_q =
+heads_kv = MODEL_DIM // d_qk (rounded down where it does not divide: 25 at 80, 18 at 112, 10 at 192
+and 192:128); "HQ/HKV" (e.g. 32/8, Llama 3 8B; 64/8, Llama 3 70B) grouped-query heads as given;
+"mqa" heads_q = MODEL_DIM // d_qk over one key/value head. TFLOP/s counts 2*b*hq*s^2*(d_qk + d_v)
+for the forward (4*b*hq*s^2*d with one head dim), 2.5x that for the backward (FlashAttention's
+convention), halved when causal.
 """
 
 # No `from __future__ import annotations`: tools load this file by path, not always registering it
@@ -26,6 +30,23 @@ PEERS = BACKENDS[1:]
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
+def parse_hdim(text: str) -> tuple[int, int]:
+    """One ``--hdim`` item, checked: "D" (q, k and v of head dim D) or "QK:V", positive integers;
+    returns (d_qk, d_v)."""
+    qk, sep, v = text.strip().partition(":")
+    dims = (qk, v) if sep else (qk, qk)
+    if not all(d.strip().isdigit() and int(d) > 0 for d in dims):
+        raise ValueError(
+            f"--hdim takes head dims D or QK:V pairs of positive integers (e.g. 80,112,192:128), got {text!r}"
+        )
+    return int(dims[0]), int(dims[1])
+
+
+def hdim_text(d_qk: int, d_v: int) -> str:
+    """A cell's head dims as ``--hdim`` spells them: "128", or "192:128" where v's differs."""
+    return str(d_qk) if d_v == d_qk else f"{d_qk}:{d_v}"
+
+
 def parse_heads(text: str) -> str:
     """One ``--heads`` entry, checked: "mha", "mqa" or "HQ/HKV" with HKV dividing HQ."""
     item = text.strip().lower()
@@ -39,8 +60,8 @@ def parse_heads(text: str) -> str:
 
 @dataclass(frozen=True)
 class Cell:
-    """One benchmark problem. heads_q None: MODEL_DIM // hdim; heads_kv None: heads_q; batch None:
-    TOKENS // seqlen."""
+    """One benchmark problem: q and k of head dim ``hdim``, v and the output of ``hdim_v`` (None:
+    ``hdim``). heads_q None: MODEL_DIM // hdim; heads_kv None: heads_q; batch None: TOKENS // seqlen."""
 
     dtype: str
     hdim: int
@@ -50,6 +71,20 @@ class Cell:
     heads_q: int | None = None
     heads_kv: int | None = None
     batch_: int | None = None
+    hdim_v: int | None = None
+
+    def __post_init__(self):
+        if self.hdim_v == self.hdim:  # one head dim: one cell, however it was spelled
+            object.__setattr__(self, "hdim_v", None)
+
+    @property
+    def v_dim(self) -> int:
+        """The head dim of v and the output."""
+        return self.hdim if self.hdim_v is None else self.hdim_v
+
+    @property
+    def hdim_text(self) -> str:
+        return hdim_text(self.hdim, self.v_dim)
 
     @property
     def batch(self) -> int:
@@ -69,8 +104,10 @@ class Cell:
 
     @property
     def flops(self) -> float:
-        f = 4.0 * self.batch * self.heads * self.seqlen**2 * self.hdim
-        f = f * 2.5 if self.pass_ == "bwd" else f  # backward: 5 matmuls to the forward's 2
+        f = 2.0 * self.batch * self.heads * self.seqlen**2 * (self.hdim + self.v_dim)
+        # backward: 5 matmuls to the forward's 2 (FlashAttention's convention; where d_v differs the five
+        # count 2*b*h*s^2*(3*d_qk + 2*d_v) exactly, 4% above it at 192:128)
+        f = f * 2.5 if self.pass_ == "bwd" else f
         return f / 2 if self.causal else f
 
     @property
@@ -80,7 +117,8 @@ class Cell:
     @property
     def label(self) -> str:
         heads = f" h={self.heads_label}" if self.gqa else ""
-        return f"{self.pass_} {self.dtype} hd{self.hdim}{heads} causal={int(self.causal)} s={self.seqlen}"
+        dims = f"hd{self.hdim}" + (f"v{self.v_dim}" if self.v_dim != self.hdim else "")
+        return f"{self.pass_} {self.dtype} {dims}{heads} causal={int(self.causal)} s={self.seqlen}"
 
 
 def cell_heads(entry: str, hdim: int) -> tuple[int, int]:
@@ -94,14 +132,19 @@ def cell_heads(entry: str, hdim: int) -> tuple[int, int]:
     return int(hq), int(hkv)
 
 
+def head_dim_pairs(hdims) -> list[tuple[int, int]]:
+    """``--hdim``'s items as (d_qk, d_v): an int d is (d, d)."""
+    return [(hd, hd) if isinstance(hd, int) else (int(hd[0]), int(hd[1])) for hd in hdims]
+
+
 def grid(args: argparse.Namespace) -> list[Cell]:
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
     heads = getattr(args, "heads", ["mha"])
     cells = [
-        Cell(dt, hd, c, s, p, *cell_heads(h, hd))
+        Cell(dt, hd, c, s, p, *cell_heads(h, hd), hdim_v=hv)
         for p in args.passes
         for dt in args.dtype
-        for hd in args.hdim
+        for hd, hv in head_dim_pairs(args.hdim)
         for h in heads
         for c in causals
         for s in args.seqlen
@@ -155,7 +198,7 @@ class Row:
 
 
 def variant_serves(name: str, cell: Cell) -> bool:
-    """Whether backward variant ``name`` runs the backward of ``cell`` (dtype, head dim, mask)."""
+    """Whether backward variant ``name`` runs the backward of ``cell`` (dtype, head dims, mask)."""
     from cutefa.model.spec import parse_name
 
     spec = parse_name(name)
@@ -163,5 +206,6 @@ def variant_serves(name: str, cell: Cell) -> bool:
         cell.pass_ == "bwd"
         and spec.dtype == cell.dtype
         and spec.head_dim == cell.hdim
+        and spec.head_dim_v == cell.v_dim
         and spec.causal == cell.causal
     )

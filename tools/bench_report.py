@@ -7,11 +7,43 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:  # the bench_* siblings, also when loaded by path
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from bench_grid import MODEL_DIM, TOKENS, Row
+from bench_grid import MODEL_DIM, TOKENS, Result, Row
+
+REASON_CHARS = 100  # of an n/a reason in the table (the notes give it whole)
 
 
 def _ratio(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
+
+
+def short_reason(why: str | None) -> str:
+    """An n/a reason as the table shows it: its first sentence, at most REASON_CHARS characters, no
+    pipes."""
+    text = (why or "").replace("|", "/").strip()
+    text = text.split(". ")[0].rstrip(".")
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+def result_text(res: Result | None) -> str:
+    """A backend's table entry: TFLOP/s, FAIL, err, "n/a (why)" (does not take the cell), or empty."""
+    if res is None:
+        return ""
+    if res.status == "n/a":
+        return f"n/a ({short_reason(res.error)})" if res.error else "n/a"
+    return res.text()
+
+
+def not_taken_notes(rows: list[Row]) -> list[str]:
+    """One note per (backend, reason) of the n/a entries: the reason whole and the cells it covers."""
+    cells: dict[tuple[str, str], list[str]] = {}
+    for row in rows:
+        for name, res in [*row.results.items(), *row.bwd_variants.items()]:
+            if res.status == "n/a":
+                cells.setdefault((name, res.error or ""), []).append(row.cell.label)
+    return [
+        f"{name} n/a on {len(labels)} cell(s) ({labels[0]}{', ...' if len(labels) > 1 else ''}): {why}"
+        for (name, why), labels in cells.items()
+    ]
 
 
 def markdown_table(rows: list[Row], backends: list[str]) -> str:
@@ -22,12 +54,12 @@ def markdown_table(rows: list[Row], backends: list[str]) -> str:
         cells = [
             c.pass_,
             c.dtype,
-            str(c.hdim),
+            c.hdim_text,
             str(int(c.causal)),
             str(c.seqlen),
             f"{c.batch} x {c.heads_label}",
         ]
-        cells += [row.results[b].text() if b in row.results else "" for b in backends]
+        cells += [result_text(row.results.get(b)) for b in backends]
         cells += [_ratio(row.ratio_best()), _ratio(row.ratio_fa2())]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -52,7 +84,7 @@ def bwd_variants_table(rows: list[Row]) -> str:
         fa4, default = row.value("FA4"), row.value("cutefa")
         for name, res in row.bwd_variants.items():
             mine = res.tflops if res.status == "ok" else None
-            cells = [name, str(c.hdim), str(int(c.causal)), str(c.seqlen), res.text()]
+            cells = [name, c.hdim_text, str(int(c.causal)), str(c.seqlen), result_text(res)]
             cells += ["" if fa4 is None else f"{fa4:.0f}"]
             cells += [_ratio(mine / fa4) if mine and fa4 else ""]
             cells += ["" if default is None else f"{default:.0f}"]
@@ -67,8 +99,10 @@ def report_markdown(meta: dict, rows: list[Row], backends: list[str], notes: lis
     mm = meta.get("matmul_tflops")
     out.append(f"Dense bf16 matmul 8192^3 (cuBLAS, median): {mm:.0f} TFLOP/s" if mm else "Dense matmul: n/a")
     out.append(
-        f"Layout (batch, seqlen, heads, hdim), batch x seqlen = {TOKENS}, heads x hdim = {MODEL_DIM}; "
-        "TFLOP/s = 4*b*h*s^2*d / time for the forward (2.5x that for the backward), halved when causal; median of "
+        f"Layout (batch, seqlen, heads, hdim), batch x seqlen = {TOKENS}, heads = {MODEL_DIM} // hdim "
+        "(of q and k, rounded down); hdim QK:V: q and k of head dim QK, v and the output of V; "
+        "TFLOP/s = 2*b*h*s^2*(d_qk + d_v) / time for the forward (4*b*h*s^2*d with one head dim; "
+        "2.5x that for the backward), halved when causal; median of "
         f"{meta.get('timer', 'do_bench')}"
         + (
             f", the median of {meta['rounds']} rounds in turns across backends"
@@ -79,7 +113,8 @@ def report_markdown(meta: dict, rows: list[Row], backends: list[str], notes: lis
         f"before timing against a float32 reference on {meta.get('slices', 'a few')} (batch, head) slices "
         "per cell, outputs NaN-poisoned, each within 3x the error of the same reference computed in the "
         "16-bit dtype: FAIL = an output outside that bar or not finite (no speed is shown); err: the "
-        "backend raised (see notes); empty: not installed."
+        "backend raised (see notes); n/a (why): the backend does not take the cell, by its own "
+        "library's check (not run, no bar in the plot); empty: not installed."
     )
     out += ["", markdown_table(rows, backends), ""]
     if any(row.bwd_variants for row in rows):
@@ -105,6 +140,7 @@ def report_json(meta: dict, rows: list[Row], notes: list[str]) -> dict:
                 "pass": c.pass_,
                 "dtype": c.dtype,
                 "hdim": c.hdim,
+                "hdim_v": c.v_dim,
                 "causal": c.causal,
                 "seqlen": c.seqlen,
                 "batch": c.batch,
@@ -122,14 +158,14 @@ def report_json(meta: dict, rows: list[Row], notes: list[str]) -> dict:
 
 
 def plot_panels(rows: list[Row]) -> dict[tuple, list[Row]]:
-    """The plot's panels: rows grouped by (pass, dtype, hdim, causal, heads) in order of appearance
-    (heads "" for the MHA layout), so that a forward and a backward cell of one shape, or two head
-    layouts, never share a panel."""
+    """The plot's panels: rows grouped by (pass, dtype, head dims as ``--hdim`` spells them, causal,
+    heads) in order of appearance (heads "" for the MHA layout), so that a forward and a backward
+    cell of one shape, two head layouts, or 192 and 192:128, never share a panel."""
     panels: dict[tuple, list[Row]] = {}
     for row in rows:
         c = row.cell
         heads = c.heads_label if c.gqa else ""
-        panels.setdefault((c.pass_, c.dtype, c.hdim, c.causal, heads), []).append(row)
+        panels.setdefault((c.pass_, c.dtype, c.hdim_text, c.causal, heads), []).append(row)
     return panels
 
 
@@ -153,7 +189,7 @@ def check_plot(path: Path) -> str | None:
 def plot(rows: list[Row], backends: list[str], matmul: float | None, path: Path) -> None:
     """One PNG of the grid side by side: grouped bars (one per backend, TFLOP/s) per (pass, dtype,
     hdim, causal, heads) panel, titled with the pass; FAIL and err marked in red where a bar would
-    be. RuntimeError when matplotlib is missing (:func:`check_plot` says so first) or there is no cell."""
+    be; a backend that does not take a cell (n/a) has no bar there. RuntimeError when matplotlib is missing (:func:`check_plot` says so first) or there is no cell."""
     why = check_plot(path)
     if why:
         raise RuntimeError(f"--plot: {why}")

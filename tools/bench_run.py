@@ -13,7 +13,9 @@ outputs), forward as a plain call, backward as ``torch.autograd.grad`` over a gr
 built once (:func:`forward_call`, :func:`backward_call`).
 
 :func:`run_cell` does this for the attention backends on one grid cell (tools/bench.py,
-tools/bench_bwd_variants.py); tools/bench_fp8.py builds its own entries.
+tools/bench_bwd_variants.py); tools/bench_fp8.py builds its own entries. A backend that does not
+take the cell by its own check (``Backend.refuses``, asked first: :func:`refusals`) is "n/a" with
+the reason, neither run nor timed.
 """
 
 # No `from __future__ import annotations`: tools load this file by path, not always registering it
@@ -193,7 +195,8 @@ def backward_call(backend, q, k, v, dout, causal: bool) -> Callable[[], object]:
 
 
 def cell_inputs(cell: Cell, device="cuda", seed: int | None = None):
-    """q, k, v (and dout for a backward cell): unit normal, in the cell's dtype, seeded per cell."""
+    """q, k, v (and dout for a backward cell): unit normal, in the cell's dtype, seeded per cell;
+    v and dout of the cell's V head dim."""
     import torch
 
     dtype = getattr(torch, DTYPE_NAMES[cell.dtype])
@@ -202,7 +205,9 @@ def cell_inputs(cell: Cell, device="cuda", seed: int | None = None):
     )
     qs = (cell.batch, cell.seqlen, cell.heads, cell.hdim)
     ks = (cell.batch, cell.seqlen, cell.kv_heads, cell.hdim)
-    shapes = [qs, ks, ks] + ([qs] if cell.pass_ == "bwd" else [])
+    vs = (cell.batch, cell.seqlen, cell.kv_heads, cell.v_dim)
+    dos = (cell.batch, cell.seqlen, cell.heads, cell.v_dim)
+    shapes = [qs, ks, vs] + ([dos] if cell.pass_ == "bwd" else [])
     return [torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes]
 
 
@@ -220,23 +225,50 @@ def entries_for(cell: Cell, backends, inputs, expect) -> list[Entry]:
         else:
             make = lambda b=b: backward_call(b, q, k, v, rest[0], cell.causal)
             judge = expect.judge
-        entries.append(Entry(b.name, make, judge, b.context))
+        # a backward is checked on a forward made within the poisoned block (Entry.check_fresh)
+        entries.append(Entry(b.name, make, judge, b.context, check_fresh=cell.pass_ == "bwd"))
     return entries
+
+
+def refusals(backends, inputs, causal: bool, pass_: str) -> dict[str, str]:
+    """Backend name -> why it does not take the problem of ``inputs`` ((q, k, v[, dout])), for each
+    present backend whose ``refuses`` says so (asked within its context, on leaves that require grad
+    for a backward). A check that raises refuses nothing: the call then decides."""
+    q, k, v = inputs[:3]
+    if pass_ == "bwd":
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    found = {}
+    for b in backends:
+        if b.make is None or getattr(b, "refuses", None) is None:
+            continue
+        try:
+            with b.context():
+                why = b.refuses(q, k, v, causal)
+        except Exception:  # noqa: BLE001 - an advisory check: the call itself decides then
+            why = None
+        if why:
+            found[b.name] = str(why)
+    return found
 
 
 def run_cell(cell: Cell, backends, time_ms: Callable, *, rounds: int = ROUNDS, device="cuda",
              slices: int = bench_check.SLICES, variants=(), describe: Callable | None = None) -> Row:  # fmt: skip
     """Every backend (and each ``variants`` backend: --bwd-variants) on one cell: inputs, the
-    expectation (tools/bench_check.py), check and time in turns. ``describe(q, k, v[, dout])``
-    labels the row (:attr:`Row.variant`). Returns the cell's :class:`Row`."""
+    expectation (tools/bench_check.py), check and time in turns; a backend that refuses the cell
+    (:func:`refusals`) is "n/a" with its reason. ``describe(q, k, v[, dout])`` labels the row
+    (:attr:`Row.variant`). Returns the cell's :class:`Row`."""
     inputs = cell_inputs(cell, device)
     q, k, v, *rest = inputs
-    expect = bench_check.expectation(
-        q, k, v, causal=cell.causal, scale=1.0 / math.sqrt(cell.hdim), dout=rest[0] if rest else None,
-        slices=slices, seed=zlib.crc32(cell.label.encode()),
-    )  # fmt: skip
     everyone = list(backends) + list(variants)
-    results = run_entries(entries_for(cell, everyone, inputs, expect), time_ms, rounds, device)
+    refused = refusals(everyone, inputs, cell.causal, cell.pass_)
+    taking = [b for b in everyone if b.name not in refused]
+    results = {name: Result("n/a", error=why) for name, why in refused.items()}
+    if taking:
+        expect = bench_check.expectation(
+            q, k, v, causal=cell.causal, scale=1.0 / math.sqrt(cell.hdim), dout=rest[0] if rest else None,
+            slices=slices, seed=zlib.crc32(cell.label.encode()),
+        )  # fmt: skip
+        results |= run_entries(entries_for(cell, taking, inputs, expect), time_ms, rounds, device)
     row = Row(cell, variant=describe(*inputs) if describe is not None else None)
     variant_names = {b.name for b in variants}
     for b in everyone:

@@ -245,12 +245,15 @@ def _variants():
 
 def _variant_modes():
     """(variant, mode): every committed variant in atomic and deterministic mode, the non-causal
-    ones also with the stream-K tail on a few CTA slots (so that small grids have a tail)."""
+    ones of an unpadded head dim also with the stream-K tail on a few CTA slots (so that small grids
+    have a tail; a padded head dim's kernel walks its own key blocks only: backward.tail_slots)."""
+    from cutefa.model.rules import tile_head_dims
+
     return [
         (spec, mode)
         for spec in _variants()
         for mode in ("atomic", "deterministic", "stream")
-        if mode != "stream" or not spec.causal
+        if mode != "stream" or (not spec.causal and tile_head_dims(spec) == (spec.head_dim, spec.head_dim))
     ]
 
 
@@ -258,7 +261,9 @@ def _variant_modes():
 STREAM_SLOTS = (5, 3, 7, 2)
 
 
-@pytest.mark.parametrize(("spec", "mode"), _variant_modes(), ids=lambda x: x if isinstance(x, str) else x.name)
+@pytest.mark.parametrize(
+    ("spec", "mode"), _variant_modes(), ids=lambda x: x if isinstance(x, str) else x.name
+)
 def test_bwd_variant(gen, spec, mode):
     """dq, dk and dv of one variant against float32 autograd of the exact reference, with every
     output and the dQ accumulator poisoned with NaN beforehand (an element the kernel does not
@@ -310,14 +315,20 @@ def test_bwd_variant(gen, spec, mode):
         dk = dk_heads.float().view(batch, sk, hkv, group, -1).sum(3)
         dv = dv_heads.float().view(batch, sk, hkv, group, -1).sum(3)
         exact = grads(
-            lambda a, b, c: attention(a, b, c, spec.causal, scale), q.float(), k.float(), v.float(), dout.float()
+            lambda a, b, c: attention(a, b, c, spec.causal, scale),
+            q.float(),
+            k.float(),
+            v.float(),
+            dout.float(),
         )
         base = grads(lambda a, b, c: attention(a, b, c, spec.causal, scale), q, k, v, dout)
         shape = f"b{batch} sq{sq} sk{sk} hq{hq} hkv{hkv} slots={slots}"
         for name, g, e, b in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, base):
             assert torch.isfinite(g).all(), f"{spec.name} {shape}: {name} has non-finite values"
             err, err_base = rel(g, e), rel(b, e)
-            assert err <= 3 * err_base + 1e-3, f"{spec.name} {shape}: {name} rel err {err:.3g} vs SDPA {err_base:.3g}"
+            assert err <= 3 * err_base + 1e-3, (
+                f"{spec.name} {shape}: {name} rel err {err:.3g} vs SDPA {err_base:.3g}"
+            )
     if mode == "stream":
         assert tails >= 3, f"{spec.name}: only {tails} of the shapes had a stream-K tail"
 

@@ -243,6 +243,23 @@ def test_query_tokens_and_head_groups(gen, hq, hkv, seqlen_q, causal):
     assert_matches(out, lse, *reference(q, k_cache, v_cache, lens, causal=causal))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_many_splits_cross_the_combine_passes(gen, head_dim):
+    """Split counts around and past the combine's 32-split passes and its groups of loads in flight
+    (cutefa.kernels.sm80.decode_combine), with splits that see no key (the 37-key sequence)."""
+    batch, hq, hkv = 3, 16, 4
+    q = randn(gen, batch, 1, hq, head_dim)
+    k_cache, v_cache = randn(gen, batch, 4096, hkv, head_dim), randn(gen, batch, 4096, hkv, head_dim)
+    lens = [4096, 2999, 37]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    want = reference(q, k_cache, v_cache, lens)
+    for splits in (15, 16, 17, 31, 32, 33, 47, 64, 100, 256):
+        out, lse = with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits, return_lse=True
+        )
+        assert_matches(out, lse, *want)
+
+
 def test_num_splits_one_to_sixteen_agree(gen):
     batch, hq, hkv, d = 2, 32, 8, 128
     q = randn(gen, batch, 1, hq, d)
@@ -439,7 +456,9 @@ def test_a_decode_step_replays_in_a_cuda_graph(gen):
         keys = [dense_of(k_pool, table, b, n) for b, n in enumerate(total)]
         values = [dense_of(v_pool, table, b, n) for b, n in enumerate(total)]
         q_rot = rope_reference(q, cos, sin, seqlens.long()[:, None], True)
-        assert_matches(replayed[0], replayed[1], *rotated_reference(q_rot, q.dtype, keys, values, total, True))
+        assert_matches(
+            replayed[0], replayed[1], *rotated_reference(q_rot, q.dtype, keys, values, total, True)
+        )
 
 
 def test_public_export_matches_the_module():
