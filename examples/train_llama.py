@@ -273,6 +273,8 @@ def train(backend: str, args: argparse.Namespace, settings: Settings, data: torc
         run.seconds = time.perf_counter() - start if run.timed_steps > 0 else 0.0
         if args.profile:
             run.profile = profile_steps(step, data[-args.profile :], args.device)
+        if args.host_profile:
+            run.profile += host_profile(step, data[-args.host_profile :], args.device)
     run.losses = [x.item() for x in run.losses]
     if args.device == "cuda":
         run.peak_bytes = torch.cuda.max_memory_allocated()
@@ -301,6 +303,27 @@ def profile_steps(step: Any, batches: torch.Tensor, device: str, rows: int = 12)
         f"device {kernels / n:.2f} ms/step of kernels"
     )
     return head + "\n" + events.table(sort_by="self_device_time_total", row_limit=rows)
+
+
+def host_profile(step: Any, batches: torch.Tensor, device: str, rows: int = 30) -> str:
+    """Where the host (Python) time of ``len(batches)`` more steps went (cProfile: the functions of
+    the most own time, then of the most time with their callees), for a host-bound step."""
+    import cProfile
+    import io
+    import pstats
+
+    _sync(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for tokens in batches:
+        step(tokens)
+    profiler.disable()
+    _sync(device)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return f"\nhost profile of {len(batches)} steps (cProfile):\n" + text.getvalue()
 
 
 def _sync(device: str) -> None:
@@ -345,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N",
         help="after the timed steps, profile N more of each backend and print where the time went",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-profile", type=int, default=0, metavar="N",
+        help="after the timed steps, profile the host (Python) time of N more steps of each backend (cProfile)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     backends = [b.strip() for b in args.attn.split(",") if b.strip()]
