@@ -186,6 +186,12 @@ def _backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: boo
     softmax_scale = default_scale(scale, q.shape[-1])
     deterministic = torch.are_deterministic_algorithms_enabled()
     if packed is None and window == (-1, -1):
+        from cutefa.api import plans
+
+        if plans.plain_eager(q, k, v, dout, out, lse):  # the op's implementation, minus its dispatch
+            from cutefa.api.backward import planned_gradients
+
+            return planned_gradients(dout, q, k, v, out, lse, None, causal, softmax_scale, deterministic)
         return torch.ops.cutefa.flash_bwd(dout, q, k, v, out, lse, None, causal, softmax_scale, deterministic)
     import cutefa.api.feature_ops  # noqa: F401 -- registers cutefa::attn_bwd (loaded on first use)
 

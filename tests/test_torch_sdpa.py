@@ -482,3 +482,26 @@ def test_without_a_kernel_of_pytorchs_the_refusal_is_an_error(provider):
     q = bhsd(head_dim=84)
     with pytest.raises(NotImplementedError, match="head dims"):
         aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False)
+
+
+def test_a_plain_dense_backward_calls_the_ops_implementation_directly(monkeypatch):
+    """The SDPA backward of a plain eager call (autograd runs it with grad mode off) goes straight to
+    the backward plan, the ``cutefa::flash_bwd`` op's implementation, without the op's dispatch; one
+    that must be traced or differentiated again goes through the op."""
+    from cutefa.api import backward
+
+    callers = []
+
+    def planned(dout, q, k, v, out, lse, dlse, causal, scale, deterministic):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(backward, "planned_gradients", planned)
+    q, k, v, dout, out = (torch.randn(1, 8, 2, 64, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.randn(1, 2, 8)
+    with torch.no_grad():
+        dq, dk, dv = sdpa_serve._backward(dout, q, k, v, out, lse, True, None, (-1, -1), None)
+    assert callers == ["_backward"] and dq.shape == q.shape and dv.shape == v.shape
+    leaf = q.clone().requires_grad_()
+    sdpa_serve._backward(dout, leaf, k, v, out, lse, True, None, (-1, -1), None)
+    assert callers == ["_backward", "_flash_bwd"]  # through the op, whose implementation it is
