@@ -501,6 +501,7 @@ def test_a_plain_dense_backward_calls_the_ops_implementation_directly(monkeypatc
     lse = torch.randn(1, 2, 8)
     with torch.no_grad():
         dq, dk, dv = sdpa_serve._backward(dout, q, k, v, out, lse, True, None, (-1, -1), None)
+    assert dk.shape == k.shape
     assert callers == ["_backward"] and dq.shape == q.shape and dv.shape == v.shape
     leaf = q.clone().requires_grad_()
     sdpa_serve._backward(dout, leaf, k, v, out, lse, True, None, (-1, -1), None)
