@@ -1,7 +1,7 @@
 """The e4m3 forward on packed sequences (cutefa.api.fp8.fp8_varlen_forward) on the CPU: argument
 checks that name the argument, the variants dispatch takes (the sm90 e4m3 template's varlen axis,
 its GRID scheduler and per-(sequence, kv head) descales only), the kernel's calling convention
-(cutefa.api.features) as the API passes it, and the rows of no sequence left 0 / -inf."""
+(cutefa.api.features) as the API passes it, and the rows of no sequence 0 / -inf."""
 
 from __future__ import annotations
 
@@ -141,7 +141,8 @@ def test_template_takes_the_calling_convention():
 
 
 def _fake_kernel(calls, causal):
-    """The kernel as its calling convention says: per sequence, the dequantized reference."""
+    """The kernel as its calling convention says: per sequence, the dequantized reference; the
+    rows of no sequence 0 / -inf (the module's fill kernel, cutefa/kernels/common/varlen_fill.py)."""
 
     def kernel(q, k, v, out, lse, qd, kd, vd, scale, cu_q, cu_k, used_q, used_k, max_seqlen_q):
         calls.append(
@@ -149,14 +150,18 @@ def _fake_kernel(calls, causal):
         )
         assert out.dtype == torch.bfloat16 and lse.shape == (q.shape[1], q.shape[0])
         group = q.shape[1] // k.shape[1]
+        no_one = torch.ones(q.shape[0], dtype=torch.bool)
         for b in range(cu_q.shape[0] - 1):
             oq, ok, nq, nk = int(cu_q[b]), int(cu_k[b]), int(used_q[b]), int(used_k[b])
+            no_one[oq : oq + nq] = False
             qs = q[oq : oq + nq].float() * qd[b].repeat_interleave(group)[None, :, None]
             ks = k[ok : ok + nk].float() * kd[b][None, :, None]
             vs = v[ok : ok + nk].float() * vd[b][None, :, None]
             o, l = reference(qs[None], ks[None], vs[None], causal, scale)
             out[oq : oq + nq] = o[0].to(out.dtype)
             lse[:, oq : oq + nq] = l[0]
+        out[no_one] = 0
+        lse[:, no_one] = -math.inf
 
     return kernel
 

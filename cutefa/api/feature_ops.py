@@ -9,7 +9,10 @@ are kernel arguments (:mod:`cutefa.api.features`), so nothing here reads a GPU v
 allocates by one: calls can be captured in CUDA graphs once warm.
 
 Packed rows that belong to no sequence (past ``cu_seqlens_q[-1]``, or past a sequence's
-``seqused_q``) get output 0 and lse ``-inf``, and zero gradients; the kernels never touch them.
+``seqused_q``) get output 0 and lse ``-inf``, written by a small kernel the forward kernel's module
+launches before it (:mod:`cutefa.kernels.common.varlen_fill`: only those rows, found on the device,
+so no memset of the whole output and no host read of the lengths), and zero gradients (the
+backward's gradients start from zeros; its kernels never touch those rows).
 The gradient of ``sinks`` is computed here from the lse and the backward kernel's own
 ``D_i = rowsum(dO * O)_i - dlse_i`` (its preprocess writes it for every row):
 ``dsink_h = -sum_i exp(sink_h - lse_i) * D_i`` over the rows of head ``h`` (one pass over
@@ -142,9 +145,7 @@ def _attn_fwd(
         return out, lse
     if k.numel() == 0 or batch == 0:  # no keys anywhere
         return out.zero_(), _no_key_lse(lse, f, varlen)
-    if varlen:  # rows of no sequence, and past a sequence's seqused, are never written by the kernel
-        out.zero_()
-        lse.fill_(-math.inf)
+    # packed: the kernel's module writes the rows of no sequence too (out 0, lse -inf), on the device
     choice = choose(q, k, causal, f, v)
     kernel = get_kernel(choice.spec, choice.target)
     q, k, v = aligned(q), aligned(k), aligned(v)

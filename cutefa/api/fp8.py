@@ -344,10 +344,13 @@ def fp8_varlen_forward(
         for n, d in zip(_descales.DESCALE_NAMES, (q_descale, k_descale, v_descale))
     )  # fmt: skip
     scale = default_scale(softmax_scale, q.shape[-1])
-    # Rows of no sequence (and past a sequence's seqused) are never written by the kernel.
-    out = torch.zeros(q.shape, dtype=FP8_OUT_DTYPES[0], device=q.device)
-    lse = torch.full((heads_q, q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
-    if out.numel() and k.shape[0] and batch:
+    # The kernel's module writes every row, those of no sequence (out 0, lse -inf) by a fill kernel.
+    out = torch.empty(q.shape, dtype=FP8_OUT_DTYPES[0], device=q.device)
+    lse = torch.empty((heads_q, q.shape[0]), dtype=torch.float32, device=q.device)
+    if not (out.numel() and k.shape[0] and batch):  # no kernel runs: no query row or no key anywhere
+        out.zero_()
+        lse.fill_(-math.inf)
+    else:
         used_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1] if seqused_q is None else seqused_q.contiguous()
         used_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1] if seqused_k is None else seqused_k.contiguous()
         choice = choose_varlen(q, k, causal, batch, int(max_seqlen_q), int(max_seqlen_k))

@@ -7,7 +7,8 @@ These kernels are compiled and SASS-checked on a CPU only (tests/test_compile_sm
 this file is their first run. It skips unless the GPU runs the sm100 family (compute capability
 10.x). Outputs are NaN-filled before each call, so an element the kernel does not write fails; in a
 packed batch the rows of no sequence (a span's slack past its ``seqused``, the packed tail) must
-stay NaN: the kernel never writes them. The kernel does read keys past a sequence's end (its TMA
+be 0 with lse -inf: the attention kernel never writes them, the module's fill kernel
+(cutefa/kernels/common/varlen_fill.py) does. The kernel does read keys past a sequence's end (its TMA
 boxes start at the sequence's first row and run on into the next sequence's rows, or the slack) and
 weighs them by exactly 0: the slack rows of q and k hold NaN here (a query row past the end is
 never stored, a key past the end is masked to -inf before anything uses it), those of v large
@@ -223,7 +224,9 @@ def _run_varlen(gen, kernel, spec, window, heads_q, heads_kv, broadcast_slopes):
     varlen = [cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q]
     kernel(q, k, v, out, lse, scale, *varlen, *_trailing(spec, window, slopes, sinks))
     torch.cuda.synchronize()
-    assert out[~used_q].isnan().all() and lse[:, ~used_q].isnan().all(), "a row of no sequence was written"
+    assert (out[~used_q] == 0).all() and torch.isneginf(lse[:, ~used_q]).all(), (
+        "a row of no sequence: not 0 / -inf"
+    )
     ref_out, ref_lse = ref.varlen_ref(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         window_size=_window(spec, window), softcap=SOFTCAP if spec.features.softcap else 0.0,
@@ -290,7 +293,7 @@ def test_pair_matches_single_cta(spec):
         gen = torch.Generator(device="cuda").manual_seed(1234)  # the same inputs for both
         results.append(run(gen, kernel, spec, (100, 50), 6, 2, broadcast_slopes=False))
     for (out_p, lse_p), (out_s, lse_s) in zip(*results):
-        used = ~out_p.isnan()  # rows of no sequence stay NaN in both
+        used = ~out_p.isnan()  # every row (those of no sequence 0 / -inf in both: the fill)
         assert torch.equal(used, ~out_s.isnan())
         torch.testing.assert_close(out_p[used].float(), out_s[used].float(), atol=2e-2, rtol=2e-2)
         finite = torch.isfinite(lse_p)

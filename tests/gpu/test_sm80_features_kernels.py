@@ -9,7 +9,7 @@ rounding of the output dtype; the lse at most twice the low-precision reference'
 2e-3 (tanh.approx in softcap moves a capped score by up to c * 2**-11). Rows that attend no key must
 be exactly 0 with lse -inf (the sink with sinks). Outputs are NaN-poisoned before each launch, so a
 row the kernel should have written and did not fails. Rows of a packed span past seqused are not
-compared (the kernels leave them unwritten).
+compared here (the module's fill makes them 0 / -inf: tests/gpu/test_varlen_fill_gpu.py).
 """
 
 from __future__ import annotations
