@@ -431,22 +431,27 @@ def explain_problem(
 
 def _separate_v_backward(p: Problem) -> str:
     """:func:`explain_problem`'s line on the gradients of a problem whose v has a head dim of its
-    own: the default backward of the family that takes the pair (the sm80 one, on Hopper too:
-    :data:`~cutefa.model.defaults.SEPARATE_V_BWD_FAMILIES`), or why there is none."""
-    others = [f for f in families_for_target(p.target) if f not in SEPARATE_V_BWD_FAMILIES]
-    passed = f"; the {'/'.join(others)} backward takes one head dim for q, k and v" if others else ""
-    for family in SEPARATE_V_BWD_FAMILIES:
+    own: the default backward of the first family on the target that takes the pair and the call's
+    features (:data:`~cutefa.model.defaults.SEPARATE_V_BWD_FAMILIES`: the sm90 one on Hopper, the
+    sm80 one elsewhere and for the calls the sm90 template does not take), or why there is none."""
+    families = families_for_target(p.target)
+    others = [f for f in families if f not in SEPARATE_V_BWD_FAMILIES]
+    passed = [f"the {'/'.join(others)} backward takes one head dim for q, k and v"] if others else []
+    for family in (f for f in families if f in SEPARATE_V_BWD_FAMILIES):
         spec = default_spec(family, "bwd", p.dtype, p.head_dim, causal=p.causal, head_dim_v=p.head_dim_v)
         if spec is None:
+            passed.append(f"{family}: no backward for head_dim={p.head_dim}")
             continue
         spec = p.with_features(fitting_variant(spec, p.target) or spec)
         if spec.features.sinks:  # (the backward needs no kernel of its own for sinks)
             spec = spec.replace(features=replace(spec.features, sinks=False))
         why = why_invalid(spec) or why_not_on(spec, p.target)
         if why is None:
-            return f"  backward: {spec.name} (family {family}{passed})"
-        return f"  backward: none ({spec.name}: {why})"
-    return f"  backward: none (no backward for head_dim={p.head_dim} with head_dim_v={p.head_dim_v})"
+            return f"  backward: {spec.name} (family {'; '.join([family, *passed])})"
+        passed.append(f"{spec.name}: {why}")
+    if not passed:
+        passed.append(f"no backward for head_dim={p.head_dim} with head_dim_v={p.head_dim_v}")
+    return f"  backward: none ({'; '.join(passed)})"
 
 
 # ---------------------------------------------------------------------------------------------

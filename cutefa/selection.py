@@ -16,7 +16,7 @@ whole cache); encoders and cross-attention need ``--mask none``. Both directions
 unless ``--direction fwd`` (inference only). The model's calls with features are selected too:
 packed batches (the varlen call padded batches reach), its sliding window, logit softcap and
 ALiBi, on the family's default (what dispatch runs for them). Needs no kernel covers yet (a head
-dim without kernels, a V head dim other than the Q/K one, a feature no template implements) each
+dim without kernels, a V head dim that no kernel pairs with the Q/K one, a feature no template implements) each
 get a note; the pack is built from what exists. ``final_logit_softcapping`` caps the LM head's logits,
 not attention scores: it needs nothing here.
 """
@@ -47,6 +47,7 @@ from cutefa.model.spec import (
     accepted_head_dim,
     families_for_target,
     parse_name,
+    why_not_head_dims,
 )
 
 # --feature names: the Features fields, by field name or by name token (paged_kv or paged).
@@ -308,23 +309,28 @@ def _table_variants(
 
 
 def _default_variant(
-    family: str, direction: str, target: str, dtype: str, head_dim: int, causal: bool
-) -> VariantSpec | None:
-    """The family's default for the problem (what dispatch runs where no tuned table has an entry),
-    moved to the largest committed tile the target holds where the default does not fit."""
-    spec = default_spec(family, direction, dtype, head_dim, causal=causal)
+    family: str, direction: str, target: str, dtype: str, head_dim: int, causal: bool,
+    head_dim_v: int | None = None,
+) -> VariantSpec | None:  # fmt: skip
+    """The family's default for the problem (what dispatch runs where no tuned table has an entry;
+    v of ``head_dim_v``, None: ``head_dim``), moved to the largest committed tile the target holds
+    where the default does not fit."""
+    spec = default_spec(family, direction, dtype, head_dim, causal=causal, head_dim_v=head_dim_v)
     return None if spec is None else fitting_variant(spec, target) or spec
 
 
 def problem_variants(
-    target: str, families: Sequence[str], direction: str, dtype: str, head_dim: int, causal: bool
-) -> list[VariantSpec]:
+    target: str, families: Sequence[str], direction: str, dtype: str, head_dim: int, causal: bool,
+    head_dim_v: int | None = None,
+) -> list[VariantSpec]:  # fmt: skip
     """The variants dispatch can run for a problem on ``target``: in the first of ``families``
     (newest first) that has any, its tuned-table entries and its default, each valid and held by
-    the target's GPUs."""
+    the target's GPUs. v of ``head_dim_v`` apart from q/k's: the default alone (no tuned table
+    measures such a pair; the first family whose default takes it, as dispatch picks it)."""
+    separate_v = head_dim_v is not None and head_dim_v != head_dim
     for family in families:
-        found = [*_table_variants(family, direction, target, dtype, head_dim, causal),
-                 _default_variant(family, direction, target, dtype, head_dim, causal)]  # fmt: skip
+        table = [] if separate_v else _table_variants(family, direction, target, dtype, head_dim, causal)
+        found = [*table, _default_variant(family, direction, target, dtype, head_dim, causal, head_dim_v)]
         usable = list(dict.fromkeys(spec for spec in found if _usable(spec, target)))
         if usable:
             return usable
@@ -356,7 +362,7 @@ def model_plan(model: ModelAttention, target: str, selection: Selection = Select
         for dtype in dtypes:
             for mask in masks:
                 got = problem_variants(
-                    target, families, direction, dtype, model.head_dim, mask is Mask.CAUSAL
+                    target, families, direction, dtype, model.head_dim, mask is Mask.CAUSAL, model.head_dim_v
                 )
                 found.update(dict.fromkeys(got))
                 if not got:
@@ -395,8 +401,9 @@ def _model_feature_variants(
         for dtype in dtypes:
             for mask, features in wanted:
                 for family in families:
+                    causal = mask is Mask.CAUSAL
                     spec = _default_variant(
-                        family, direction, target, dtype, model.head_dim, mask is Mask.CAUSAL
+                        family, direction, target, dtype, model.head_dim, causal, model.head_dim_v
                     )
                     if spec is None:
                         continue
@@ -412,11 +419,10 @@ def _gaps(model: ModelAttention, universe: Sequence[VariantSpec]) -> list[str]:
     notes = []
     if not accepted_head_dim(model.head_dim):
         notes.append(f"head_dim {model.head_dim}: no kernel covers it (cutefa takes {ACCEPTED_HEAD_DIMS})")
-    if model.head_dim_v != model.head_dim and not any(s.head_dim_v != s.head_dim for s in universe):
-        notes.append(
-            f"v head dim {model.head_dim_v} != q/k head dim {model.head_dim}: no kernel implements "
-            "separate V head dims yet"
-        )
+    pair = why_not_head_dims(model.head_dim, model.head_dim_v) if accepted_head_dim(model.head_dim) else None
+    if model.head_dim_v != model.head_dim and pair is not None:
+        which = f"v head dim {model.head_dim_v} != q/k head dim {model.head_dim}"
+        notes.append(f"{which}: no kernel implements it ({pair})")
     if model.sliding_window and not any(s.mask is Mask.LOCAL for s in universe):
         notes.append(
             f"sliding_window {model.sliding_window}: no kernel implements the local (sliding-window) mask "

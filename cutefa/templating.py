@@ -13,7 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cutefa.model import policy_decode, policy_mla, policy_mla_wgmma, policy_sm80, policy_sm90, policy_sm100
-from cutefa.model.budgets_sm90 import sm90_bwd_dq_bulk_aliases, sm90_bwd_dq_pieces, sm90_fwd_tile_head_dims
+from cutefa.model.budgets_sm90 import (
+    sm90_bwd_dq_bulk_aliases,
+    sm90_bwd_dq_pieces,
+    sm90_bwd_swap_do_stages,
+    sm90_fwd_tile_head_dims,
+)
 from cutefa.model.budgets_sm100 import sm100_tmem_columns
 from cutefa.model.options import (
     DqLayout,
@@ -236,9 +241,15 @@ def _bwd_sm90_swapkv(spec: VariantSpec) -> Context:
         **common,
         "keys_wg": keys_wg,  # keys per consumer
         "dq_cols": dq_cols,  # head-dim columns of dQ per consumer
-        "dkv_regs": 2 * spec.head_dim * keys_wg // 128,  # registers of dK^T and dV^T per thread
+        # registers of dK^T and dV^T per thread
+        "dkv_regs": (spec.head_dim + spec.head_dim_v) * keys_wg // 128,
+        "dkv64_regs": (spec.head_dim + spec.head_dim_v) * policy_sm90.WG_ROWS // 128,  # the same of 64 keys
         "dq_piece_kib": FP32_BYTES * policy_sm90.WG_ROWS * dq_cols // KIB,  # one consumer's fp32 dQ piece
         "dq_kib": FP32_BYTES * spec.tile_m * spec.head_dim // KIB,  # fp32 dQ of a query block
+        # v of a head dim of its own: V, dO and dV^T tiles of that head dim (policy_sm90.bwd_separate_v)
+        "split_v": policy_sm90.bwd_separate_v(spec),
+        "do_stages": sm90_bwd_swap_do_stages(spec),  # the dO pipeline's stages (dq_stage)
+        "do_barriers": 2 * sm90_bwd_swap_do_stages(spec),  # its full and empty mbarriers
     }
 
 

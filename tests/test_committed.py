@@ -18,7 +18,15 @@ from cutefa.api.descales import block_choice
 from cutefa.model import committed, rules
 from cutefa.model.defaults import default_config, small_smem_configs
 from cutefa.model.options import Mask, Quant
-from cutefa.model.spec import ARCHS, COMMITTED_HEAD_DIMS, DIRECTIONS, DTYPES, TARGETS, parse_name
+from cutefa.model.spec import (
+    ARCHS,
+    COMMITTED_HEAD_DIMS,
+    DIRECTIONS,
+    DTYPES,
+    HEAD_DIM_V_PAIRS,
+    TARGETS,
+    parse_name,
+)
 
 # one seqlen_k in every bucket dispatch distinguishes (powers of two up to 65536, then the last one)
 SEQLENS = [1 << i for i in range(17)] + [tuned_tables.MAX_SEQLEN_BUCKET + 1]
@@ -48,15 +56,17 @@ def _choices() -> dict:
                     found.setdefault(block_choice(choice).spec, ("block", *problem))
                 except NotImplementedError:  # the family has no block quantization
                     assert not hasattr(choice.spec.options, "quant"), choice.spec.name
-    for target, dtype, head_dim, causal in itertools.product(
-        TARGETS, (torch.float16, torch.bfloat16), COMMITTED_HEAD_DIMS, (False, True)
+    # the backward of every committed head dim, and of each pair with a V head dim of its own
+    head_dims = [(d, d) for d in COMMITTED_HEAD_DIMS] + list(HEAD_DIM_V_PAIRS)
+    for target, dtype, (head_dim, head_dim_v), causal in itertools.product(
+        TARGETS, (torch.float16, torch.bfloat16), head_dims, (False, True)
     ):
         for seqlen_k in (None, *SEQLENS):
             try:
-                spec = choose_bwd(target, dtype, head_dim, causal, seqlen_k=seqlen_k)
+                spec = choose_bwd(target, dtype, head_dim, causal, seqlen_k=seqlen_k, head_dim_v=head_dim_v)
             except NotImplementedError:
                 continue
-            found.setdefault(spec, ("bwd", target, dtype, head_dim, causal, seqlen_k))
+            found.setdefault(spec, ("bwd", target, dtype, head_dim, head_dim_v, causal, seqlen_k))
     return found
 
 
@@ -85,12 +95,16 @@ def test_every_committed_variant_is_dispatched_or_tuned(reached):
     extra = COMMITTED - chosen - set(committed.tuned_variants())
     assert not extra, f"committed but never dispatched: {sorted(s.name for s in extra)}"
     # the kinds of choice are all there: heuristic defaults, the tables' picks, the small-shared-memory
-    # tiles of sm_86/sm_89, the block and the centered-v variants, the backward
+    # tiles of sm_86/sm_89, the block and the centered-v variants, the backward (of a V head dim of
+    # its own too: the sm90 one on Hopper, the sm80 one elsewhere)
     assert any(s.options == default_config(s.arch, s.direction, s.dtype, s.head_dim).options for s in chosen)
     assert {s for s in chosen if getattr(s.options, "quant", Quant.TENSOR) is Quant.BLOCK} == set(
         committed.fp8_block_specs("sm90")
     )
     assert any(getattr(s.options, "v_mean", False) for s in reached["tables"])
+    separate_v = {s for s in chosen if s.head_dim_v != s.head_dim}
+    assert separate_v == set(committed.separate_v_bwd_specs("sm90") + committed.separate_v_bwd_specs("sm80"))
+    assert {s.arch for s in separate_v} == {"sm90", "sm80"} and {s.direction for s in separate_v} == {"bwd"}
     small = {
         c.spec(s.arch, s.direction, s.dtype, s.head_dim, mask=s.mask)
         for s in chosen for c in small_smem_configs(s.arch, s.direction, s.dtype, s.head_dim)

@@ -63,6 +63,7 @@ COMPILED = {
     "test_compile_sm90_bwd_dqwarp": ("CHECKED", "RPF_CHECKED"),
     "test_compile_sm90_bwd_hsplit": ("CHECKED",),
     "test_compile_sm90_bwd_swapkv": ("CHECKED",),
+    "test_compile_sm90_bwd_dv": ("CHECKED",),
     "test_compile_sm100": ("DEFAULTS", "PAIRS", "B300"),
     "test_compile_sm100_bwd": ("CHECKED",),
     "test_compile_sm100_fp8": ("CHECKED",),

@@ -23,7 +23,14 @@ from cutefa.model.options import (
     Sm90FwdOptions,
     VTranspose,
 )
-from cutefa.model.spec import ARCHS, COMMITTED_HEAD_DIMS, HEAD_DIMS, TUNED_HEAD_DIMS, VariantSpec
+from cutefa.model.spec import (
+    ARCHS,
+    COMMITTED_HEAD_DIMS,
+    HEAD_DIM_V_PAIRS,
+    HEAD_DIMS,
+    TUNED_HEAD_DIMS,
+    VariantSpec,
+)
 
 ALT = load_tool("alternatives")
 OV, OV_PP = Schedule.OVERLAP, Schedule.OVERLAP_PINGPONG
@@ -114,7 +121,8 @@ def test_sm80_defaults_and_fallbacks():
     for spec in small:
         assert all(rules.why_not_on(spec, t) is None for t in ("sm_86", "sm_89")), spec.name
     tuned = set(committed.tuned_variants()) & set(fwd)
-    assert len(bwd) == 2 * 2 * (len(COMMITTED_HEAD_DIMS) + 3)  # 80 and 112: padded tiles of their own
+    # 80 and 112: padded tiles of their own; (192, 128): its backward (committed.separate_v_bwd_specs)
+    assert len(bwd) == 2 * 2 * (len(COMMITTED_HEAD_DIMS) + 3 + len(HEAD_DIM_V_PAIRS))
     assert (
         set(fwd)
         == {

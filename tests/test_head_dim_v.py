@@ -1,13 +1,15 @@
 """A V head dim of its own through the forward API on the CPU (issue: q/k of 192 against v of 128,
 DeepSeek's prefill): what validation accepts and refuses, the output shapes of the ops' fake
 implementations and of a torch.compile(fullgraph=True) trace, dispatch and ``cutefa explain``,
-the call plan, and the gradients: the backward's variant (the sm80 one on every target), its
+the call plan, and the gradients: the backward's variant (on Hopper the sm90 one, and the sm80 one
+for the packed calls the sm90 template does not take; the sm80 one on every other target), its
 rules, and the autograd path of both calls down to the kernel's arguments.
 
 The kernels are stand-ins (``FakeKernel``: attention in float32 written into out and lse;
-``FakeBwdKernel``: the sm80 backward's calling convention, gradients per query head by the
-backward's formulas in float32; both refuse tensors whose head dims are not their spec's, as the
-TVM-FFI entry of a real kernel does); their GPU counterparts are in tests/gpu/test_head_dim_v_gpu.py.
+``FakeBwdKernel``: the sm80 and sm90 backwards' calling conventions, gradients by the backward's
+formulas in float32; both refuse tensors whose head dims are not their spec's, as the TVM-FFI entry
+of a real kernel does); their GPU counterparts are in tests/gpu/test_head_dim_v_gpu.py and
+tests/gpu/test_bwd_sm90_dv_gpu.py.
 """
 
 from __future__ import annotations
@@ -224,8 +226,10 @@ class FakeBwdKernel:
     """The sm80 backward's calling convention (q, k, v, o, do, lse, dlse, dq, dk, dv, dq_accum,
     lse_log2, dpsum, dkv_part, tail_count, scale, deterministic, slots, <varlen: cu_seqlens_q,
     cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k>): dq, and dk and dv per query
-    head, by the backward's formulas in float32 (:meth:`_sequence`); refuses (ValueError, before
-    writing) tensors whose head dims are not its spec's (q, k, dq, dk of head_dim; v, o, do, dv of head_dim_v)."""
+    head, by the backward's formulas in float32 (:meth:`_sequence`); the sm90 one's (q, k, v, o, do,
+    lse, dlse, dq, dk, dv, dq_accum, dkv_accum, lse_log2, dpsum, scale, deterministic): dk and dv per
+    kv head, a kv head's group summed; refuses (ValueError, before writing) tensors whose head dims
+    are not its spec's (q, k, dq, dk of head_dim; v, o, do, dv of head_dim_v)."""
 
     def __init__(self, spec):
         self.spec = spec
@@ -235,10 +239,12 @@ class FakeBwdKernel:
         d, dv_ = self.spec.head_dim, self.spec.head_dim_v
         if [t.shape[-1] for t in (q, k, dq, dk, v, o, do, dv)] != [d] * 4 + [dv_] * 4:
             raise ValueError("Mismatched Shape on argument")
-        if dk.shape[-2] != q.shape[-2] or dv.shape[-2] != q.shape[-2]:
-            raise ValueError("dk and dv take one slice per query head")
+        sm90 = self.spec.arch == "sm90"
+        heads = k.shape[-2] if sm90 else q.shape[-2]  # sm90: a kv head's group summed in the kernel
+        if dk.shape[-2] != heads or dv.shape[-2] != heads:
+            raise ValueError("dk and dv take one slice per query head (sm80) or kv head (sm90)")
         self.calls += 1
-        scale, extra = rest[5], rest[8:]
+        scale, extra = (rest[4], rest[6:]) if sm90 else (rest[5], rest[8:])
         if not self.spec.features.varlen:
             self._sequence(q, k, v, do, dlse, scale, (dq, dk, dv))
             return
@@ -272,6 +278,8 @@ class FakeBwdKernel:
             torch.einsum("bhqk,bqhd->bkhd", p, do),
         )
         for g, value in zip(grads, values):
+            if g.shape[2] != value.shape[2]:  # per kv head: the group's query heads summed
+                value = value.unflatten(2, (g.shape[2], group)).sum(3)
             g.copy_(value.to(g.dtype))
 
 
@@ -384,11 +392,11 @@ def test_the_sm80_backward_takes_the_pair_on_the_tiled_dq_accumulator(dtype, cau
     for layout in (DqLayout.ROWS, DqLayout.QUAD):
         why = why_invalid(spec.replace(dq_layout=layout, dq_pipe=False))
         assert why is not None and "head_dim_v=128" in why and "dq_layout=TILE" in why, why
-    # the other backward families take one head dim for q, k and v
-    for family in ("sm90", "sm100"):
-        other = default_spec(family, "bwd", dtype, D, causal=causal)
-        if other is not None:
-            assert why_invalid(other.replace(head_dim_v=DV)) is not None
+    # the sm90 backward takes the pair too (its swapped partition, tests/test_compile_sm90_bwd_dv.py);
+    # the sm100 one takes one head dim for q, k and v
+    assert why_invalid(default_spec("sm90", "bwd", dtype, D, causal=causal, head_dim_v=DV)) is None
+    other = default_spec("sm100", "bwd", dtype, 128, causal=causal)
+    assert why_invalid(other.replace(head_dim=D, head_dim_v=DV)) is not None
 
 
 def test_the_generated_backward_computes_v_on_its_own_head_dim():
@@ -407,17 +415,19 @@ def test_the_generated_backward_computes_v_on_its_own_head_dim():
 
 
 @pytest.mark.parametrize("target", ["sm_80", "sm_90a", "sm_100a"])
-def test_dispatch_routes_the_pair_to_the_sm80_backward(target):
+def test_dispatch_routes_the_pair_to_the_sm90_backward_on_hopper_and_the_sm80_one_elsewhere(target):
+    family = "sm90" if target == "sm_90a" else "sm80"
     for causal in (False, True):
         spec = backward.choose_bwd(
             target, torch.bfloat16, D, causal, seqlen_k=4096, gpu_name="NVIDIA H200", head_dim_v=DV
         )  # fmt: skip
-        assert spec == default_spec("sm80", "bwd", "bf16", D, causal=causal, head_dim_v=DV)
+        assert spec == default_spec(family, "bwd", "bf16", D, causal=causal, head_dim_v=DV)
     # on Hopper hd192 itself keeps the sm90 backward (and its tuned table)
     assert backward.choose_bwd("sm_90a", torch.bfloat16, D, True).arch == "sm90"
     families, passed = backward.separate_v_families(target, D, DV)
-    assert families == ["sm80"] and all("one head dim for q, k and v" in why for why in passed)
-    assert len(passed) == {"sm_80": 0, "sm_90a": 1, "sm_100a": 1}[target]  # (sm_100a: sm100, sm80)
+    assert families == {"sm_80": ["sm80"], "sm_90a": ["sm90", "sm80"], "sm_100a": ["sm80"]}[target]
+    assert all("one head dim for q, k and v" in why for why in passed)
+    assert len(passed) == {"sm_80": 0, "sm_90a": 0, "sm_100a": 1}[target]  # (sm_100a: sm100, sm80)
 
 
 def test_the_pair_takes_no_stream_k_tail():
@@ -436,10 +446,22 @@ def test_the_pair_has_no_backward_where_shared_memory_is_short():
 def test_explain_names_the_backward_of_the_pair():
     q, k, v = qkv(batch=2, sq=4096, sk=4096, hq=16, hkv=16, device="meta")
     text = attention.explain(q, k, v, causal=True, target="sm_90a")
+    want = default_spec("sm90", "bwd", "bf16", D, causal=True, head_dim_v=DV).name
+    assert f"  backward: {want} (family sm90)\n" in text
+    blackwell = attention.explain(q, k, v, causal=True, target="sm_100a")
     want = default_spec("sm80", "bwd", "bf16", D, causal=True, head_dim_v=DV).name
-    assert f"  backward: {want} (family sm80; the sm90 backward takes one head dim for q, k and v)" in text
+    assert (
+        f"  backward: {want} (family sm80; the sm100 backward takes one head dim for q, k and v)" in blackwell
+    )
     packed = attention.explain(q, k, v, target="sm_80", varlen=True)
     assert "  backward: cutefa_sm80_bwd_bf16_hd192v128_" in packed and "_varlen_" in packed
+    # a packed batch on Hopper: the swapped sm90 backward takes none, so the sm80 one, saying why
+    packed = attention.explain(q, k, v, target="sm_90a", varlen=True)
+    line = next(x for x in packed.splitlines() if x.startswith("  backward:"))
+    assert line.startswith("  backward: cutefa_sm80_bwd_bf16_hd192v128_") and "_varlen_" in line
+    assert (
+        "cutefa_sm90_bwd_bf16_hd192v128_64x96_s2_w12_varlen_dqbulk_dqs: " in line and "packed batch" in line
+    )
     assert "backward:" not in attention.explain(q, k, k, target="sm_90a")
 
 
@@ -449,8 +471,13 @@ def _grads(leaves, call, dout, dlse):
     return [t.grad for t in leaves]
 
 
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (4, 4)])
-def test_dense_gradients_through_the_backward_kernel(fake_gpu, hq, hkv):
+def test_dense_gradients_through_the_backward_kernel(fake_gpu, monkeypatch, family, hq, hkv):
+    """On the pretended H200 the sm90 backward (its calling convention: dk and dv per kv head), and
+    the sm80 one where the families are held to it (per query head, the group summed by the call)."""
+    if family == "sm80":
+        monkeypatch.setattr(backward, "families_for_target", lambda target: ("sm80",))
     q, k, v = (t.requires_grad_() for t in qkv(batch=2, sq=6, sk=9, hq=hq, hkv=hkv))
     g = torch.Generator().manual_seed(1)
     dout, dlse = torch.randn(2, 6, hq, DV, generator=g).bfloat16(), torch.randn(2, hq, 6, generator=g)
@@ -463,7 +490,7 @@ def test_dense_gradients_through_the_backward_kernel(fake_gpu, hq, hkv):
         assert a.shape == b.shape and a.dtype == torch.bfloat16, name
         torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2, msg=name)
     (name,) = [n for n in fake_gpu if "_bwd_" in n]
-    assert name == default_spec("sm80", "bwd", "bf16", D, causal=True, head_dim_v=DV).name
+    assert name == default_spec(family, "bwd", "bf16", D, causal=True, head_dim_v=DV).name
     assert fake_gpu[name].calls == 1
 
 

@@ -368,17 +368,38 @@ def test_for_model_command_prints_the_selection_and_the_warnings(built, capsys, 
     assert f"{len(specs)} kernel(s), " in out and len(pack.read_pack(out_dir).kernels) == len(specs)
 
 
-def test_a_separate_v_head_dim_is_a_need_no_kernel_covers(tmp_path):
+def _deepseek_config(tmp_path, v_head_dim=128):
     path = tmp_path / "config.json"  # DeepSeek-V3's attention (MLA): q/k 128 + 64, v 128
     config = {"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128,
-              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "torch_dtype": "bfloat16"}  # fmt: skip
+              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": v_head_dim, "torch_dtype": "bfloat16"}  # fmt: skip
     path.write_text(json.dumps(config))
+    return selection.read_model_config(path)
+
+
+def test_a_separate_v_head_dim_selects_the_kernels_of_the_pair(tmp_path):
+    """DeepSeek's (192, 128): per direction the default that dispatch runs for the pair (v of 128,
+    never an hd192 kernel that would compute v at 192): on Hopper the sm90 forward and backward, and
+    for packed batches the sm90 forward and the sm80 backward (the swapped sm90 backward takes no
+    packed batch); elsewhere the sm80 ones."""
+    model = _deepseek_config(tmp_path)
+    plan = selection.model_plan(model, TARGET)
+    assert plan.notes == () and all(s.head_dim == 192 and s.head_dim_v == 128 for s in plan.specs)
+    causal = {"causal": True, "head_dim_v": 128}
+    bwd = default_spec("sm90", "bwd", "bf16", 192, **causal)
+    fwd = default_spec("sm90", "fwd", "bf16", 192, **causal)
+    packed_bwd = default_spec("sm80", "bwd", "bf16", 192, **causal).replace(features=Features(varlen=True))
+    assert set(plan.specs) == {bwd, fwd, fwd.replace(features=Features(varlen=True)), packed_bwd}
+    assert bwd in default_variants("sm90")  # committed
+    sm80 = selection.model_plan(model, "sm_80")
+    assert {(s.arch, s.direction) for s in sm80.specs} == {("sm80", "fwd"), ("sm80", "bwd")}
+
+
+def test_a_v_head_dim_no_kernel_pairs_is_a_need_no_kernel_covers(tmp_path):
     with pytest.raises(
-        selection.SelectionError, match="v head dim 128 != q/k head dim 192: no kernel implements"
+        selection.SelectionError,
+        match=r"v head dim 96 != q/k head dim 192: no kernel implements it \(.*\(192, 128\)",
     ):
-        selection.model_plan(
-            selection.read_model_config(path), TARGET
-        )  # hd192 kernels would compute v at 192
+        selection.model_plan(_deepseek_config(tmp_path, v_head_dim=96), TARGET)
 
 
 def test_for_model_with_nothing_selectable_is_an_error(built, capsys, tmp_path):

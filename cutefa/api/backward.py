@@ -40,7 +40,8 @@ def separate_v_families(target: str, head_dim: int, head_dim_v: int) -> tuple[li
     """The families whose backward may serve q/k of ``head_dim`` and v of ``head_dim_v`` on
     ``target``, newest first, and why each other one is passed over: every family where the head
     dims are equal; for a V head dim of its own only
-    :data:`~cutefa.model.defaults.SEPARATE_V_BWD_FAMILIES` (the sm80 backward, on Hopper too)."""
+    :data:`~cutefa.model.defaults.SEPARATE_V_BWD_FAMILIES` (the sm90 backward on Hopper, the sm80
+    one elsewhere and where the sm90 template lacks a feature the call needs)."""
     families = families_for_target(target)
     if head_dim_v == head_dim:
         return list(families), []

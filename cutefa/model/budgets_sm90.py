@@ -316,6 +316,8 @@ SM90_BWD_SPLIT_HEAD_DIMS = (192, 256)
 # hd192 partition): a CTA owns 96 keys, each consumer warpgroup 48 of them for S, dP, dK and dV
 # (computed as dK^T, dV^T: head_dim x 48, so no M = 64 key slab is needed); dQ split by head-dim
 # columns (96 each) over all 96 keys. tile_n = 96, tile_m = 64, P and dS through shared memory.
+# The same partition takes q/k of head dim 192 against v of 128 (DeepSeek's prefill,
+# spec.HEAD_DIM_V_PAIRS) with DqPath.BULK_STAGED: V, dO and dV^T of their own head dim.
 SM90_BWD_SWAP_TILE_N = 96
 SM90_BWD_SWAP_HEAD_DIMS = (192,)
 
@@ -416,27 +418,50 @@ def sm90_bwd_smem_bytes(spec: VariantSpec) -> int:
     return elements * spec.elem_bytes + staged_dq + 4 * 2 * spec.tile_m * 4 + 6 * SMEM_RESERVE
 
 
+def sm90_bwd_swap_do_stages(spec: VariantSpec) -> int:
+    """Stages of the dO pipeline of the swapped backward with DqPath.BULK_STAGED (a pipeline of its
+    own beside the Q ring): as many as the Q ring where the shared memory holds them, else one. At
+    hd192 s2 a second 24 KiB dO stage would need 243 KiB, so one (FlashAttention-4's budget); at
+    (192, 128) dO is 16 KiB a stage, and two fit in 215 KiB (FlashAttention-3/4's two dO stages for a
+    V head dim of 128), so the next block's dO loads while this one's dK^T and dQ run. The other
+    dQ paths load Q and dO into one ring of ``stages``."""
+    if spec.options.dq_path is not DqPath.BULK_STAGED:
+        return spec.stages
+    if _swap_staged_smem_bytes(spec, spec.stages) <= SM90_SMEM_LIMIT:
+        return spec.stages
+    return 1
+
+
+def _swap_staged_smem_bytes(spec: VariantSpec, do_stages: int) -> int:
+    """:func:`sm90_bwd_swap_smem_bytes` of DqPath.BULK_STAGED with ``do_stages`` dO stages."""
+    d, dv = spec.head_dim, spec.head_dim_v
+    elements = spec.tile_n * (d + dv) + spec.stages * spec.tile_m * d + do_stages * spec.tile_m * dv
+    elements += 2 * spec.tile_m * spec.tile_n
+    staging = 4 * spec.tile_m * d
+    rows = 2 * 2 * spec.tile_m * 4
+    barriers = (2 + 2 * spec.stages + 2 * do_stages) * 8
+    struct = elements * spec.elem_bytes + staging + rows + barriers
+    return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
+
+
 def sm90_bwd_swap_smem_bytes(spec: VariantSpec) -> int:
     """The swapped backward's struct: K and V (tile_n x d), the Q and dO ring (stages x tile_m x d
     each), one P buffer and two dS buffers (tile_m x tile_n), 1 KiB-aligned each, the LSE2/D rows
     and mbarriers, rounded up to 1 KiB, plus the kernel's 1 KiB of static shared memory. DqPath.BULK
     adds nothing: each consumer stages its fp32 dQ piece (64 x d/2) in its 16-bit tile of the
     current Q/dO stage (consumer 0 dO's, consumer 1 Q's: the same bytes).
-    DqPath.BULK_STAGED (FlashAttention-4's budget): a Q ring of ``stages`` and a dO pipeline of one
-    stage, one P and one dS buffer, and the fp32 dQ staging of its own (tile_m x d: each consumer's
-    64 x d/2 piece); hd192 s2: 72 + 48 + 24 + 12 + 12 + 48 KiB of buffers, 219 KiB in all."""
+    DqPath.BULK_STAGED (FlashAttention-4's budget): a Q ring of ``stages`` and a dO pipeline of
+    :func:`sm90_bwd_swap_do_stages`, one P and one dS buffer, and the fp32 dQ staging of its own
+    (tile_m x d: each consumer's 64 x d/2 piece); hd192 s2: 72 + 48 + 24 + 12 + 12 + 48 KiB of
+    buffers, 219 KiB in all. V and dO take the V head dim: (192, 128) s2 36 + 24 + 48 + 32 (two dO
+    stages) + 12 + 12 + 48 KiB, 215 KiB in all."""
     if spec.options.dq_path is DqPath.BULK_STAGED:
-        elements = 2 * spec.tile_n * spec.head_dim + (spec.stages + 1) * spec.tile_m * spec.head_dim
-        elements += 2 * spec.tile_m * spec.tile_n
-        staging = 4 * spec.tile_m * spec.head_dim
-        barriers = (2 + 2 * spec.stages + 2) * 8
-    else:
-        elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
-        elements += 3 * spec.tile_m * spec.tile_n
-        staging = 0
-        barriers = (2 + 2 * spec.stages) * 8
+        return _swap_staged_smem_bytes(spec, sm90_bwd_swap_do_stages(spec))
+    elements = 2 * spec.tile_n * spec.head_dim + 2 * spec.stages * spec.tile_m * spec.head_dim
+    elements += 3 * spec.tile_m * spec.tile_n
     rows = 2 * 2 * spec.tile_m * 4
-    struct = elements * spec.elem_bytes + staging + rows + barriers
+    barriers = (2 + 2 * spec.stages) * 8
+    struct = elements * spec.elem_bytes + rows + barriers
     return -(-struct // SMEM_RESERVE) * SMEM_RESERVE + SMEM_RESERVE
 
 
@@ -495,12 +520,13 @@ def sm90_bwd_dkv_accum_shape(
     spec: VariantSpec, slots: int, batch: int, seqlen_k: int, heads_kv: int
 ) -> tuple[int, int, int, int, int]:
     """Shape of the fp32 grouped-query dK/dV workspace of an sm90 backward (cutefa/kernels/sm90/
-    bwd_dkv.py): (slots, batch, heads_kv, key blocks, 2 * tile_n * head_dim), seqlen_k rounded up
-    to whole key blocks; per key block a chunk of dK, then one of dV, each the consumers' pieces
-    in their WGMMA fragment's order. ``slots``: 1, or the group size in deterministic mode (one
-    slot per query head of a group, summed in order by the conversion kernel)."""
+    bwd_dkv.py): (slots, batch, heads_kv, key blocks, tile_n * (head_dim + head_dim_v)), seqlen_k
+    rounded up to whole key blocks; per key block a chunk of dK (tile_n x head_dim), then one of dV
+    (tile_n x head_dim_v), each the consumers' pieces in their WGMMA fragment's order. ``slots``: 1,
+    or the group size in deterministic mode (one slot per query head of a group, summed in order by
+    the conversion kernel)."""
     blocks = -(-seqlen_k // spec.tile_n)
-    return (slots, batch, heads_kv, blocks, 2 * spec.tile_n * spec.head_dim)
+    return (slots, batch, heads_kv, blocks, spec.tile_n * (spec.head_dim + spec.head_dim_v))
 
 
 def sm90_bwd_registers(spec: VariantSpec) -> int:
@@ -534,13 +560,14 @@ def sm90_bwd_split_registers(spec: VariantSpec) -> int:
 
 
 def sm90_bwd_swap_registers(spec: VariantSpec) -> int:
-    """The swapped backward's consumer thread at the peak: fp32 dK^T and dV^T (d x tile_n/2 each)
-    for the whole query loop, beside the larger of S + dP (tile_m x tile_n/2 each, fp32) and the
-    fp32 dQ piece (64 queries x d/2 columns, after P and dS have gone to shared memory).
+    """The swapped backward's consumer thread at the peak: fp32 dK^T (d x tile_n/2) and dV^T (d_v x
+    tile_n/2) for the whole query loop, beside the larger of S + dP (tile_m x tile_n/2 each, fp32)
+    and the fp32 dQ piece (64 queries x d/2 columns, after P and dS have gone to shared memory).
     Calibrated on compiled SASS (sm_90a, DSL 4.8.1): estimate 232; the consumers use 226 (non-causal)
-    and 222-224 (causal) of their 240 registers, no spill, on the RED and BULK dQ paths."""
+    and 222-224 (causal) of their 240 registers, no spill, on the RED and BULK dQ paths. (192, 128):
+    estimate 208 (dV^T of 128 rows: 24 registers fewer)."""
     keys = spec.tile_n // 2
-    acc_dkv = 2 * spec.head_dim * keys // 128
+    acc_dkv = (spec.head_dim + spec.head_dim_v) * keys // 128
     acc_sdp = 2 * spec.tile_m * keys // 128
     acc_dq = 64 * (spec.head_dim // 2) // 128
     return acc_dkv + max(acc_sdp, acc_dq) + SM90_BWD_SWAP_REG_OVERHEAD

@@ -10,7 +10,10 @@ Dispatch chooses a variant in these ways, and the set holds each one's picks:
 - every variant a committed tuned table names (``cutefa/tuned/*.json``: the forward's and the
   backward's entries, those for centered v included);
 - the e4m3 block-quantization forward of each default (:func:`fp8_block_specs`), which the fp8
-  call runs for block descales.
+  call runs for block descales;
+- the backward of each (head_dim, head_dim_v) pair of :data:`~cutefa.model.spec.HEAD_DIM_V_PAIRS` in
+  the families that take it (:data:`~cutefa.model.defaults.SEPARATE_V_BWD_FAMILIES`, their defaults:
+  :func:`separate_v_bwd_specs`), which the backward of such a call runs.
 
 Measured alternatives are not here: they render on demand, and their lists live with the tools
 that measure them (tools/alternatives.py). tests/test_committed.py checks that every choice
@@ -27,6 +30,7 @@ from pathlib import Path
 from cutefa.identity import TUNED_DIR
 from cutefa.model.defaults import (
     FP8_FAMILIES,
+    SEPARATE_V_BWD_FAMILIES,
     candidate_grid,
     default_config,
     small_smem_configs,
@@ -37,6 +41,7 @@ from cutefa.model.spec import (
     COMMITTED_HEAD_DIMS,
     DIRECTIONS,
     DTYPES,
+    HEAD_DIM_V_PAIRS,
     HEAD_DIMS,
     VariantSpec,
     parse_name,
@@ -72,6 +77,21 @@ def fp8_block_specs(arch: str = "sm90") -> list[VariantSpec]:
     return sorted(specs)
 
 
+def separate_v_bwd_specs(arch: str) -> list[VariantSpec]:
+    """The committed backwards of ``arch`` with a V head dim of its own: the default of each pair of
+    :data:`~cutefa.model.spec.HEAD_DIM_V_PAIRS` (the tile of its Q/K head dim), each 16-bit dtype,
+    causal and not, where ``arch`` takes the pairs (:data:`~cutefa.model.defaults.SEPARATE_V_BWD_FAMILIES`)."""
+    if arch not in SEPARATE_V_BWD_FAMILIES:
+        return []
+    specs = []
+    for dtype in DTYPES:
+        for hd, hd_v in HEAD_DIM_V_PAIRS:
+            config = default_config(arch, "bwd", dtype, hd)
+            if config is not None:
+                specs += [config.spec(arch, "bwd", dtype, hd, mask=mask, head_dim_v=hd_v) for mask in MASKS]
+    return sorted(specs)
+
+
 def tuned_variants(tuned_dir: Path = TUNED_DIR) -> list[VariantSpec]:
     """Every variant the tuned tables in ``tuned_dir`` name (``entries[].variant``). Raises
     ValueError naming the table for a name that does not parse."""
@@ -96,6 +116,7 @@ def _committed() -> tuple[VariantSpec, ...]:
                     configs = ((default,) if default else ()) + small_smem_configs(arch, direction, dtype, hd)
                     specs |= {c.spec(arch, direction, dtype, hd, mask=m) for c in configs for m in MASKS}
         specs |= set(fp8_block_specs(arch))
+        specs |= set(separate_v_bwd_specs(arch))
     specs |= set(tuned_variants())
     return tuple(sorted(specs))
 

@@ -123,10 +123,13 @@ def sm80_bwd_options(head_dim: int, stages: int) -> Sm80BwdOptions:
     return Sm80BwdOptions(dq_layout=DqLayout.TILE, dq_pipe=stages == 1 and head_dim in (96, 192, 256))
 
 
-# The backward families that take a V head dim of its own (spec.HEAD_DIM_V_PAIRS: (192, 128)): the
-# sm80 one, on every target (the sm90 and sm100 backwards take one head dim for q, k and v), with
-# the default tile of its Q/K head dim (:func:`sm80_bwd_config`).
-SEPARATE_V_BWD_FAMILIES = ("sm80",)
+# The backward families that take a V head dim of its own (spec.HEAD_DIM_V_PAIRS: (192, 128)), newest
+# first, each with the default tile of its Q/K head dim: the sm90 one on Hopper (its swapped-dK/dV
+# partition, :func:`sm90_bwd_config`), the sm80 one on every other target and for the calls the
+# sm90 template does not take there (a packed batch, a window, softcap, ALiBi:
+# :func:`sm80_bwd_config`); the sm100 backward takes one head dim for q, k and v. The committed set
+# holds their defaults of each pair (cutefa.model.committed).
+SEPARATE_V_BWD_FAMILIES = ("sm90", "sm80")
 
 
 def sm80_bwd_config(head_dim: int) -> Config | None:
@@ -144,7 +147,8 @@ def sm80_bwd_config(head_dim: int) -> Config | None:
     double-buffered, hd64's tile, would need 190 KiB at 96 columns, and 64x64 halves the work per K
     and V load). Not yet timed against FA2 or FA4.
 
-    (192, 128) (v of head dim 128, :data:`SEPARATE_V_BWD_FAMILIES`) takes hd192's 64x64 tile with 8
+    (192, 128) (v of head dim 128, :data:`SEPARATE_V_BWD_FAMILIES`; on Hopper the sm90 backward's,
+    :func:`sm90_bwd_config`) takes hd192's 64x64 tile with 8
     warps, single-buffered Q and dq_pipe (FlashAttention-2's hd192 tile): 102 KiB of shared memory
     by the budget model (hd192's 118), and on compiled SASS (DSL 4.8.1) 222-248 registers, no
     spill, sm_80 and sm_90a, causal and not, dense and packed. 64x128 would spill (estimate 272);
@@ -237,7 +241,21 @@ def sm90_bwd_config(head_dim: int) -> Config | None:
     measured"). hd256: the head-dim split (64x64) with the bulk path staged in the consumer's own
     columns of the Q/dO stage and the overlap schedule, the variant the tuner picks for bf16 at
     every length of both masks (+9-14% over per-thread reductions without the overlap, "dq_bulk
-    everywhere measured"), so fp16 runs it too."""
+    everywhere measured"), so fp16 runs it too.
+
+    (192, 128) (DeepSeek's prefill: v of head dim 128, :data:`SEPARATE_V_BWD_FAMILIES`) takes hd192's
+    tile, 64x96 on the swapped-dK/dV partition with DqPath.BULK_STAGED (FlashAttention-3's and -4's
+    Hopper tile for head dims up to 192 with a V head dim up to 128), V, dO and dV^T 128 columns
+    wide; the 32 KiB that the narrower V and dO free go to a second dO stage
+    (budgets_sm90.sm90_bwd_swap_do_stages: 215 KiB of the 227, as FlashAttention-3/4 double-buffer dO
+    for this pair). The key tile stays 96 although dV^T shrinks to 128 rows: 128 keys (64 per
+    consumer) would hold fp32 dK^T + dV^T of 320 x 64, 160 registers a thread, beside S and dP (an
+    estimate of 264 against 240); 112 keys (56 per consumer, an estimate of 236) leave 112-byte key
+    rows in P and dS, which no 32-, 64- or 128-byte swizzle atom divides (interleaved layouts, bank
+    conflicts on the P/dS stores and the WGMMA reads of P^T and dS^T), for 17% more keys per CTA.
+    Compiled for sm_90a the 96-key variant's consumers peak at 193-197 of their 240 registers with no
+    spill (tests/test_compile_sm90_bwd_dv.py). Not yet timed: the sm80 backward it replaces on
+    Hopper ran 252 / 249 TFLOP/s (non-causal / causal, H100, batch 2 x 8192, 10 heads; FA4 461 / 435)."""
     if head_dim in (64, 96, 128):
         tile = Tile(128, 128, 2, 12) if head_dim == 64 else Tile(64, 128, 2, 12)
         return Config(tile, Sm90BwdOptions(dq_path=DqPath.BULK))

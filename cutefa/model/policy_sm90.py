@@ -122,6 +122,13 @@ def bwd_dq_transposed(spec: VariantSpec) -> bool:
     return spec.tile_m % WG_ROWS != 0
 
 
+def bwd_separate_v(spec: VariantSpec) -> bool:
+    """Whether an sm90 backward takes v of a head dim of its own (spec.HEAD_DIM_V_PAIRS; the
+    swapped-dK/dV template, rules_sm90._sm90_bwd_separate_v): V, dO and dV^T tiles of that head dim,
+    D = rowsum(dO * O) over it. Equal head dims render as before."""
+    return spec.head_dim_v != spec.head_dim
+
+
 def fwd_feature_args(spec: VariantSpec) -> bool:
     """Whether a 16-bit sm90 forward takes feature arguments after its own (cutefa.api.features:
     the local window's bounds or a feature axis): its module then defines its own

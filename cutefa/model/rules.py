@@ -157,6 +157,12 @@ ANY_HEAD_DIM_KERNELS: frozenset[tuple[str, str, str]] = frozenset(
 OWN_HEAD_DIM_KERNELS: frozenset[tuple[str, str, str]] = frozenset(
     ("sm90", "bwd", dtype) for dtype in ("fp16", "bf16")
 )
+# Kernels that take the (head_dim, head_dim_v) pairs of HEAD_DIM_V_PAIRS besides the any-head-dim
+# ones, each by its family's rule (the 16-bit sm90 backward: its swapped-dK/dV partition,
+# rules_sm90._sm90_bwd_separate_v).
+SEPARATE_V_KERNELS: frozenset[tuple[str, str, str]] = frozenset(
+    ("sm90", "bwd", dtype) for dtype in ("fp16", "bf16")
+)
 
 
 def _head_dim(spec: VariantSpec) -> str | None:
@@ -166,8 +172,10 @@ def _head_dim(spec: VariantSpec) -> str | None:
     standard = spec.head_dim in HEAD_DIMS and spec.head_dim_v == spec.head_dim
     if standard or (spec.arch, spec.direction, spec.dtype) in ANY_HEAD_DIM_KERNELS:
         return None
-    own = spec.head_dim_v == spec.head_dim and (spec.arch, spec.direction, spec.dtype) in OWN_HEAD_DIM_KERNELS
-    if own:
+    family = (spec.arch, spec.direction, spec.dtype)
+    own = spec.head_dim_v == spec.head_dim and family in OWN_HEAD_DIM_KERNELS
+    pair = spec.head_dim_v != spec.head_dim and family in SEPARATE_V_KERNELS  # (a pair: why_not_head_dims)
+    if own or pair:
         return None
     pairs = ", ".join(f"({d}, {dv})" for d, dv in HEAD_DIM_V_PAIRS)
     which = f"head_dim={spec.head_dim}" + (
@@ -176,7 +184,7 @@ def _head_dim(spec: VariantSpec) -> str | None:
     return (
         f"{which}: the {spec.dtype} {spec.arch} {spec.direction} kernels take head_dim in {HEAD_DIMS} with "
         f"head_dim_v equal to head_dim; other multiples of 8 up to 256 and (head_dim, head_dim_v) in {pairs} "
-        "run on the 16-bit sm80 family and the 16-bit sm90 forward"
+        "run on the 16-bit sm80 family and the 16-bit sm90 forward (the pairs also on the 16-bit sm90 backward)"
     )
 
 

@@ -223,6 +223,9 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
             f"head_dim={spec.head_dim}, tile_n={spec.tile_n}: the head-dim-split and swapped-dK/dV sm90 backward "
             "templates take no window, packed batch, softcap or ALiBi (the sm80 backward serves those on Hopper)"
         )
+    reason = _sm90_bwd_separate_v(spec)
+    if reason is not None:
+        return reason
     if spec.warps == SM90_BWD_WARPS and sm90_bwd_swapped(spec) and spec.head_dim in SM90_BWD_SWAP_HEAD_DIMS:
         return _sm90_bwd_swap(spec)
     if spec.warps != SM90_BWD_WARPS or spec.tile_n not in (SM90_BWD_TILE_N, SM90_BWD_SPLIT_TILE_N):
@@ -265,6 +268,24 @@ def _sm90_bwd(spec: VariantSpec) -> str | None:
             f"in width ({pieces[0][2]} and {pieces[1][2]} columns) and overlap carries one accumulator shape"
         )
     return sm90_bwd_over_budget(spec)
+
+
+def _sm90_bwd_separate_v(spec: VariantSpec) -> str | None:
+    """A V head dim of its own (spec.HEAD_DIM_V_PAIRS: (192, 128)) runs on the swapped-dK/dV
+    partition with the dQ staging of its own (DqPath.BULK_STAGED): its V, dO and dV^T tiles take
+    the V head dim (templates/bwd_sm90_swapkv.py.j2). The tile_n=128 partition would hold fp32 dK
+    and dV of 64 keys x (192 + 128) columns, 160 registers a thread beside S^T and dP^T (an
+    estimate of 264 registers against 240); the in-stage bulk path stages a 64 x 96 fp32 dQ piece
+    in dO's 64 x 128 16-bit tile, which is 8 KiB short."""
+    if spec.head_dim_v == spec.head_dim:
+        return None
+    if sm90_bwd_swapped(spec) and spec.options.dq_path is DqPath.BULK_STAGED:
+        return None
+    return (
+        f"head_dim_v={spec.head_dim_v} with head_dim={spec.head_dim}, tile_n={spec.tile_n} and "
+        f"dq_path={spec.options.dq_path.name}: the sm90 backward takes a V head dim of its own on the "
+        f"swapped-dK/dV partition (tile_n={SM90_BWD_SWAP_TILE_N}, tile_m=64) with dq_path=BULK_STAGED only"
+    )
 
 
 def _sm90_bwd_swap(spec: VariantSpec) -> str | None:

@@ -155,10 +155,10 @@ def test_gqa_error_no_worse_than_mha(gen, target, spec):
         out, lse = bwd90.forward_ref(q, k, v, spec.causal)
         gqa = run_kernel(kernel, spec, q, k, v, out, lse, dout, deterministic=True)
         mha = run_kernel(kernel, spec, q, k_mha, v_mha, out, lse, dout, deterministic=True)
-        grouped = (batch, sk, hkv, group, spec.head_dim)
         for i, name in ((1, "dk"), (2, "dv")):
             err_gqa = bwd80.rel(gqa[i], exact["gqa"][i])
             err_mha = bwd80.rel(mha[i], exact["mha"][i])
+            grouped = (batch, sk, hkv, group, gqa[i].shape[-1])  # (dv: the V head dim)
             former = mha[i].view(grouped).sum(3, dtype=torch.float32).to(q.dtype)
             err_former = bwd80.rel(former, exact["gqa"][i])
             where = f"{spec.name} hq{hq} hkv{hkv} {name}"

@@ -61,13 +61,15 @@ def rel(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(floor)).item()
 
 
-def random_inputs(gen, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv):
-    """q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim) and
-    dout (q's shape): unit normal values in ``dtype`` on the GPU, drawn from ``gen`` in that order."""
+def random_inputs(gen, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, *, head_dim_v=None):
+    """q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim), v (batch,
+    seqlen_k, heads_kv, head_dim_v) and dout (q's shape but for its head_dim_v; head_dim_v None:
+    head_dim): unit normal values in ``dtype`` on the GPU, drawn from ``gen`` in that order."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=gen, device="cuda", dtype=dtype)
     k = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=gen, device="cuda", dtype=dtype)
-    v = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=gen, device="cuda", dtype=dtype)
-    dout = torch.randn(q.shape, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim_v, generator=gen, device="cuda", dtype=dtype)
+    dout = torch.randn(*q.shape[:-1], head_dim_v, generator=gen, device="cuda", dtype=dtype)
     return q, k, v, dout
 
 
@@ -228,10 +230,13 @@ VARIANT_SHAPES = (
 
 
 def _variant_inputs(gen, spec, batch, seqlen_q, seqlen_k, heads_q, heads_kv):
-    """:func:`random_inputs` in the variant's dtype and head dim, and out (in that dtype) and lse of
-    the exact forward at the softmax scale 1/sqrt(head_dim), for calling a variant directly."""
+    """:func:`random_inputs` in the variant's dtype and head dims (v and dout of its V head dim), and
+    out (in that dtype) and lse of the exact forward at the softmax scale 1/sqrt(head_dim), for
+    calling a variant directly."""
     dt = DTYPES[spec.dtype]
-    q, k, v, dout = random_inputs(gen, dt, spec.head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    q, k, v, dout = random_inputs(
+        gen, dt, spec.head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim_v=spec.head_dim_v
+    )
     with torch.no_grad():
         out, lse = _load("reference").attention_ref(
             q, k, v, causal=spec.causal, softmax_scale=1.0 / math.sqrt(spec.head_dim)
@@ -298,7 +303,7 @@ def test_bwd_variant(gen, spec, mode):
         nan = {"device": "cuda"}
         dq = torch.full(q.shape, math.nan, dtype=dt, **nan)
         dk_heads = torch.full((batch, sk, hq, spec.head_dim), math.nan, dtype=dt, **nan)
-        dv_heads = torch.full_like(dk_heads, math.nan)
+        dv_heads = torch.full((batch, sk, hq, spec.head_dim_v), math.nan, dtype=dt, **nan)
         dq_accum = dq_accum_workspace(spec, splits, batch, sq, hq, q.device).fill_(math.nan)
         lse_log2 = torch.full((batch, hq, sq), math.nan, **nan)
         dpsum = torch.full_like(lse_log2, math.nan)

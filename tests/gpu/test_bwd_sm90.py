@@ -46,12 +46,12 @@ BACKWARDS = all_variants("sm90", "bwd")
 
 
 def _default_twin(spec):
-    """The default variant of spec's dtype, head dim and mask (its tile and default options): the
+    """The default variant of spec's dtype, head dims and mask (its tile and default options): the
     one dispatch picks on sm_90a without a tuned table."""
     from cutefa.api import backward
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
-    return backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal)
+    return backward.choose_bwd("sm_90a", dtype, spec.head_dim, spec.causal, head_dim_v=spec.head_dim_v)
 
 
 ALTERNATIVES = [s for s in BACKWARDS if _default_twin(s) != s]
@@ -80,11 +80,11 @@ def forward_ref(q, k, v, causal):
 
 
 def random_inputs(gen, spec, batch, seqlen_q, seqlen_k, heads_q, heads_kv):
-    """q, k, v, dout (test_bwd_sm80.py's ``random_inputs`` in the variant's dtype and head dim) and
-    out, lse of the float32 reference forward (:func:`forward_ref`)."""
+    """q, k, v, dout (test_bwd_sm80.py's ``random_inputs`` in the variant's dtype and head dims: v
+    and dout of its V head dim) and out, lse of the float32 reference forward (:func:`forward_ref`)."""
     dtype = bwd80.DTYPES[spec.dtype]
     q, k, v, dout = bwd80.random_inputs(
-        gen, dtype, spec.head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv
+        gen, dtype, spec.head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim_v=spec.head_dim_v
     )
     out, lse = forward_ref(q, k, v, spec.causal)
     return q, k, v, dout, out, lse

@@ -1,8 +1,10 @@
 """q/k of head dim 192 against v of 128 (DeepSeek's prefill) through the public calls,
 ``cutefa.flash_attn_func`` and ``cutefa.flash_attn_varlen_func``, against the float32 reference of
 tests/gpu/reference.py: the forward on each kernel family this GPU runs (dispatch held to one family
-at a time: the sm90 forward on Hopper, the sm80 forward everywhere), and the gradients, which the
-sm80 backward computes on every GPU (dQ and dK over 192 columns, dV and D = rowsum(dO * O) over 128).
+at a time: the sm90 forward on Hopper, the sm80 forward everywhere), and the gradients (dQ and dK
+over 192 columns, dV and D = rowsum(dO * O) over 128): dense calls on the backward dispatch picks
+(the sm90 one on Hopper, tests/gpu/test_bwd_sm90_dv_gpu.py has its own checks; the sm80 one
+elsewhere) and on the sm80 one held to, packed calls on the sm80 backward on every GPU.
 
 Every input is a slice of a wider buffer whose extra columns hold NaN, so a read past the real head
 dim poisons the output; every output the call allocates comes NaN-filled
@@ -36,7 +38,8 @@ from gpu_support import sm80_skip_reason as _skip_reason
 
 import cutefa
 from cutefa import dispatch
-from cutefa.api import backward, launch
+from cutefa.api import backward, feature_bwd, launch
+from cutefa.api.features import FeatureArgs
 from cutefa.model.defaults import default_spec
 from cutefa.model.spec import families_for_target
 
@@ -172,12 +175,25 @@ BWD_SHAPES = tuple(
 
 
 def _expected_bwd_spec(dtype, causal):
-    """The backward dispatch picks for (192, 128) on this GPU: the sm80 default (on Hopper too)."""
+    """The backward dispatch picks for a dense (192, 128) call on this GPU: the sm90 default on
+    Hopper, the sm80 one elsewhere (or where the families are held to it: :func:`bwd_family`)."""
     target = dispatch.device_target(torch.device("cuda"))[0]
     spec = backward.choose_bwd(target, dtype, D, causal, head_dim_v=DV)
     token = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    assert spec == default_spec("sm80", "bwd", token, D, causal=causal, head_dim_v=DV), spec.name
+    family = "sm90" if "sm90" in backward.families_for_target(target) else "sm80"
+    assert spec == default_spec(family, "bwd", token, D, causal=causal, head_dim_v=DV), spec.name
     return spec
+
+
+@pytest.fixture(params=["dispatched", "sm80"])
+def bwd_family(request, monkeypatch):
+    """The backward families as dispatch has them on this GPU, or held to the sm80 one (which a
+    Hopper GPU runs for packed calls only)."""
+    if request.param == "sm80":
+        monkeypatch.setattr(backward, "families_for_target", lambda target: ("sm80",))
+    dispatch.clear_caches()  # (the call plans keep the variant they chose)
+    yield request.param
+    dispatch.clear_caches()
 
 
 def _dense_grads(q, k, v, dout, dlse, causal, deterministic=False):
@@ -203,7 +219,7 @@ def _reference_grads(q, k, v, dout, dlse, causal, compute_dtype):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}_sq{}_sk{}_hq{}_hkv{}".format(*s))
-def test_dense_backward(gen, causal, shape):
+def test_dense_backward(gen, bwd_family, causal, shape):
     dtype = torch.bfloat16
     spec = _expected_bwd_spec(dtype, causal)
     q, k, v = dense_inputs(gen, shape, dtype)
@@ -221,7 +237,7 @@ def test_dense_backward(gen, causal, shape):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_backward_is_reproducible(gen, causal):
+def test_deterministic_backward_is_reproducible(gen, bwd_family, causal):
     dtype = torch.float16
     _expected_bwd_spec(dtype, causal)
     q, k, v = dense_inputs(gen, (2, 1000, 1000, 8, 2), dtype)
@@ -239,8 +255,12 @@ def test_deterministic_backward_is_reproducible(gen, causal):
 @pytest.mark.parametrize(("heads_q", "heads_kv"), [(4, 4), (8, 2)])
 def test_varlen_backward(gen, causal, heads_q, heads_kv):
     """A packed batch with empty sequences, slack and a tail (test_varlen.check_varlen_grads: rows of
-    no sequence get zero gradients)."""
-    _expected_bwd_spec(torch.bfloat16, causal)
+    no sequence get zero gradients): the sm80 backward on every GPU (the sm90 template that takes
+    the pair takes no packed batch)."""
+    target = dispatch.device_target(torch.device("cuda"))[0]
+    f = dataclasses.replace(FeatureArgs(), cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
+    spec = feature_bwd.choose_bwd(target, torch.bfloat16, D, causal, f, seqlen_k=1000, head_dim_v=DV)
+    assert spec.arch == "sm80" and spec.features.varlen, spec.name
     p = packed_inputs(gen, torch.bfloat16, heads_q, heads_kv)
     tag = f"varlen causal={causal} heads {heads_q}/{heads_kv}"
     dq, dk, dv = vl.check_varlen_grads(tag, p, gen, causal=causal)[:3]
