@@ -1,10 +1,8 @@
 """The packed rows of no sequence in a varlen forward's outputs on a CUDA GPU: out exactly 0 and lse
 -inf there, written by the fill kernel every varlen forward module launches before its attention
 kernel (cutefa/kernels/common/varlen_fill.py); every other row the float32 reference's; nothing NaN.
-The API allocates its outputs with ``torch.empty`` and clears nothing, so before each call the CUDA
-caching allocator is filled with NaN (:func:`poison_allocator`: what it caches released, then NaN
-blocks of both pools allocated and freed; a block of the outputs' sizes allocated next is checked
-NaN), and a row nothing writes reads NaN.
+The API allocates its outputs with ``torch.empty`` and clears nothing; the calls run with torch's
+uninitialized allocations NaN-filled (:func:`nan_allocations`), so a row nothing writes reads NaN.
 
 Layouts: (a) rows past ``cu_seqlens_q[-1]`` (a tail, no seqused), (b) seqused_q shorter than the
 spans, (c) empty sequences (a span all slack, no query row, no key), (d) batch 1 and no gap, (e) a
@@ -16,7 +14,9 @@ gaps move between replays and the static outputs are NaN-filled before each one.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -40,32 +40,30 @@ pytestmark = [
 ]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-POISON_BYTES = 512 << 20  # one large-pool block the outputs are carved from
-SMALL_POOL_BLOCK = 1 << 20  # the largest small-pool allocation: the small pool's blocks get NaN too
-SMALL_POOL_BLOCKS = 16
 
 
-def poison_allocator(*allocations: tuple[tuple[int, ...], torch.dtype]) -> None:
-    """Every byte the caching allocator holds free is 0xff (NaN in fp16, bf16 and float32) after
-    this: what it caches is released, then 0xff blocks of the large and the small pool are allocated
-    and freed. ``allocations`` ((shape, dtype)): allocated now, each must read all NaN."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    big = torch.full((POISON_BYTES,), 255, dtype=torch.uint8, device="cuda")
-    small = [
-        torch.full((SMALL_POOL_BLOCK,), 255, dtype=torch.uint8, device="cuda")
-        for _ in range(SMALL_POOL_BLOCKS)
-    ]
-    del big, small
-    for shape, dtype in allocations:
-        probe = torch.empty(shape, dtype=dtype, device="cuda")
-        assert probe.isnan().all(), f"the allocator's {tuple(shape)} {dtype} block is not NaN-filled"
-        del probe
-
-
-def _outputs_of(q: torch.Tensor, out_dtype: torch.dtype | None = None) -> tuple:
-    total, heads, d = q.shape
-    return ((total, heads, d), out_dtype or q.dtype), ((heads, total), torch.float32)
+@contextlib.contextmanager
+def nan_allocations():
+    """Every floating-point tensor torch allocates uninitialized inside (``torch.empty``,
+    ``empty_like``: the call's outputs) comes NaN-filled: torch's deterministic mode with
+    ``fill_uninitialized_memory``, warnings only (no op changes its algorithm). Unlike filling the
+    caching allocator's free blocks, this does not depend on which block an allocation gets."""
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "... does not have a deterministic implementation"
+            probe = torch.empty(8, device="cuda")
+            assert probe.isnan().all(), "uninitialized allocations are not NaN-filled"
+            yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
 
 
 # Layouts: (per-sequence (seqlen_q, seqlen_k), per-sequence slack (rows past seqused) or None,
@@ -132,9 +130,9 @@ def test_api(gen, name, variant):
     """The public call (the dispatched family's kernel) into NaN memory."""
     dtype, head_dim, causal = variant
     p = _packed(gen, name, (4, 2), head_dim, DTYPES[dtype])
-    p.call(causal=causal)  # warm: the kernel loaded (or compiled) before the allocator is poisoned
-    poison_allocator(*_outputs_of(p.q))
-    out, lse = p.call(causal=causal)
+    p.call(causal=causal)  # warm: the kernel loaded (or compiled) first
+    with nan_allocations():
+        out, lse = p.call(causal=causal)
     check_rows(f"api {name} {_ids(variant)}", p, out, lse, causal=causal)
 
 
@@ -148,9 +146,9 @@ def test_sm80_kernel(gen, name, variant):
     p = _packed(gen, name, (6, 2), head_dim, DTYPES[dtype])
     used_q = p.cu_q[1:] - p.cu_q[:-1] if p.used_q is None else p.used_q
     used_k = p.cu_k[1:] - p.cu_k[:-1] if p.used_k is None else p.used_k
-    poison_allocator()
-    out = torch.empty_like(p.q)
-    lse = torch.empty((p.q.shape[1], p.q.shape[0]), dtype=torch.float32, device="cuda")
+    with nan_allocations():
+        out = torch.empty_like(p.q)
+        lse = torch.empty((p.q.shape[1], p.q.shape[0]), dtype=torch.float32, device="cuda")
     assert out.isnan().all() and lse.isnan().all()
     kernel(p.q, p.k, p.v, out, lse, ref.default_scale(head_dim), p.cu_q, p.cu_k, used_q, used_k, p.max_q)
     check_rows(f"{spec.name} {name}", p, out, lse, causal=causal)
@@ -176,8 +174,8 @@ def test_e4m3_api(gen, causal):
         )  # fmt: skip
 
     call()
-    poison_allocator(*_outputs_of(q, torch.bfloat16))
-    out, lse = call()
+    with nan_allocations():
+        out, lse = call()
     torch.cuda.synchronize()
     assert not out.isnan().any() and not lse.isnan().any(), "a row nothing wrote"
     used = ref.used_rows(cu_q, used_q, q.shape[0])
