@@ -160,6 +160,27 @@ def test_a_batch_without_padding_is_one_dense_call(calls, heads_q, heads_kv):
     torch.testing.assert_close(out, want)
 
 
+@pytest.mark.parametrize(("head_dim", "head_dim_v", "passed_v"), [(192, 128, 128), (96, 64, 96)])
+def test_a_v_head_dim_of_its_own_is_passed_as_it_is_where_cutefa_takes_it(
+    calls, monkeypatch, head_dim, head_dim_v, passed_v
+):
+    """(192, 128) goes to cutefa as it is (its kernels take the pair); another pair is padded to q's
+    head dim and the output cropped: the same result either way."""
+    seen = []
+    dense = cutefa.flash_attn_func
+
+    def spy(q, k, v, **options):
+        seen.append(v.shape[-1])
+        return dense(q, k, v, **options)
+
+    monkeypatch.setattr(cutefa, "flash_attn_func", spy)
+    q, k, v = heads(2, 16, 4, head_dim), heads(2, 16, 4, head_dim), heads(2, 16, 4, head_dim_v)
+    out, _ = hf.attention_forward(Layer(), q, k, v, None, scaling=0.1)
+    assert seen == [passed_v] and out.shape == (2, 16, 4, head_dim_v)
+    want = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softmax_scale=0.1)
+    torch.testing.assert_close(out, want)
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_a_padded_batch_goes_through_the_packed_layout(calls, side):
     lengths = [16, 9, 1]

@@ -182,7 +182,8 @@ def check_cache_seqlens(cache_seqlens: object, batch: int, q: torch.Tensor) -> N
 def check_backward_head_dims(head_dim: int, head_dim_v: int) -> None:
     """``NotImplementedError`` for the gradients of a forward whose (q/k, v) head dims no backward
     kernel takes, naming what is supported: v of q's head dim, or a pair of
-    :data:`~cutefa.model.spec.HEAD_DIM_V_PAIRS` ((192, 128): the sm80 backward, on Hopper too)."""
+    :data:`~cutefa.model.spec.HEAD_DIM_V_PAIRS` ((192, 128): the sm90 backward on Hopper for dense calls,
+    the sm80 one elsewhere and for packed calls)."""
     if head_dim_v != head_dim and (head_dim, head_dim_v) not in HEAD_DIM_V_PAIRS:
         raise NotImplementedError(
             f"the backward of attention with head_dim_v={head_dim_v} (v.shape[-1]) apart from head_dim={head_dim} "

@@ -22,6 +22,8 @@ seqlen, head_dim); cutefa gets (batch, seqlen, heads, head_dim) views of them):
 - logit softcapping (``softcap``, else ``config.attn_logit_softcapping``: Gemma 2), attention sinks
   (``s_aux``, else the layer's ``sinks``: gpt-oss), grouped-query heads, causal or not
   (``is_causal``, else the layer's);
+- a V head dim of its own (MLA-style layers): (192, 128), DeepSeek's prefill, as it is; another
+  smaller one padded to q's head dim (the output cropped back);
 - attention dropout other than 0 (a layer in training with ``config.attention_dropout > 0``) is a
   NotImplementedError saying what to set; so are 4-D custom masks and chunked attention.
 
@@ -226,8 +228,8 @@ def attention_forward(
     )  # fmt: skip
     q, k, v = _cast(module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
     head_dim_v = v.shape[-1]
-    if head_dim_v < q.shape[-1]:  # (MLA) cutefa takes one head dim: pad v, crop the output
-        import torch.nn.functional as F
+    if head_dim_v < q.shape[-1] and not _separate_v_head_dim(q.shape[-1], head_dim_v):
+        import torch.nn.functional as F  # a V head dim cutefa has no kernel for: pad v, crop the output
 
         v = F.pad(v, (0, q.shape[-1] - head_dim_v))
     layout = "dense"
@@ -251,6 +253,15 @@ def attention_forward(
     except NotImplementedError as exc:
         raise NotImplementedError(f"{describe(module, options, layout)}: {exc}") from exc
     return out[..., :head_dim_v], None
+
+
+def _separate_v_head_dim(head_dim: int, head_dim_v: int) -> bool:
+    """Whether cutefa's kernels take v of ``head_dim_v`` beside q and k of ``head_dim`` as it is
+    (DeepSeek's (192, 128) prefill: :data:`cutefa.model.spec.HEAD_DIM_V_PAIRS`), which reads and
+    computes less than v padded to ``head_dim``."""
+    from cutefa.model.spec import HEAD_DIM_V_PAIRS
+
+    return (head_dim, head_dim_v) in HEAD_DIM_V_PAIRS
 
 
 def _packed(q: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, int, int] | None:
