@@ -33,6 +33,7 @@ from cutefa.model.defaults import (
     SEPARATE_V_BWD_FAMILIES,
     candidate_grid,
     default_config,
+    default_spec,
     small_smem_configs,
 )
 from cutefa.model.options import Mask, Quant, options_class
@@ -83,13 +84,13 @@ def separate_v_bwd_specs(arch: str) -> list[VariantSpec]:
     causal and not, where ``arch`` takes the pairs (:data:`~cutefa.model.defaults.SEPARATE_V_BWD_FAMILIES`)."""
     if arch not in SEPARATE_V_BWD_FAMILIES:
         return []
-    specs = []
-    for dtype in DTYPES:
-        for hd, hd_v in HEAD_DIM_V_PAIRS:
-            config = default_config(arch, "bwd", dtype, hd)
-            if config is not None:
-                specs += [config.spec(arch, "bwd", dtype, hd, mask=mask, head_dim_v=hd_v) for mask in MASKS]
-    return sorted(specs)
+    specs = (
+        default_spec(arch, "bwd", dtype, hd, causal=mask is Mask.CAUSAL, head_dim_v=hd_v)
+        for dtype in DTYPES
+        for hd, hd_v in HEAD_DIM_V_PAIRS
+        for mask in MASKS
+    )
+    return sorted(spec for spec in specs if spec is not None)
 
 
 def tuned_variants(tuned_dir: Path = TUNED_DIR) -> list[VariantSpec]:
