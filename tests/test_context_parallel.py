@@ -12,7 +12,6 @@ sharding rules, the ring's chunking, its log-sum-exp merge and its collectives a
 from __future__ import annotations
 
 import inspect
-import socket
 
 import pytest
 import torch
@@ -142,22 +141,15 @@ def test_forward_and_backward_as_the_ring_calls_them(provider, step, heads_kv, c
 # The real ring on two gloo processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, cases: list[tuple[bool, bool, int]]) -> None:
+def _rank_main(rank: int, world: int, store_file: str, cases: list[tuple[bool, bool, int]]) -> None:
     """One rank: context_parallel over a 1-D CPU mesh, the flash op called on DTensors (what SDPA's
     flash backend calls), forward and backward, against the unsharded reference."""
-    import os
-
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store, not a TCP one: no port to race for, and no rank hosts a server the other still
+    # needs while it tears down (a rank left alone at exit aborted in gloo's threads)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     from test_torch_sdpa import Recorder, reference, reference_backward
 
     recorder = Recorder()
@@ -203,12 +195,13 @@ def _rank_main(rank: int, world: int, port: int, cases: list[tuple[bool, bool, i
             for name, a, w in zip(("out", "dq", "dk", "dv"), got, want_bhsd):
                 err = (a.float() - w.float()).norm() / w.float().norm()
                 assert err < 2e-2, (name, causal, balance, heads_kv, float(err))
+        dist.barrier()  # both ranks are done with the group before either tears it down
     finally:
         handle.remove()
         dist.destroy_process_group()
 
 
-def test_context_parallel_on_two_gloo_ranks_matches_the_unsharded_attention():
+def test_context_parallel_on_two_gloo_ranks_matches_the_unsharded_attention(tmp_path):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
     import torch.multiprocessing as mp
@@ -218,6 +211,6 @@ def test_context_parallel_on_two_gloo_ranks_matches_the_unsharded_attention():
     cases = [(True, True, 4), (True, True, 2), (True, False, 2), (False, False, 2)]
     saved = cp._cp_options.enable_load_balance
     try:
-        mp.spawn(_rank_main, args=(2, _free_port(), cases), nprocs=2, join=True)
+        mp.spawn(_rank_main, args=(2, str(tmp_path / "store"), cases), nprocs=2, join=True)
     finally:
         cp._cp_options.enable_load_balance = saved

@@ -40,7 +40,7 @@ MAX_WARPS = 8  # the largest packed-row tile: 128 rows (longer chunks take sever
 # per CTA), several CTAs per SM.
 TILE_N = {64: 64, 96: 64, 128: 64, 192: 32, 256: 32}
 STAGES = 2
-COMBINE_WARPS = 4  # the combine kernel: a warp merges one output row
+COMBINE_WARPS = 4  # the combine kernel: warps a CTA (decode_combine.warps_per_row of them merge a row)
 TARGET_WAVES = 2
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128

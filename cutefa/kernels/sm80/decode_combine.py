@@ -1,6 +1,6 @@
-"""The split-KV combine of the sm80 decode kernel (templates/decode_sm80.py.j2): one warp merges
-one output row from the partial results of the splits, reading several splits' rows at once
-(:func:`loads_in_flight`) so that their memory latencies overlap.
+"""The split-KV combine of the decode kernels (templates/decode_sm80.py.j2 and the MLA ones): a few
+warps merge one output row from the partial results of the splits, a lane a split, so that the
+splits' reads are independent and their memory latencies overlap (:func:`combine_row`).
 
 Split ``s`` wrote its row normalised over its own keys, ``O_s``, and its natural-log sum of
 exponentials ``lse_s`` (``-inf`` and ``O_s = 0`` for a split that saw no key). Then
@@ -26,12 +26,52 @@ def warp_allreduce(val: Float32, is_max: cutlass.Constexpr) -> Float32:
     return val
 
 
-def loads_in_flight(head_dim: int) -> int:
-    """Partial rows a lane reads before it uses any (the combine's memory-level parallelism): 64
-    float32 registers of them, at most 16 rows; a power of two, so that groups tile the 32 splits of
-    a pass."""
-    most = max(1, min(16, 64 // (head_dim // WARP)))
-    return 1 << (most.bit_length() - 1)
+def warps_per_row(head_dim: int) -> int:
+    """Warps that merge one output row, each owning a contiguous slice of its columns: a warp per
+    32 columns, at most 8 (head dim 64: 2 warps; 128: 4; 256: 8; the 512-wide latent rows: 8 warps
+    of 64 columns)."""
+    return max(1, min(8, head_dim // WARP))
+
+
+def columns_per_lane(head_dim: int) -> int:
+    """Columns of its warp's slice a lane holds after the reduction (and stores)."""
+    return head_dim // (WARP * warps_per_row(head_dim))
+
+
+def rows_per_cta(head_dim: int, warps: int) -> int:
+    """Output rows a CTA merges (the launch grid divides the rows by this)."""
+    return max(1, warps // warps_per_row(head_dim))
+
+
+def threads_per_cta(head_dim: int, warps: int) -> int:
+    """The combine CTA: ``warps`` warps, or one row's warps where a row takes more."""
+    return WARP * rows_per_cta(head_dim, warps) * warps_per_row(head_dim)
+
+
+@cute.jit
+def combine_cta(
+    mOpart: cute.Tensor,
+    mLSEpart: cute.Tensor,
+    mO: cute.Tensor,
+    mLSE: cute.Tensor,
+    tidx: Int32,
+    bx: Int32,
+    batch: Int32,
+    head_dim: cutlass.Constexpr,
+    warps: cutlass.Constexpr,
+):
+    """The combine kernel's body: CTA ``bx`` of a (ceil(rows / rows_per_cta), batch) grid of
+    ``threads_per_cta`` threads merges rows ``bx * rows_per_cta ...`` (row = token * heads_q +
+    head) of sequence ``batch``, :func:`warps_per_row` warps a row."""
+    row_threads = WARP * warps_per_row(head_dim)
+    row = bx * rows_per_cta(head_dim, warps) + tidx // row_threads
+    heads_q = mO.shape[2]
+    if row < mO.shape[1] * heads_q:
+        t = row // heads_q
+        thread = tidx % row_threads
+        combine_row(
+            mOpart, mLSEpart, mO, mLSE, batch, t, row - t * heads_q, thread // WARP, thread % WARP, head_dim
+        )
 
 
 @cute.jit
@@ -43,22 +83,39 @@ def combine_row(
     batch: Int32,
     t: Int32,
     head: Int32,
+    warp: Int32,
     lane: Int32,
     head_dim: cutlass.Constexpr,
 ):
     """Merge row (batch, token t, head) of the splits into ``mO`` (batch, seqlen_q, heads_q,
-    head_dim; its dtype) and ``mLSE`` (batch, heads_q, seqlen_q): ``lane`` of the warp owns
-    ``head_dim / 32`` contiguous columns."""
+    head_dim; its dtype) and ``mLSE`` (batch, heads_q, seqlen_q): warp ``warp`` of the row's
+    :func:`warps_per_row` owns a contiguous slice of ``32 * columns_per_lane`` columns.
+
+    Split-major: lane ``j`` reads split ``j``'s whole slice (every 32nd split after the first
+    pass) and scales it by its own split's weight, so the reads are independent vector loads with
+    no shuffle between them and land in one memory latency; the 32 lanes' rows are then summed
+    by a butterfly reduce-scatter (31 shuffles) that leaves lane ``l`` the sum of chunk ``l``:
+    the lane-major layout the output store wants. Every warp of the row computes the same lse
+    from the same reads."""
     num_splits = mLSEpart.shape[0]
-    # the largest lse over the splits, then the sum of exponentials: each lane takes every 32nd split
-    top = -Float32.inf
-    for s0 in cutlass.range(0, num_splits, WARP, unroll=1):
+    vec = columns_per_lane(head_dim)
+    width = WARP * vec  # the warp's columns
+    # lane j reads the lse of split j once and, in the same memory latency (it does not wait for
+    # the lse), split j's slice of the row; more splits than a pass are read 32 at a time on top
+    acc = cute.make_rmem_tensor((width,), Float32)
+    acc.fill(0.0)
+    first = -Float32.inf
+    if lane < num_splits:
+        first = mLSEpart[lane, batch, head, t]
+        cute.autovec_copy(cute.local_tile(mOpart[lane, batch, t, head, None], (width,), (warp,)), acc)
+    top = first
+    for s0 in cutlass.range(WARP, num_splits, WARP, unroll=1):
         if s0 + lane < num_splits:
             top = cute.arch.fmax(top, mLSEpart[s0 + lane, batch, head, t])
     top = warp_allreduce(top, True)
     offset = Float32(0.0) if top == -Float32.inf else top
-    total = Float32(0.0)
-    for s0 in cutlass.range(0, num_splits, WARP, unroll=1):
+    total = cute.math.exp2((first - offset) * LOG2_E, fastmath=True)
+    for s0 in cutlass.range(WARP, num_splits, WARP, unroll=1):
         if s0 + lane < num_splits:
             total += cute.math.exp2((mLSEpart[s0 + lane, batch, head, t] - offset) * LOG2_E, fastmath=True)
     total = warp_allreduce(total, False)
@@ -66,33 +123,33 @@ def combine_row(
     if total > 0.0:
         lse = offset + cute.math.log2(total, fastmath=True) * LN_2
     lse_weight = Float32(0.0) if lse == -Float32.inf else lse
-    vec = head_dim // WARP
-    group = loads_in_flight(head_dim)
-    acc = cute.make_rmem_tensor((vec,), Float32)
-    acc.fill(0.0)
-    parts = cute.make_rmem_tensor((vec, group), Float32)  # a row's columns contiguous
-    weights = cute.make_rmem_tensor((group,), Float32)
-    # 32 splits at a time: lane j holds the weight of split s0 + j (exp(-inf) = 0: a split that saw
-    # no key, or none at all past the splits, adds nothing); the partial rows are then read `group`
-    # at a time, every read of a group issued before any is used (the rows are independent loads,
-    # so the group's latencies overlap instead of adding up split after split).
-    for s0 in cutlass.range(0, num_splits, WARP, unroll=1):
-        weight = Float32(0.0)
-        if s0 + lane < num_splits:
-            weight = cute.math.exp2(
-                (mLSEpart[s0 + lane, batch, head, t] - lse_weight) * LOG2_E, fastmath=True
-            )
-        for g0 in cutlass.range(0, cutlass.min(WARP, num_splits - s0), group, unroll=1):
-            for u in cutlass.range_constexpr(group):  # the shuffles first: loads are not moved across them
-                weights[u] = cute.arch.shuffle_sync(weight, g0 + u)  # 0 past the splits (lanes with none)
-            for u in cutlass.range_constexpr(group):  # past the splits: the last split's row again, weight 0
-                split = cutlass.min(s0 + g0 + u, num_splits - 1)
-                src = cute.local_tile(mOpart[split, batch, t, head, None], (vec,), (lane,))
-                cute.autovec_copy(src, parts[None, u])
-            for u in cutlass.range_constexpr(group):
-                acc.store(acc.load() + parts[None, u].load() * weights[u])
+    # pass 0 (the common case is one pass) scaled by its split's weight exp(lse_s - lse) (0 for a
+    # split that saw no key; a lane past the splits holds zeros)
+    acc.store(acc.load() * cute.math.exp2((first - lse_weight) * LOG2_E, fastmath=True))
+    part = cute.make_rmem_tensor((width,), Float32)
+    for s0 in cutlass.range(WARP, num_splits, WARP, unroll=1):
+        split = s0 + lane
+        if split < num_splits:
+            cute.autovec_copy(cute.local_tile(mOpart[split, batch, t, head, None], (width,), (warp,)), part)
+            weight = cute.math.exp2((mLSEpart[split, batch, head, t] - lse_weight) * LOG2_E, fastmath=True)
+            acc.store(acc.load() + part.load() * weight)
+    # reduce-scatter over the lanes: at distance d, the chunks pair up (c, c + d); a lane keeps
+    # the half whose bit d matches its own and sends its partner the other half
+    for stage in cutlass.range_constexpr(5):
+        d = (WARP // 2) >> stage
+        for c in cutlass.range_constexpr(d):
+            for e in cutlass.range_constexpr(vec):
+                lo = acc[c * vec + e]
+                hi = acc[(c + d) * vec + e]
+                upper = (lane & d) != 0
+                send = Float32(cutlass.select_(upper, lo, hi))
+                keep = Float32(cutlass.select_(upper, hi, lo))
+                acc[c * vec + e] = keep + cute.arch.shuffle_sync_bfly(send, offset=d)
+    mine = cute.make_rmem_tensor((vec,), Float32)  # chunk `lane` of the warp's columns
+    for e in cutlass.range_constexpr(vec):
+        mine[e] = acc[e]
     out = cute.make_rmem_tensor((vec,), mO.element_type)
-    out.store(acc.load().to(mO.element_type))
-    cute.autovec_copy(out, cute.local_tile(mO[batch, t, head, None], (vec,), (lane,)))
-    if lane == 0:
+    out.store(mine.load().to(mO.element_type))
+    cute.autovec_copy(out, cute.local_tile(mO[batch, t, head, None], (vec,), (warp * WARP + lane,)))
+    if warp == 0 and lane == 0:
         mLSE[batch, head, t] = lse
