@@ -161,8 +161,8 @@ def gradients(
     """(dq, dk, dv) shaped like (q, k, v). Packed rows outside every sequence get zero gradients.
     ``dpsum``: as :func:`cutefa.api.backward.gradients`'s (rows outside every sequence untouched)."""
     check_backward_head_dims(q.shape[-1], v.shape[-1])
-    zeros = torch.zeros if f.varlen else torch.empty
-    dq, dk, dv = (zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    # no memset: a packed batch's rows of no sequence are zeroed by the kernel's module (its fill)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if dq.numel() == 0 or dk.numel() == 0 or (f.varlen and f.cu_seqlens_q.shape[0] == 1):
         return dq.zero_(), dk.zero_(), dv.zero_()
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
@@ -179,8 +179,8 @@ def gradients(
     dk_heads, dv_heads = dk, dv
     if per_query_head:
         shape = (*k.shape[:-2], heads_q)
-        dk_heads = zeros((*shape, k.shape[-1]), dtype=q.dtype, device=q.device)
-        dv_heads = zeros((*shape, v.shape[-1]), dtype=q.dtype, device=q.device)
+        dk_heads = torch.empty((*shape, k.shape[-1]), dtype=q.dtype, device=q.device)
+        dv_heads = torch.empty((*shape, v.shape[-1]), dtype=q.dtype, device=q.device)
     batch, rows, _ = _rows(q, f)
     n_seqs = f.cu_seqlens_q.shape[0] - 1 if f.varlen else batch
     props = torch.cuda.get_device_properties(q.device)

@@ -1,4 +1,5 @@
-"""The packed rows of no sequence in a variable-length forward's outputs: out 0, lse ``-inf``.
+"""The packed rows of no sequence in a variable-length forward's outputs: out 0, lse ``-inf``; and
+in a variable-length backward's gradients: dQ, dK, dV 0 (:func:`launch_zero`).
 
 Sequence ``b`` of a packed batch owns q's rows ``[cu_seqlens_q[b], cu_seqlens_q[b] + seqused_q[b])``;
 the attention kernel writes those rows of out and lse and no other. The others belong to no
@@ -76,7 +77,20 @@ def launch(
     elem_bytes = mO.element_type.width // 8
     pairs = pairs_per_slice(cute.size(mO.shape[2]), elem_bytes)
     seq_slices, tail_slices = slice_counts(batch, cute.size(mO.shape[0]), cute.size(mO.shape[1]), pairs)
-    fill_rows(mCuSeqlensQ, mSeqUsedQ, mO, mLSE, seq_slices, tail_slices).launch(
+    fill_rows(mCuSeqlensQ, mSeqUsedQ, mO, mLSE, seq_slices, tail_slices, True).launch(
+        grid=(batch * seq_slices + tail_slices, 1, 1), block=[FILL_THREADS, 1, 1], stream=stream
+    )
+
+
+@cute.jit
+def launch_zero(mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tensor, mX: cute.Tensor, stream: cuda.CUstream):
+    """Zero the packed rows of no sequence of ``mX`` (total, heads, d), 16-byte aligned rows: a
+    variable-length backward's dQ (with q's lengths) and dK, dV (with k's), whose kernels write the
+    rows of the sequences only. The same grid and stores as :func:`launch`, no lse."""
+    batch = cute.size(mCuSeqlens.shape[0]) - 1
+    pairs = pairs_per_slice(cute.size(mX.shape[2]), mX.element_type.width // 8)
+    seq_slices, tail_slices = slice_counts(batch, cute.size(mX.shape[0]), cute.size(mX.shape[1]), pairs)
+    fill_rows(mCuSeqlens, mSeqUsed, mX, mX, seq_slices, tail_slices, False).launch(
         grid=(batch * seq_slices + tail_slices, 1, 1), block=[FILL_THREADS, 1, 1], stream=stream
     )
 
@@ -84,7 +98,7 @@ def launch(
 @cute.kernel
 def fill_rows(
     mCuSeqlensQ: cute.Tensor, mSeqUsedQ: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, seq_slices: Int32,
-    tail_slices: Int32,
+    tail_slices: Int32, with_lse: cutlass.Constexpr,
 ):  # fmt: skip
     tidx, _, _ = cute.arch.thread_idx()
     bx, _, _ = cute.arch.block_idx()
@@ -124,6 +138,7 @@ def fill_rows(
             dst = cute.local_tile(mO[start + step, p - step * heads, None], (vec,), (column,))
             cute.copy(store, zeros, dst)
     # lse (heads, total): pair i is (i // rows, start + i % rows), a head's rows contiguous
-    for i in cutlass.range(s * FILL_THREADS + tidx, pairs, slices * FILL_THREADS, unroll=1):
-        head = i // rows
-        mLSE[head, start + i - head * rows] = -Float32.inf
+    if cutlass.const_expr(with_lse):
+        for i in cutlass.range(s * FILL_THREADS + tidx, pairs, slices * FILL_THREADS, unroll=1):
+            head = i // rows
+            mLSE[head, start + i - head * rows] = -Float32.inf
