@@ -214,6 +214,97 @@ def test_e4m3_varlen_call_writes_no_memset(on_h200, nan_empty, monkeypatch):
     assert not out.isnan().any() and not lse.isnan().any()
 
 
+# --- the backward -----------------------------------------------------------------------------
+
+ZERO_LAUNCHES = [
+    "varlen_fill.launch_zero(mCuSeqlensQ, mSeqUsedQ, mdQ, stream)",
+    "varlen_fill.launch_zero(mCuSeqlensK, mSeqUsedK, mdK, stream)",
+    "varlen_fill.launch_zero(mCuSeqlensK, mSeqUsedK, mdV, stream)",
+]
+BWD_SPECS = [
+    s
+    for s in (
+        default_spec("sm80", "bwd", "bf16", 128).replace(features=VARLEN),
+        default_spec("sm80", "bwd", "fp16", 64, causal=True).replace(features=VARLEN),
+        default_spec("sm90", "bwd", "bf16", 128).replace(features=VARLEN),
+        default_spec("sm90", "bwd", "bf16", 64, causal=True).replace(
+            features=Features(varlen=True, softcap=True)
+        ),
+    )
+    if why_invalid(s) is None
+]
+
+
+@pytest.mark.parametrize("spec", BWD_SPECS, ids=lambda s: s.name)
+def test_varlen_backward_modules_zero_the_rows_of_no_sequence_first(spec):
+    """dQ with q's lengths, dK and dV with k's, each once, before any kernel of the backward."""
+    text = codegen.render_source(spec)
+    assert IMPORT in text.splitlines()
+    body = _call_body(text)
+    for launch in ZERO_LAUNCHES:
+        assert body.count(launch) == 1, (spec.name, launch)
+        assert body.index(launch) < body.index("self.kernel("), spec.name
+    assert text.count("varlen_fill.launch") == 3, spec.name
+    dense = spec.replace(features=Features(softcap=spec.features.softcap))
+    assert why_invalid(dense) is None and "varlen_fill" not in codegen.render_source(dense)
+
+
+def test_backward_sample_covers_both_templates():
+    assert {codegen.template_name(s) for s in BWD_SPECS} == {"bwd_sm80.py.j2", "bwd_sm90.py.j2"}
+
+
+class _Props:
+    multi_processor_count = 132
+    regs_per_multiprocessor = 65536
+    shared_memory_per_multiprocessor = 228 * 1024
+
+
+def _zero_reference(cu, used, grad):
+    no_one = torch.ones(grad.shape[0], dtype=torch.bool)
+    for b in range(cu.shape[0] - 1):
+        no_one[int(cu[b]) : int(cu[b]) + int(used[b])] = False
+    grad[no_one] = 0
+    return no_one
+
+
+def test_varlen_backward_writes_no_memset(on_h200, nan_empty, monkeypatch):
+    """The backward hands the kernel dq, dk, dv as allocated (NaN here: no zeros, no zero_): the
+    module zeroes the rows of no sequence itself; what it writes is what autograd returns."""
+    from cutefa.api import backward, dense, feature_bwd
+
+    seen = []
+
+    def fwd(q, k, v, out, lse, scale, cu_q, cu_k, used_q, used_k, max_q, *rest):
+        rows = ~_fill_reference(cu_q, used_q, out, lse)
+        out[rows] = 1.0
+        lse[:, rows] = 2.0
+
+    def bwd(q, k, v, out, dout, lse, dlse, dq, dk, dv, *rest):
+        cu_q, cu_k, used_q, used_k = [
+            t for t in rest if isinstance(t, torch.Tensor) and t.dtype == torch.int32
+        ][:4]
+        seen.append(tuple(bool(g.isnan().all()) for g in (dq, dk, dv)))
+        for g, cu, used in ((dq, cu_q, used_q), (dk, cu_k, used_k), (dv, cu_k, used_k)):
+            rows = ~_zero_reference(cu, used, g)
+            g[rows] = 1.0
+
+    def get_kernel(spec, target):
+        return fwd if spec.direction == "fwd" else bwd
+
+    replace_in(monkeypatch, (dense, feature_ops, backward, feature_bwd), "get_kernel", get_kernel)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Props())
+    q, k, v = (
+        torch.randn(n, h, 64, dtype=torch.bfloat16).requires_grad_() for n, h in ((13, 4), (14, 4), (14, 4))
+    )
+    out = cutefa.flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 6, 5, causal=True, seqused_q=USED_Q)
+    out.float().sum().backward()
+    assert seen == [(True, True, True)]
+    for g in (q.grad, k.grad, v.grad):
+        assert not g.isnan().any()
+    assert (q.grad[torch.tensor([3, 10, 11, 12])] == 0).all() and (k.grad[12:] == 0).all()
+    assert (q.grad[:3] == 1).all() and (k.grad[:12] == 1).all() and (v.grad[:12] == 1).all()
+
+
 # --- SASS -------------------------------------------------------------------------------------
 
 FILL_KERNEL = "kernel_cutlass_fill_rows_"
