@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cutefa.model.defaults import SEPARATE_V_BWD_FAMILIES, default_spec
+from cutefa.model.defaults import SEPARATE_V_BWD_FAMILIES, default_spec, separate_v_config
 from cutefa.model.options import Mask
 from cutefa.model.rules import fitting_variant, padded_tile_note, why_invalid, why_no_kernel, why_not_on
 from cutefa.model.spec import (
@@ -272,9 +272,13 @@ def _heuristic_candidate(family: str, problem: Problem) -> tuple[str, VariantSpe
     if spec is None:
         why = f"no tuned entry and no default {problem.dtype} kernel for {family} head_dim={problem.head_dim}"
         return family, None, why
+    source = f"default_config({family!r}, 'fwd', {problem.dtype!r}, {problem.head_dim})"
+    if head_dim_v is not None and separate_v_config(
+        family, "fwd", problem.dtype, problem.head_dim, head_dim_v
+    ):
+        source = f"separate_v_config({family!r}, 'fwd', {problem.dtype!r}, {problem.head_dim}, {head_dim_v})"
     rule = (
-        f"heuristic: default_config({family!r}, 'fwd', {problem.dtype!r}, {problem.head_dim}) = "
-        f"{spec.tile_m}x{spec.tile_n} tile, {spec.stages} stage(s), {spec.warps} warps"
+        f"heuristic: {source} = {spec.tile_m}x{spec.tile_n} tile, {spec.stages} stage(s), {spec.warps} warps"
     )
     if head_dim_v is not None:
         rule += f", with head_dim_v={head_dim_v}"
