@@ -231,7 +231,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         text = explain(
             q, k, v, causal=args.causal, target=target, v_centered=args.v_centered,
             window_size=args.window or (-1, -1), softcap=args.softcap, alibi=args.alibi, sinks=args.sinks,
-            varlen=args.varlen,
+            varlen=args.varlen, total_q=args.total_q,
         )  # fmt: skip
     except (ValueError, TypeError, NotImplementedError) as exc:
         raise UsageError(str(exc)) from None
@@ -403,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--varlen", action="store_true",
         help="a flash_attn_varlen_func call: B sequences of at most SQ query and SK key rows",
+    )  # fmt: skip
+    p.add_argument(
+        "--total-q", type=int, metavar="T",
+        help="with --varlen: the packed query rows of all B sequences (default: B x SQ, every one full)",
     )  # fmt: skip
     p.add_argument("--window", type=_window, metavar="LEFT,RIGHT", help="window_size (-1: unbounded)")
     p.add_argument("--softcap", type=float, default=0.0, help="softcap (default: 0, none)")

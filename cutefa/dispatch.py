@@ -68,6 +68,9 @@ class Problem:
     # v's (and the output's) head dim: None gives head_dim; another one is a pair of
     # cutefa.model.spec.HEAD_DIM_V_PAIRS, served by the families' default variants with it.
     head_dim_v: int | None = None
+    # A varlen problem's packed query rows (q.shape[0]); None: not known (every sequence full).
+    # Few rows for batch x max_seqlen_q make an uneven batch (policy_sm90.uneven_batch).
+    total_q: int | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim_v is None:
@@ -77,6 +80,11 @@ class Problem:
     def separate_v(self) -> bool:
         """Whether v has a head dim of its own."""
         return self.head_dim_v != self.head_dim
+
+    @property
+    def uneven(self) -> bool:
+        """A packed batch of a few long sequences among short ones (:func:`policy_sm90.uneven_batch`)."""
+        return self.features.varlen and _uneven(self.batch, self.seqlen_q, self.total_q)
 
     @property
     def mask(self) -> Mask:
@@ -100,8 +108,9 @@ class Problem:
         where = f"{self.target} ({self.gpu_name})" if self.gpu_name else self.target
         extras = ([" sliding window"] if self.local else []) + [f" {t}" for t in self.features.tokens]
         if self.features.varlen:
+            rows = "" if self.total_q is None else f"{self.total_q} query rows, "
             shapes = (
-                f"varlen: {self.batch} sequences, max_seqlen_q={self.seqlen_q} max_seqlen_k={self.seqlen_k}, "
+                f"varlen: {self.batch} sequences, {rows}max_seqlen_q={self.seqlen_q} max_seqlen_k={self.seqlen_k}, "
                 f"heads {self.heads_q}/{self.heads_kv}, head_dim {self.head_dim}"
                 + (f" (v {self.head_dim_v})" if self.separate_v else "")
             )
@@ -119,6 +128,14 @@ class Problem:
             f"{shapes} {self.dtype} causal={self.causal}{''.join(extras)}"
             f"{' v centered' if self.v_centered else ''} on {where}"
         )
+
+
+def _uneven(batch: int, max_seqlen_q: int, total_q: int | None) -> bool:
+    """:func:`cutefa.model.policy_sm90.uneven_batch`, imported on a packed call's first use (a dense
+    start-up loads no family policy)."""
+    from cutefa.model.policy_sm90 import uneven_batch
+
+    return uneven_batch(batch, max_seqlen_q, total_q)
 
 
 @dataclass(frozen=True)
@@ -311,7 +328,17 @@ def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpe
         if spec is not None:
             asked = ["local window"] * problem.local + problem.features.tokens
             spec = problem.with_features(spec)
-            label, reason = spec.name, f"{reason}; with {' + '.join(asked)}"
+            reason = f"{reason}; with {' + '.join(asked)}"
+            if problem.uneven:
+                from cutefa.model.policy_sm90 import UNEVEN_FILL, varlen_uneven
+
+                if varlen_uneven(spec) != spec:
+                    spec = varlen_uneven(spec)
+                    reason += (
+                        f"; the LPT scheduler: an uneven packed batch ({problem.total_q} query rows of "
+                        f"{problem.batch} x {problem.seqlen_q}, at most {UNEVEN_FILL:g} full)"
+                    )
+            label = spec.name
         yield label, spec, reason
         return
     from_table = None if problem.separate_v else _table_candidate(family, problem)
@@ -353,6 +380,7 @@ def choose(
     local: bool = False,
     features: Features = NO_FEATURES,
     head_dim_v: int | None = None,
+    total_q: int | None = None,
 ) -> Choice:
     """Pick the variant for a problem; memoized per (target, GPU, dtype, head_dim, causal, seqlen_k
     bucket, v_centered, local, features, head_dim_v).
@@ -360,7 +388,8 @@ def choose(
     ``dtype`` is a spec token ('bf16') or a torch dtype; ``gpu_name`` picks among tuned tables and
     names the GPU in errors; ``v_centered`` (fp8) says v was centered before quantization
     (:attr:`Problem.v_centered`); ``local`` a sliding window, ``features`` the call's feature axes
-    (:class:`Problem`), ``head_dim_v`` v's head dim (None: ``head_dim``). Raises
+    (:class:`Problem`), ``head_dim_v`` v's head dim (None: ``head_dim``), ``total_q`` a varlen
+    call's packed query rows (whether its batch is uneven is part of the memo's key). Raises
     ``NotImplementedError`` when no family has a kernel.
     """
     if v_centered is not False:
@@ -368,11 +397,13 @@ def choose(
     key = (target, gpu_name, dtype, head_dim, causal, seqlen_bucket(seqlen_k), v_centered, local, features)
     if head_dim_v is not None and head_dim_v != head_dim:
         key += (head_dim_v,)
+    if features.varlen and _uneven(batch, seqlen_q, total_q):
+        key += ("uneven",)
     choice = _CHOICES.get(key)
     if choice is None:
         since = _CLEARS
         p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
-                    gpu_name, v_centered, local, features, head_dim_v)  # fmt: skip
+                    gpu_name, v_centered, local, features, head_dim_v, total_q)  # fmt: skip
         choice, rejected = _search(p)
         if choice is None:
             lost = "; ".join(f"{label}: {why}" for label, why in rejected)
@@ -402,12 +433,13 @@ def explain_problem(
     mask_mod: Any = None,
     block_mask: Any = None,
     head_dim_v: int | None = None,
+    total_q: int | None = None,
 ) -> str:
     """Human-readable account of :func:`choose` for a problem: the pick, why, and every rejection.
     With ``score_mod``/``mask_mod``/``block_mask`` (a call with user mods): the traced mods and the
     kernels they are fused into (:func:`cutefa.mods.explain.explain_mods`)."""
     p = Problem(target, _dtype_token(dtype), head_dim, causal, seqlen_q, seqlen_k, batch, heads_q, heads_kv,
-                gpu_name, _v_centered(v_centered, dtype), local, features, head_dim_v)  # fmt: skip
+                gpu_name, _v_centered(v_centered, dtype), local, features, head_dim_v, total_q)  # fmt: skip
     lines = [f"cutefa forward: {p.describe()}"]
     if score_mod is not None or mask_mod is not None or block_mask is not None:
         from cutefa.mods.explain import explain_mods  # traces the mods: only a call with mods gets here

@@ -250,6 +250,7 @@ def test_explain(capsys, monkeypatch):
             "v_centered": False,
             "local": False,
             "features": Features(),
+            "total_q": None,
         }
     ]
     argv = ["explain", "--shape", "1,4096,4096,8,8,128", "--dtype", "e4m3", "--v-centered", "--gpu", "sm_90a"]

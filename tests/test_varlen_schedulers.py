@@ -113,3 +113,87 @@ def test_dispatch_still_runs_the_default_with_the_varlen_axis():
         )  # fmt: skip
         assert choice.spec.features == VARLEN
         assert choice.spec.options.scheduler is Scheduler.GRID, choice.spec.name
+
+
+# --- an uneven packed batch: the LPT scheduler -------------------------------------------------
+
+
+def test_uneven_batch_is_decided_from_shapes():
+    assert policy_sm90.uneven_batch(40, 8192, 16384)  # a long-tailed batch: 5% full
+    assert policy_sm90.uneven_batch(4, 4097, 1 + 17 + 1000 + 4097)
+    assert not policy_sm90.uneven_batch(8, 2048, 8 * 2048)  # uniform
+    assert not policy_sm90.uneven_batch(8, 2048, 8 * 1024 + 1)  # just over half full
+    assert policy_sm90.uneven_batch(8, 2048, 8 * 1024)
+    assert not policy_sm90.uneven_batch(1, 4096, 100)  # one sequence: nothing to order
+    assert not policy_sm90.uneven_batch(40, 8192, None)  # not known: every sequence full
+
+
+def test_varlen_uneven_takes_plain_packed_16_bit_forwards_only():
+    grid = _spec(scheduler=Scheduler.GRID)
+    assert policy_sm90.varlen_uneven(grid) == grid.replace(scheduler=Scheduler.LPT)
+    assert why_invalid(policy_sm90.varlen_uneven(grid)) is None
+    assert policy_sm90.varlen_uneven(grid).name.endswith("_causal_varlen_ov_pp_lpt")
+    for other in (
+        _spec(mask=Mask.LOCAL),  # a window: its own masks' order
+        _spec(features=Features(varlen=True, softcap=True)),
+        _spec(features=Features()),  # dense
+        _spec(scheduler=Scheduler.HEAVY_FIRST),
+        _spec(dtype="e4m3", scheduler=Scheduler.GRID),
+    ):
+        assert policy_sm90.varlen_uneven(other) == other, other.name
+
+
+def _choose(total_q, *, batch=40, seqlen=8192, causal=False, features=VARLEN, dtype=None):
+    import torch
+
+    from cutefa import dispatch
+
+    return dispatch.choose(
+        target="sm_90a", dtype=dtype or torch.bfloat16, causal=causal, gpu_name="NVIDIA H100 80GB HBM3",
+        head_dim=128, seqlen_q=seqlen, seqlen_k=seqlen, batch=batch, heads_q=16, heads_kv=16, features=features,
+        total_q=total_q,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dispatch_runs_lpt_on_an_uneven_batch_and_grid_on_an_even_one(causal):
+    uneven = _choose(16384, causal=causal)
+    assert uneven.spec.options.scheduler is Scheduler.LPT and uneven.spec.features == VARLEN
+    assert "the LPT scheduler: an uneven packed batch (16384 query rows of 40 x 8192" in uneven.reason
+    even = _choose(8 * 2048, batch=8, seqlen=2048, causal=causal)
+    assert even.spec.options.scheduler is Scheduler.GRID
+    assert _choose(None, causal=causal).spec.options.scheduler is Scheduler.GRID  # not known: as before
+    # the memo keeps the two apart: the same key but for evenness
+    assert _choose(16384, causal=causal).spec == uneven.spec
+    assert _choose(40 * 8192, causal=causal).spec.options.scheduler is Scheduler.GRID
+    # features beside varlen keep the family default's grid
+    softcap = _choose(16384, causal=causal, features=Features(varlen=True, softcap=True))
+    assert softcap.spec.options.scheduler is Scheduler.GRID
+
+
+def test_the_packs_ship_what_an_uneven_batch_runs():
+    from cutefa.model.feature_sets import feature_variants
+
+    shipped = set(feature_variants("sm90", "fwd"))
+    for causal in (False, True):
+        assert _choose(16384, causal=causal).spec in shipped
+        assert _choose(8 * 2048, batch=8, seqlen=2048, causal=causal).spec in shipped
+
+
+def test_explain_names_the_rows_and_the_scheduler(capsys):
+    from cutefa.cli import main
+
+    argv = [
+        "explain",
+        "--shape",
+        "40,8192,8192,16,16,128",
+        "--gpu",
+        "sm_90a",
+        "--varlen",
+        "--total-q",
+        "16384",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("cutefa forward: varlen: 40 sequences, 16384 query rows, max_seqlen_q=8192")
+    assert "_varlen_ov_pp_lpt " in out and "an uneven packed batch" in out

@@ -272,7 +272,7 @@ def explain(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, target: str | None = None,
     v_centered: bool = False, window_size: tuple[int | None, int | None] = (-1, -1), softcap: float = 0.0,
     alibi: bool = False, sinks: bool = False, varlen: bool = False, score_mod: Any = None, mask_mod: Any = None,
-    block_mask: Any = None,
+    block_mask: Any = None, total_q: int | None = None,
 ) -> str:  # fmt: skip
     """Which variant :func:`flash_attn_func` would run for these inputs, why, and what was rejected.
 
@@ -281,7 +281,8 @@ def explain(
     which dispatches among the variants tuned for centered v. ``window_size``, ``softcap``,
     ``alibi`` and ``sinks``: a call with those options (any slopes or sinks); ``varlen``: a
     :func:`cutefa.flash_attn_varlen_func` call whose sequences are q's batch (every one of q's and
-    k's lengths at most, max_seqlen_q/k being q's and k's seqlen). v of a head dim of its own:
+    k's lengths at most, max_seqlen_q/k being q's and k's seqlen; ``total_q`` the packed query rows
+    of all of them, None: every sequence full). v of a head dim of its own:
     the choice for it (the families' default variants with that ``head_dim_v``). ``score_mod``,
     ``mask_mod``, ``block_mask``: a call with user mods: the traced mods and the kernels they are
     fused into.
@@ -304,4 +305,5 @@ def explain(
     return dispatch.explain_problem(
         target=target, dtype=q.dtype, causal=causal, gpu_name=gpu_name, v_centered=v_centered,
         local=(left, right) != (-1, -1), features=features, **mods, **shapes(q, k, v),
+        total_q=total_q if varlen else None,
     )  # fmt: skip

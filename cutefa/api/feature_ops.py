@@ -66,6 +66,7 @@ def _problem(
         facts = {
             "head_dim": q.shape[-1], "seqlen_q": f.max_seqlen_q, "seqlen_k": f.max_seqlen_k,
             "batch": f.cu_seqlens_q.shape[0] - 1, "heads_q": q.shape[-2], "heads_kv": k.shape[-2],
+            "total_q": q.shape[0],
         }  # fmt: skip
     else:
         batch, seqlen_q, heads_q, head_dim = q.shape

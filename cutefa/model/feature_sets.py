@@ -14,6 +14,7 @@ import dataclasses
 
 from cutefa.model.defaults import default_config
 from cutefa.model.options import Mask
+from cutefa.model.policy_sm90 import varlen_uneven
 from cutefa.model.rules import why_invalid
 from cutefa.model.spec import DTYPES, HEAD_DIMS, Features, VariantSpec
 
@@ -49,7 +50,8 @@ def feature_sets(direction: str) -> tuple[tuple[Mask, Features], ...]:
 
 def feature_variants(arch: str, direction: str) -> list[VariantSpec]:
     """The shipped feature variants of ``arch``'s ``direction``: its defaults (every dtype and head
-    dim) with each of :func:`feature_sets`, where the family's template implements them."""
+    dim) with each of :func:`feature_sets`, where the family's template implements them, and the
+    packed forms an uneven batch runs instead (:func:`cutefa.model.policy_sm90.varlen_uneven`)."""
     specs = set()
     for dtype in DTYPES:
         for hd in HEAD_DIMS:
@@ -60,4 +62,7 @@ def feature_variants(arch: str, direction: str) -> list[VariantSpec]:
                 spec = config.spec(arch, direction, dtype, hd, mask=mask).replace(features=features)
                 if why_invalid(spec) is None:
                     specs.add(spec)
+                    uneven = varlen_uneven(spec)  # what an uneven packed batch runs instead
+                    if why_invalid(uneven) is None:
+                        specs.add(uneven)
     return sorted(specs)
