@@ -34,7 +34,13 @@ def warps_per_row(head_dim: int) -> int:
 
 
 def columns_per_lane(head_dim: int) -> int:
-    """Columns of its warp's slice a lane holds after the reduction (and stores)."""
+    """Columns of its warp's slice a lane holds after the reduction (and stores). The row's warps
+    cover it whole: a multiple of 32 columns (the decode head dims 64, 96, 128, 192, 256 and the
+    512-wide latent rows)."""
+    if head_dim % WARP or head_dim % (WARP * warps_per_row(head_dim)):
+        raise ValueError(
+            f"the combine takes rows of a multiple of {WARP} columns its warps split evenly; got {head_dim}"
+        )
     return head_dim // (WARP * warps_per_row(head_dim))
 
 
