@@ -205,7 +205,10 @@ def test_an_interrupt_cancels_the_queued_compiles(env, tmp_path, monkeypatch):
     def interrupt_soon():
         while len(started) < 2:
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, to this process only (not to the children)
+        # Ctrl-C, to this process only (not to the children), delivered to the main thread: a
+        # process-directed signal may land on another thread and leave the main thread's wait
+        # uninterrupted
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     start = time.perf_counter()
     threading.Thread(target=interrupt_soon, daemon=True).start()
