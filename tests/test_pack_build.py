@@ -213,6 +213,7 @@ def test_an_interrupt_cancels_the_queued_compiles(env, tmp_path, monkeypatch):
     # Python's own SIGINT handler for the test: a library that compiled in this process earlier may
     # have put its own in place at the C level (the run of the whole suite lost the interrupt)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # and not blocked here
     start = time.perf_counter()
     threading.Thread(target=interrupt_soon, daemon=True).start()
     try:
@@ -221,6 +222,7 @@ def test_an_interrupt_cancels_the_queued_compiles(env, tmp_path, monkeypatch):
                 pass
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     assert time.perf_counter() - start < 20  # not the 4 x 60 s the queue holds
     assert len(started) == 2  # the two running when interrupted; none of the six queued
     assert all(proc.poll() is not None for proc in started)  # and those are gone
