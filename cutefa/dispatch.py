@@ -332,8 +332,9 @@ def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpe
             if problem.uneven:
                 from cutefa.model.policy_sm90 import UNEVEN_FILL, varlen_uneven
 
-                if varlen_uneven(spec) != spec:
-                    spec = varlen_uneven(spec)
+                lpt = varlen_uneven(spec)
+                if lpt != spec:
+                    spec = lpt
                     reason += (
                         f"; the LPT scheduler: an uneven packed batch ({problem.total_q} query rows of "
                         f"{problem.batch} x {problem.seqlen_q}, at most {UNEVEN_FILL:g} full)"

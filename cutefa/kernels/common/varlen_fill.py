@@ -73,13 +73,7 @@ def launch(
     """Write out 0 and lse ``-inf`` on the packed rows of no sequence (module docstring):
     ``mCuSeqlensQ`` int32 (batch + 1,), ``mSeqUsedQ`` int32 (batch,), ``mO`` (total, heads, d_v)
     whose rows are 16-byte aligned, ``mLSE`` float32 (heads, total). Launched on ``stream``."""
-    batch = cute.size(mCuSeqlensQ.shape[0]) - 1
-    elem_bytes = mO.element_type.width // 8
-    pairs = pairs_per_slice(cute.size(mO.shape[2]), elem_bytes)
-    seq_slices, tail_slices = slice_counts(batch, cute.size(mO.shape[0]), cute.size(mO.shape[1]), pairs)
-    fill_rows(mCuSeqlensQ, mSeqUsedQ, mO, mLSE, seq_slices, tail_slices, True).launch(
-        grid=(batch * seq_slices + tail_slices, 1, 1), block=[FILL_THREADS, 1, 1], stream=stream
-    )
+    _launch_fill(mCuSeqlensQ, mSeqUsedQ, mO, mLSE, True, stream)
 
 
 @cute.jit
@@ -87,10 +81,19 @@ def launch_zero(mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tensor, mX: cute.Tensor,
     """Zero the packed rows of no sequence of ``mX`` (total, heads, d), 16-byte aligned rows: a
     variable-length backward's dQ (with q's lengths) and dK, dV (with k's), whose kernels write the
     rows of the sequences only. The same grid and stores as :func:`launch`, no lse."""
+    _launch_fill(mCuSeqlens, mSeqUsed, mX, mX, False, stream)
+
+
+@cute.jit
+def _launch_fill(
+    mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+    with_lse: cutlass.Constexpr, stream: cuda.CUstream,
+):  # fmt: skip
+    """The fill's grid (module docstring) over ``mO``'s rows, lse written only ``with_lse``."""
     batch = cute.size(mCuSeqlens.shape[0]) - 1
-    pairs = pairs_per_slice(cute.size(mX.shape[2]), mX.element_type.width // 8)
-    seq_slices, tail_slices = slice_counts(batch, cute.size(mX.shape[0]), cute.size(mX.shape[1]), pairs)
-    fill_rows(mCuSeqlens, mSeqUsed, mX, mX, seq_slices, tail_slices, False).launch(
+    pairs = pairs_per_slice(cute.size(mO.shape[2]), mO.element_type.width // 8)
+    seq_slices, tail_slices = slice_counts(batch, cute.size(mO.shape[0]), cute.size(mO.shape[1]), pairs)
+    fill_rows(mCuSeqlens, mSeqUsed, mO, mLSE, seq_slices, tail_slices, with_lse).launch(
         grid=(batch * seq_slices + tail_slices, 1, 1), block=[FILL_THREADS, 1, 1], stream=stream
     )
 
