@@ -64,7 +64,7 @@ def _hmma_per_body(spec) -> int:
     return (keys // 8) * (spec.head_dim // 16) + (spec.head_dim // 8) * (keys // 16)
 
 
-def _check(cubin, spec) -> None:
+def _check(cubin, spec, target) -> None:
     report = sass.analyze(cubin)
     assert report.missing("sm80") == [], f"{spec.name}: {report.summary()}"
     assert report.spills == 0, f"{spec.name} spills: {report.summary()}"
@@ -77,6 +77,12 @@ def _check(cubin, spec) -> None:
     assert len(kernels) == 3, list(kernels)
     combine = sass.kernel_text(text, "combine")
     assert "SHFL.BFLY" in combine and "HMMA" not in combine and "MUFU.EX2" in combine
+    # programmatic dependent launch on sm_90+: the splits trigger the combine's launch at their top
+    # (griddepcontrol.launch_dependents: PREEXIT), the combine waits for them (griddepcontrol.wait:
+    # ACQBULK) before its first read; sm_80 has neither instruction
+    pdl = target != "sm_80"
+    assert ("ACQBULK" in sass.opcode_forms(combine)) is pdl, sass.opcode_forms(combine)
+    assert ("PREEXIT" in sass.opcode_forms(sass.kernel_text(text, "kernel"))) is pdl
     # the append: element loads and stores of q/k/v rows, the rotation in float32 FMAs, no MMA
     append = sass.opcode_forms(sass.kernel_text(text, "append"))
     assert append.get("LDG.E.U16", 0) > 0 and append.get("STG.E.U16", 0) > 0, append
@@ -92,12 +98,12 @@ def _check(cubin, spec) -> None:
 
 @pytest.mark.parametrize("spec", SM90A, ids=lambda s: s.name)
 def test_decode_sass_sm90a(cubins_sm90a, spec):
-    _check(cubins_sm90a[spec.name], spec)
+    _check(cubins_sm90a[spec.name], spec, "sm_90a")
 
 
 @pytest.mark.parametrize("spec", SM80, ids=lambda s: s.name)
 def test_decode_sass_sm80(cubins_sm80, spec):
-    _check(cubins_sm80[spec.name], spec)
+    _check(cubins_sm80[spec.name], spec, "sm_80")
 
 
 def test_keys_tile_syncs_its_warps_only_outside_the_mainloop(cubins_sm90a):

@@ -44,6 +44,9 @@ def test_mla_sass(cubins, spec):
     assert len(kernels) == 2, list(kernels)
     combine = sass.kernel_text(text, "combine")
     assert "SHFL.BFLY" in combine and "HMMA" not in combine and "MUFU.EX2" in combine
+    # the combine is the splits' programmatic dependent: they trigger it (PREEXIT), it waits (ACQBULK)
+    assert "ACQBULK" in sass.opcode_forms(combine)
+    assert "PREEXIT" in sass.opcode_forms(sass.kernel_text(text, "kernel"))
     forms = sass.opcode_forms(sass.kernel_text(text, "kernel"))
     assert forms.get("LDGSTS.E.BYPASS.LTC128B.128", 0) > 0, forms
     assert forms.get("LDSM.16.M88.4", 0) > 0 and forms.get("LDSM.16.MT88.4", 0) > 0, forms

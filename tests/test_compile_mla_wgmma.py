@@ -106,3 +106,6 @@ def test_mla_wgmma_sass(cubins, spec):
     assert any(f.startswith("LDGSTS.E") and f.endswith(".128") for f in forms), forms
     combine = sass.kernel_text(text, "combine")
     assert "GMMA" not in combine and "MUFU.EX2" in combine
+    # the combine is the splits' programmatic dependent: they trigger it (PREEXIT), it waits (ACQBULK)
+    assert "ACQBULK" in sass.opcode_forms(combine)
+    assert "PREEXIT" in sass.opcode_forms(sass.kernel_text(text, "kernel"))

@@ -122,6 +122,13 @@ def test_sass_sm90a_bwd(cubins, spec):
     # all before the products; 32-bit loads only for the LSE and dLSE of a lane's row.
     pre = sass.opcode_forms(sass.kernel_text(text, "preprocess"))
     assert {f: n for f, n in pre.items() if f.startswith("LDG")} == {"LDG.E.128": 2 * 4, "LDG.E": 2}, pre
+    # The kernels after the preprocess are launched as programmatic dependents (cutefa.kernels.
+    # common.pdl): each triggers the next one's launch at its top (PREEXIT) and waits for the one
+    # before it (ACQBULK) before touching memory; the preprocess, first of the chain, only triggers.
+    assert "PREEXIT" in pre and "ACQBULK" not in pre, pre
+    for role in ("kernel", "postprocess"):
+        forms = sass.opcode_forms(sass.kernel_text(text, role))
+        assert forms.get("ACQBULK") == 1 and forms.get("PREEXIT") == 1, (role, forms)
 
 
 def test_alternatives_are_bf16_schedules_beside_the_defaults():

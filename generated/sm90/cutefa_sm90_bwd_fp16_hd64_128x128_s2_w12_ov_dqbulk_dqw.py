@@ -122,6 +122,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from cutefa.kernels.common import pdl
 from cutefa.kernels.common.softmax import LOG2_E
 from cutefa.kernels.sm80 import bwd_parts as row_parts
 from cutefa.kernels.sm90 import bwd_dkv, bwd_dq, bwd_dq_bulk, bwd_dq_writer, bwd_parts, bwd_pre_post, parts
@@ -236,7 +237,7 @@ class Kernel:
         )
         if group > 1:
             # grouped-query heads: dkv_accum zeroed before the main kernel adds into it
-            self.dkv_zero(mdKVaccum).launch(grid=kv_grid, block=[parts.WG_THREADS, 1, 1], stream=stream)
+            self.dkv_zero(mdKVaccum).launch(grid=kv_grid, block=[parts.WG_THREADS, 1, 1], stream=stream, use_pdl=pdl.supported())
 
         sK_layout, sKt_layout, sQ_layout, sQt_layout, sdS_layout = bwd_parts.smem_layouts(
             DTYPE, TILE_M, TILE_N, HEAD_DIM, STAGES
@@ -274,7 +275,7 @@ class Kernel:
             bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[0][2]), bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[1][2]), Storage,
         ).launch(
             grid=(grid_x, cute.size(mQ.shape[2]), cute.size(mQ.shape[0])), block=[THREADS, 1, 1],
-            smem=Storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
+            smem=Storage.size_in_bytes(), stream=stream, use_pdl=pdl.supported(), min_blocks_per_mp=1,
         )  # fmt: skip
 
         @cute.struct
@@ -296,13 +297,15 @@ class Kernel:
         if group > 1:
             # grouped-query heads: dK and dV from dkv_accum
             self.dkv_postprocess(mdKVaccum, mdK, mdV, softmax_scale, bwd_parts.dkv_tiled_mma(DTYPE, HEAD_DIM), DkvStorage).launch(
-                grid=kv_grid, block=[parts.WG_THREADS, 1, 1], smem=DkvStorage.size_in_bytes(), stream=stream
+                grid=kv_grid, block=[parts.WG_THREADS, 1, 1], smem=DkvStorage.size_in_bytes(), stream=stream, use_pdl=pdl.supported()
             )
 
     @cute.kernel
     def dkv_zero(self, mdKVaccum: cute.Tensor):
         """Grouped-query heads: one key block's dK and dV chunks of dkv_accum zeroed per CTA, every
         slot, 16-byte stores."""
+        pdl.wait_primary()  # launched as the previous kernel's dependent: its writes first
+        pdl.launch_dependents()  # the next kernel may start its CTAs (it waits for this grid)
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv, batch = cute.arch.block_idx()
         bwd_dkv.zero_chunk(mdKVaccum, batch, kv, n_block, tidx, 2 * DKV_CHUNK, parts.WG_THREADS)
@@ -316,6 +319,7 @@ class Kernel:
         read in its fragment order, coalesced, the slots summed in order, times the softmax scale)
         gathered into an fp32 tile in shared memory, then converted and written to dK by rows
         (coalesced); then dV's the same way (unscaled)."""
+        pdl.wait_primary()  # launched as the previous kernel's dependent: its writes first
         tidx, _, _ = cute.arch.thread_idx()
         n_block, kv, batch = cute.arch.block_idx()
         storage = cutlass.utils.SmemAllocator().allocate(DkvStorage)
@@ -342,6 +346,7 @@ class Kernel:
         mDpsum: cute.Tensor,
         mdQaccum: cute.Tensor,
     ):
+        pdl.launch_dependents()  # the next kernel may start its CTAs (it waits for this grid)
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
@@ -358,6 +363,8 @@ class Kernel:
         """One query block's chunk per CTA, 128 threads: each consumer's piece read in its fragment
         order (coalesced), summed, scaled and converted into a shared-memory tile, then written to dQ
         by rows, 16 bytes per thread and copy (coalesced)."""
+        pdl.wait_primary()  # launched as the previous kernel's dependent: its writes first
+        pdl.launch_dependents()  # the next kernel may start its CTAs (it waits for this grid)
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         storage = cutlass.utils.SmemAllocator().allocate(PostStorage)
@@ -407,6 +414,8 @@ class Kernel:
         dq_mma1: cute.TiledMma,
         Storage: cutlass.Constexpr,
     ):
+        pdl.wait_primary()  # launched as the previous kernel's dependent: its writes first
+        pdl.launch_dependents()  # the next kernel may start its CTAs (it waits for this grid)
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()

@@ -13,6 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from cutefa.kernels.common import pdl
 from cutefa.kernels.common.softmax import LN_2, LOG2_E
 
 WARP = 32
@@ -68,7 +69,10 @@ def combine_cta(
 ):
     """The combine kernel's body: CTA ``bx`` of a (ceil(rows / rows_per_cta), batch) grid of
     ``threads_per_cta`` threads merges rows ``bx * rows_per_cta ...`` (row = token * heads_q +
-    head) of sequence ``batch``, :func:`warps_per_row` warps a row."""
+    head) of sequence ``batch``, :func:`warps_per_row` warps a row. The combine is launched as the
+    split kernel's programmatic dependent (sm_90+, :mod:`cutefa.kernels.common.pdl`): its CTAs may
+    start while the splits still run, and wait here for them before reading a partial."""
+    pdl.wait_primary()
     row_threads = WARP * warps_per_row(head_dim)
     row = bx * rows_per_cta(head_dim, warps) + tidx // row_threads
     heads_q = mO.shape[2]
