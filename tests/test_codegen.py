@@ -121,7 +121,8 @@ def test_manifest(out):
         "warps": spec.warps,
         "mask": "causal" if spec.causal else "none",
         "features": [],
-        "options": {"cache_dtype": "same"},  # the decode variants' KV-cache dtype (16-bit: same as q)
+        # the decode variants' options: KV-cache dtype (16-bit: same as q) and copy layout
+        "options": {"cache_dtype": "same", "line_copy": False},
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),
     }

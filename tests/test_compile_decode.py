@@ -4,7 +4,8 @@ rows, exp2 on MUFU, no local-memory spills, registers within the 255 limit, and 
 kernels beside the decode kernel in the same cubin.
 
 Dense and paged caches, the masks and softcap, head dims 64 and 128, row tiles of 1, 2, 4 and 8
-warps, and the KEYS schedule (4 warps splitting the keys of a 16-row tile); for sm_90a (H100/H200:
+warps, the KEYS schedule (4 warps splitting the keys of a 16-row tile) and the line-wide K/V
+copies (DecodeCopy.LINES); for sm_90a (H100/H200:
 the GPUs the decode path is measured on) and a subset for sm_80.
 """
 
@@ -20,14 +21,21 @@ pytestmark = pytest.mark.compile
 
 
 def _spec(
-    head_dim, rows, mask=Mask.NONE, paged=False, softcap=False, schedule=policy_decode.DecodeSchedule.ROWS
+    head_dim,
+    rows,
+    mask=Mask.NONE,
+    paged=False,
+    softcap=False,
+    schedule=policy_decode.DecodeSchedule.ROWS,
+    copy=policy_decode.DecodeCopy.SECTORS,
 ):
     return policy_decode.decode_spec(
-        "bf16", head_dim, rows, mask=mask, paged=paged, softcap=softcap, schedule=schedule
+        "bf16", head_dim, rows, mask=mask, paged=paged, softcap=softcap, schedule=schedule, copy=copy
     )  # fmt: skip
 
 
 KEYS = policy_decode.DecodeSchedule.KEYS
+LINES = policy_decode.DecodeCopy.LINES
 
 
 SM90A = [
@@ -38,6 +46,8 @@ SM90A = [
     _spec(128, 128, Mask.LOCAL, paged=True, softcap=True),  # eight warps
     _spec(128, 4, schedule=KEYS),  # four warps splitting the keys
     _spec(128, 4, Mask.CAUSAL, paged=True, schedule=KEYS),
+    _spec(128, 4, copy=LINES),  # a 128-byte line per 8 threads (SM90A[0] with line copies)
+    _spec(128, 4, Mask.CAUSAL, paged=True, copy=LINES),
 ]
 SM80 = [
     _spec(128, 4, Mask.CAUSAL, paged=True),
@@ -130,6 +140,23 @@ def test_one_warp_tile_keeps_few_copy_rows(cubins_sm90a):
     assert policy_decode.copy_threads_per_row(spec) == 2
     report = sass.analyze(cubins_sm90a[spec.name])
     assert report.registers <= 232, report.summary()
+
+
+def test_line_copies_issue_the_sector_copies_count(cubins_sm90a):
+    """DecodeCopy.LINES moves the same bytes by the same 16-byte cp.async (as many per thread), laid
+    out 8 threads a row instead of 2 (policy_decode.copy_threads_per_row); no spills at 255
+    registers or fewer (one-warp CTAs: shared memory, not registers, bounds their residency)."""
+    for lines in (s for s in SM90A if s.options.line_copy):
+        sectors = lines.replace(line_copy=False)
+        assert sectors in SM90A and policy_decode.copy_threads_per_row(lines) == 8
+        counts = [
+            sass.opcode_forms(sass.kernel_text(sass.disassemble(cubins_sm90a[s.name]), "kernel"))
+            for s in (lines, sectors)
+        ]
+        copies = [c.get("LDGSTS.E.BYPASS.LTC128B.128", 0) for c in counts]
+        assert copies[0] == copies[1] > 0, (lines.name, copies)
+        report = sass.analyze(cubins_sm90a[lines.name])
+        assert report.spills == 0 and report.registers <= 255, report.summary()
 
 
 # An e4m3 cache (sm_90a and newer): the tiles cp.async'd as bytes and widened on chip

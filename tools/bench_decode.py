@@ -21,11 +21,13 @@ Usage (on the GPU machine)::
     python tools/bench_decode.py --batches 1,64 --caches 8192 --layouts dense,16 --tokens 1,4
     python tools/bench_decode.py --grid full --mem-gib 24       # the issue's grid, cells within memory
     python tools/bench_decode.py --grid quick --variants rows,keys   # both decode schedules side by side
+    python tools/bench_decode.py --grid quick --variants rows,rows/lines   # both copy layouts
 
 ``--variants`` takes decode schedules (cutefa.model.policy_decode.DecodeSchedule: ``rows``, one warp
-per 16-row slab, the default; ``keys``, warps splitting the keys of a 16-row tile): one cutefa
-column each (``cutefa`` for the first, ``cutefa[<schedule>]`` for the others), each run under
-``CUTEFA_DECODE_SCHEDULE`` set to it, and a cutefa / best peer ratio each.
+per 16-row slab, the default; ``keys``, warps splitting the keys of a 16-row tile), each optionally
+followed by ``/`` and a copy layout (DecodeCopy: ``sectors``, the default, or ``lines``): one cutefa
+column each (``cutefa`` for the first, ``cutefa[<variant>]`` for the others), each run under
+``CUTEFA_DECODE_SCHEDULE`` and ``CUTEFA_DECODE_COPY`` set to it, and a cutefa / best peer ratio each.
 
 ``--graphs`` times every side as serving engines run a decode step: captured once in a CUDA graph
 and replayed (the host's cost per call then drops out; a side that cannot be captured is n/a), the
@@ -179,12 +181,19 @@ def cutefa_backend(cell):
     )
 
 
-class CutefaVariant:
-    """cutefa under one decode schedule: ``env`` is set while the cell is checked and timed."""
+def variant_env(variant: str) -> dict:
+    """The environment of a ``--variants`` item: ``schedule`` or ``schedule/copy``."""
+    schedule, _, copy = variant.partition("/")
+    return {kvcache.SCHEDULE_ENV: schedule, kvcache.COPY_ENV: copy or "sectors"}
 
-    def __init__(self, schedule: str):
-        self.schedule = schedule
-        self.env = {kvcache.SCHEDULE_ENV: schedule}
+
+class CutefaVariant:
+    """cutefa under one decode schedule and copy layout: ``env`` is set while the cell is checked
+    and timed."""
+
+    def __init__(self, variant: str):
+        self.variant = variant
+        self.env = variant_env(variant)
 
     def __call__(self, cell):
         return cutefa_backend(cell)
@@ -439,7 +448,8 @@ def precompile(cells, jobs: int, schedules=("rows",)) -> None:
     specs = {
         policy_decode.decode_spec(
             "bf16", HEAD_DIM, c.tokens * (c.hq // c.hkv), mask=Mask.CAUSAL if c.tokens > 1 else Mask.NONE,
-            paged=c.page is not None, schedule=policy_decode.DecodeSchedule(schedule),
+            paged=c.page is not None, schedule=policy_decode.DecodeSchedule(schedule.partition("/")[0]),
+            copy=policy_decode.DecodeCopy(schedule.partition("/")[2] or "sectors"),
         )
         for c in cells for schedule in schedules
     }  # fmt: skip
@@ -459,7 +469,10 @@ def main(argv=None) -> int:
     parser.add_argument("--precompile", action="store_true", help="compile the grid's cutefa variants first")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument(
-        "--variants", default="", help="comma-separated decode schedules (rows, keys): a cutefa column each"
+        "--variants",
+        default="",
+        help="comma-separated decode schedules (rows, keys), each with an optional /copy layout "
+        "(sectors, lines): a cutefa column each",
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time each side captured in a CUDA graph (replays: no host cost)"
@@ -467,8 +480,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     schedules = [v.strip() for v in args.variants.split(",") if v.strip()] or ["rows"]
     for schedule in schedules:
-        with environment({kvcache.SCHEDULE_ENV: schedule}):
+        with environment(variant_env(schedule)):
             kvcache.decode_schedule()  # a ValueError naming the known schedules
+            kvcache.decode_copy()  # and the known copy layouts
     if args.variants:
         columns = {
             ("cutefa" if i == 0 else f"cutefa[{v}]"): CutefaVariant(v) for i, v in enumerate(schedules)

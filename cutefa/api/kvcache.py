@@ -18,7 +18,9 @@ sm80 and newer GPUs) in one host call of up to three launches:
 The decode tile's schedule (:class:`cutefa.model.policy_decode.DecodeSchedule`: one warp per 16-row
 slab, or warps splitting the keys of a 16-row tile) is ROWS unless the environment variable
 ``CUTEFA_DECODE_SCHEDULE`` says ``keys`` (read at each call, so that a benchmark compares both in
-one process).
+one process). Likewise its K/V copy layout (:class:`cutefa.model.policy_decode.DecodeCopy`: a
+32-byte sector per thread pair, or a 128-byte line per 8 threads) is SECTORS unless
+``CUTEFA_DECODE_COPY`` says ``lines``.
 
 An e4m3 cache (q 16-bit, ``k_descale``/``v_descale``; :mod:`cutefa.api.kvcache_e4m3`) takes its own
 op, ``cutefa::kvcache_attn_e4m3`` (it mutates the cache too: the append quantizes the new tokens with
@@ -32,6 +34,7 @@ takes its last row. Page ids are not range-checked (that costs launches on every
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 
@@ -57,6 +60,7 @@ from cutefa.model.rules import why_invalid, why_not_on
 from cutefa.model.spec import TORCH_DTYPE_NAMES, VariantSpec
 
 SCHEDULE_ENV = "CUTEFA_DECODE_SCHEDULE"
+COPY_ENV = "CUTEFA_DECODE_COPY"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,27 +195,42 @@ def flash_attn_with_kvcache(
 # The attention op
 
 
+def _env_choice(name: str, kind: type[enum.Enum], default: enum.Enum, what: str):
+    """The member of ``kind`` that environment variable ``name`` asks for (by value, any case), or
+    ``default`` where it is unset or empty; a ValueError naming the known values otherwise."""
+    value = os.environ.get(name, "").strip().lower() or default.value
+    try:
+        return kind(value)
+    except ValueError:
+        known = ", ".join(m.value for m in kind)
+        raise ValueError(f"{name}={value!r} is not a {what}; known: {known}") from None
+
+
 def decode_schedule() -> policy_decode.DecodeSchedule:
     """The decode schedule :data:`SCHEDULE_ENV` asks for (``rows``, the default, or ``keys``)."""
-    value = os.environ.get(SCHEDULE_ENV, "").strip().lower() or policy_decode.DecodeSchedule.ROWS.value
-    try:
-        return policy_decode.DecodeSchedule(value)
-    except ValueError:
-        known = ", ".join(s.value for s in policy_decode.DecodeSchedule)
-        raise ValueError(f"{SCHEDULE_ENV}={value!r} is not a decode schedule; known: {known}") from None
+    return _env_choice(
+        SCHEDULE_ENV, policy_decode.DecodeSchedule, policy_decode.DecodeSchedule.ROWS, "decode schedule"
+    )
+
+
+def decode_copy() -> policy_decode.DecodeCopy:
+    """The decode copy layout :data:`COPY_ENV` asks for (``sectors``, the default, or ``lines``)."""
+    return _env_choice(
+        COPY_ENV, policy_decode.DecodeCopy, policy_decode.DecodeCopy.SECTORS, "decode copy layout"
+    )
 
 
 def decode_spec(
     q: torch.Tensor, k_cache: torch.Tensor, paged: bool, causal: bool, windowed: bool, softcap: float
 ) -> VariantSpec:
     """The decode variant for the call (:func:`cutefa.model.policy_decode.decode_spec` with
-    :func:`decode_schedule`; an e4m3 ``k_cache`` takes the e4m3-cache variant)."""
+    :func:`decode_schedule` and :func:`decode_copy`; an e4m3 ``k_cache`` takes the e4m3-cache variant)."""
     mask = Mask.LOCAL if windowed else Mask.CAUSAL if causal else Mask.NONE
     rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
     cache_dtype = CacheDtype.E4M3 if k_cache.dtype == torch.float8_e4m3fn else CacheDtype.SAME
     return policy_decode.decode_spec(
         TORCH_DTYPE_NAMES[str(q.dtype).removeprefix("torch.")], q.shape[3], rows, mask=mask, paged=paged,
-        softcap=softcap != 0.0, cache_dtype=cache_dtype, schedule=decode_schedule(),
+        softcap=softcap != 0.0, cache_dtype=cache_dtype, schedule=decode_schedule(), copy=decode_copy(),
     )  # fmt: skip
 
 

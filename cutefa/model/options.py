@@ -140,9 +140,11 @@ class Options:
 @dataclass(frozen=True, order=True)
 class Sm80FwdOptions(Options):
     """The sm80 forward (FlashAttention-2). ``cache_dtype``: the decode variants' (split_kv) KV-cache
-    element type."""
+    element type. ``line_copy``: the decode variants' K/V rows copied a 128-byte line per 8 threads
+    (cutefa.model.policy_decode.copy_threads_per_row) instead of a 32-byte sector per 2."""
 
     cache_dtype: CacheDtype = CacheDtype.SAME
+    line_copy: bool = dataclasses.field(default=False, metadata=_flag("lcp"))
 
     @property
     def kv_e4m3(self) -> bool:

@@ -40,6 +40,7 @@ MAX_WARPS = 8  # the largest packed-row tile: 128 rows (longer chunks take sever
 # per CTA), several CTAs per SM.
 TILE_N = {64: 64, 96: 64, 128: 64, 192: 32, 256: 32}
 STAGES = 2
+LINE_THREADS = 8  # DecodeCopy.LINES: 8 threads of 16 bytes on a 128-byte line
 COMBINE_WARPS = 4  # the combine kernel: warps a CTA (decode_combine.warps_per_row of them merge a row)
 TARGET_WAVES = 2
 MIN_BLOCKS_PER_SPLIT = 4
@@ -65,6 +66,17 @@ KEY_STAGES = 3
 KEY_REGISTERS_PER_THREAD = {64: 128, 128: 192}
 # Splits of at least this many keys (MIN_BLOCKS_PER_SPLIT blocks of 64 keys).
 MIN_KEYS_PER_SPLIT = 256
+
+
+class DecodeCopy(enum.Enum):
+    """How the ROWS tile's threads copy K/V rows into shared memory (16 bytes a thread and cp.async).
+    SECTORS: 2 threads side by side on a row, a 32-byte sector a pair, so a warp instruction touches
+    16 rows and a 256-byte row takes 8 instructions (few row addresses a thread). LINES: 8 threads
+    on a row, a 128-byte line an instruction's 8 threads, so each line is asked of the L2 once
+    (4 times as many row addresses a thread). Opt-in until measured (docs/log/perf-notes.md)."""
+
+    SECTORS = "sectors"
+    LINES = "lines"
 
 
 class DecodeSchedule(enum.Enum):
@@ -95,11 +107,12 @@ def decode_spec(
     softcap: bool = False,
     cache_dtype: CacheDtype = CacheDtype.SAME,
     schedule: DecodeSchedule = DecodeSchedule.ROWS,
+    copy: DecodeCopy = DecodeCopy.SECTORS,
 ) -> VariantSpec:
     """The decode variant for ``rows`` packed query rows per kv head (group x new tokens);
     ``cache_dtype``: the KV cache's element type (E4M3: an e4m3 cache read with descales);
     ``schedule``: KEYS where the tile is 16 rows and the cache is 16-bit (:func:`keys_apply`),
-    else ROWS."""
+    else ROWS; ``copy``: LINES where the ROWS tile takes it (:func:`lines_apply`), else SECTORS."""
     tile_m, warps = row_tile(rows)
     if head_dim not in TILE_N:
         raise ValueError(f"head_dim={head_dim} has no decode tile; known: {sorted(TILE_N)}")
@@ -110,10 +123,17 @@ def decode_spec(
             "sm80", "fwd", dtype, head_dim, tile_m, WARP_KEYS * warps, KEY_STAGES, warps, mask=mask,
             features=features, options=Sm80FwdOptions(cache_dtype=cache_dtype),
         )  # fmt: skip
+    line_copy = copy is DecodeCopy.LINES and lines_apply(head_dim, cache_dtype)
     return VariantSpec(
         "sm80", "fwd", dtype, head_dim, tile_m, TILE_N[head_dim], STAGES, warps, mask=mask, features=features,
-        options=Sm80FwdOptions(cache_dtype=cache_dtype),
+        options=Sm80FwdOptions(cache_dtype=cache_dtype, line_copy=line_copy),
     )  # fmt: skip
+
+
+def lines_apply(head_dim: int, cache_dtype: CacheDtype = CacheDtype.SAME) -> bool:
+    """Whether the ROWS tile takes line-wide copies: a 16-bit cache whose rows are whole 128-byte
+    lines (head dims that are multiples of 64)."""
+    return cache_dtype is CacheDtype.SAME and head_dim % 64 == 0
 
 
 def keys_apply(rows: int, head_dim: int, cache_dtype: CacheDtype = CacheDtype.SAME) -> bool:
@@ -148,9 +168,11 @@ def min_blocks_per_split(spec: VariantSpec) -> int:
 def copy_threads_per_row(spec: VariantSpec) -> int:
     """Threads side by side on a row in the global->shared copies (decode_rows.g2s_tiled_copy): 2 (a
     32-byte sector a pair, the fewest rows a thread), more where the CTA's threads would otherwise
-    span more rows than a K/V tile has."""
+    span more rows than a K/V tile has; :data:`LINE_THREADS` with ``line_copy`` (:class:`DecodeCopy`)."""
     if schedule_of(spec) is DecodeSchedule.KEYS:
         return 2  # a warp copies its own 16-key slice: 16 rows of 2 threads
+    if spec.options.line_copy:
+        return LINE_THREADS
     return max(2, spec.threads // spec.tile_n)
 
 

@@ -258,6 +258,22 @@ def _sm80_cache_dtype(spec: VariantSpec) -> str | None:
     return None
 
 
+def _sm80_line_copy(spec: VariantSpec) -> str | None:
+    """The decode kernel's line-wide K/V copies (cutefa.model.policy_decode.copy_threads_per_row):
+    8 threads of 16 bytes on a 128-byte line of a 16-bit row, one warp per 16-row slab."""
+    if not spec.options.line_copy:
+        return None
+    if spec.direction != "fwd" or not spec.features.split_kv:
+        return "line_copy is an option of the decode kernel (the split_kv axis): its K/V copies"
+    if spec.options.kv_e4m3:
+        return "line_copy with cache_dtype=E4M3: the e4m3 cache keeps its own byte copies"
+    if spec.warps * 16 > spec.tile_m:
+        return "line_copy with warps splitting the keys: each warp copies its own 16-key slice"
+    if spec.head_dim % 64:
+        return f"line_copy needs whole 128-byte lines a row: head_dim a multiple of 64, got {spec.head_dim}"
+    return None
+
+
 # The e4m3 KV cache is converted on chip by cvt.f16x2.e4m3x2 (sm_89 and newer; measured on Hopper).
 KV_E4M3_MIN_CC = 90
 
@@ -445,7 +461,7 @@ def _sm100_bwd(spec: VariantSpec) -> str | None:
 # Per option record: the rules relating its fields (run before the kernel check, as a misuse of an
 # option is the first thing to say), then those holding the tile to the templates and the budgets.
 _OPTION_RULES: dict[type[Options], tuple[Rule, ...]] = {
-    Sm80FwdOptions: (_sm80_cache_dtype,),
+    Sm80FwdOptions: (_sm80_cache_dtype, _sm80_line_copy),
     Sm80BwdOptions: (_sm80_dq_layout,),
     Sm90FwdOptions: (_sm90_early_rescale, _sm90_lazy_rescale, _sm90_heavy_first),
     Sm90Fp8FwdOptions: (_sm90_fp8_wide_transpose, _sm90_fp8_accumulation),

@@ -1,13 +1,16 @@
-"""The KEYS decode schedule on a CUDA GPU (cutefa.model.policy_decode.DecodeSchedule: the warps of a
-16-row tile split each key block and merge their rows in shared memory), picked through
-``CUTEFA_DECODE_SCHEDULE=keys``, against the float32 reference on the gathered dense cache.
+"""The opt-in decode variants on a CUDA GPU, each against the float32 reference on the gathered
+dense cache and against the default variant's answer on the same inputs:
 
-Covered: every page size (16 to 256) with sequences ending mid-page, num_splits 1 to 16 giving one
-answer, ragged cache_seqlens with 0 and 1 and lengths that leave some warps of a block without a key
-(1, 15, 16, 17, 33, 63, 65), GQA 32/8 and MQA with q of 1, 4 and 16 tokens (the head groups that
-pack into 16 rows), windows and softcap, head dims 64 and 128 in fp16 and bf16, and the ROWS
-schedule's answer on the same inputs. Every test checks that the call really takes the KEYS variant.
-Tolerances: tests/gpu/test_kvcache.py's.
+- ``keys``: the KEYS schedule (cutefa.model.policy_decode.DecodeSchedule: the warps of a 16-row tile
+  split each key block and merge their rows in shared memory), through ``CUTEFA_DECODE_SCHEDULE=keys``;
+- ``lines``: the line-wide K/V copies (DecodeCopy.LINES: 8 threads of 16 bytes on a 128-byte line of
+  a row instead of 2 on a 32-byte sector), through ``CUTEFA_DECODE_COPY=lines``.
+
+Covered for each: every page size (16 to 256) with sequences ending mid-page, num_splits 1 to 16
+giving one answer, ragged cache_seqlens with 0 and 1 and lengths that leave some warps of a block
+without a key (1, 15, 16, 17, 33, 63, 65), GQA 32/8 and MQA with q of 1, 4 and 16 tokens (the head
+groups that pack into 16 rows), windows and softcap, head dims 64 and 128 in fp16 and bf16. Every
+test checks that the call really takes the variant. Tolerances: tests/gpu/test_kvcache.py's.
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ kv = _load("test_kvcache")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
-KEYS = policy_decode.DecodeSchedule.KEYS
+KEYS, LINES = policy_decode.DecodeSchedule.KEYS, policy_decode.DecodeCopy.LINES
 with_kvcache = kvcache.flash_attn_with_kvcache
 _NONE, _CAUSAL, _LOCAL = Mask.NONE, Mask.CAUSAL, Mask.LOCAL
-# (dtype, head_dim, mask, paged, softcap) of the KEYS variants these tests run, compiled up front
+# Each variant: the environment that picks it, the one that picks the default, its decode_spec keyword
+VARIANTS = {
+    "keys": ({kvcache.SCHEDULE_ENV: "keys"}, {kvcache.SCHEDULE_ENV: "rows"}, {"schedule": KEYS}),
+    "lines": ({kvcache.COPY_ENV: "lines"}, {kvcache.COPY_ENV: "sectors"}, {"copy": LINES}),
+}
+# (dtype, head_dim, mask, paged, softcap) of the variants these tests run, compiled up front
 USED = [
     (dt, hd, mask, paged, False)
     for dt in ("bf16", "fp16") for hd in (64, 128) for mask in (_NONE, _CAUSAL) for paged in (False, True)
@@ -42,34 +50,48 @@ USED = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _compiled_up_front():
-    specs = list(dict.fromkeys(
-        policy_decode.decode_spec(dt, hd, 4, mask=mask, paged=paged, softcap=cap, schedule=KEYS)
-        for dt, hd, mask, paged, cap in USED
-    ))  # fmt: skip
-    assert all(policy_decode.schedule_of(s) is KEYS for s in specs)
+    specs = []
+    for name, (_, _, pick) in VARIANTS.items():
+        for dt, hd, mask, paged, cap in USED:
+            spec = policy_decode.decode_spec(dt, hd, 4, mask=mask, paged=paged, softcap=cap, **pick)
+            assert _is_variant(spec, name), spec.name
+            specs.append(spec)
     results = compile_variants(specs, target=dispatch.current_target(), jobs=min(16, os.cpu_count() or 1))
     failed = [f"{r.spec.name}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
 
 
-@pytest.fixture(autouse=True)
-def _keys_schedule(monkeypatch):
-    monkeypatch.setenv(kvcache.SCHEDULE_ENV, "keys")
+@pytest.fixture(params=sorted(VARIANTS), autouse=True)
+def variant(request, monkeypatch):
+    """The variant under test, picked by its environment for the test's calls."""
+    for key, value in VARIANTS[request.param][0].items():
+        monkeypatch.setenv(key, value)
+    return request.param
 
 
-def _takes_keys(q, k_cache, paged=False, causal=False, window=(-1, -1), softcap=0.0):
-    spec = kvcache.decode_spec(q, k_cache, paged, causal, tuple(window) != (-1, -1), softcap)
-    assert policy_decode.schedule_of(spec) is KEYS, spec.name
+def _is_variant(spec, name: str) -> bool:
+    return policy_decode.schedule_of(spec) is KEYS if name == "keys" else spec.options.line_copy
+
+
+@pytest.fixture
+def takes(variant):
+    """Assert that a call's decode variant is the one under test."""
+
+    def check(q, k_cache, paged=False, causal=False, window=(-1, -1), softcap=0.0):
+        spec = kvcache.decode_spec(q, k_cache, paged, causal, tuple(window) != (-1, -1), softcap)
+        assert _is_variant(spec, variant), spec.name
+
+    return check
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("num_splits", [0, 1, 3])
-def test_paged_every_page_size(gen, page_size, num_splits):
+def test_paged_every_page_size(gen, takes, page_size, num_splits):
     batch, hq, hkv, d = 5, 32, 8, 128
     lens = [0, 1, page_size + page_size // 2 + 3, 5 * page_size - 1, 17]
     k_pool, v_pool, table = kv.paged_pool(gen, batch, page_size, hkv, d, lens, 0)
     q = kv.randn(gen, batch, 1, hq, d)
-    _takes_keys(q, k_pool, paged=True)
+    takes(q, k_pool, paged=True)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out, lse = with_kvcache(
         q, k_pool, v_pool, cache_seqlens=seqlens, page_table=table, num_splits=num_splits, return_lse=True
@@ -80,7 +102,7 @@ def test_paged_every_page_size(gen, page_size, num_splits):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_num_splits_one_to_sixteen_agree(gen, paged):
+def test_num_splits_one_to_sixteen_agree(gen, takes, paged):
     batch, hq, hkv, d = 3, 32, 8, 128
     lens = [2048, 1111, 65]
     q = kv.randn(gen, batch, 1, hq, d)
@@ -91,7 +113,7 @@ def test_num_splits_one_to_sixteen_agree(gen, paged):
     else:
         k_cache, v_cache, table = kv.randn(gen, batch, 2048, hkv, d), kv.randn(gen, batch, 2048, hkv, d), None
         keys, values = k_cache, v_cache
-    _takes_keys(q, k_cache, paged=paged)
+    takes(q, k_cache, paged=paged)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     want = kv.reference(q, keys, values, lens)
     first = None
@@ -108,14 +130,14 @@ def test_num_splits_one_to_sixteen_agree(gen, paged):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
-def test_ragged_lengths_with_empty_warps(gen, causal, num_splits):
+def test_ragged_lengths_with_empty_warps(gen, takes, causal, num_splits):
     """Lengths 0, 1 and ones that leave warps of the last block (16 keys each) without a key."""
     lens = [0, 1, 15, 16, 17, 33, 63, 65, 130, 300]
     batch, sq, hq, hkv, d = len(lens), 2, 16, 2, 64
     q = kv.randn(gen, batch, sq, hq, d, dtype=torch.float16)
     k_cache = kv.randn(gen, batch, 320, hkv, d, dtype=torch.float16)
     v_cache = kv.randn(gen, batch, 320, hkv, d, dtype=torch.float16)
-    _takes_keys(q, k_cache, causal=causal)
+    takes(q, k_cache, causal=causal)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out, lse = with_kvcache(
         q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal, num_splits=num_splits, return_lse=True
@@ -130,11 +152,11 @@ def test_ragged_lengths_with_empty_warps(gen, causal, num_splits):
     ids=["gqa32_8-q1", "gqa32_8-q4", "gqa32_8-q2", "mha8-q16", "mqa16-q1", "mqa4-q4", "mqa2-q8"],
 )  # fmt: skip
 @pytest.mark.parametrize("causal", [True, False])
-def test_query_tokens_and_head_groups(gen, hq, hkv, seqlen_q, causal):
+def test_query_tokens_and_head_groups(gen, takes, hq, hkv, seqlen_q, causal):
     batch, d, cap = 3, 128, 700
     q = kv.randn(gen, batch, seqlen_q, hq, d)
     k_cache, v_cache = kv.randn(gen, batch, cap, hkv, d), kv.randn(gen, batch, cap, hkv, d)
-    _takes_keys(q, k_cache, causal=causal)
+    takes(q, k_cache, causal=causal)
     lens = [699, 3, 130]  # with 16 causal tokens, sequence 1's first rows see no key
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out, lse = with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal, return_lse=True)
@@ -147,7 +169,7 @@ def test_query_tokens_and_head_groups(gen, hq, hkv, seqlen_q, causal):
      ((40, 0), False, 15.0, False), ((0, 0), False, 0.0, True)],
 )  # fmt: skip
 @pytest.mark.parametrize("seqlen_q", [1, 4])
-def test_window_and_softcap(gen, window, causal, softcap, paged, seqlen_q):
+def test_window_and_softcap(gen, takes, window, causal, softcap, paged, seqlen_q):
     batch, hq, hkv, d = 3, 16, 4, 128
     lens = [500, 10, 257]
     q = kv.randn(gen, batch, seqlen_q, hq, d)
@@ -159,7 +181,7 @@ def test_window_and_softcap(gen, window, causal, softcap, paged, seqlen_q):
     else:
         k_cache, v_cache, table = kv.randn(gen, batch, 512, hkv, d), kv.randn(gen, batch, 512, hkv, d), None
         keys, values = k_cache, v_cache
-    _takes_keys(q, k_cache, paged=paged, causal=causal, window=window, softcap=softcap)
+    takes(q, k_cache, paged=paged, causal=causal, window=window, softcap=softcap)
     for splits in (1, 5):
         out, lse = with_kvcache(
             q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=causal, window_size=window,
@@ -171,19 +193,22 @@ def test_window_and_softcap(gen, window, causal, softcap, paged, seqlen_q):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_head_dims_and_the_rows_schedule_agree(gen, head_dim, dtype, monkeypatch):
+def test_head_dims_and_the_default_agree(gen, takes, variant, head_dim, dtype, monkeypatch):
     batch, hq, hkv = 2, 8, 2
     lens = [333, 1000]
     q = kv.randn(gen, batch, 1, hq, head_dim, dtype=dtype)
     k_cache = kv.randn(gen, batch, 1000, hkv, head_dim, dtype=dtype)
     v_cache = kv.randn(gen, batch, 1000, hkv, head_dim, dtype=dtype)
-    _takes_keys(q, k_cache)
+    takes(q, k_cache)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out, lse = with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=4, return_lse=True)
     kv.assert_matches(out, lse, *kv.reference(q, k_cache, v_cache, lens))
-    monkeypatch.setenv(kvcache.SCHEDULE_ENV, "rows")
-    rows_out, rows_lse = with_kvcache(
+    for key, value in VARIANTS[variant][1].items():
+        monkeypatch.setenv(key, value)
+    default_out, default_lse = with_kvcache(
         q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=4, return_lse=True
     )
-    torch.testing.assert_close(out.float(), rows_out.float(), atol=2e-2, rtol=0)
-    torch.testing.assert_close(lse, rows_lse, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.float(), default_out.float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse, default_lse, atol=1e-4, rtol=0)
+    if variant == "lines":  # the same products in the same order: only the copies into shared memory differ
+        assert torch.equal(out, default_out) and torch.equal(lse, default_lse)

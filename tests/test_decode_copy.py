@@ -1,0 +1,90 @@
+"""The decode kernel's line-wide K/V copies on the CPU (cutefa.model.policy_decode.DecodeCopy): the
+variants, their rules and rendering, and the switch (CUTEFA_DECODE_COPY) through the host path
+(kernel emulated as in test_kvcache_api: the copy layout changes how rows reach shared memory, not
+what the kernel computes). The SASS is checked in test_compile_decode.py, the GPU in tests/gpu/test_decode_variants_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kvcache_api import _inputs, emulated, reference  # noqa: F401 -- the fixture (usefixtures)
+
+from cutefa import codegen
+from cutefa.api import kvcache
+from cutefa.model import policy_decode
+from cutefa.model.options import CacheDtype, Mask
+from cutefa.model.rules import why_invalid
+from cutefa.model.spec import parse_name
+
+LINES, SECTORS = policy_decode.DecodeCopy.LINES, policy_decode.DecodeCopy.SECTORS
+KEYS = policy_decode.DecodeSchedule.KEYS
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+@pytest.mark.parametrize("rows", [1, 4, 32, 128])
+def test_line_copy_variants_are_valid_and_render(head_dim, rows):
+    for mask in Mask:
+        for paged in (False, True):
+            spec = policy_decode.decode_spec("bf16", head_dim, rows, mask=mask, paged=paged, copy=LINES)
+            assert spec.options.line_copy and spec.name.endswith("_lcp"), spec.name
+            assert parse_name(spec.name) == spec
+            assert why_invalid(spec) is None, spec.name
+            assert policy_decode.copy_threads_per_row(spec) == policy_decode.LINE_THREADS == 8
+            assert "COPY_THREADS_PER_ROW = 8 " in codegen.render_source(spec)
+            # the same tile as the sector copies: only the copy layout differs
+            sectors = policy_decode.decode_spec("bf16", head_dim, rows, mask=mask, paged=paged)
+            assert spec.replace(line_copy=False) == sectors and not sectors.options.line_copy
+            assert policy_decode.copy_threads_per_row(sectors) < 8 or sectors.threads // sectors.tile_n >= 8
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "rows", "cache_dtype", "schedule"),
+    [(96, 4, CacheDtype.SAME, None), (128, 4, CacheDtype.E4M3, None),
+     (128, 4, CacheDtype.SAME, KEYS)],
+)  # fmt: skip
+def test_line_copy_falls_back_to_sectors_where_it_does_not_apply(head_dim, rows, cache_dtype, schedule):
+    extra = {} if schedule is None else {"schedule": schedule}
+    spec = policy_decode.decode_spec("bf16", head_dim, rows, cache_dtype=cache_dtype, copy=LINES, **extra)
+    assert not spec.options.line_copy, spec.name
+    assert why_invalid(spec) is None, spec.name
+
+
+def test_rules_refuse_line_copy_outside_the_16_bit_rows_tile():
+    rows = policy_decode.decode_spec("bf16", 128, 4, copy=LINES)
+    assert "head_dim a multiple of 64" in why_invalid(rows.replace(head_dim=96))
+    assert "e4m3" in why_invalid(rows.replace(cache_dtype=CacheDtype.E4M3))
+    keys = policy_decode.decode_spec("bf16", 128, 4, schedule=KEYS)
+    assert "splitting the keys" in why_invalid(keys.replace(line_copy=True))
+    prefill = parse_name("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w4")
+    assert "decode kernel" in why_invalid(prefill.replace(line_copy=True))
+
+
+def test_copy_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(kvcache.COPY_ENV, raising=False)
+    assert kvcache.decode_copy() is SECTORS
+    monkeypatch.setenv(kvcache.COPY_ENV, " Lines ")
+    assert kvcache.decode_copy() is LINES
+    monkeypatch.setenv(kvcache.COPY_ENV, "words")
+    with pytest.raises(ValueError, match="CUTEFA_DECODE_COPY='words'.*sectors, lines"):
+        kvcache.decode_copy()
+
+
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_line_copy_host_path_matches_the_reference(emulated, monkeypatch, num_splits):  # noqa: F811 -- the fixture
+    monkeypatch.setenv(kvcache.COPY_ENV, "lines")
+    batch, cap = 3, 300
+    q, k_cache, v_cache = _inputs(batch=batch, sq=1, hq=32, hkv=8, seqlen_cache=cap)
+    lens = torch.tensor([0, 17, 257], dtype=torch.int32)
+    out, lse = kvcache.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lens, num_splits=num_splits, return_lse=True
+    )
+    spec, splits = emulated[-1]
+    assert spec.options.line_copy, spec.name
+    assert num_splits == 0 or splits == num_splits
+    for b in range(batch):
+        n = int(lens[b])
+        o, l = reference(q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n], 1 / 8)
+        torch.testing.assert_close(out[b : b + 1].double(), o.double(), atol=2e-3, rtol=0)
+        finite = torch.isfinite(l)
+        assert torch.equal(finite, torch.isfinite(lse[b : b + 1]))  # -inf where no key (n = 0)
+        torch.testing.assert_close(lse[b : b + 1][finite].double(), l[finite].double(), atol=1e-4, rtol=0)
