@@ -210,8 +210,9 @@ def test_an_interrupt_cancels_the_queued_compiles(env, tmp_path, monkeypatch):
         # uninterrupted
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
-    # Python's own SIGINT handler for the test: a library that compiled in this process earlier may
-    # have put its own in place at the C level (the run of the whole suite lost the interrupt)
+    # Python's own SIGINT handler, unblocked, for the test: a run of the whole suite once lost the
+    # interrupt (something earlier in it left another handler or mask; not an in-process compile or
+    # kernel load, which leave both the Python and the C-level handler and the mask as they were)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # and not blocked here
     start = time.perf_counter()
