@@ -26,6 +26,9 @@ def state():
     return {"python": repr(signal.getsignal(signal.SIGINT)), "c": [old.handler, old.flags],
             "blocked": signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])}
 
+# the state a Python program starts with (a child inherits an ignored or blocked SIGINT)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 before = state()
 from cutefa import compile as cc, loader
 from cutefa.model import policy_decode
