@@ -136,12 +136,13 @@ def test_building_blocks_are_the_kernels_imports():
     # direct (sm90 parts, bwd_parts, bwd_dq, bwd_dq_bulk, bwd_pre_post and descriptors, sm80's row
     # helpers, softmax), the package's __init__, and through them (bwd_dq -> bwd_dq_writer, bwd_dq and
     # bwd_dq_bulk -> common/reduce, softmax -> common/exp2, and the inline PTX helpers of reduce, exp2
-    # and descriptors -> common/ptx), and common/pdl (the launches of the backward's chain)
+    # and descriptors -> common/ptx), common/pdl (the launches of the backward's chain) and, through
+    # it and sm80's row helpers, common/target
     assert bwd == {
         "sm90/__init__.py", "sm90/parts.py", "sm90/bwd_parts.py", "sm90/descriptors.py", "sm80/bwd_parts.py",
         "sm90/bwd_dq.py", "sm90/bwd_dq_bulk.py", "sm90/bwd_dq_writer.py", "sm90/bwd_pre_post.py",
         "sm90/bwd_dkv.py", "common/softmax.py", "common/exp2.py", "common/reduce.py", "common/ptx.py",
-        "common/pdl.py",
+        "common/pdl.py", "common/target.py",
     }  # fmt: skip
     fwd80 = _rel(identity.kernel_closure(_generated("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w8")))
     assert "sm80/parts.py" in fwd80 and "common/mask.py" in fwd80

@@ -13,13 +13,14 @@ tracing, from the target being compiled for.
 """
 
 import cutlass.cute as cute
-from cutlass.base_dsl import BaseDSL
+
+from cutefa.kernels.common.target import sm90_or_newer
 
 
 def supported() -> bool:
     """Whether the target being compiled for has programmatic dependent launch (sm_90 and newer):
     the value for a dependent kernel's ``launch(use_pdl=...)``."""
-    return BaseDSL._get_dsl().get_arch_enum().major >= 9
+    return sm90_or_newer()
 
 
 def launch_dependents():

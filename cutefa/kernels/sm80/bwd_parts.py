@@ -13,11 +13,12 @@ from cutlass import Float32, Int32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import warp
-from cutlass.cutlass_dsl import BaseDSL, T, dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cutefa.kernels.common.ptx import effect_asm
 from cutefa.kernels.common.reduce import red_add_pairs
 from cutefa.kernels.common.softmax import LOG2_E
+from cutefa.kernels.common.target import sm90_or_newer
 
 
 def tiled_mma(dtype, warps_m: int, warps_n: int):
@@ -296,7 +297,7 @@ def atomic_add_rows(acc: cute.Tensor, coords: cute.Tensor, gdst: cute.Tensor, ro
 def vector_red_supported() -> bool:
     """Whether the target being compiled for has red.global.add.v2.f32 (sm_90 and newer; the sm80
     family also compiles for sm_80, sm_86 and sm_89, which have element-wise fp32 reductions only)."""
-    return BaseDSL._get_dsl().get_arch_enum().major >= 9
+    return sm90_or_newer()
 
 
 def quad_layout() -> bool:
