@@ -184,7 +184,14 @@ def cutefa_backend(cell):
 def variant_env(variant: str) -> dict:
     """The environment of a ``--variants`` item: ``schedule`` or ``schedule/copy``."""
     schedule, _, copy = variant.partition("/")
-    return {kvcache.SCHEDULE_ENV: schedule, kvcache.COPY_ENV: copy or "sectors"}
+    return {kvcache.SCHEDULE_ENV: schedule, kvcache.COPY_ENV: copy}
+
+
+def variant_choice(variant: str):
+    """(DecodeSchedule, DecodeCopy) of a ``--variants`` item, read as the API reads its environment
+    (a ValueError naming the known values)."""
+    with environment(variant_env(variant)):
+        return kvcache.decode_schedule(), kvcache.decode_copy()
 
 
 class CutefaVariant:
@@ -439,19 +446,19 @@ def cells_of(args) -> list[Cell]:
     return cells
 
 
-def precompile(cells, jobs: int, schedules=("rows",)) -> None:
+def precompile(cells, jobs: int, variants=("rows",)) -> None:
     from cutefa import dispatch
     from cutefa.compile import compile_variants
     from cutefa.model import policy_decode
     from cutefa.model.options import Mask
 
+    choices = [variant_choice(v) for v in variants]
     specs = {
         policy_decode.decode_spec(
             "bf16", HEAD_DIM, c.tokens * (c.hq // c.hkv), mask=Mask.CAUSAL if c.tokens > 1 else Mask.NONE,
-            paged=c.page is not None, schedule=policy_decode.DecodeSchedule(schedule.partition("/")[0]),
-            copy=policy_decode.DecodeCopy(schedule.partition("/")[2] or "sectors"),
+            paged=c.page is not None, schedule=schedule, copy=copy,
         )
-        for c in cells for schedule in schedules
+        for c in cells for schedule, copy in choices
     }  # fmt: skip
     results = compile_variants(sorted(specs), target=dispatch.current_target(), jobs=jobs, progress=True)
     for r in results:
@@ -479,10 +486,8 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     schedules = [v.strip() for v in args.variants.split(",") if v.strip()] or ["rows"]
-    for schedule in schedules:
-        with environment(variant_env(schedule)):
-            kvcache.decode_schedule()  # a ValueError naming the known schedules
-            kvcache.decode_copy()  # and the known copy layouts
+    for variant in schedules:
+        variant_choice(variant)  # a ValueError naming the known schedules and copy layouts
     if args.variants:
         columns = {
             ("cutefa" if i == 0 else f"cutefa[{v}]"): CutefaVariant(v) for i, v in enumerate(schedules)
