@@ -1,7 +1,8 @@
 """The decode kernel's line-wide K/V copies on the CPU (cutefa.model.policy_decode.DecodeCopy): the
-variants, their rules and rendering, and the switch (CUTEFA_DECODE_COPY) through the host path
-(kernel emulated as in test_kvcache_api: the copy layout changes how rows reach shared memory, not
-what the kernel computes). The SASS is checked in test_compile_decode.py, the GPU in tests/gpu/test_decode_variants_gpu.py."""
+variants, their rules and rendering, and the host path under CUTEFA_DECODE_COPY=lines (kernel
+emulated as in test_kvcache_api: the copy layout changes how rows reach shared memory, not what the
+kernel computes). The switch itself: test_kvcache_keys.py; the SASS: test_compile_decode.py; the
+GPU: tests/gpu/test_decode_variants_gpu.py."""
 
 from __future__ import annotations
 
@@ -57,16 +58,6 @@ def test_rules_refuse_line_copy_outside_the_16_bit_rows_tile():
     assert "splitting the keys" in why_invalid(keys.replace(line_copy=True))
     prefill = parse_name("cutefa_sm80_fwd_bf16_hd128_128x64_s2_w4")
     assert "decode kernel" in why_invalid(prefill.replace(line_copy=True))
-
-
-def test_copy_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv(kvcache.COPY_ENV, raising=False)
-    assert kvcache.decode_copy() is SECTORS
-    monkeypatch.setenv(kvcache.COPY_ENV, " Lines ")
-    assert kvcache.decode_copy() is LINES
-    monkeypatch.setenv(kvcache.COPY_ENV, "words")
-    with pytest.raises(ValueError, match="CUTEFA_DECODE_COPY='words'.*sectors, lines"):
-        kvcache.decode_copy()
 
 
 @pytest.mark.parametrize("num_splits", [0, 3])

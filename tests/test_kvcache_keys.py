@@ -141,14 +141,25 @@ def test_rows_split_counts_do_not_change():
 # The switch
 
 
-def test_schedule_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv(kvcache.SCHEDULE_ENV, raising=False)
-    assert kvcache.decode_schedule() is ROWS
-    monkeypatch.setenv(kvcache.SCHEDULE_ENV, " KEYS ")
-    assert kvcache.decode_schedule() is KEYS
-    monkeypatch.setenv(kvcache.SCHEDULE_ENV, "cols")
-    with pytest.raises(ValueError, match="CUTEFA_DECODE_SCHEDULE='cols'.*rows, keys"):
-        kvcache.decode_schedule()
+@pytest.mark.parametrize(
+    ("env", "read", "default", "asked", "chosen", "bad", "error"),
+    [(kvcache.SCHEDULE_ENV, kvcache.decode_schedule, ROWS, " KEYS ", KEYS, "cols",
+      "CUTEFA_DECODE_SCHEDULE='cols'.*rows, keys"),
+     (kvcache.COPY_ENV, kvcache.decode_copy, policy_decode.DecodeCopy.SECTORS, " Lines ",
+      policy_decode.DecodeCopy.LINES, "words", "CUTEFA_DECODE_COPY='words'.*sectors, lines")],
+    ids=["schedule", "copy"],
+)  # fmt: skip
+def test_decode_switches_come_from_the_environment(
+    monkeypatch, env, read, default, asked, chosen, bad, error
+):
+    """The decode schedule and the copy layout (tests/test_decode_copy.py): read at each call."""
+    monkeypatch.delenv(env, raising=False)
+    assert read() is default
+    monkeypatch.setenv(env, asked)
+    assert read() is chosen
+    monkeypatch.setenv(env, bad)
+    with pytest.raises(ValueError, match=error):
+        read()
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 3])

@@ -89,15 +89,13 @@ def takes(variant):
 def test_paged_every_page_size(gen, takes, page_size, num_splits):
     batch, hq, hkv, d = 5, 32, 8, 128
     lens = [0, 1, page_size + page_size // 2 + 3, 5 * page_size - 1, 17]
-    k_pool, v_pool, table = kv.paged_pool(gen, batch, page_size, hkv, d, lens, 0)
+    k_pool, v_pool, table, keys, values = kv.cache_of(gen, batch, hkv, d, lens, True, page_size)
     q = kv.randn(gen, batch, 1, hq, d)
     takes(q, k_pool, paged=True)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out, lse = with_kvcache(
         q, k_pool, v_pool, cache_seqlens=seqlens, page_table=table, num_splits=num_splits, return_lse=True
     )
-    keys = [kv.dense_of(k_pool, table, b, n) for b, n in enumerate(lens)]
-    values = [kv.dense_of(v_pool, table, b, n) for b, n in enumerate(lens)]
     kv.assert_matches(out, lse, *kv.reference(q, keys, values, lens))
 
 
@@ -106,13 +104,7 @@ def test_num_splits_one_to_sixteen_agree(gen, takes, paged):
     batch, hq, hkv, d = 3, 32, 8, 128
     lens = [2048, 1111, 65]
     q = kv.randn(gen, batch, 1, hq, d)
-    if paged:
-        k_cache, v_cache, table = kv.paged_pool(gen, batch, 16, hkv, d, lens, 0)
-        keys = [kv.dense_of(k_cache, table, b, n) for b, n in enumerate(lens)]
-        values = [kv.dense_of(v_cache, table, b, n) for b, n in enumerate(lens)]
-    else:
-        k_cache, v_cache, table = kv.randn(gen, batch, 2048, hkv, d), kv.randn(gen, batch, 2048, hkv, d), None
-        keys, values = k_cache, v_cache
+    k_cache, v_cache, table, keys, values = kv.cache_of(gen, batch, hkv, d, lens, paged, 16, 2048)
     takes(q, k_cache, paged=paged)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     want = kv.reference(q, keys, values, lens)
@@ -174,13 +166,7 @@ def test_window_and_softcap(gen, takes, window, causal, softcap, paged, seqlen_q
     lens = [500, 10, 257]
     q = kv.randn(gen, batch, seqlen_q, hq, d)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    if paged:
-        k_cache, v_cache, table = kv.paged_pool(gen, batch, 32, hkv, d, lens, 0)
-        keys = [kv.dense_of(k_cache, table, b, n) for b, n in enumerate(lens)]
-        values = [kv.dense_of(v_cache, table, b, n) for b, n in enumerate(lens)]
-    else:
-        k_cache, v_cache, table = kv.randn(gen, batch, 512, hkv, d), kv.randn(gen, batch, 512, hkv, d), None
-        keys, values = k_cache, v_cache
+    k_cache, v_cache, table, keys, values = kv.cache_of(gen, batch, hkv, d, lens, paged, 32, 512)
     takes(q, k_cache, paged=paged, causal=causal, window=window, softcap=softcap)
     for splits in (1, 5):
         out, lse = with_kvcache(

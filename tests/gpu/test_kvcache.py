@@ -81,6 +81,20 @@ def dense_of(pool: torch.Tensor, table: torch.Tensor, b: int, n: int) -> torch.T
     return pool[table[b].long()].flatten(0, 1)[:n]
 
 
+def cache_of(gen, batch, heads_kv, head_dim, lens, paged, page_size=None, capacity=None):
+    """A cache holding sequences of ``lens`` keys: a paged pool of ``page_size`` (:func:`paged_pool`)
+    or a dense cache of ``capacity`` rows. Returns (k_cache, v_cache, page_table or None, keys,
+    values), keys and values as :func:`reference` takes them (each sequence's rows, dense)."""
+    if paged:
+        k_cache, v_cache, table = paged_pool(gen, batch, page_size, heads_kv, head_dim, lens, 0)
+        keys = [dense_of(k_cache, table, b, n) for b, n in enumerate(lens)]
+        values = [dense_of(v_cache, table, b, n) for b, n in enumerate(lens)]
+        return k_cache, v_cache, table, keys, values
+    k_cache = randn(gen, batch, capacity, heads_kv, head_dim)
+    v_cache = randn(gen, batch, capacity, heads_kv, head_dim)
+    return k_cache, v_cache, None, k_cache, v_cache
+
+
 def reference(q, keys, values, lens, **kw):
     """float32 attention of each sequence b of q on keys[b][:lens[b]] (lists of dense tensors)."""
     outs, lses = [], []
@@ -153,14 +167,12 @@ def paged_pool(gen, batch, page_size, heads_kv, head_dim, lens, new, dtype=torch
 def test_paged_every_page_size(gen, page_size, num_splits):
     batch, hq, hkv, d = 4, 32, 8, 128
     lens = [0, 1, page_size + page_size // 2 + 3, 5 * page_size - 1]  # empty, one key, mid-page
-    k_pool, v_pool, table = paged_pool(gen, batch, page_size, hkv, d, lens, 0)
+    k_pool, v_pool, table, keys, values = cache_of(gen, batch, hkv, d, lens, True, page_size)
     q = randn(gen, batch, 1, hq, d)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out, lse = with_kvcache(
         q, k_pool, v_pool, cache_seqlens=seqlens, page_table=table, num_splits=num_splits, return_lse=True
     )
-    keys = [dense_of(k_pool, table, b, n) for b, n in enumerate(lens)]
-    values = [dense_of(v_pool, table, b, n) for b, n in enumerate(lens)]
     assert_matches(out, lse, *reference(q, keys, values, lens))
 
 
@@ -385,13 +397,7 @@ def test_window_and_softcap(gen, window, causal, softcap, paged, seqlen_q):
     lens = [500, 10, 257]
     q = randn(gen, batch, seqlen_q, hq, d)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    if paged:
-        k_cache, v_cache, table = paged_pool(gen, batch, 32, hkv, d, lens, 0)
-        keys = [dense_of(k_cache, table, b, n) for b, n in enumerate(lens)]
-        values = [dense_of(v_cache, table, b, n) for b, n in enumerate(lens)]
-    else:
-        k_cache, v_cache, table = randn(gen, batch, 512, hkv, d), randn(gen, batch, 512, hkv, d), None
-        keys, values = k_cache, v_cache
+    k_cache, v_cache, table, keys, values = cache_of(gen, batch, hkv, d, lens, paged, 32, 512)
     for splits in (1, 5):
         out, lse = with_kvcache(
             q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=causal, window_size=window,
