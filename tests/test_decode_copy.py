@@ -33,7 +33,7 @@ def test_line_copy_variants_are_valid_and_render(head_dim, rows):
             assert policy_decode.copy_threads_per_row(spec) == policy_decode.LINE_THREADS == 8
             assert "COPY_THREADS_PER_ROW = 8 " in codegen.render_source(spec)
             # the same tile as the sector copies: only the copy layout differs
-            sectors = policy_decode.decode_spec("bf16", head_dim, rows, mask=mask, paged=paged)
+            sectors = policy_decode.decode_spec("bf16", head_dim, rows, mask=mask, paged=paged, copy=SECTORS)
             assert spec.replace(line_copy=False) == sectors and not sectors.options.line_copy
             assert policy_decode.copy_threads_per_row(sectors) < 8 or sectors.threads // sectors.tile_n >= 8
 
@@ -79,3 +79,38 @@ def test_line_copy_host_path_matches_the_reference(emulated, monkeypatch, num_sp
         finite = torch.isfinite(l)
         assert torch.equal(finite, torch.isfinite(lse[b : b + 1]))  # -inf where no key (n = 0)
         torch.testing.assert_close(lse[b : b + 1][finite].double(), l[finite].double(), atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The default: LINES, but SECTORS for a small paged cache (policy_decode.default_copy)
+
+
+def test_default_copy_is_lines_but_for_small_paged_caches():
+    limit = policy_decode.PAGED_LINES_MIN_BYTES
+    assert policy_decode.default_copy(False) is LINES and policy_decode.default_copy(True) is LINES
+    assert policy_decode.default_copy(False, 1) is LINES  # a dense cache: LINES at any size
+    assert policy_decode.default_copy(True, limit - 1) is SECTORS
+    assert policy_decode.default_copy(True, limit) is LINES
+    # decode_spec without a copy asks the default; one it names wins
+    assert policy_decode.decode_spec("bf16", 128, 4, paged=True, kv_bytes=limit - 1) == policy_decode.decode_spec(
+        "bf16", 128, 4, paged=True, copy=SECTORS
+    )
+    assert policy_decode.decode_spec("bf16", 128, 4, paged=True, kv_bytes=limit - 1, copy=LINES).options.line_copy
+    assert policy_decode.decode_spec("bf16", 128, 4).options.line_copy
+
+
+@pytest.mark.parametrize(("pages", "env", "lines"), [(64, "", False), (1024, "", True), (64, "lines", True),
+                                                     (1024, "sectors", False), (1024, " ", True)])  # fmt: skip
+def test_the_call_takes_the_copy_by_its_cache_size(monkeypatch, pages, env, lines):
+    """batch 1, 8 kv heads, hd128 bf16, pages of 16: 64 pages (1k tokens, 4 MiB of K/V) stay on
+    SECTORS, 1024 (16k, 64 MiB) take LINES; CUTEFA_DECODE_COPY overrides either (blank: unset)."""
+    monkeypatch.setenv(kvcache.COPY_ENV, env)
+    q = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
+    pool = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)  # the capacity is the table's, not the pool's
+    table = torch.zeros(1, pages, dtype=torch.int32)
+    assert kvcache.cache_bytes(1, pool, table) == 2 * pages * 16 * 8 * 128 * 2
+    spec = kvcache.decode_spec(q, pool, table, False, False, 0.0)
+    assert spec.options.line_copy is lines, spec.name
+    # a dense cache of the same size: LINES unless asked otherwise
+    dense = kvcache.decode_spec(q, torch.zeros(1, pages * 16, 8, 128, dtype=torch.bfloat16), None, False, False, 0.0)
+    assert dense.options.line_copy is (env.strip() != "sectors")

@@ -21,6 +21,8 @@ from cutefa.model.rules import why_invalid, why_no_kernel, why_not_on
 from cutefa.model.spec import HEAD_DIMS, Features, VariantSpec, parse_name
 from cutefa.paged import OutOfPagesError, PagedKVCache
 
+SECTORS = policy_decode.DecodeCopy.SECTORS
+
 with_kvcache = kvcache.flash_attn_with_kvcache
 
 
@@ -334,7 +336,8 @@ def test_decode_specs_are_valid_and_render_from_the_decode_template(head_dim, ro
                 )
                 assert why_invalid(spec) is None, spec.name
                 assert codegen.template_name(spec) == "decode_sm80.py.j2"
-                assert spec.name.endswith("_split" + ("_softcap" if softcap else ""))
+                lines = "_lcp" if policy_decode.lines_apply(head_dim) else ""  # default_copy: LINES
+                assert spec.name.endswith("_split" + ("_softcap" if softcap else "") + lines), spec.name
                 for target in ("sm_80", "sm_90a", "sm_100a"):
                     assert policy_decode.ctas_per_sm(spec, target) >= 1
 
@@ -360,7 +363,9 @@ def test_rendered_decode_module_names_its_arguments():
     assert "mPageTable: cute.Tensor" in text and "mBatchIdx" not in text and "mLeftpad" not in text
     assert "def append(" in text and "rotary_interleaved: Int32" in text and "ROTARY_PER_TOKEN = True" in text
     assert "window_left: Int32" in text and "softcap: Float32" in text
-    assert "COPY_THREADS_PER_ROW = 2" in text
+    assert "COPY_THREADS_PER_ROW = 8 " in text  # LINES, the default (policy_decode.default_copy)
+    sectors = policy_decode.decode_spec("bf16", 128, 4, mask=Mask.LOCAL, paged=True, softcap=True, copy=SECTORS)
+    assert "COPY_THREADS_PER_ROW = 2 " in codegen.render_source(sectors)
     dense = codegen.render_source(policy_decode.decode_spec("bf16", 128, 4))
     assert (
         "mBatchIdx: cute.Tensor" in dense
@@ -786,21 +791,21 @@ def _e4m3(spec):
 
 
 def test_e4m3_cache_variants_are_named_and_ruled():
-    base = policy_decode.decode_spec("bf16", 128, 4, paged=True)
+    base = policy_decode.decode_spec("bf16", 128, 4, paged=True, copy=SECTORS)  # (e4m3 copies its own bytes)
     e4m3 = policy_decode.decode_spec("bf16", 128, 4, paged=True, cache_dtype=CacheDtype.E4M3)
     assert e4m3 == _e4m3(base) and e4m3.options.kv_e4m3 and not base.options.kv_e4m3
     assert base.name == "cutefa_sm80_fwd_bf16_hd128_16x64_s2_w1_paged_split"  # no token by default
     assert e4m3.name == base.name + "_kve4m3" and parse_name(e4m3.name) == e4m3
     for hd, rows, mask, paged, softcap in ((64, 1, Mask.NONE, False, False), (128, 64, Mask.CAUSAL, True, False),
                                            (256, 4, Mask.LOCAL, True, True), (128, 128, Mask.NONE, False, True)):  # fmt: skip
-        spec = _e4m3(policy_decode.decode_spec("fp16", hd, rows, mask=mask, paged=paged, softcap=softcap))
+        spec = _e4m3(policy_decode.decode_spec("fp16", hd, rows, mask=mask, paged=paged, softcap=softcap, copy=SECTORS))
         assert why_invalid(spec) is None, spec.name
         assert why_not_on(spec, "sm_90a") is None and why_not_on(spec, "sm_100a") is None
         assert "sm_90a or newer" in why_not_on(spec, "sm_80")
     prefill = _e4m3(VariantSpec("sm80", "fwd", "bf16", 128, 128, 64, 2, 4))
     assert "split_kv" in why_invalid(prefill)
     # 8 warps of a 64-key tile put 4 threads on a row: 96 columns are 6 copies of 16 bytes
-    assert "16-byte copies" in why_invalid(_e4m3(policy_decode.decode_spec("bf16", 96, 128)))
+    assert "16-byte copies" in why_invalid(_e4m3(policy_decode.decode_spec("bf16", 96, 128, copy=SECTORS)))
 
 
 def test_e4m3_decode_module_widens_and_takes_descales():
@@ -814,7 +819,7 @@ def test_e4m3_decode_module_widens_and_takes_descales():
     assert "mKDescale[batch, None]" in text and "mVDescale[batch, None]" in text
     assert "scale_log2 = scale_log2 * mKDescale[batch, head_kv]" in text
     assert "acc_O.load() * mVDescale[batch, head_kv]" in text
-    capped = codegen.render_source(_e4m3(policy_decode.decode_spec("bf16", 128, 4, softcap=True)))
+    capped = codegen.render_source(_e4m3(policy_decode.decode_spec("bf16", 128, 4, softcap=True, copy=SECTORS)))
     assert "cap_pre_scale = cap_pre_scale * mKDescale[batch, head_kv]" in capped
     plain = codegen.render_source(policy_decode.decode_spec("bf16", 128, 4))
     assert "Descale" not in plain and "decode_fp8" not in plain and "self.append(" in plain

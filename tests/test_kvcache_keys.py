@@ -16,6 +16,7 @@ from cutefa.model.options import CacheDtype, Mask
 from cutefa.model.rules import why_invalid
 
 KEYS, ROWS = policy_decode.DecodeSchedule.KEYS, policy_decode.DecodeSchedule.ROWS
+SECTORS = policy_decode.DecodeCopy.SECTORS
 with_kvcache = kvcache.flash_attn_with_kvcache
 
 
@@ -48,7 +49,7 @@ def test_rows_variants_keep_their_names_and_source():
     """ROWS stays the default and its modules do not change (no KEYS piece in them)."""
     spec = policy_decode.decode_spec("bf16", 128, 4, paged=True)
     assert spec == policy_decode.decode_spec("bf16", 128, 4, paged=True, schedule=ROWS)
-    assert spec.name == "cutefa_sm80_fwd_bf16_hd128_16x64_s2_w1_paged_split"
+    assert spec.name == "cutefa_sm80_fwd_bf16_hd128_16x64_s2_w1_paged_split_lcp"  # the default LINES copy
     assert policy_decode.schedule_of(spec) is ROWS and policy_decode.key_warps(spec) == 1
     source = codegen.render_source(spec)
     assert "decode_warps" not in source and "sync_warp" not in source and "KEY_WARPS" not in source
@@ -70,7 +71,7 @@ def test_rules_refuse_what_the_keys_kernel_lacks():
     assert "16 each" in why_invalid(base.replace(tile_n=128))
     assert "16-row decode tiles only" in why_invalid(base.replace(tile_m=32, tile_n=64, warps=4))
     assert "16-row decode tiles only" in why_invalid(base.replace(warps=3, tile_n=48))
-    assert "head dims 64 and 128" in why_invalid(policy_decode.decode_spec("bf16", 256, 4).replace(
+    assert "head dims 64 and 128" in why_invalid(policy_decode.decode_spec("bf16", 256, 4, copy=SECTORS).replace(
         tile_n=64, warps=4, stages=3))  # fmt: skip
     e4m3 = base.replace(options=base.options.replace(cache_dtype=CacheDtype.E4M3))
     assert "e4m3" in why_invalid(e4m3)
@@ -145,8 +146,8 @@ def test_rows_split_counts_do_not_change():
     ("env", "read", "default", "asked", "chosen", "bad", "error"),
     [(kvcache.SCHEDULE_ENV, kvcache.decode_schedule, ROWS, " KEYS ", KEYS, "cols",
       "CUTEFA_DECODE_SCHEDULE='cols'.*rows, keys"),
-     (kvcache.COPY_ENV, kvcache.decode_copy, policy_decode.DecodeCopy.SECTORS, " Lines ",
-      policy_decode.DecodeCopy.LINES, "words", "CUTEFA_DECODE_COPY='words'.*sectors, lines")],
+     (kvcache.COPY_ENV, kvcache.decode_copy, None, " Sectors ",
+      policy_decode.DecodeCopy.SECTORS, "words", "CUTEFA_DECODE_COPY='words'.*sectors, lines")],
     ids=["schedule", "copy"],
 )  # fmt: skip
 def test_decode_switches_come_from_the_environment(

@@ -21,12 +21,12 @@ Usage (on the GPU machine)::
     python tools/bench_decode.py --batches 1,64 --caches 8192 --layouts dense,16 --tokens 1,4
     python tools/bench_decode.py --grid full --mem-gib 24       # the grid, cells within memory
     python tools/bench_decode.py --grid quick --variants rows,keys   # both decode schedules side by side
-    python tools/bench_decode.py --grid quick --variants rows,rows/lines   # both copy layouts
+    python tools/bench_decode.py --grid quick --variants rows,rows/sectors   # the policy's copy vs sectors
 
 ``--variants`` takes decode schedules (cutefa.model.policy_decode.DecodeSchedule: ``rows``, one warp
 per 16-row slab, the default; ``keys``, warps splitting the keys of a 16-row tile), each optionally
-followed by ``/`` and a copy layout (DecodeCopy: ``sectors``, the default, or ``lines``): one cutefa
-column each (``cutefa`` for the first, ``cutefa[<variant>]`` for the others), each run under
+followed by ``/`` and a copy layout (DecodeCopy: ``sectors`` or ``lines``; none: the policy's
+choice per cell, policy_decode.default_copy): one cutefa column each (``cutefa`` for the first, ``cutefa[<variant>]`` for the others), each run under
 ``CUTEFA_DECODE_SCHEDULE`` and ``CUTEFA_DECODE_COPY`` set to it, and a cutefa / best peer ratio each.
 
 ``--graphs`` times every side as serving engines run a decode step: captured once in a CUDA graph
@@ -456,7 +456,7 @@ def precompile(cells, jobs: int, variants=("rows",)) -> None:
     specs = {
         policy_decode.decode_spec(
             "bf16", HEAD_DIM, c.tokens * (c.hq // c.hkv), mask=Mask.CAUSAL if c.tokens > 1 else Mask.NONE,
-            paged=c.page is not None, schedule=schedule, copy=copy,
+            paged=c.page is not None, schedule=schedule, copy=copy, kv_bytes=c.kv_bytes,
         )
         for c in cells for schedule, copy in choices
     }  # fmt: skip

@@ -19,8 +19,9 @@ The decode tile's schedule (:class:`cutefa.model.policy_decode.DecodeSchedule`: 
 slab, or warps splitting the keys of a 16-row tile) is ROWS unless the environment variable
 ``CUTEFA_DECODE_SCHEDULE`` says ``keys`` (read at each call, so that a benchmark compares both in
 one process). Likewise its K/V copy layout (:class:`cutefa.model.policy_decode.DecodeCopy`: a
-32-byte sector per thread pair, or a 128-byte line per 8 threads) is SECTORS unless
-``CUTEFA_DECODE_COPY`` says ``lines``.
+32-byte sector per thread pair, or a 128-byte line per 8 threads) is the policy's per call
+(:func:`cutefa.model.policy_decode.default_copy`: LINES, SECTORS for a small paged cache) unless
+``CUTEFA_DECODE_COPY`` says ``sectors`` or ``lines``.
 
 An e4m3 cache (q 16-bit, ``k_descale``/``v_descale``; :mod:`cutefa.api.kvcache_e4m3`) takes its own
 op, ``cutefa::kvcache_attn_e4m3`` (it mutates the cache too: the append quantizes the new tokens with
@@ -213,15 +214,17 @@ def decode_schedule() -> policy_decode.DecodeSchedule:
     )
 
 
-def decode_copy() -> policy_decode.DecodeCopy:
-    """The decode copy layout :data:`COPY_ENV` asks for (``sectors``, the default, or ``lines``)."""
-    return _env_choice(
-        COPY_ENV, policy_decode.DecodeCopy, policy_decode.DecodeCopy.SECTORS, "decode copy layout"
-    )
+def decode_copy() -> policy_decode.DecodeCopy | None:
+    """The decode copy layout :data:`COPY_ENV` asks for (``sectors`` or ``lines``), or None where it
+    is unset or empty: the policy's per call (:func:`cutefa.model.policy_decode.default_copy`)."""
+    if not os.environ.get(COPY_ENV, "").strip():
+        return None
+    return _env_choice(COPY_ENV, policy_decode.DecodeCopy, policy_decode.DecodeCopy.LINES, "decode copy layout")
 
 
 def decode_spec(
-    q: torch.Tensor, k_cache: torch.Tensor, paged: bool, causal: bool, windowed: bool, softcap: float
+    q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor | None, causal: bool, windowed: bool,
+    softcap: float,
 ) -> VariantSpec:
     """The decode variant for the call (:func:`cutefa.model.policy_decode.decode_spec` with
     :func:`decode_schedule` and :func:`decode_copy`; an e4m3 ``k_cache`` takes the e4m3-cache variant)."""
@@ -229,9 +232,16 @@ def decode_spec(
     rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
     cache_dtype = CacheDtype.E4M3 if k_cache.dtype == torch.float8_e4m3fn else CacheDtype.SAME
     return policy_decode.decode_spec(
-        TORCH_DTYPE_NAMES[str(q.dtype).removeprefix("torch.")], q.shape[3], rows, mask=mask, paged=paged,
-        softcap=softcap != 0.0, cache_dtype=cache_dtype, schedule=decode_schedule(), copy=decode_copy(),
+        TORCH_DTYPE_NAMES[str(q.dtype).removeprefix("torch.")], q.shape[3], rows, mask=mask,
+        paged=page_table is not None, softcap=softcap != 0.0, cache_dtype=cache_dtype, schedule=decode_schedule(),
+        copy=decode_copy(), kv_bytes=cache_bytes(q.shape[0], k_cache, page_table),
     )  # fmt: skip
+
+
+def cache_bytes(batch: int, k_cache: torch.Tensor, page_table: torch.Tensor | None) -> int:
+    """The K and V bytes a call's cache holds for its ``batch`` sequences at capacity (shapes only)."""
+    per_token = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    return 2 * batch * capacity(k_cache, page_table) * per_token
 
 
 @functools.cache
@@ -363,7 +373,7 @@ def decode(
         return out, lse
     windowed = (window_left, window_right) != (-1, -1)
     if spec is None:
-        spec = decode_spec(q, k_cache, page_table is not None, causal, windowed, softcap)
+        spec = decode_spec(q, k_cache, page_table, causal, windowed, softcap)
     if target is None:
         target = dispatch.device_target(q.device)[0]
     if descales and (reason := why_invalid(spec) or why_not_on(spec, target)) is not None:

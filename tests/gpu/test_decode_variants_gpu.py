@@ -1,10 +1,11 @@
-"""The opt-in decode variants on a CUDA GPU, each against the float32 reference on the gathered
-dense cache and against the default variant's answer on the same inputs:
+"""The decode variants on a CUDA GPU, each against the float32 reference on the gathered dense
+cache and against the other variant's answer on the same inputs:
 
 - ``keys``: the KEYS schedule (cutefa.model.policy_decode.DecodeSchedule: the warps of a 16-row tile
   split each key block and merge their rows in shared memory), through ``CUTEFA_DECODE_SCHEDULE=keys``;
 - ``lines``: the line-wide K/V copies (DecodeCopy.LINES: 8 threads of 16 bytes on a 128-byte line of
-  a row instead of 2 on a 32-byte sector), through ``CUTEFA_DECODE_COPY=lines``.
+  a row instead of 2 on a 32-byte sector; the default but on small paged caches,
+  policy_decode.default_copy), through ``CUTEFA_DECODE_COPY=lines``, against ``sectors``.
 
 Covered for each: every page size (16 to 256) with sequences ending mid-page, num_splits 1 to 16
 giving one answer, ragged cache_seqlens with 0 and 1 and lengths that leave some warps of a block
@@ -77,8 +78,8 @@ def _is_variant(spec, name: str) -> bool:
 def takes(variant):
     """Assert that a call's decode variant is the one under test."""
 
-    def check(q, k_cache, paged=False, causal=False, window=(-1, -1), softcap=0.0):
-        spec = kvcache.decode_spec(q, k_cache, paged, causal, tuple(window) != (-1, -1), softcap)
+    def check(q, k_cache, page_table=None, causal=False, window=(-1, -1), softcap=0.0):
+        spec = kvcache.decode_spec(q, k_cache, page_table, causal, tuple(window) != (-1, -1), softcap)
         assert _is_variant(spec, variant), spec.name
 
     return check
@@ -91,7 +92,7 @@ def test_paged_every_page_size(gen, takes, page_size, num_splits):
     lens = [0, 1, page_size + page_size // 2 + 3, 5 * page_size - 1, 17]
     k_pool, v_pool, table, keys, values = kv.cache_of(gen, batch, hkv, d, lens, True, page_size)
     q = kv.randn(gen, batch, 1, hq, d)
-    takes(q, k_pool, paged=True)
+    takes(q, k_pool, table)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out, lse = with_kvcache(
         q, k_pool, v_pool, cache_seqlens=seqlens, page_table=table, num_splits=num_splits, return_lse=True
@@ -105,7 +106,7 @@ def test_num_splits_one_to_sixteen_agree(gen, takes, paged):
     lens = [2048, 1111, 65]
     q = kv.randn(gen, batch, 1, hq, d)
     k_cache, v_cache, table, keys, values = kv.cache_of(gen, batch, hkv, d, lens, paged, 16, 2048)
-    takes(q, k_cache, paged=paged)
+    takes(q, k_cache, table)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     want = kv.reference(q, keys, values, lens)
     first = None
@@ -167,7 +168,7 @@ def test_window_and_softcap(gen, takes, window, causal, softcap, paged, seqlen_q
     q = kv.randn(gen, batch, seqlen_q, hq, d)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     k_cache, v_cache, table, keys, values = kv.cache_of(gen, batch, hkv, d, lens, paged, 32, 512)
-    takes(q, k_cache, paged=paged, causal=causal, window=window, softcap=softcap)
+    takes(q, k_cache, table, causal=causal, window=window, softcap=softcap)
     for splits in (1, 5):
         out, lse = with_kvcache(
             q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=causal, window_size=window,
