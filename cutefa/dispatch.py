@@ -38,6 +38,7 @@ from cutefa.tuned_tables import forget_tables, seqlen_bucket, tables_for
 log = logging.getLogger("cutefa")
 
 NO_FEATURES = Features()  # a dense problem's feature axes
+PACKED = Features(varlen=True)  # a packed batch with nothing else: its table candidate
 
 MIN_CC = 80
 
@@ -323,6 +324,8 @@ def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpe
     if missing:
         yield family, None, missing
         return
+    if not problem.local and problem.features == PACKED and not problem.separate_v:
+        yield from _packed_table_candidate(family, problem)
     if problem.local or problem.features.any:
         label, spec, reason = _heuristic_candidate(family, problem)
         if spec is not None:
@@ -330,15 +333,12 @@ def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpe
             spec = problem.with_features(spec)
             reason = f"{reason}; with {' + '.join(asked)}"
             if problem.uneven:
-                from cutefa.model.policy_sm90 import UNEVEN_FILL, varlen_uneven
+                from cutefa.model.policy_sm90 import varlen_uneven
 
                 lpt = varlen_uneven(spec)
                 if lpt != spec:
                     spec = lpt
-                    reason += (
-                        f"; the LPT scheduler: an uneven packed batch ({problem.total_q} query rows of "
-                        f"{problem.batch} x {problem.seqlen_q}, at most {UNEVEN_FILL:g} full)"
-                    )
+                    reason += f"; {_lpt_note(problem)}"
             label = spec.name
         yield label, spec, reason
         return
@@ -346,6 +346,35 @@ def _candidates(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpe
     if from_table:
         yield from_table
     yield _heuristic_candidate(family, problem)
+
+
+def _packed_table_candidate(family: str, problem: Problem) -> Iterator[tuple[str, VariantSpec | None, str]]:
+    """A packed batch's (varlen alone) candidate from the tuned table of its dense problem (max
+    lengths as its lengths): the table's variant carried over by
+    :func:`cutefa.model.policy_sm90.fwd_varlen_from_dense` (the LPT scheduler for an uneven batch).
+    Nothing where the family has no such form or the table no usable entry: the family default with
+    the varlen axis follows."""
+    dense = replace(problem, features=NO_FEATURES, total_q=None)
+    found = _table_candidate(family, dense)
+    if found is None or found[1] is None:
+        return
+    from cutefa.model.policy_sm90 import fwd_varlen_from_dense
+
+    spec = fwd_varlen_from_dense(found[1], problem.uneven)
+    if spec is None:
+        return
+    how = _lpt_note(problem) if problem.uneven else "the plain grid"
+    yield spec.name, spec, f"{found[2]}; its packed form (varlen, {how})"
+
+
+def _lpt_note(problem: Problem) -> str:
+    """Why an uneven packed batch runs the LPT scheduler."""
+    from cutefa.model.policy_sm90 import UNEVEN_FILL
+
+    return (
+        f"the LPT scheduler: an uneven packed batch ({problem.total_q} query rows of {problem.batch} x "
+        f"{problem.seqlen_q}, at most {UNEVEN_FILL:g} full)"
+    )
 
 
 def _search(problem: Problem) -> tuple[Choice | None, list[tuple[str, str]]]:

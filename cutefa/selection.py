@@ -384,6 +384,9 @@ def model_plan(model: ModelAttention, target: str, selection: Selection = Select
     return ModelPlan(model, tuple(sorted(specs)), tuple(notes))
 
 
+PACKED = Features(varlen=True)  # a packed batch with nothing else
+
+
 def _model_feature_variants(
     model: ModelAttention, target: str, families: Sequence[str], selection: Selection, dtypes: Sequence[str],
     masks: Sequence[Mask],
@@ -397,6 +400,7 @@ def _model_feature_variants(
     if model.sliding_window:
         wanted += [(Mask.LOCAL, extra), (Mask.LOCAL, dataclasses.replace(extra, varlen=True))]
     found = []
+    separate_v = model.head_dim_v != model.head_dim  # (no tuned table measures such a pair)
     for direction in selection.directions or DIRECTIONS:
         for dtype in dtypes:
             for mask, features in wanted:
@@ -410,8 +414,27 @@ def _model_feature_variants(
                     spec = spec.replace(mask=mask, features=features)
                     if _usable(spec, target):
                         found.append(spec)
+                        if features == PACKED and mask is not Mask.LOCAL:
+                            found += _packed_forms(spec, family, direction, target, dtype, model.head_dim, separate_v)
                         break
     return found
+
+
+def _packed_forms(
+    default: VariantSpec, family: str, direction: str, target: str, dtype: str, head_dim: int, separate_v: bool
+) -> list[VariantSpec]:  # fmt: skip
+    """What dispatch runs for a packed batch with nothing else besides ``default`` (the family
+    default with the varlen axis): its LPT form for an uneven batch
+    (:func:`cutefa.model.policy_sm90.varlen_uneven`), and the packed forms (even and uneven batch)
+    of the problem's tuned-table variants (:func:`cutefa.model.policy_sm90.fwd_varlen_from_dense`;
+    none where v has a head dim of its own: no table measures such a pair)."""
+    from cutefa.model.policy_sm90 import fwd_varlen_from_dense, varlen_uneven
+
+    found = [varlen_uneven(default)]
+    causal = default.mask is Mask.CAUSAL
+    tables = [] if separate_v else _table_variants(family, direction, target, dtype, head_dim, causal)
+    found += [fwd_varlen_from_dense(dense, uneven) for dense in tables for uneven in (False, True)]
+    return [spec for spec in found if _usable(spec, target) and spec != default]
 
 
 def _gaps(model: ModelAttention, universe: Sequence[VariantSpec]) -> list[str]:

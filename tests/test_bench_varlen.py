@@ -184,39 +184,23 @@ def test_variant_tails_complete_per_cell():
     with pytest.raises(ValueError, match="varlen"):
         bench_varlen.variant_name("128x128_s2_w12_ov_pp", flat)
     args = bench_varlen.parse_args(["--quick", "--variants", f"{tail}, 128x176_s2_w12_varlen_ov_pp_pcvt"])
-    assert args.variants == [tail, "128x176_s2_w12_varlen_ov_pp_pcvt"] and "cutefa-next" in args.sides
+    assert args.variants == [tail, "128x176_s2_w12_varlen_ov_pp_pcvt"] and args.sides[0] == "cutefa"
     for bad in ("128x128_s2_w12_ov_pp", "cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_varlen_ov_pp"):
         with pytest.raises(SystemExit):
             bench_varlen.parse_args(["--variants", bad])
 
 
 def test_direct_sides_are_forward_only_and_report_against_cutefa():
-    sides = bench_varlen.variant_sides(["128x128_s2_w12_varlen_ov_pp_hfirst"]) + [bench_varlen._cutefa_next()]
-    assert [s.name for s in sides] == ["cutefa:128x128_s2_w12_varlen_ov_pp_hfirst", "cutefa-next"]
+    sides = bench_varlen.variant_sides(["128x128_s2_w12_varlen_ov_pp_hfirst", "128x128_s2_w12_varlen_ov_pp_lpt"])
+    assert [s.name for s in sides] == ["cutefa:128x128_s2_w12_varlen_ov_pp_hfirst", "cutefa:128x128_s2_w12_varlen_ov_pp_lpt"]
     for side in sides:
         assert side.make is not None, side.missing
         with pytest.raises(bench_sides.NotApplicable, match="forward only"):
             side.make(small("bwd"))
     line = bench_varlen.run_problem(
-        small(), [_side("cutefa"), _side("cutefa-next")], _Timer(), 3, 4, device="cpu"
+        small(), [_side("cutefa"), _side("cutefa:lpt")], _Timer(), 3, 4, device="cpu"
     )
-    text = bench_varlen.report([line], ["cutefa", "cutefa-next"], {})
-    assert "| cutefa-next / cutefa |" in text.splitlines()[4]
+    text = bench_varlen.report([line], ["cutefa", "cutefa:lpt"], {})
+    assert "| cutefa:lpt / cutefa |" in text.splitlines()[4]
     row = next(ln for ln in text.splitlines() if ln.startswith(f"| {line.label}"))
     assert row.endswith("| 1.00x |")
-
-
-def test_next_is_the_policys_varlen_form_of_the_dense_choice(monkeypatch):
-    from cutefa.model.spec import parse_name
-
-    dense = parse_name("cutefa_sm90_fwd_bf16_hd128_128x176_s2_w12_ov_pp_pcvt")
-    monkeypatch.setattr(bench_varlen, "dense_choice", lambda p: dense)
-    p = bench_varlen.Problem("8x2k", "bf16", 128, False, "fwd", (2048,) * 8)
-    assert (
-        bench_varlen.next_spec(p).name == "cutefa_sm90_fwd_bf16_hd128_128x176_s2_w12_varlen_ov_pp_hfirst_pcvt"
-    )
-    monkeypatch.setattr(
-        bench_varlen, "dense_choice", lambda p: parse_name("cutefa_sm80_fwd_bf16_hd128_128x64_s1_w4")
-    )
-    with pytest.raises(bench_sides.NotApplicable):
-        bench_varlen.next_spec(p)

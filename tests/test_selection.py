@@ -14,7 +14,7 @@ from cutefa import cli, dispatch, pack, pack_build, selection, tuned_tables
 from cutefa import compile as cc
 from cutefa.model.committed import default_variants
 from cutefa.model.defaults import default_spec
-from cutefa.model.options import Mask
+from cutefa.model.options import Mask, Scheduler
 from cutefa.model.rules import why_not_on
 from cutefa.model.spec import Features, VariantSpec
 
@@ -388,7 +388,9 @@ def test_a_separate_v_head_dim_selects_the_kernels_of_the_pair(tmp_path):
     bwd = default_spec("sm90", "bwd", "bf16", 192, **causal)
     fwd = default_spec("sm90", "fwd", "bf16", 192, **causal)
     packed_bwd = default_spec("sm80", "bwd", "bf16", 192, **causal).replace(features=Features(varlen=True))
-    assert set(plan.specs) == {bwd, fwd, fwd.replace(features=Features(varlen=True)), packed_bwd}
+    packed = fwd.replace(features=Features(varlen=True))
+    uneven = packed.replace(scheduler=Scheduler.LPT)  # what an uneven packed batch runs
+    assert set(plan.specs) == {bwd, fwd, packed, uneven, packed_bwd}
     assert bwd in default_variants("sm90")  # committed
     sm80 = selection.model_plan(model, "sm_80")
     assert {(s.arch, s.direction) for s in sm80.specs} == {("sm80", "fwd"), ("sm80", "bwd")}
@@ -413,3 +415,22 @@ def test_for_model_with_nothing_selectable_is_an_error(built, capsys, tmp_path):
     assert cli.main(["compile", "--for-model", str(MODELS / "llama3_8b.json")]) == 2
     assert "--for-model: give --target" in capsys.readouterr().err
     assert built == []
+
+
+def test_a_models_pack_holds_what_its_packed_batches_run():
+    """Packed batches (even and uneven, short and long) dispatch to kernels the model's plan holds:
+    the tuned tables' packed forms and the default's LPT form (dispatch._packed_table_candidate)."""
+    import torch
+
+    from cutefa import dispatch
+    from cutefa.model.spec import Features
+
+    llama = selection.model_plan(selection.read_model_config(MODELS / "llama3_8b.json"), "sm_90a")
+    for seqlen in (1000, 2048, 8192):
+        for total_q in (8 * seqlen, seqlen):  # even, uneven
+            choice = dispatch.choose(
+                target="sm_90a", dtype=torch.bfloat16, causal=True, head_dim=128, seqlen_q=seqlen, seqlen_k=seqlen,
+                batch=8, heads_q=32, heads_kv=8, gpu_name="NVIDIA H200", features=Features(varlen=True),
+                total_q=total_q,
+            )  # fmt: skip
+            assert choice.spec in llama.specs, choice.spec.name

@@ -1,8 +1,8 @@
 """The packed-batch forward's heavy-first grid (Scheduler.HEAVY_FIRST, templates/fwd_sm90.py.j2) and
 the policy that carries a dense choice over to a packed batch (policy_sm90.fwd_varlen_from_dense):
 which specs take them, the names, what the generated module does (LPT's order over every
-sequence's query tiles, a CTA past its sequence's tiles leaving before any setup), and that the
-dispatched defaults stay as they were."""
+sequence's query tiles, a CTA past its sequence's tiles leaving before any setup), and what
+dispatch runs for a packed batch (its dense problem's table variant carried over; LPT when uneven)."""
 
 from __future__ import annotations
 
@@ -76,16 +76,23 @@ def test_three_consumer_causal_heavy_first_keeps_the_uniform_datapath_option():
     "dense, expected",
     [
         ("cutefa_sm90_fwd_bf16_hd128_128x176_s2_w12_ov_pp_pcvt",
-         "cutefa_sm90_fwd_bf16_hd128_128x176_s2_w12_varlen_ov_pp_hfirst_pcvt"),
+         "cutefa_sm90_fwd_bf16_hd128_128x176_s2_w12_varlen_ov_pp_pcvt"),
         ("cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_causal_ov_pp_persist",
-         "cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_causal_varlen_ov_pp_hfirst"),
+         "cutefa_sm90_fwd_bf16_hd128_128x128_s2_w12_causal_varlen_ov_pp"),
         ("cutefa_sm90_fwd_fp16_hd64_192x128_s2_w16_causal_ov_pp_lpt",
-         "cutefa_sm90_fwd_fp16_hd64_192x128_s2_w16_causal_varlen_ov_pp_hfirst"),
+         "cutefa_sm90_fwd_fp16_hd64_192x128_s2_w16_causal_varlen_ov_pp"),
     ],
 )  # fmt: skip
 def test_a_dense_choice_carries_over_to_a_packed_batch(dense, expected):
+    """Its tile and options, the plain grid for an even batch and LPT for an uneven non-causal one,
+    whatever scheduler the dense call runs; an uneven causal batch keeps the family default (None)."""
     spec = policy_sm90.fwd_varlen_from_dense(parse_name(dense))
     assert spec is not None and spec.name == expected and why_invalid(spec) is None
+    uneven = policy_sm90.fwd_varlen_from_dense(parse_name(dense), uneven=True)
+    if spec.mask is Mask.CAUSAL:
+        assert uneven is None
+    else:
+        assert uneven == spec.replace(scheduler=Scheduler.LPT) and why_invalid(uneven) is None
 
 
 def test_no_packed_form_outside_the_16_bit_sm90_forward():
@@ -101,18 +108,27 @@ def test_no_packed_form_outside_the_16_bit_sm90_forward():
     assert policy_sm90.fwd_varlen_from_dense(_spec(mask=Mask.LOCAL, features=Features())) is None
 
 
-def test_dispatch_still_runs_the_default_with_the_varlen_axis():
+def test_dispatch_runs_the_packed_form_of_the_tables_variant():
+    """A packed batch with nothing else runs its dense problem's tuned-table variant (max lengths as
+    its lengths) with the varlen axis; explain says so."""
     import torch
 
     from cutefa import dispatch
 
-    for causal in (False, True):
-        choice = dispatch.choose(
-            target="sm_90a", dtype=torch.bfloat16, causal=causal, gpu_name="NVIDIA H100 80GB HBM3", head_dim=128,
-            seqlen_q=2048, seqlen_k=2048, batch=8, heads_q=16, heads_kv=16, features=VARLEN,
-        )  # fmt: skip
-        assert choice.spec.features == VARLEN
-        assert choice.spec.options.scheduler is Scheduler.GRID, choice.spec.name
+    for causal, length in ((False, 2048), (True, 2048), (False, 1000), (True, 16384)):
+        kw = {
+            "target": "sm_90a", "dtype": torch.bfloat16, "causal": causal, "gpu_name": "NVIDIA H100 80GB HBM3",
+            "head_dim": 128, "seqlen_q": length, "seqlen_k": length, "batch": 8, "heads_q": 16, "heads_kv": 16,
+        }  # fmt: skip
+        dense = dispatch.choose(**kw)
+        assert "tuned table" in dense.reason
+        packed = dispatch.choose(**kw, features=VARLEN, total_q=8 * length)
+        assert packed.spec == policy_sm90.fwd_varlen_from_dense(dense.spec), (causal, length)
+        assert packed.spec.options.scheduler is Scheduler.GRID
+        assert "its packed form (varlen, the plain grid)" in packed.reason
+    # e4m3 has no packed form of its table's variants: the family default with the varlen axis
+    fp8 = dispatch.choose(**{**kw, "dtype": torch.float8_e4m3fn}, features=VARLEN, total_q=8 * length)
+    assert "heuristic" in fp8.reason and fp8.spec.features == VARLEN
 
 
 # --- an uneven packed batch: the LPT scheduler -------------------------------------------------
@@ -160,6 +176,11 @@ def test_dispatch_runs_lpt_on_an_uneven_batch_and_grid_on_an_even_one(causal):
     uneven = _choose(16384, causal=causal)
     assert uneven.spec.options.scheduler is Scheduler.LPT and uneven.spec.features == VARLEN
     assert "the LPT scheduler: an uneven packed batch (16384 query rows of 40 x 8192" in uneven.reason
+    # non-causal: the table's tile (128x176, paired conversions); causal: the family default's 128x128
+    if causal:
+        assert "heuristic" in uneven.reason and (uneven.spec.tile_n, uneven.spec.options.pair_cvt) == (128, False)
+    else:
+        assert "tuned table" in uneven.reason and (uneven.spec.tile_n, uneven.spec.options.pair_cvt) == (176, True)
     even = _choose(8 * 2048, batch=8, seqlen=2048, causal=causal)
     assert even.spec.options.scheduler is Scheduler.GRID
     assert _choose(None, causal=causal).spec.options.scheduler is Scheduler.GRID  # not known: as before
@@ -168,7 +189,7 @@ def test_dispatch_runs_lpt_on_an_uneven_batch_and_grid_on_an_even_one(causal):
     assert _choose(40 * 8192, causal=causal).spec.options.scheduler is Scheduler.GRID
     # features beside varlen keep the family default's grid
     softcap = _choose(16384, causal=causal, features=Features(varlen=True, softcap=True))
-    assert softcap.spec.options.scheduler is Scheduler.GRID
+    assert softcap.spec.options.scheduler is Scheduler.GRID and "heuristic" in softcap.reason
 
 
 def test_the_packs_ship_what_an_uneven_batch_runs():
@@ -196,4 +217,4 @@ def test_explain_names_the_rows_and_the_scheduler(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("cutefa forward: varlen: 40 sequences, 16384 query rows, max_seqlen_q=8192")
-    assert "_varlen_ov_pp_lpt " in out and "an uneven packed batch" in out
+    assert "_varlen_ov_pp_lpt_pcvt " in out and "an uneven packed batch" in out

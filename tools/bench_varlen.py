@@ -10,12 +10,10 @@ and not, forward and backward:
   (8, 2048, heads, head_dim) (``cutefa-dense``): the varlen overhead;
 - (c) ``64x100-300``: 64 sequences of 100 to 300 tokens (fixed seed).
 
-Sides: ``cutefa`` (``flash_attn_varlen_func``); ``cutefa-next`` (forward only: the variant
-:func:`cutefa.model.policy_sm90.fwd_varlen_from_dense` makes of the dense call's choice, run
-directly with the varlen calling convention: what the varlen call would run if dispatch took it);
-``cutefa:TAIL`` for each ``--variants`` entry (forward only: the variant named
-``cutefa_sm90_fwd_<dtype>_hd<hdim>_TAIL`` with ``causal_`` before ``varlen`` in causal cells, run
-the same way; e.g. ``128x128_s2_w12_varlen_ov_pp_hfirst``); ``FA4`` (``flash_attn.cute.flash_attn_varlen_func``,
+Sides: ``cutefa`` (``flash_attn_varlen_func``); ``cutefa:TAIL`` for each ``--variants`` entry
+(forward only: the variant named ``cutefa_sm90_fwd_<dtype>_hd<hdim>_TAIL`` with ``causal_`` before
+``varlen`` in causal cells, run directly with the varlen calling convention; e.g.
+``128x128_s2_w12_varlen_ov_pp_lpt``); ``FA4`` (``flash_attn.cute.flash_attn_varlen_func``,
 its packed lse (heads, total)); ``FA2``: PyTorch's FlashAttention-2 on the packed sequences
 (``torch.ops.aten._flash_attention_forward`` with ``cum_seq_q``/``cum_seq_k``, what SDPA runs for
 nested tensors, differentiable): SDPA's flash backend on the padded equivalent cannot mask the
@@ -61,7 +59,7 @@ GROUPS = ("longtail", "8x2k", "64x100-300")
 DTYPES = ("bf16", "fp16")
 HDIMS = (64, 128, 256)
 QUICK = {"groups": ("longtail", "8x2k"), "dtypes": ("bf16",), "hdims": (128,)}
-SIDES = ("cutefa", "cutefa-dense", "cutefa-next", "FA4", "FA2", "cuDNN")
+SIDES = ("cutefa", "cutefa-dense", "FA4", "FA2", "cuDNN")
 FAMILY_PREFIX = "cutefa_sm90_fwd_{dtype}_hd{hdim}_"  # + a --variants tail
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -188,29 +186,6 @@ def variant_name(tail: str, p: Problem) -> str:
     return FAMILY_PREFIX.format(dtype=p.dtype, hdim=p.hdim) + "_".join(tokens)
 
 
-def dense_choice(p: Problem):
-    """The variant cutefa's dense call chooses for the cell's problem (max lengths, its batch)."""
-    import torch
-
-    from cutefa import dispatch
-
-    m = max(p.lengths)
-    return dispatch.choose(
-        target=dispatch.current_target(), dtype=getattr(torch, DTYPE_NAMES[p.dtype]), causal=p.causal,
-        head_dim=p.hdim, seqlen_q=m, seqlen_k=m, batch=len(p.lengths), heads_q=p.heads, heads_kv=p.heads,
-    ).spec  # fmt: skip
-
-
-def next_spec(p: Problem):
-    """The ``cutefa-next`` side's variant of a cell: the policy's varlen form of the dense choice."""
-    from cutefa.model.policy_sm90 import fwd_varlen_from_dense
-
-    spec = fwd_varlen_from_dense(dense_choice(p))
-    if spec is None:
-        raise NotApplicable("no packed form of the dense choice")
-    return spec
-
-
 def _direct(name: str, spec_of) -> Side:
     """A side running one variant (``spec_of(problem)``) directly with the varlen calling
     convention (cutefa/api/features.py), the outputs prepared as the varlen call prepares them."""
@@ -241,19 +216,13 @@ def _direct(name: str, spec_of) -> Side:
             assert_lengths_async(cu, None, q.shape[0], m, "q")
             assert_lengths_async(cu, None, k.shape[0], m, "k")
             used = cu[1:] - cu[:-1]  # seqused from the spans, as the call makes it
-            out, lse = empty_outputs(q, True)
-            out.zero_()
-            lse.fill_(-math.inf)
+            out, lse = empty_outputs(q, True)  # rows of no sequence: the kernel's module fills them
             call_on(q.device, kernel, aligned(q), aligned(k), aligned(v), out, lse, scale, cu, cu, used, used, m)
             return out, lse
 
         return fwd
 
     return Side(name, make)
-
-
-def _cutefa_next() -> Side:
-    return _direct("cutefa-next", next_spec)
 
 
 def variant_sides(tails) -> list[Side]:
@@ -348,7 +317,7 @@ def _cudnn() -> Side:
 
 def load_sides(names) -> list[Side]:
     makers = {
-        "cutefa": _cutefa, "cutefa-dense": _cutefa_dense, "cutefa-next": _cutefa_next, "FA4": _fa4, "FA2": _fa2,
+        "cutefa": _cutefa, "cutefa-dense": _cutefa_dense, "FA4": _fa4, "FA2": _fa2,
         "cuDNN": _cudnn,
     }  # fmt: skip
     return [makers[n]() for n in names]
@@ -381,7 +350,7 @@ def run_problem(p: Problem, sides, time_ms, rounds: int, slices: int, device="cu
 
 def cutefa_specs(ps: list[Problem], tails=(), sides=SIDES) -> list:
     """The variants cutefa's calls of the grid dispatch to, and the forward variants of the
-    ``cutefa-next`` and ``--variants`` sides (for --precompile)."""
+    ``--variants`` sides (for --precompile)."""
     import torch
 
     from cutefa import dispatch
@@ -399,7 +368,7 @@ def cutefa_specs(ps: list[Problem], tails=(), sides=SIDES) -> list:
         f = FeatureArgs(cu_seqlens_q=torch.zeros(2, dtype=torch.int32), max_seqlen_q=m, max_seqlen_k=m)
         picks = [
             (dispatch.choose, {"target": target, "dtype": dtype, "causal": p.causal,
-                               "features": Features(varlen=True), **shape}),
+                               "features": Features(varlen=True), "total_q": sum(p.lengths), **shape}),
             (feature_bwd.choose_bwd, {"target": target, "dtype": dtype, "head_dim": p.hdim, "causal": p.causal,
                                       "f": f, "seqlen_k": m}),
         ]  # fmt: skip
@@ -407,8 +376,6 @@ def cutefa_specs(ps: list[Problem], tails=(), sides=SIDES) -> list:
             picks.append((dispatch.choose, {"target": target, "dtype": dtype, "causal": p.causal, **shape}))
             picks.append((backward.choose_bwd, {"target": target, "dtype": dtype, "head_dim": p.hdim,
                                                 "causal": p.causal, "seqlen_k": m}))  # fmt: skip
-        if p.pass_ == "fwd" and "cutefa-next" in sides:
-            picks.append((next_spec, {"p": p}))
         if p.pass_ == "fwd":
             picks += [(lambda tail, p: parse_name(variant_name(tail, p)), {"tail": t, "p": p}) for t in tails]
         for pick, kwargs in picks:
@@ -465,7 +432,7 @@ def parse_args(argv=None):
 def report(lines: list[Line], names: list[str], meta: dict) -> str:
     extra = {"cutefa / cutefa-dense": lambda ln: ratio(ln.tflops("cutefa"), ln.tflops("cutefa-dense"))}
     for n in names:
-        if n == "cutefa-next" or n.startswith("cutefa:"):
+        if n.startswith("cutefa:"):
             extra[f"{n} / cutefa"] = lambda ln, n=n: ratio(ln.tflops(n), ln.tflops("cutefa"))
     head = (
         f"# Packed sequences, {meta.get('gpu', '')}\n\ntorch {meta.get('torch')}, timer {meta.get('timer')}, "

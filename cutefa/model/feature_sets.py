@@ -2,8 +2,10 @@
 axes that model families use.
 
 Dispatch runs a call with a window or features on the family's default variant with them
-(:func:`cutefa.dispatch._candidates`; the tuned tables are measured on dense problems), so these
-are derived, not committed: they are rendered on demand (generated/ holds the dense set) and a pack
+(:func:`cutefa.dispatch._candidates`; the tuned tables are measured on dense problems), and a
+packed batch with nothing else on the packed form of its dense problem's tuned-table variant where
+the family has one (:func:`cutefa.model.policy_sm90.fwd_varlen_from_dense`), so these are derived,
+not committed: they are rendered on demand (generated/ holds the dense set) and a pack
 takes them by selection (``cutefa compile --feature varlen``, ``--for-model``). Any other
 combination compiles on first use like any variant outside a pack.
 """
@@ -14,9 +16,9 @@ import dataclasses
 
 from cutefa.model.defaults import default_config
 from cutefa.model.options import Mask
-from cutefa.model.policy_sm90 import varlen_uneven
+from cutefa.model.policy_sm90 import fwd_varlen_from_dense, varlen_uneven
 from cutefa.model.rules import why_invalid
-from cutefa.model.spec import DTYPES, HEAD_DIMS, Features, VariantSpec
+from cutefa.model.spec import DTYPES, HEAD_DIMS, Features, VariantSpec, parse_name
 
 _NONE = Features()
 _VARLEN = Features(varlen=True)
@@ -65,4 +67,27 @@ def feature_variants(arch: str, direction: str) -> list[VariantSpec]:
                     uneven = varlen_uneven(spec)  # what an uneven packed batch runs instead
                     if why_invalid(uneven) is None:
                         specs.add(uneven)
+    specs.update(packed_table_variants(arch, direction))
     return sorted(specs)
+
+
+def packed_table_variants(arch: str, direction: str) -> list[VariantSpec]:
+    """The packed forms (even and uneven batch) of every variant a committed tuned table of
+    ``arch``'s ``direction`` names, where the family has them: what dispatch runs for a packed
+    batch whose dense problem has a table entry."""
+    from cutefa.tuned_tables import tuned_tables  # (the tables are read on first use)
+
+    found = set()
+    for table in tuned_tables():
+        if (table.arch, table.direction) != (arch, direction):
+            continue
+        for entry in table.entries:
+            try:
+                dense = parse_name(entry.variant)
+            except ValueError:  # dispatch refuses it too (and explain says why)
+                continue
+            for uneven in (False, True):
+                spec = fwd_varlen_from_dense(dense, uneven)
+                if spec is not None and why_invalid(spec) is None:
+                    found.add(spec)
+    return sorted(found)

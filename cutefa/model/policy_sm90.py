@@ -180,17 +180,24 @@ def varlen_uneven(spec: VariantSpec) -> VariantSpec:
     return spec.replace(scheduler=Scheduler.LPT)
 
 
-def fwd_varlen_from_dense(dense: VariantSpec) -> VariantSpec | None:
+def fwd_varlen_from_dense(dense: VariantSpec, uneven: bool = False) -> VariantSpec | None:
     """The packed-batch variant that a 16-bit sm90 forward problem's dense choice carries over to
-    (``dense``: the tuned table's or the default variant of the same problem, mask included): its
-    tile, stages and options (the tuned non-causal hd128 128x176 with pair_cvt, say) with the varlen
-    axis, on the heavy-first grid (Scheduler.HEAVY_FIRST: LPT's order over every sequence's query
-    tiles, a CTA past its sequence's tiles exiting at once) whatever scheduler the dense call runs.
-    None for a variant of another family or one with features. Not the dispatched default yet:
-    dispatch runs the family default with the varlen axis until a benchmark puts this one ahead
-    (tools/bench_varlen.py's ``cutefa-next`` side times it beside today's choice)."""
+    (``dense``: the tuned table's variant of the same problem, max_seqlen_k as its length, mask
+    included): its tile, stages and options (the tuned non-causal hd128 128x176 with pair_cvt, say)
+    with the varlen axis, on the scheduler the packed batch's evenness asks for whatever scheduler
+    the dense call runs: LPT for an uneven batch (:func:`uneven_batch`), the plain grid otherwise
+    (the measurements of :func:`varlen_uneven`; the heavy-first grid measured within 3% of the plain
+    one and is not taken). H100, bf16 hd128, TFLOP/s (two runs): the long-tailed batch non-causal on
+    the table's 128x176 pcvt + LPT 465 / 448 against the default 128x128 + LPT 428 / 419 (+4-9%; FA4
+    481 / 464); causal, the table's 128x160 pcvt + LPT 324 / 329 against 128x128 + LPT 350 / 348
+    (-6%: a causal batch of mostly short sequences is mostly diagonal blocks, which the dense tuning
+    at one length does not see), so an uneven causal batch keeps the default (None here).
+
+    None for that, a variant of another family, an e4m3 one, one with features or a sliding window:
+    dispatch then runs the family default with the varlen axis."""
     if (dense.arch, dense.direction) != ("sm90", "fwd") or dense.dtype == "e4m3" or dense.features.any:
         return None
-    if dense.mask is Mask.LOCAL:
+    if dense.mask is Mask.LOCAL or (uneven and dense.mask is Mask.CAUSAL):
         return None
-    return dense.replace(features=Features(varlen=True), scheduler=Scheduler.HEAVY_FIRST)
+    scheduler = Scheduler.LPT if uneven else Scheduler.GRID
+    return dense.replace(features=Features(varlen=True), scheduler=scheduler)

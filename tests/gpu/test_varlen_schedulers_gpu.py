@@ -1,6 +1,7 @@
 """The packed-batch forward's heavy-first grid (Scheduler.HEAVY_FIRST: LPT's order over every
 sequence's query tiles, the CTAs past a sequence's tiles exiting at once) and the dense tuned tile
-carried over to packed batches (128 x 176 with pair_cvt, policy_sm90.fwd_varlen_from_dense), called
+carried over to packed batches (128 x 176 with pair_cvt, policy_sm90.fwd_varlen_from_dense, on the
+plain grid and on LPT), called
 directly with the calling convention of cutefa/api/features.py against the float32 reference of
 tests/gpu/test_sm90_features_kernels.py (sequence by sequence, NaN-poisoned outputs and slack rows,
 lengths 0, 1, 17, 1000 and 4097, seqlen_q != seqlen_k, GQA), plus: batches whose (head, sequence)
@@ -54,6 +55,9 @@ SPECS = [
     _spec("bf16", 128, (128, 176), Mask.NONE, scheduler=HFIRST, pair_cvt=True),
     _spec("fp16", 128, (128, 176), Mask.CAUSAL, scheduler=HFIRST, pair_cvt=True),
     _spec("bf16", 128, (128, 176), Mask.NONE, pair_cvt=True),  # the dense tile on today's grid
+    # what dispatch runs for uneven batches: the tables' tiles on the LPT scheduler
+    _spec("bf16", 128, (128, 176), Mask.NONE, scheduler=Scheduler.LPT, pair_cvt=True),
+    _spec("fp16", 128, (128, 160), Mask.CAUSAL, scheduler=Scheduler.LPT, pair_cvt=True),
     _spec("fp16", 64, (192, 128), Mask.CAUSAL, scheduler=HFIRST),
     _spec(
         "bf16",
