@@ -265,7 +265,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     path = tune(args.arch, out_dir=args.out, seqlens=tuple(args.seqlens), dtypes=tuple(args.dtype),
                 head_dims=tuple(args.hdim) if args.hdim else None, direction=args.direction,
-                rounds=args.rounds, pool=_all_variants(args.arch))  # fmt: skip
+                rounds=args.rounds, pool=_all_variants(args.arch), merge=args.merge, jobs=args.jobs)  # fmt: skip
     print(f"wrote {path}; dispatch reads it with CUTEFA_TUNED_DIR={shlex.quote(str(path.parent))}")
     return 0
 
@@ -439,6 +439,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=positive_int, default=1,
         help="samples per variant, taken in turns with the problem's other variants; the median is kept "
         "(default 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--merge", action="store_true",
+        help="fold the results into the table already in the folder (the problems measured replace its "
+        "entries for them, the others stay): a GPU's table a few head dims at a time",
+    )  # fmt: skip
+    p.add_argument(
+        "--jobs", type=positive_int, default=1,
+        help="compile the candidates in this many processes before timing (default 1: each on first use)",
     )  # fmt: skip
     return parser
 

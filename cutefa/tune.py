@@ -321,11 +321,15 @@ def tune(
     direction: str = "fwd",
     rounds: int = 1,
     pool: list[VariantSpec] | None = None,
+    merge: bool = False,
+    jobs: int = 1,
 ) -> Path:
     """Measure ``arch``'s variants of ``direction`` (:func:`tuning_candidates` of ``pool``) on this GPU;
     write the table with :func:`write_table` (into ``out_dir``, default :func:`default_table_dir`).
     Each time is the median of ``rounds`` samples, taken in turns with the other variants of its
-    problem."""
+    problem. ``merge``: fold the table into the one already at that path (:func:`merge_tables`), so
+    that a GPU's table can be measured a few head dims at a time. ``jobs`` > 1: compile the
+    candidates in that many processes before timing (else each compiles when first timed)."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: at least one sample per variant")
     import torch
@@ -341,6 +345,12 @@ def tune(
         raise ValueError(
             f"no default {arch} {direction} variant runs on {target} for dtypes {dtypes} and head dims {head_dims}"
         )
+    if jobs > 1:
+        from cutefa.compile import compile_variants
+
+        failed = [r for r in compile_variants(specs, target=target, jobs=jobs, progress=progress) if not r.ok]
+        for r in failed:  # (timing them compiles them again and records the error as a wrong result)
+            print(f"compile failed: {r.spec.name}: {r.error}")
     groups: dict[tuple[str, int, bool], list[VariantSpec]] = {}
     for s in specs:
         groups.setdefault((s.dtype, s.head_dim, s.causal), []).append(s)
@@ -368,7 +378,43 @@ def tune(
         "entries": table_entries(measurements),
         "measurements": [m.__dict__ for m in measurements],
     }
+    if merge:
+        existing = table_path(table, out_dir)
+        if existing.is_file():
+            table = merge_tables(json.loads(existing.read_text()), table)
     return write_table(table, out_dir)
+
+
+def _problems(entries: list[dict[str, Any]]) -> set[tuple[str, int, bool]]:
+    return {(e["dtype"], e["head_dim"], e["causal"]) for e in entries}
+
+
+def merge_tables(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``old`` with ``new``'s measurements folded in: for every (dtype, head_dim, causal) that
+    ``new`` measured, its entries and measurements replace ``old``'s; the others stay; ``measured_on``
+    says what each part came from. The two must be tables of one family, direction, GPU and target
+    (a ValueError names the field that differs)."""
+    for key in ("arch", "direction", "gpu", "target"):
+        if old.get(key, "fwd" if key == "direction" else None) != new.get(key):
+            raise ValueError(f"cannot merge tables of another {key}: {old.get(key)!r} and {new.get(key)!r}")
+    measured = {(m["dtype"], m["head_dim"], m["causal"]) for m in new.get("measurements", [])}
+    measured |= _problems(new["entries"])
+    kept = [e for e in old["entries"] if (e["dtype"], e["head_dim"], e["causal"]) not in measured]
+    entries = sorted(
+        kept + new["entries"],
+        key=lambda e: (e["dtype"], e["head_dim"], e["causal"], e.get("v_centered", False),
+                       math.inf if e["max_seqlen_k"] is None else e["max_seqlen_k"]),
+    )  # fmt: skip
+    old_measurements = [
+        m for m in old.get("measurements", []) if (m["dtype"], m["head_dim"], m["causal"]) not in measured
+    ]
+    what = ", ".join(f"{d} hd{h}{' causal' if c else ''}" for d, h, c in sorted(measured))
+    return {
+        **old,
+        "measured_on": f"{old['measured_on']}; {what}: {new['measured_on']}",
+        "entries": entries,
+        "measurements": old_measurements + new.get("measurements", []),
+    }
 
 
 def default_table_dir() -> Path:
@@ -381,8 +427,13 @@ def write_table(table: dict[str, Any], out_dir: Path | None = None) -> Path:
     """Write ``table`` to ``<out_dir>/<arch>_<gpu>.json`` (backward: ``<arch>_bwd_<gpu>.json``;
     ``out_dir`` None: :func:`default_table_dir`) atomically: a failed write (a full disk) leaves the
     table that was there and no temp file. Returns the path."""
-    out_dir = default_table_dir() if out_dir is None else Path(out_dir)
-    kind = "" if table["direction"] == "fwd" else f"{table['direction']}_"
-    path = out_dir / f"{table['arch']}_{kind}{table['gpu'].lower()}.json"
+    path = table_path(table, out_dir)
     identity.atomic_write(path, json.dumps(table, indent=1) + "\n")
     return path
+
+
+def table_path(table: dict[str, Any], out_dir: Path | None = None) -> Path:
+    """Where :func:`write_table` puts ``table``: ``<out_dir>/<arch>_[<direction>_]<gpu>.json``."""
+    out_dir = default_table_dir() if out_dir is None else Path(out_dir)
+    kind = "" if table["direction"] == "fwd" else f"{table['direction']}_"
+    return out_dir / f"{table['arch']}_{kind}{table['gpu'].lower()}.json"

@@ -135,3 +135,53 @@ def test_tuning_candidates_take_a_pool_with_the_measured_alternatives():
     assert all((s.arch, s.direction, s.dtype, s.head_dim) == ("sm90", "fwd", "bf16", 128) for s in picked)
     fp8 = tune.tuning_candidates("sm90", "fwd", ("e4m3",), None, "sm_90a", pool)
     assert fp8 and all(s.options.quant is Quant.TENSOR for s in fp8)
+
+
+def _table(entries, note, measurements=(), gpu="H100"):
+    return {"arch": "sm90", "direction": "fwd", "gpu": gpu, "target": "sm_90a", "measured_on": note,
+            "entries": list(entries), "measurements": list(measurements)}  # fmt: skip
+
+
+def _entry(dtype, head_dim, causal, bound, variant):
+    return {"dtype": dtype, "head_dim": head_dim, "causal": causal, "max_seqlen_k": bound, "variant": variant}
+
+
+def test_merge_replaces_the_measured_problems_and_keeps_the_rest(tmp_path):
+    """A table measured a few head dims at a time: each part's problems replace the old entries
+    (every length of them, even those the new part has no entry for), the rest stay, lengths in
+    order with the catch-all last; the measurements follow the entries; the note says which part is
+    which; written where the tuner writes."""
+    from cutefa.tune import merge_tables, table_path, write_table
+
+    old = _table(
+        [_entry("bf16", 128, False, 2048, "old-a"), _entry("bf16", 128, False, None, "old-b"),
+         _entry("bf16", 64, True, None, "old-c")],
+        "first run",
+        [{"dtype": "bf16", "head_dim": 128, "causal": False, "seqlen": 1024}, {"dtype": "bf16", "head_dim": 64,
+                                                                              "causal": True, "seqlen": 1024}],
+    )  # fmt: skip
+    new = _table(
+        [_entry("bf16", 128, False, None, "new-b"), _entry("bf16", 128, False, 1024, "new-a")],
+        "second run",
+        [{"dtype": "bf16", "head_dim": 128, "causal": False, "seqlen": 4096}],
+    )  # fmt: skip
+    merged = merge_tables(old, new)
+    assert [(e["head_dim"], e["max_seqlen_k"], e["variant"]) for e in merged["entries"]] == [
+        (64, None, "old-c"), (128, 1024, "new-a"), (128, None, "new-b")
+    ]
+    assert [m["head_dim"] for m in merged["measurements"]] == [64, 128]
+    assert merged["measured_on"] == "first run; bf16 hd128: second run"
+    assert old["entries"][0]["variant"] == "old-a"  # the inputs are left as they were
+    path = write_table(merged, tmp_path)
+    assert path == table_path(new, tmp_path) and path.name == "sm90_h100.json"
+
+
+def test_merge_refuses_another_gpu_family_or_direction():
+    import pytest
+
+    from cutefa.tune import merge_tables
+
+    base = _table([], "x")
+    for key, value in (("gpu", "H200"), ("arch", "sm80"), ("direction", "bwd"), ("target", "sm_100a")):
+        with pytest.raises(ValueError, match=f"another {key}"):
+            merge_tables(base, {**base, key: value})
