@@ -35,10 +35,14 @@ def test_the_quick_grid_and_its_sizes():
     assert [c.name for c in over] == ["b8 L1024 h32/8 q4 64", "b8 L32768 h32/8 q4 64"]
 
 
+PAGE_ROWS, CHUNKS = policy_decode.DecodePages.ROWS, policy_decode.DecodePages.CHUNKS
+
+
 @pytest.mark.parametrize(
     ("item", "expected"),
-    [("rows", (ROWS, None)), ("rows/lines", (ROWS, LINES)), ("rows/sectors", (ROWS, SECTORS)),
-     ("keys", (policy_decode.DecodeSchedule.KEYS, None))],
+    [("rows", (ROWS, None, PAGE_ROWS)), ("rows/lines", (ROWS, LINES, PAGE_ROWS)),
+     ("rows/sectors", (ROWS, SECTORS, PAGE_ROWS)), ("keys", (policy_decode.DecodeSchedule.KEYS, None, PAGE_ROWS)),
+     ("rows/lines/chunks", (ROWS, LINES, CHUNKS)), ("rows//chunks", (ROWS, None, CHUNKS))],
 )  # fmt: skip
 def test_variant_items_are_read_as_the_api_reads_them(monkeypatch, item, expected):
     monkeypatch.setenv(kvcache.COPY_ENV, "lines")  # the caller's own setting comes back afterwards
@@ -46,6 +50,8 @@ def test_variant_items_are_read_as_the_api_reads_them(monkeypatch, item, expecte
     assert os.environ[kvcache.COPY_ENV] == "lines"
     with pytest.raises(ValueError, match="decode copy layout"):
         bench_decode.variant_choice("rows/words")
+    with pytest.raises(ValueError, match="at most schedule/copy/pages"):
+        bench_decode.variant_choice("rows/lines/chunks/more")
 
 
 def test_precompile_builds_what_each_cell_runs(monkeypatch):
@@ -79,3 +85,6 @@ def test_precompile_builds_what_each_cell_runs(monkeypatch):
     assert not small_paged.options.line_copy
     bench_decode.precompile(cells, 1, ["rows/sectors"])
     assert {s.options.line_copy for s in built[-1]} == {False}
+    # page reads per chunk: the paged cells' line-copy variants (pages of 16), the dense one as it was
+    bench_decode.precompile(cells, 1, ["rows/lines/chunks"])
+    assert sorted((s.features.paged_kv, s.options.page_chunks) for s in built[-1]) == [(False, False), (True, True)]

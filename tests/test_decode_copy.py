@@ -15,7 +15,7 @@ from cutefa.api import kvcache
 from cutefa.model import policy_decode
 from cutefa.model.options import CacheDtype, Mask
 from cutefa.model.rules import why_invalid
-from cutefa.model.spec import parse_name
+from cutefa.model.spec import Features, parse_name
 
 LINES, SECTORS = policy_decode.DecodeCopy.LINES, policy_decode.DecodeCopy.SECTORS
 KEYS = policy_decode.DecodeSchedule.KEYS
@@ -114,3 +114,65 @@ def test_the_call_takes_the_copy_by_its_cache_size(monkeypatch, pages, env, line
     # a dense cache of the same size: LINES unless asked otherwise
     dense = kvcache.decode_spec(q, torch.zeros(1, pages * 16, 8, 128, dtype=torch.bfloat16), None, False, False, 0.0)
     assert dense.options.line_copy is (env.strip() != "sectors")
+
+
+# ---------------------------------------------------------------------------------------------
+# Page reads per chunk of 16 keys (policy_decode.DecodePages.CHUNKS, opt-in)
+
+CHUNKS = policy_decode.DecodePages.CHUNKS
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 4, 32, 64])
+def test_page_chunk_variants_are_valid_and_render(head_dim, rows):
+    for mask in Mask:
+        spec = policy_decode.decode_spec(
+            "bf16", head_dim, rows, mask=mask, paged=True, copy=LINES, pages=CHUNKS, page_size=16
+        )
+        assert spec.options.page_chunks and spec.name.endswith("_lcp_pch"), spec.name
+        assert parse_name(spec.name) == spec and why_invalid(spec) is None, spec.name
+        step = policy_decode.chunk_row_step(spec)
+        assert step == spec.warps * 4 and 16 % step == 0
+        text = codegen.render_source(spec)
+        assert text.count("decode_paged.load_page_rows(") == text.count(f"seqlen_k, shift, {step})") > 0
+        assert f"seqlen_k, shift, {step})" in text
+        # only the page lookups differ from the per-row form
+        assert spec.replace(page_chunks=False) == policy_decode.decode_spec(
+            "bf16", head_dim, rows, mask=mask, paged=True, copy=LINES, page_size=16
+        )
+
+
+@pytest.mark.parametrize(
+    ("paged", "page_size", "copy", "rows"),
+    [(False, None, LINES, 4), (True, 8, LINES, 4), (True, 16, SECTORS, 4), (True, None, LINES, 4),
+     (True, 16, LINES, 128)],
+)  # fmt: skip
+def test_page_chunks_fall_back_where_they_do_not_apply(paged, page_size, copy, rows):
+    """A dense cache, pages under 16 keys (or not known), sector copies, and 8 warps (a copy
+    instruction spans 32 rows: two chunks) keep the per-row page reads."""
+    spec = policy_decode.decode_spec(
+        "bf16", 128, rows, paged=paged, copy=copy, pages=CHUNKS, page_size=page_size
+    )  # fmt: skip
+    assert not spec.options.page_chunks and why_invalid(spec) is None, spec.name
+
+
+def test_rules_refuse_page_chunks_outside_the_paged_line_copy():
+    chunks = policy_decode.decode_spec("bf16", 128, 4, paged=True, copy=LINES, pages=CHUNKS, page_size=16)
+    dense = Features(split_kv=True)
+    assert "paged_kv" in why_invalid(chunks.replace(features=dense))
+    assert "needs line_copy" in why_invalid(chunks.replace(line_copy=False))
+    eight = policy_decode.decode_spec("bf16", 128, 128, paged=True, copy=LINES, page_size=16)
+    assert "32 rows do not divide 16" in why_invalid(eight.replace(page_chunks=True))
+
+
+@pytest.mark.parametrize(("page_size", "env", "chunks"), [(16, "chunks", True), (8, "chunks", False),
+                                                          (64, "", False), (64, "rows", False)])  # fmt: skip
+def test_the_call_takes_page_chunks_when_asked_and_the_pages_allow(monkeypatch, page_size, env, chunks):
+    monkeypatch.setenv(kvcache.PAGES_ENV, env)
+    monkeypatch.setenv(kvcache.COPY_ENV, "lines")
+    q = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
+    pool = torch.zeros(4, page_size, 8, 128, dtype=torch.bfloat16)
+    spec = kvcache.decode_spec(q, pool, torch.zeros(1, 8, dtype=torch.int32), False, False, 0.0)
+    assert spec.options.page_chunks is chunks, spec.name
+    dense = kvcache.decode_spec(q, torch.zeros(1, 64, 8, 128, dtype=torch.bfloat16), None, False, False, 0.0)
+    assert not dense.options.page_chunks

@@ -22,12 +22,15 @@ Usage (on the GPU machine)::
     python tools/bench_decode.py --grid full --mem-gib 24       # the issue's grid, cells within memory
     python tools/bench_decode.py --grid quick --variants rows,keys   # both decode schedules side by side
     python tools/bench_decode.py --grid quick --variants rows,rows/sectors   # the policy's copy vs sectors
+    python tools/bench_decode.py --grid quick --layouts 16,64 --variants rows/lines,rows/lines/chunks
 
 ``--variants`` takes decode schedules (cutefa.model.policy_decode.DecodeSchedule: ``rows``, one warp
 per 16-row slab, the default; ``keys``, warps splitting the keys of a 16-row tile), each optionally
 followed by ``/`` and a copy layout (DecodeCopy: ``sectors`` or ``lines``; none: the policy's
-choice per cell, policy_decode.default_copy): one cutefa column each (``cutefa`` for the first, ``cutefa[<variant>]`` for the others), each run under
-``CUTEFA_DECODE_SCHEDULE`` and ``CUTEFA_DECODE_COPY`` set to it, and a cutefa / best peer ratio each.
+choice per cell, policy_decode.default_copy) and optionally ``/`` and a paged cache's page lookup
+(DecodePages: ``rows``, the default, or ``chunks``): one cutefa column each (``cutefa`` for the first, ``cutefa[<variant>]`` for the others), each run under
+``CUTEFA_DECODE_SCHEDULE``, ``CUTEFA_DECODE_COPY`` and ``CUTEFA_DECODE_PAGES`` set to it, and a
+cutefa / best peer ratio each.
 
 ``--graphs`` times every side as serving engines run a decode step: captured once in a CUDA graph
 and replayed (the host's cost per call then drops out; a side that cannot be captured is n/a), the
@@ -182,16 +185,20 @@ def cutefa_backend(cell):
 
 
 def variant_env(variant: str) -> dict:
-    """The environment of a ``--variants`` item: ``schedule`` or ``schedule/copy``."""
-    schedule, _, copy = variant.partition("/")
-    return {kvcache.SCHEDULE_ENV: schedule, kvcache.COPY_ENV: copy}
+    """The environment of a ``--variants`` item: ``schedule``, ``schedule/copy`` or
+    ``schedule/copy/pages`` (a part left empty: the default)."""
+    parts = variant.split("/")
+    if len(parts) > 3:
+        raise ValueError(f"--variants item {variant!r}: at most schedule/copy/pages")
+    schedule, copy, pages = parts + [""] * (3 - len(parts))
+    return {kvcache.SCHEDULE_ENV: schedule, kvcache.COPY_ENV: copy, kvcache.PAGES_ENV: pages}
 
 
 def variant_choice(variant: str):
-    """(DecodeSchedule, DecodeCopy) of a ``--variants`` item, read as the API reads its environment
-    (a ValueError naming the known values)."""
+    """(DecodeSchedule, DecodeCopy or None, DecodePages) of a ``--variants`` item, read as the API
+    reads its environment (a ValueError naming the known values)."""
     with environment(variant_env(variant)):
-        return kvcache.decode_schedule(), kvcache.decode_copy()
+        return kvcache.decode_schedule(), kvcache.decode_copy(), kvcache.decode_pages()
 
 
 class CutefaVariant:
@@ -456,9 +463,10 @@ def precompile(cells, jobs: int, variants=("rows",)) -> None:
     specs = {
         policy_decode.decode_spec(
             "bf16", HEAD_DIM, c.tokens * (c.hq // c.hkv), mask=Mask.CAUSAL if c.tokens > 1 else Mask.NONE,
-            paged=c.page is not None, schedule=schedule, copy=copy, kv_bytes=c.kv_bytes,
+            paged=c.page is not None, schedule=schedule, copy=copy, kv_bytes=c.kv_bytes, pages=pages,
+            page_size=c.page,
         )
-        for c in cells for schedule, copy in choices
+        for c in cells for schedule, copy, pages in choices
     }  # fmt: skip
     results = compile_variants(sorted(specs), target=dispatch.current_target(), jobs=jobs, progress=True)
     for r in results:
@@ -479,7 +487,7 @@ def main(argv=None) -> int:
         "--variants",
         default="",
         help="comma-separated decode schedules (rows, keys), each with an optional /copy layout "
-        "(sectors, lines): a cutefa column each",
+        "(sectors, lines) and /page lookup (rows, chunks): a cutefa column each",
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time each side captured in a CUDA graph (replays: no host cost)"

@@ -21,7 +21,9 @@ slab, or warps splitting the keys of a 16-row tile) is ROWS unless the environme
 one process). Likewise its K/V copy layout (:class:`cutefa.model.policy_decode.DecodeCopy`: a
 32-byte sector per thread pair, or a 128-byte line per 8 threads) is the policy's per call
 (:func:`cutefa.model.policy_decode.default_copy`: LINES, SECTORS for a small paged cache) unless
-``CUTEFA_DECODE_COPY`` says ``sectors`` or ``lines``.
+``CUTEFA_DECODE_COPY`` says ``sectors`` or ``lines``; and a paged cache's page lookups
+(:class:`cutefa.model.policy_decode.DecodePages`) are a row's each unless ``CUTEFA_DECODE_PAGES``
+says ``chunks`` (one per 16 keys; line copies and pages of at least 16 keys).
 
 An e4m3 cache (q 16-bit, ``k_descale``/``v_descale``; :mod:`cutefa.api.kvcache_e4m3`) takes its own
 op, ``cutefa::kvcache_attn_e4m3`` (it mutates the cache too: the append quantizes the new tokens with
@@ -62,6 +64,7 @@ from cutefa.model.spec import TORCH_DTYPE_NAMES, VariantSpec
 
 SCHEDULE_ENV = "CUTEFA_DECODE_SCHEDULE"
 COPY_ENV = "CUTEFA_DECODE_COPY"
+PAGES_ENV = "CUTEFA_DECODE_PAGES"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +222,17 @@ def decode_copy() -> policy_decode.DecodeCopy | None:
     is unset or empty: the policy's per call (:func:`cutefa.model.policy_decode.default_copy`)."""
     if not os.environ.get(COPY_ENV, "").strip():
         return None
-    return _env_choice(COPY_ENV, policy_decode.DecodeCopy, policy_decode.DecodeCopy.LINES, "decode copy layout")
+    return _env_choice(
+        COPY_ENV, policy_decode.DecodeCopy, policy_decode.DecodeCopy.LINES, "decode copy layout"
+    )
+
+
+def decode_pages() -> policy_decode.DecodePages:
+    """How a paged decode finds its rows' pages, as :data:`PAGES_ENV` asks (``rows``, the default, or
+    ``chunks``: one page-table read per 16 keys, with line copies and pages of at least 16 keys)."""
+    return _env_choice(
+        PAGES_ENV, policy_decode.DecodePages, policy_decode.DecodePages.ROWS, "decode page lookup"
+    )
 
 
 def decode_spec(
@@ -227,14 +240,16 @@ def decode_spec(
     softcap: float,
 ) -> VariantSpec:
     """The decode variant for the call (:func:`cutefa.model.policy_decode.decode_spec` with
-    :func:`decode_schedule` and :func:`decode_copy`; an e4m3 ``k_cache`` takes the e4m3-cache variant)."""
+    :func:`decode_schedule`, :func:`decode_copy` and :func:`decode_pages`; an e4m3 ``k_cache`` takes
+    the e4m3-cache variant)."""
     mask = Mask.LOCAL if windowed else Mask.CAUSAL if causal else Mask.NONE
     rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
     cache_dtype = CacheDtype.E4M3 if k_cache.dtype == torch.float8_e4m3fn else CacheDtype.SAME
     return policy_decode.decode_spec(
         TORCH_DTYPE_NAMES[str(q.dtype).removeprefix("torch.")], q.shape[3], rows, mask=mask,
         paged=page_table is not None, softcap=softcap != 0.0, cache_dtype=cache_dtype, schedule=decode_schedule(),
-        copy=decode_copy(), kv_bytes=cache_bytes(q.shape[0], k_cache, page_table),
+        copy=decode_copy(), kv_bytes=cache_bytes(q.shape[0], k_cache, page_table), pages=decode_pages(),
+        page_size=None if page_table is None else k_cache.shape[1],
     )  # fmt: skip
 
 

@@ -141,10 +141,14 @@ class Options:
 class Sm80FwdOptions(Options):
     """The sm80 forward (FlashAttention-2). ``cache_dtype``: the decode variants' (split_kv) KV-cache
     element type. ``line_copy``: the decode variants' K/V rows copied a 128-byte line per 8 threads
-    (cutefa.model.policy_decode.copy_threads_per_row) instead of a 32-byte sector per 2."""
+    (cutefa.model.policy_decode.copy_threads_per_row) instead of a 32-byte sector per 2.
+    ``page_chunks``: a paged decode variant with line copies reads the page table once per aligned
+    chunk of 16 keys a thread, not once per row (pages of at least 16 keys only;
+    cutefa.model.policy_decode.DecodePages)."""
 
     cache_dtype: CacheDtype = CacheDtype.SAME
     line_copy: bool = dataclasses.field(default=False, metadata=_flag("lcp"))
+    page_chunks: bool = dataclasses.field(default=False, metadata=_flag("pch"))
 
     @property
     def kv_e4m3(self) -> bool:

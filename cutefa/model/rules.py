@@ -274,6 +274,21 @@ def _sm80_line_copy(spec: VariantSpec) -> str | None:
     return None
 
 
+def _sm80_page_chunks(spec: VariantSpec) -> str | None:
+    """Page-table reads per chunk of 16 keys (cutefa.kernels.sm80.decode_paged.load_page_rows):
+    the paged decode kernel with line copies, whose copy instructions span at most a chunk's rows."""
+    if not spec.options.page_chunks:
+        return None
+    if spec.direction != "fwd" or not (spec.features.split_kv and spec.features.paged_kv):
+        return "page_chunks is an option of the paged decode kernel (the split_kv and paged_kv axes)"
+    if not spec.options.line_copy:
+        return "page_chunks needs line_copy: with sector copies each row of a thread is in a chunk of its own"
+    span = spec.threads // 8  # rows of one copy instruction (8 threads a row)
+    if 16 % span:
+        return f"page_chunks with {spec.warps} warps: a copy instruction's {span} rows do not divide 16"
+    return None
+
+
 # The e4m3 KV cache is converted on chip by cvt.f16x2.e4m3x2 (sm_89 and newer; measured on Hopper).
 KV_E4M3_MIN_CC = 90
 
@@ -461,7 +476,7 @@ def _sm100_bwd(spec: VariantSpec) -> str | None:
 # Per option record: the rules relating its fields (run before the kernel check, as a misuse of an
 # option is the first thing to say), then those holding the tile to the templates and the budgets.
 _OPTION_RULES: dict[type[Options], tuple[Rule, ...]] = {
-    Sm80FwdOptions: (_sm80_cache_dtype, _sm80_line_copy),
+    Sm80FwdOptions: (_sm80_cache_dtype, _sm80_line_copy, _sm80_page_chunks),
     Sm80BwdOptions: (_sm80_dq_layout,),
     Sm90FwdOptions: (_sm90_early_rescale, _sm90_lazy_rescale, _sm90_heavy_first),
     Sm90Fp8FwdOptions: (_sm90_fp8_wide_transpose, _sm90_fp8_accumulation),

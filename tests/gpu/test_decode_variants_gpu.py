@@ -5,7 +5,10 @@ cache and against the other variant's answer on the same inputs:
   split each key block and merge their rows in shared memory), through ``CUTEFA_DECODE_SCHEDULE=keys``;
 - ``lines``: the line-wide K/V copies (DecodeCopy.LINES: 8 threads of 16 bytes on a 128-byte line of
   a row instead of 2 on a 32-byte sector; the default but on small paged caches,
-  policy_decode.default_copy), through ``CUTEFA_DECODE_COPY=lines``, against ``sectors``.
+  policy_decode.default_copy), through ``CUTEFA_DECODE_COPY=lines``, against ``sectors``;
+- ``chunks``: with line copies, a paged cache's page table read once per 16 keys a thread
+  (DecodePages.CHUNKS), through ``CUTEFA_DECODE_PAGES=chunks``, against the per-row reads (its
+  tests of dense caches skip: the option is the paged kernel's).
 
 Covered for each: every page size (16 to 256) with sequences ending mid-page, num_splits 1 to 16
 giving one answer, ragged cache_seqlens with 0 and 1 and lengths that leave some warps of a block
@@ -34,13 +37,20 @@ kv = _load("test_kvcache")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
 KEYS, LINES = policy_decode.DecodeSchedule.KEYS, policy_decode.DecodeCopy.LINES
+CHUNKS = policy_decode.DecodePages.CHUNKS
 with_kvcache = kvcache.flash_attn_with_kvcache
 _NONE, _CAUSAL, _LOCAL = Mask.NONE, Mask.CAUSAL, Mask.LOCAL
 # Each variant: the environment that picks it, the one that picks the default, its decode_spec keyword
 VARIANTS = {
     "keys": ({kvcache.SCHEDULE_ENV: "keys"}, {kvcache.SCHEDULE_ENV: "rows"}, {"schedule": KEYS}),
     "lines": ({kvcache.COPY_ENV: "lines"}, {kvcache.COPY_ENV: "sectors"}, {"copy": LINES}),
+    "chunks": (
+        {kvcache.COPY_ENV: "lines", kvcache.PAGES_ENV: "chunks"},
+        {kvcache.COPY_ENV: "lines", kvcache.PAGES_ENV: "rows"},
+        {"copy": LINES, "pages": CHUNKS, "page_size": 16},
+    ),
 }
+BITWISE = ("lines", "chunks")  # the same products in the same order: only how rows reach shared memory differs
 # (dtype, head_dim, mask, paged, softcap) of the variants these tests run, compiled up front
 USED = [
     (dt, hd, mask, paged, False)
@@ -55,7 +65,7 @@ def _compiled_up_front():
     for name, (_, _, pick) in VARIANTS.items():
         for dt, hd, mask, paged, cap in USED:
             spec = policy_decode.decode_spec(dt, hd, 4, mask=mask, paged=paged, softcap=cap, **pick)
-            assert _is_variant(spec, name), spec.name
+            assert _is_variant(spec, name) or (name == "chunks" and not paged), spec.name
             specs.append(spec)
     results = compile_variants(specs, target=dispatch.current_target(), jobs=min(16, os.cpu_count() or 1))
     failed = [f"{r.spec.name}: {r.error}" for r in results if not r.ok]
@@ -71,7 +81,9 @@ def variant(request, monkeypatch):
 
 
 def _is_variant(spec, name: str) -> bool:
-    return policy_decode.schedule_of(spec) is KEYS if name == "keys" else spec.options.line_copy
+    if name == "keys":
+        return policy_decode.schedule_of(spec) is KEYS
+    return spec.options.page_chunks if name == "chunks" else spec.options.line_copy
 
 
 @pytest.fixture
@@ -79,6 +91,8 @@ def takes(variant):
     """Assert that a call's decode variant is the one under test."""
 
     def check(q, k_cache, page_table=None, causal=False, window=(-1, -1), softcap=0.0):
+        if variant == "chunks" and page_table is None:
+            pytest.skip("page reads per chunk: paged caches only")
         spec = kvcache.decode_spec(q, k_cache, page_table, causal, tuple(window) != (-1, -1), softcap)
         assert _is_variant(spec, variant), spec.name
 
@@ -197,5 +211,31 @@ def test_head_dims_and_the_default_agree(gen, takes, variant, head_dim, dtype, m
     )
     torch.testing.assert_close(out.float(), default_out.float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(lse, default_lse, atol=1e-4, rtol=0)
-    if variant == "lines":  # the same products in the same order: only the copies into shared memory differ
+    if variant in BITWISE:
         assert torch.equal(out, default_out) and torch.equal(lse, default_lse)
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_and_the_default_agree(gen, takes, variant, page_size, causal, monkeypatch):
+    """A paged cache with sequences ending mid-page and mid-chunk, 4 new tokens: the variant's answer
+    against the reference and against the other variant's (bit for bit where only the copies differ)."""
+    batch, hq, hkv, d = 3, 16, 4, 128
+    lens = [page_size * 3 + 5, 17, 2 * page_size - 1]
+    k_cache, v_cache, table, keys, values = kv.cache_of(gen, batch, hkv, d, lens, True, page_size)
+    q = kv.randn(gen, batch, 4, hq, d)
+    takes(q, k_cache, table, causal=causal)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out, lse = with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=causal, num_splits=3, return_lse=True
+    )
+    kv.assert_matches(out, lse, *kv.reference(q, keys, values, lens, causal=causal))
+    for key, value in VARIANTS[variant][1].items():
+        monkeypatch.setenv(key, value)
+    default_out, default_lse = with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=causal, num_splits=3, return_lse=True
+    )
+    if variant in BITWISE:
+        assert torch.equal(out, default_out) and torch.equal(lse, default_lse)
+    else:
+        torch.testing.assert_close(out.float(), default_out.float(), atol=2e-2, rtol=0)
