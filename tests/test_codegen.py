@@ -122,7 +122,7 @@ def test_manifest(out):
         "mask": "causal" if spec.causal else "none",
         "features": [],
         # the decode variants' options: KV-cache dtype (16-bit: same as q) and copy layout
-        "options": {"cache_dtype": "same", "line_copy": False},
+        "options": {"cache_dtype": "same", "line_copy": False, "page_chunks": False},
         "template": "fwd_sm80.py.j2",
         "sha256": hashlib.sha256(data).hexdigest(),
     }
