@@ -25,6 +25,7 @@ from cutefa.model.options import Mask
 from cutefa.model.rules import fitting_variant, padded_tile_note, why_invalid, why_no_kernel, why_not_on
 from cutefa.model.spec import (
     ARCHS,
+    PACKED,
     TARGETS,
     TORCH_DTYPE_NAMES,
     Features,
@@ -38,7 +39,6 @@ from cutefa.tuned_tables import forget_tables, seqlen_bucket, tables_for
 log = logging.getLogger("cutefa")
 
 NO_FEATURES = Features()  # a dense problem's feature axes
-PACKED = Features(varlen=True)  # a packed batch with nothing else: its table candidate
 
 MIN_CC = 80
 

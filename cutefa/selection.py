@@ -41,6 +41,7 @@ from cutefa.model.spec import (
     ARCHS,
     DIRECTIONS,
     DTYPES,
+    PACKED,
     TORCH_DTYPE_NAMES,
     Features,
     VariantSpec,
@@ -384,9 +385,6 @@ def model_plan(model: ModelAttention, target: str, selection: Selection = Select
     return ModelPlan(model, tuple(sorted(specs)), tuple(notes))
 
 
-PACKED = Features(varlen=True)  # a packed batch with nothing else
-
-
 def _model_feature_variants(
     model: ModelAttention, target: str, families: Sequence[str], selection: Selection, dtypes: Sequence[str],
     masks: Sequence[Mask],
@@ -428,12 +426,12 @@ def _packed_forms(
     (:func:`cutefa.model.policy_sm90.varlen_uneven`), and the packed forms (even and uneven batch)
     of the problem's tuned-table variants (:func:`cutefa.model.policy_sm90.fwd_varlen_from_dense`;
     none where v has a head dim of its own: no table measures such a pair)."""
-    from cutefa.model.policy_sm90 import fwd_varlen_from_dense, varlen_uneven
+    from cutefa.model.policy_sm90 import fwd_varlen_forms, varlen_uneven
 
     found = [varlen_uneven(default)]
     causal = default.mask is Mask.CAUSAL
     tables = [] if separate_v else _table_variants(family, direction, target, dtype, head_dim, causal)
-    found += [fwd_varlen_from_dense(dense, uneven) for dense in tables for uneven in (False, True)]
+    found += [spec for dense in tables for spec in fwd_varlen_forms(dense)]
     return [spec for spec in found if _usable(spec, target) and spec != default]
 
 

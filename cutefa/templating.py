@@ -288,8 +288,9 @@ def _decode_sm80(spec: VariantSpec) -> Context:
         "features": spec.features.tokens,  # the docstring's list
         "combine_warps": policy_decode.COMBINE_WARPS,
         "copy_threads_per_row": policy_decode.copy_threads_per_row(spec),
-        # page reads per chunk of keys (policy_decode.DecodePages.CHUNKS): rows between a thread's rows
-        "chunk_row_step": policy_decode.chunk_row_step(spec),
+        # a paged cache's page reads per chunk of keys (policy_decode.DecodePages.CHUNKS): the rows
+        # between a thread's rows; None: a read per row
+        "page_row_step": policy_decode.chunk_row_step(spec) if spec.options.page_chunks else None,
         # the KEYS schedule (policy_decode.DecodeSchedule): warps splitting each key block
         "key_split": policy_decode.key_warps(spec) > 1,
         "key_warps": policy_decode.key_warps(spec),

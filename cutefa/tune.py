@@ -385,8 +385,9 @@ def tune(
     return write_table(table, out_dir)
 
 
-def _problems(entries: list[dict[str, Any]]) -> set[tuple[str, int, bool]]:
-    return {(e["dtype"], e["head_dim"], e["causal"]) for e in entries}
+def _problem(row: dict[str, Any]) -> tuple[str, int, bool]:
+    """(dtype, head_dim, causal) of a table entry or measurement."""
+    return row["dtype"], row["head_dim"], row["causal"]
 
 
 def merge_tables(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -397,17 +398,14 @@ def merge_tables(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     for key in ("arch", "direction", "gpu", "target"):
         if old.get(key, "fwd" if key == "direction" else None) != new.get(key):
             raise ValueError(f"cannot merge tables of another {key}: {old.get(key)!r} and {new.get(key)!r}")
-    measured = {(m["dtype"], m["head_dim"], m["causal"]) for m in new.get("measurements", [])}
-    measured |= _problems(new["entries"])
-    kept = [e for e in old["entries"] if (e["dtype"], e["head_dim"], e["causal"]) not in measured]
+    measured = {_problem(row) for row in [*new.get("measurements", []), *new["entries"]]}
+    kept = [e for e in old["entries"] if _problem(e) not in measured]
     entries = sorted(
         kept + new["entries"],
-        key=lambda e: (e["dtype"], e["head_dim"], e["causal"], e.get("v_centered", False),
+        key=lambda e: (*_problem(e), e.get("v_centered", False),
                        math.inf if e["max_seqlen_k"] is None else e["max_seqlen_k"]),
     )  # fmt: skip
-    old_measurements = [
-        m for m in old.get("measurements", []) if (m["dtype"], m["head_dim"], m["causal"]) not in measured
-    ]
+    old_measurements = [m for m in old.get("measurements", []) if _problem(m) not in measured]
     what = ", ".join(f"{d} hd{h}{' causal' if c else ''}" for d, h, c in sorted(measured))
     return {
         **old,

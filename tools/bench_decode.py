@@ -28,9 +28,9 @@ Usage (on the GPU machine)::
 per 16-row slab, the default; ``keys``, warps splitting the keys of a 16-row tile), each optionally
 followed by ``/`` and a copy layout (DecodeCopy: ``sectors`` or ``lines``; none: the policy's
 choice per cell, policy_decode.default_copy) and optionally ``/`` and a paged cache's page lookup
-(DecodePages: ``rows``, the default, or ``chunks``): one cutefa column each (``cutefa`` for the first, ``cutefa[<variant>]`` for the others), each run under
-``CUTEFA_DECODE_SCHEDULE``, ``CUTEFA_DECODE_COPY`` and ``CUTEFA_DECODE_PAGES`` set to it, and a
-cutefa / best peer ratio each.
+(DecodePages: ``rows``, the default, or ``chunks``): one cutefa column each (``cutefa`` for the
+first, ``cutefa[<variant>]`` for the others), each run under ``CUTEFA_DECODE_SCHEDULE``,
+``CUTEFA_DECODE_COPY`` and ``CUTEFA_DECODE_PAGES`` set to it, and a cutefa / best peer ratio each.
 
 ``--graphs`` times every side as serving engines run a decode step: captured once in a CUDA graph
 and replayed (the host's cost per call then drops out; a side that cannot be captured is n/a), the
@@ -493,12 +493,12 @@ def main(argv=None) -> int:
         "--graphs", action="store_true", help="time each side captured in a CUDA graph (replays: no host cost)"
     )
     args = parser.parse_args(argv)
-    schedules = [v.strip() for v in args.variants.split(",") if v.strip()] or ["rows"]
-    for variant in schedules:
-        variant_choice(variant)  # a ValueError naming the known schedules and copy layouts
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] or ["rows"]
+    for variant in variants:
+        variant_choice(variant)  # a ValueError naming the known schedules, copy layouts and page lookups
     if args.variants:
         columns = {
-            ("cutefa" if i == 0 else f"cutefa[{v}]"): CutefaVariant(v) for i, v in enumerate(schedules)
+            ("cutefa" if i == 0 else f"cutefa[{v}]"): CutefaVariant(v) for i, v in enumerate(variants)
         }
         BACKENDS.clear()
         BACKENDS.update(columns | {n: m for n, m in PEERS.items()})
@@ -506,7 +506,7 @@ def main(argv=None) -> int:
     skipped = [c for c in cells if c.kv_bytes > args.mem_gib * 2**30]
     cells = [c for c in cells if c not in skipped]
     if args.precompile:
-        precompile(cells, args.jobs, schedules)
+        precompile(cells, args.jobs, variants)
     timer, time_ms = make_timer()
     copy_bw = copy_bandwidth(time_ms)
     gen = torch.Generator(device="cuda").manual_seed(0)

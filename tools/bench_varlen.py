@@ -348,7 +348,7 @@ def run_problem(p: Problem, sides, time_ms, rounds: int, slices: int, device="cu
     return run_line(line, sides, p, [q, k, v, *rest], expect, time_ms, rounds, device)
 
 
-def cutefa_specs(ps: list[Problem], tails=(), sides=SIDES) -> list:
+def cutefa_specs(ps: list[Problem], tails=()) -> list:
     """The variants cutefa's calls of the grid dispatch to, and the forward variants of the
     ``--variants`` sides (for --precompile)."""
     import torch
@@ -450,7 +450,7 @@ def main(argv=None) -> int:
 
     ps = problems(args.groups, args.dtype, args.hdim, args.causals, args.passes)
     if args.precompile:
-        for failure in precompile(cutefa_specs(ps, args.variants, args.sides), args.jobs):
+        for failure in precompile(cutefa_specs(ps, args.variants), args.jobs):
             print(f"compile failed: {failure}", file=sys.stderr)
     timer, time_ms = make_timer(10, 40)
     sides = load_sides(args.sides) + variant_sides(args.variants)

@@ -199,10 +199,12 @@ def flash_attn_with_kvcache(
 # The attention op
 
 
-def _env_choice(name: str, kind: type[enum.Enum], default: enum.Enum, what: str):
+def _env_choice(name: str, kind: type[enum.Enum], default: enum.Enum | None, what: str):
     """The member of ``kind`` that environment variable ``name`` asks for (by value, any case), or
     ``default`` where it is unset or empty; a ValueError naming the known values otherwise."""
-    value = os.environ.get(name, "").strip().lower() or default.value
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
     try:
         return kind(value)
     except ValueError:
@@ -220,11 +222,7 @@ def decode_schedule() -> policy_decode.DecodeSchedule:
 def decode_copy() -> policy_decode.DecodeCopy | None:
     """The decode copy layout :data:`COPY_ENV` asks for (``sectors`` or ``lines``), or None where it
     is unset or empty: the policy's per call (:func:`cutefa.model.policy_decode.default_copy`)."""
-    if not os.environ.get(COPY_ENV, "").strip():
-        return None
-    return _env_choice(
-        COPY_ENV, policy_decode.DecodeCopy, policy_decode.DecodeCopy.LINES, "decode copy layout"
-    )
+    return _env_choice(COPY_ENV, policy_decode.DecodeCopy, None, "decode copy layout")
 
 
 def decode_pages() -> policy_decode.DecodePages:

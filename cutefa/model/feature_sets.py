@@ -16,12 +16,11 @@ import dataclasses
 
 from cutefa.model.defaults import default_config
 from cutefa.model.options import Mask
-from cutefa.model.policy_sm90 import fwd_varlen_from_dense, varlen_uneven
+from cutefa.model.policy_sm90 import fwd_varlen_forms, varlen_uneven
 from cutefa.model.rules import why_invalid
 from cutefa.model.spec import DTYPES, HEAD_DIMS, Features, VariantSpec, parse_name
 
 _NONE = Features()
-_VARLEN = Features(varlen=True)
 
 # (mask, features) pairs: packed batches; sliding windows (Mistral, Phi-3); softcap with and
 # without a window (Gemma 2); sinks with and without a window (gpt-oss); ALiBi (BLOOM, MPT); each
@@ -86,8 +85,5 @@ def packed_table_variants(arch: str, direction: str) -> list[VariantSpec]:
                 dense = parse_name(entry.variant)
             except ValueError:  # dispatch refuses it too (and explain says why)
                 continue
-            for uneven in (False, True):
-                spec = fwd_varlen_from_dense(dense, uneven)
-                if spec is not None and why_invalid(spec) is None:
-                    found.add(spec)
+            found.update(spec for spec in fwd_varlen_forms(dense) if why_invalid(spec) is None)
     return sorted(found)

@@ -109,7 +109,9 @@ class DecodePages(enum.Enum):
     CHUNKS = "chunks"
 
 
-PAGE_CHUNK_KEYS = 16  # cutefa.kernels.sm80.decode_paged.CHUNK_KEYS
+# Keys of a chunk (DecodePages.CHUNKS): pages of at least this many keys (a power of two) never
+# split an aligned chunk of them (cutefa.kernels.sm80.decode_paged.load_page_rows).
+PAGE_CHUNK_KEYS = 16
 
 
 class DecodeSchedule(enum.Enum):

@@ -16,7 +16,7 @@ from cutefa.model.budgets_sm90 import (
     sm90_fwd_tile_head_dims,
 )
 from cutefa.model.options import Mask, Scheduler
-from cutefa.model.spec import Features, VariantSpec
+from cutefa.model.spec import PACKED, VariantSpec
 
 WG_ROWS = 64  # query rows of one consumer warpgroup (WGMMA's M)
 PRODUCER_REGS = 24  # setmaxnreg of the 16-bit producer warpgroup (TMA issue only)
@@ -173,7 +173,7 @@ def varlen_uneven(spec: VariantSpec) -> VariantSpec:
     the uniform causal one, hence by evenness). Any other spec is returned as it is."""
     if (spec.arch, spec.direction) != ("sm90", "fwd") or spec.dtype == "e4m3":
         return spec
-    if spec.features != Features(varlen=True) or spec.mask not in (Mask.NONE, Mask.CAUSAL):
+    if spec.features != PACKED or spec.mask not in (Mask.NONE, Mask.CAUSAL):
         return spec
     if spec.options.scheduler is not Scheduler.GRID:
         return spec
@@ -200,4 +200,11 @@ def fwd_varlen_from_dense(dense: VariantSpec, uneven: bool = False) -> VariantSp
     if dense.mask is Mask.LOCAL or (uneven and dense.mask is Mask.CAUSAL):
         return None
     scheduler = Scheduler.LPT if uneven else Scheduler.GRID
-    return dense.replace(features=Features(varlen=True), scheduler=scheduler)
+    return dense.replace(features=PACKED, scheduler=scheduler)
+
+
+def fwd_varlen_forms(dense: VariantSpec) -> list[VariantSpec]:
+    """Every packed form :func:`fwd_varlen_from_dense` makes of ``dense`` (an even and an uneven
+    batch's, where it makes them): what a pack ships for the packed batches of its problem."""
+    forms = (fwd_varlen_from_dense(dense, uneven) for uneven in (False, True))
+    return [spec for spec in forms if spec is not None]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from cutefa.model import policy_mla, policy_mla_wgmma
+from cutefa.model import policy_decode, policy_mla, policy_mla_wgmma
 from cutefa.model.budgets import TARGET_SMEM_LIMITS
 from cutefa.model.budgets_sm80 import sm80_over_budget, sm80_registers, sm80_smem_bytes, sm80_tile_head_dim
 from cutefa.model.budgets_sm90 import (
@@ -283,9 +283,12 @@ def _sm80_page_chunks(spec: VariantSpec) -> str | None:
         return "page_chunks is an option of the paged decode kernel (the split_kv and paged_kv axes)"
     if not spec.options.line_copy:
         return "page_chunks needs line_copy: with sector copies each row of a thread is in a chunk of its own"
-    span = spec.threads // 8  # rows of one copy instruction (8 threads a row)
-    if 16 % span:
-        return f"page_chunks with {spec.warps} warps: a copy instruction's {span} rows do not divide 16"
+    span = policy_decode.chunk_row_step(spec)  # rows of one copy instruction
+    if policy_decode.PAGE_CHUNK_KEYS % span:
+        return (
+            f"page_chunks with {spec.warps} warps: a copy instruction's {span} rows do not divide "
+            f"{policy_decode.PAGE_CHUNK_KEYS}"
+        )
     return None
 
 

@@ -100,6 +100,8 @@ class Features:
         return bool(self.tokens)
 
 
+PACKED = Features(varlen=True)  # packed sequences with no other feature axis
+
 _FEATURE_TOKENS = {f.metadata["token"]: f.name for f in dataclasses.fields(Features)}
 
 _NAME_RE = re.compile(

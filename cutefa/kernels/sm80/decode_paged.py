@@ -5,7 +5,7 @@ holds keys ``[i * page_size, (i + 1) * page_size)`` of sequence ``b``. Key ``j``
 ``j % page_size`` of page ``page_table[b, j // page_size]``. Page sizes are powers of two (the API
 checks), so the split is a shift and a mask; a key block of ``tile_n`` rows may lie inside one page
 or span several: each row's address is computed on its own, so any page size works with any tile
-(or, with pages of at least :data:`CHUNK_KEYS` keys, once per aligned chunk of that many keys).
+(or, with pages of at least ``PAGE_CHUNK_KEYS`` keys, once per aligned chunk of that many keys).
 """
 
 import cutlass
@@ -13,6 +13,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from cutefa.kernels.sm80.decode_rows import copy_row
+from cutefa.model.policy_decode import PAGE_CHUNK_KEYS
 
 
 def page_shift(page_size: Int32) -> Int32:
@@ -39,10 +40,11 @@ def load_page_rows(
 
     ``row_step`` 0: each row's page read and address built on its own (any page size). Otherwise
     the thread's rows are ``row_step`` apart (``coords[0, m, 0][0] = coords[0, 0, 0][0] + m *
-    row_step``, the first below ``row_step``), ``row_step`` divides :data:`CHUNK_KEYS`, ``key0`` is a
-    multiple of it and the pages hold at least :data:`CHUNK_KEYS` keys: the rows of an aligned chunk
-    of :data:`CHUNK_KEYS` keys share one page-table read and lie at constant offsets from the
-    chunk's first in its page (one 64-bit address a chunk, not a row)."""
+    row_step``, the first below ``row_step``), ``row_step`` divides ``PAGE_CHUNK_KEYS``
+    (:mod:`cutefa.model.policy_decode`), ``key0`` is a multiple of it and the pages hold at least
+    that many keys: the rows of an aligned chunk of ``PAGE_CHUNK_KEYS`` keys share one page-table
+    read and lie at constant offsets from the chunk's first in its page (one 64-bit address a chunk,
+    not a row)."""
     offset_mask = (Int32(1) << shift) - 1
     rows = cute.size(dst, mode=[1])
     if cutlass.const_expr(row_step == 0):
@@ -68,8 +70,8 @@ def _load_page_chunks(
     g2s: cute.TiledCopy, mX: cute.Tensor, page_row: cute.Tensor, dst: cute.Tensor, coords: cute.Tensor,
     key0: Int32, seqlen_k: Int32, offset_mask: Int32, shift: Int32, row_step: cutlass.Constexpr,
 ):  # fmt: skip
-    """:func:`load_page_rows` with a page-table read per chunk of :data:`CHUNK_KEYS` keys."""
-    per_chunk = CHUNK_KEYS // row_step
+    """:func:`load_page_rows` with a page-table read per chunk of ``PAGE_CHUNK_KEYS`` keys."""
+    per_chunk = PAGE_CHUNK_KEYS // row_step
     chunks = cute.size(dst, mode=[1]) // per_chunk
     pages = cute.make_rmem_tensor((chunks,), Int32)
     for c in cutlass.range_constexpr(chunks):
@@ -88,7 +90,3 @@ def _load_page_chunks(
             else:
                 dst[None, m, None].fill(0)
 
-
-# Keys of a chunk: a paged cache whose pages hold at least this many keys (a power of two) never
-# splits an aligned chunk of them across two pages (cutefa.model.policy_decode.PAGE_CHUNK_KEYS).
-CHUNK_KEYS = 16
