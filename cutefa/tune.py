@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 from collections.abc import Callable
@@ -51,8 +52,11 @@ class Measurement:
 
 
 def gpu_token(device_name: str) -> str:
-    """'NVIDIA H200' -> 'H200': the last word of the device name, used in table file names."""
-    return device_name.split()[-1]
+    """The GPU model in a device name, used in table file names: its first word of one or two capitals
+    and digits ('NVIDIA H100 80GB HBM3' -> 'H100', 'NVIDIA A100-SXM4-80GB' -> 'A100', 'NVIDIA H200'
+    -> 'H200'), else its last word."""
+    model = re.search(r"\b([A-Z]{1,2}\d{2,4})\b", device_name)
+    return model.group(1) if model else device_name.split()[-1]
 
 
 def _timer() -> Callable[[Callable[[], Any]], float]:
@@ -306,7 +310,8 @@ def tuning_candidates(
         if (s.arch, s.direction) == (arch, direction) and s.dtype in dtypes
         and getattr(s.options, "quant", Quant.TENSOR) is Quant.TENSOR
     ]  # fmt: skip
-    specs = [s for s in specs if head_dims is None or s.head_dim in head_dims]
+    # a table entry names a head dim, so it holds variants whose v has that head dim too
+    specs = [s for s in specs if (head_dims is None or s.head_dim in head_dims) and s.head_dim_v == s.head_dim]
     return [s for s in specs if why_not_on(s, target) is None]
 
 

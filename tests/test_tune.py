@@ -37,6 +37,9 @@ def test_non_power_of_two_lengths_round_up():
 
 def test_gpu_token():
     assert gpu_token("NVIDIA H200") == "H200"
+    assert gpu_token("NVIDIA H100 80GB HBM3") == "H100"
+    assert gpu_token("NVIDIA A100-SXM4-80GB") == "A100"
+    assert gpu_token("Some Card") == "Card"
 
 
 def test_rounds_are_taken_in_turns_and_the_median_kept():

@@ -176,11 +176,14 @@ def test_dispatch_runs_lpt_on_an_uneven_batch_and_grid_on_an_even_one(causal):
     uneven = _choose(16384, causal=causal)
     assert uneven.spec.options.scheduler is Scheduler.LPT and uneven.spec.features == VARLEN
     assert "the LPT scheduler: an uneven packed batch (16384 query rows of 40 x 8192" in uneven.reason
-    # non-causal: the table's tile (128x176, paired conversions); causal: the family default's 128x128
+    # non-causal: the H100 table's tile for the dense problem (128x160, paired conversions); causal:
+    # the family default's 128x128
     if causal:
         assert "heuristic" in uneven.reason and (uneven.spec.tile_n, uneven.spec.options.pair_cvt) == (128, False)
     else:
-        assert "tuned table" in uneven.reason and (uneven.spec.tile_n, uneven.spec.options.pair_cvt) == (176, True)
+        dense = _choose(None, features=Features()).spec
+        assert "tuned table sm90_h100.json" in uneven.reason and (dense.tile_n, dense.options.pair_cvt) == (160, True)
+        assert (uneven.spec.tile_n, uneven.spec.options.pair_cvt) == (dense.tile_n, dense.options.pair_cvt)
     even = _choose(8 * 2048, batch=8, seqlen=2048, causal=causal)
     assert even.spec.options.scheduler is Scheduler.GRID
     assert _choose(None, causal=causal).spec.options.scheduler is Scheduler.GRID  # not known: as before
