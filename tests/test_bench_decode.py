@@ -40,9 +40,10 @@ PAGE_ROWS, CHUNKS = policy_decode.DecodePages.ROWS, policy_decode.DecodePages.CH
 
 @pytest.mark.parametrize(
     ("item", "expected"),
-    [("rows", (ROWS, None, PAGE_ROWS)), ("rows/lines", (ROWS, LINES, PAGE_ROWS)),
-     ("rows/sectors", (ROWS, SECTORS, PAGE_ROWS)), ("keys", (policy_decode.DecodeSchedule.KEYS, None, PAGE_ROWS)),
-     ("rows/lines/chunks", (ROWS, LINES, CHUNKS)), ("rows//chunks", (ROWS, None, CHUNKS))],
+    [("rows", (ROWS, None, CHUNKS)), ("rows/lines", (ROWS, LINES, CHUNKS)),
+     ("rows/sectors", (ROWS, SECTORS, CHUNKS)), ("keys", (policy_decode.DecodeSchedule.KEYS, None, CHUNKS)),
+     ("rows/lines/chunks", (ROWS, LINES, CHUNKS)), ("rows/lines/rows", (ROWS, LINES, PAGE_ROWS)),
+     ("rows//rows", (ROWS, None, PAGE_ROWS))],
 )  # fmt: skip
 def test_variant_items_are_read_as_the_api_reads_them(monkeypatch, item, expected):
     monkeypatch.setenv(kvcache.COPY_ENV, "lines")  # the caller's own setting comes back afterwards

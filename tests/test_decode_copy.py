@@ -117,9 +117,9 @@ def test_the_call_takes_the_copy_by_its_cache_size(monkeypatch, pages, env, line
 
 
 # ---------------------------------------------------------------------------------------------
-# Page reads per chunk of 16 keys (policy_decode.DecodePages.CHUNKS, opt-in)
+# Page reads per chunk of 16 keys (policy_decode.DecodePages.CHUNKS, the default where it applies)
 
-CHUNKS = policy_decode.DecodePages.CHUNKS
+CHUNKS, ROWS_PAGES = policy_decode.DecodePages.CHUNKS, policy_decode.DecodePages.ROWS
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -138,8 +138,11 @@ def test_page_chunk_variants_are_valid_and_render(head_dim, rows):
         assert f"seqlen_k, shift, {step})" in text
         # only the page lookups differ from the per-row form
         assert spec.replace(page_chunks=False) == policy_decode.decode_spec(
-            "bf16", head_dim, rows, mask=mask, paged=True, copy=LINES, page_size=16
+            "bf16", head_dim, rows, mask=mask, paged=True, copy=LINES, page_size=16, pages=ROWS_PAGES
         )
+        assert policy_decode.decode_spec(
+            "bf16", head_dim, rows, mask=mask, paged=True, copy=LINES, page_size=16
+        ) == spec  # the default
 
 
 @pytest.mark.parametrize(
@@ -166,8 +169,8 @@ def test_rules_refuse_page_chunks_outside_the_paged_line_copy():
 
 
 @pytest.mark.parametrize(("page_size", "env", "chunks"), [(16, "chunks", True), (8, "chunks", False),
-                                                          (64, "", False), (64, "rows", False)])  # fmt: skip
-def test_the_call_takes_page_chunks_when_asked_and_the_pages_allow(monkeypatch, page_size, env, chunks):
+                                                          (64, "", True), (8, "", False), (64, "rows", False)])  # fmt: skip
+def test_the_call_takes_page_chunks_unless_asked_not_to_where_the_pages_allow(monkeypatch, page_size, env, chunks):
     monkeypatch.setenv(kvcache.PAGES_ENV, env)
     monkeypatch.setenv(kvcache.COPY_ENV, "lines")
     q = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)

@@ -148,8 +148,8 @@ def test_rows_split_counts_do_not_change():
       "CUTEFA_DECODE_SCHEDULE='cols'.*rows, keys"),
      (kvcache.COPY_ENV, kvcache.decode_copy, None, " Sectors ",
       policy_decode.DecodeCopy.SECTORS, "words", "CUTEFA_DECODE_COPY='words'.*sectors, lines"),
-     (kvcache.PAGES_ENV, kvcache.decode_pages, policy_decode.DecodePages.ROWS, "CHUNKS",
-      policy_decode.DecodePages.CHUNKS, "pages", "CUTEFA_DECODE_PAGES='pages'.*rows, chunks")],
+     (kvcache.PAGES_ENV, kvcache.decode_pages, policy_decode.DecodePages.CHUNKS, "ROWS",
+      policy_decode.DecodePages.ROWS, "pages", "CUTEFA_DECODE_PAGES='pages'.*rows, chunks")],
     ids=["schedule", "copy", "pages"],
 )  # fmt: skip
 def test_decode_switches_come_from_the_environment(

@@ -22,13 +22,13 @@ Usage (on the GPU machine)::
     python tools/bench_decode.py --grid full --mem-gib 24       # the grid, cells within memory
     python tools/bench_decode.py --grid quick --variants rows,keys   # both decode schedules side by side
     python tools/bench_decode.py --grid quick --variants rows,rows/sectors   # the policy's copy vs sectors
-    python tools/bench_decode.py --grid quick --layouts 16,64 --variants rows/lines,rows/lines/chunks
+    python tools/bench_decode.py --grid quick --layouts 16,64 --variants rows/lines/rows,rows/lines/chunks
 
 ``--variants`` takes decode schedules (cutefa.model.policy_decode.DecodeSchedule: ``rows``, one warp
 per 16-row slab, the default; ``keys``, warps splitting the keys of a 16-row tile), each optionally
 followed by ``/`` and a copy layout (DecodeCopy: ``sectors`` or ``lines``; none: the policy's
 choice per cell, policy_decode.default_copy) and optionally ``/`` and a paged cache's page lookup
-(DecodePages: ``rows``, the default, or ``chunks``): one cutefa column each (``cutefa`` for the
+(DecodePages: ``chunks``, the default where it applies, or ``rows``): one cutefa column each (``cutefa`` for the
 first, ``cutefa[<variant>]`` for the others), each run under ``CUTEFA_DECODE_SCHEDULE``,
 ``CUTEFA_DECODE_COPY`` and ``CUTEFA_DECODE_PAGES`` set to it, and a cutefa / best peer ratio each.
 

@@ -22,8 +22,8 @@ one process). Likewise its K/V copy layout (:class:`cutefa.model.policy_decode.D
 32-byte sector per thread pair, or a 128-byte line per 8 threads) is the policy's per call
 (:func:`cutefa.model.policy_decode.default_copy`: LINES, SECTORS for a small paged cache) unless
 ``CUTEFA_DECODE_COPY`` says ``sectors`` or ``lines``; and a paged cache's page lookups
-(:class:`cutefa.model.policy_decode.DecodePages`) are a row's each unless ``CUTEFA_DECODE_PAGES``
-says ``chunks`` (one per 16 keys; line copies and pages of at least 16 keys).
+(:class:`cutefa.model.policy_decode.DecodePages`) are one per 16 keys with line copies and pages of
+at least 16 keys, else one per row; ``CUTEFA_DECODE_PAGES=rows`` asks for a row's each always.
 
 An e4m3 cache (q 16-bit, ``k_descale``/``v_descale``; :mod:`cutefa.api.kvcache_e4m3`) takes its own
 op, ``cutefa::kvcache_attn_e4m3`` (it mutates the cache too: the append quantizes the new tokens with
@@ -226,10 +226,11 @@ def decode_copy() -> policy_decode.DecodeCopy | None:
 
 
 def decode_pages() -> policy_decode.DecodePages:
-    """How a paged decode finds its rows' pages, as :data:`PAGES_ENV` asks (``rows``, the default, or
-    ``chunks``: one page-table read per 16 keys, with line copies and pages of at least 16 keys)."""
+    """How a paged decode finds its rows' pages, as :data:`PAGES_ENV` asks (``chunks``, the default:
+    one page-table read per 16 keys where line copies and pages of at least 16 keys allow it, else per
+    row; or ``rows``: per row)."""
     return _env_choice(
-        PAGES_ENV, policy_decode.DecodePages, policy_decode.DecodePages.ROWS, "decode page lookup"
+        PAGES_ENV, policy_decode.DecodePages, policy_decode.DecodePages.CHUNKS, "decode page lookup"
     )
 
 
