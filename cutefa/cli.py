@@ -26,6 +26,7 @@ from cutefa.model.spec import (
     target_for_capability,
 )
 from cutefa.selection import name_matches
+from cutefa.tune import DEFAULT_SEQLENS as TUNE_SEQLENS
 
 # Hardware evidence per kernel family, shown next to valid variants.
 HARDWARE_STATUS: dict[str, str] = {
@@ -422,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--direction", choices=DIRECTIONS, default="fwd", help="forward (default) or backward variants"
     )
     p.add_argument(
-        "--seqlens", type=_int_list, default=[1024, 4096, 16384], help="(default: 1024,4096,16384)"
+        "--seqlens", type=_int_list, default=list(TUNE_SEQLENS),
+        help="(default: " + ",".join(map(str, TUNE_SEQLENS)) + ")",
     )
     p.add_argument(
         "--dtype",
