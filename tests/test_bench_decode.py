@@ -89,3 +89,20 @@ def test_precompile_builds_what_each_cell_runs(monkeypatch):
     # page reads per chunk: the paged cells' line-copy variants (pages of 16), the dense one as it was
     bench_decode.precompile(cells, 1, ["rows/lines/chunks"])
     assert sorted((s.features.paged_kv, s.options.page_chunks) for s in built[-1]) == [(False, False), (True, True)]
+
+
+def test_forced_split_counts_are_columns_of_their_own(monkeypatch):
+    """``--splits 1,3``: a cutefa column each with num_splits forced, after the variants' columns and
+    before the peers; a count under 1 is refused."""
+    sides = bench_decode.columns(["rows", "rows/sectors"], [1, 3])
+    names = list(sides)
+    assert names[:4] == ["cutefa", "cutefa[rows/sectors]", "cutefa[splits=1]", "cutefa[splits=3]"]
+    assert names[4:] == list(bench_decode.PEERS) and all(bench_decode.ours(n) for n in names[:4])
+    calls = []
+    monkeypatch.setattr(bench_decode.kvcache, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(kw))
+    cell = argparse.Namespace(q=None, k=None, v=None, seqlens=None, table=None, tokens=1)
+    sides["cutefa[splits=3]"](cell)()
+    sides["cutefa"](cell)()
+    assert [kw["num_splits"] for kw in calls] == [3, 0]
+    with pytest.raises(ValueError, match="at least 1"):
+        bench_decode.columns(["rows"], [0])

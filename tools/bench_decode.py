@@ -23,6 +23,7 @@ Usage (on the GPU machine)::
     python tools/bench_decode.py --grid quick --variants rows,keys   # both decode schedules side by side
     python tools/bench_decode.py --grid quick --variants rows,rows/sectors   # the policy's copy vs sectors
     python tools/bench_decode.py --grid quick --layouts 16,64 --variants rows/lines/rows,rows/lines/chunks
+    python tools/bench_decode.py --batches 64 --caches 1024 --splits 1,2,3   # forced split counts beside the policy's
 
 ``--variants`` takes decode schedules (cutefa.model.policy_decode.DecodeSchedule: ``rows``, one warp
 per 16-row slab, the default; ``keys``, warps splitting the keys of a 16-row tile), each optionally
@@ -177,11 +178,12 @@ class Cell:
 # Backends: make(cell) -> a no-argument callable returning out (batch, tokens, hq, d), or None (n/a)
 
 
-def cutefa_backend(cell):
+def cutefa_backend(cell, num_splits=0):
     causal = cell.tokens > 1
     return lambda: kvcache.flash_attn_with_kvcache(
-        cell.q, cell.k, cell.v, cache_seqlens=cell.seqlens, page_table=cell.table, causal=causal
-    )
+        cell.q, cell.k, cell.v, cache_seqlens=cell.seqlens, page_table=cell.table, causal=causal,
+        num_splits=num_splits,
+    )  # fmt: skip
 
 
 def variant_env(variant: str) -> dict:
@@ -211,6 +213,28 @@ class CutefaVariant:
 
     def __call__(self, cell):
         return cutefa_backend(cell)
+
+
+class ForcedSplits:
+    """cutefa with ``num_splits`` forced (the policy's variant, the split count the caller's)."""
+
+    env = None
+
+    def __init__(self, splits: int):
+        if splits < 1:
+            raise ValueError(f"--splits {splits}: a split count is at least 1")
+        self.splits = splits
+
+    def __call__(self, cell):
+        return cutefa_backend(cell, self.splits)
+
+
+def columns(variants: list[str], splits: list[int]) -> dict:
+    """The sides in table order: a cutefa column per ``--variants`` item (``cutefa`` the first,
+    ``cutefa[<variant>]`` the others), one per forced split count (``cutefa[splits=N]``), the peers."""
+    ours_sides = {("cutefa" if i == 0 else f"cutefa[{v}]"): CutefaVariant(v) for i, v in enumerate(variants)}
+    forced = {f"cutefa[splits={n}]": ForcedSplits(n) for n in splits}
+    return ours_sides | forced | PEERS
 
 
 @contextlib.contextmanager
@@ -492,16 +516,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--graphs", action="store_true", help="time each side captured in a CUDA graph (replays: no host cost)"
     )
+    parser.add_argument(
+        "--splits", default="", help="comma-separated split counts: a cutefa column each with num_splits forced"
+    )
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()] or ["rows"]
     for variant in variants:
         variant_choice(variant)  # a ValueError naming the known schedules, copy layouts and page lookups
-    if args.variants:
-        columns = {
-            ("cutefa" if i == 0 else f"cutefa[{v}]"): CutefaVariant(v) for i, v in enumerate(variants)
-        }
+    splits = [int(n) for n in args.splits.split(",") if n.strip()]
+    if args.variants or splits:
+        sides = columns(variants, splits)
         BACKENDS.clear()
-        BACKENDS.update(columns | {n: m for n, m in PEERS.items()})
+        BACKENDS.update(sides)
     cells = cells_of(args)
     skipped = [c for c in cells if c.kv_bytes > args.mem_gib * 2**30]
     cells = [c for c in cells if c not in skipped]
