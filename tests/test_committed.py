@@ -164,3 +164,28 @@ def test_fitting_variant_finds_the_small_tiles():
             assert rules.fitting_variant(spec, target) is None
     spec = default_config("sm80", "fwd", "bf16", 128).spec("sm80", "fwd", "bf16", 128)
     assert rules.fitting_variant(spec, "sm_86") == spec  # 97 KiB: the default fits
+
+
+@pytest.mark.parametrize(("gpu_name", "model"), [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200")])
+def test_dispatch_takes_the_table_of_the_gpu_it_runs_on(monkeypatch, gpu_name, model):
+    """The committed tables of the H100 and the H200: a problem on either GPU takes the entry of its
+    own GPU's table, forward (its reason names the file) and backward (the entry's variant)."""
+    monkeypatch.delenv("CUTEFA_TUNED_DIR", raising=False)
+    dispatch.clear_caches()
+    try:
+        fwd = dispatch.choose(
+            target="sm_90a", dtype=torch.bfloat16, head_dim=128, causal=False, seqlen_q=16384, seqlen_k=16384,
+            batch=1, heads_q=16, heads_kv=16, gpu_name=gpu_name,
+        )  # fmt: skip
+        assert f"tuned table sm90_{model}.json" in fwd.reason, fwd.reason
+        raw = json.loads((committed.TUNED_DIR / f"sm90_bwd_{model}.json").read_text())
+        # causal at 1k keys: the two GPUs' tables name different variants there
+        rows = [e for e in raw["entries"] if (e["dtype"], e["head_dim"], e["causal"]) == ("bf16", 128, True)]
+        entry = min(
+            (e for e in rows if e["max_seqlen_k"] is None or e["max_seqlen_k"] >= 1024),
+            key=lambda e: e["max_seqlen_k"] or 1 << 30,
+        )
+        bwd = choose_bwd("sm_90a", torch.bfloat16, 128, True, seqlen_k=1024, gpu_name=gpu_name)
+        assert bwd.name == entry["variant"]
+    finally:
+        dispatch.clear_caches()
