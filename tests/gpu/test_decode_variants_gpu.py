@@ -7,8 +7,8 @@ cache and against the other variant's answer on the same inputs:
   a row instead of 2 on a 32-byte sector; the default but on small paged caches,
   policy_decode.default_copy), through ``CUTEFA_DECODE_COPY=lines``, against ``sectors``;
 - ``chunks``: with line copies, a paged cache's page table read once per 16 keys a thread
-  (DecodePages.CHUNKS), through ``CUTEFA_DECODE_PAGES=chunks``, against the per-row reads (its
-  tests of dense caches skip: the option is the paged kernel's).
+  (DecodePages.CHUNKS, the default where it applies), through ``CUTEFA_DECODE_PAGES=chunks``,
+  against the per-row reads (its tests of dense caches skip: the option is the paged kernel's).
 
 Covered for each: every page size (16 to 256) with sequences ending mid-page, num_splits 1 to 16
 giving one answer, ragged cache_seqlens with 0 and 1 and lengths that leave some warps of a block
