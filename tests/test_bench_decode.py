@@ -106,3 +106,5 @@ def test_forced_split_counts_are_columns_of_their_own(monkeypatch):
     assert [kw["num_splits"] for kw in calls] == [3, 0]
     with pytest.raises(ValueError, match="at least 1"):
         bench_decode.columns(["rows"], [0])
+    # no --variants: the plain cutefa side, which leaves the caller's decode environment alone
+    assert bench_decode.columns([], [2])["cutefa"] is bench_decode.cutefa_backend

@@ -231,8 +231,10 @@ class ForcedSplits:
 
 def columns(variants: list[str], splits: list[int]) -> dict:
     """The sides in table order: a cutefa column per ``--variants`` item (``cutefa`` the first,
-    ``cutefa[<variant>]`` the others), one per forced split count (``cutefa[splits=N]``), the peers."""
+    ``cutefa[<variant>]`` the others; none given: ``cutefa`` under the caller's environment), one per
+    forced split count (``cutefa[splits=N]``), the peers."""
     ours_sides = {("cutefa" if i == 0 else f"cutefa[{v}]"): CutefaVariant(v) for i, v in enumerate(variants)}
+    ours_sides = ours_sides or {"cutefa": cutefa_backend}
     forced = {f"cutefa[splits={n}]": ForcedSplits(n) for n in splits}
     return ours_sides | forced | PEERS
 
@@ -520,11 +522,11 @@ def main(argv=None) -> int:
         "--splits", default="", help="comma-separated split counts: a cutefa column each with num_splits forced"
     )
     args = parser.parse_args(argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()] or ["rows"]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for variant in variants:
         variant_choice(variant)  # a ValueError naming the known schedules, copy layouts and page lookups
     splits = [int(n) for n in args.splits.split(",") if n.strip()]
-    if args.variants or splits:
+    if variants or splits:
         sides = columns(variants, splits)
         BACKENDS.clear()
         BACKENDS.update(sides)
@@ -532,7 +534,7 @@ def main(argv=None) -> int:
     skipped = [c for c in cells if c.kv_bytes > args.mem_gib * 2**30]
     cells = [c for c in cells if c not in skipped]
     if args.precompile:
-        precompile(cells, args.jobs, variants)
+        precompile(cells, args.jobs, variants or ["rows"])
     timer, time_ms = make_timer()
     copy_bw = copy_bandwidth(time_ms)
     gen = torch.Generator(device="cuda").manual_seed(0)
