@@ -270,7 +270,7 @@ class Kernel:
             bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[0][2]), bwd_parts.dq_tiled_mma(DTYPE, DQ_PIECES[1][2]), PostStorage,
         ).launch(
             grid=(cute.ceil_div(mQ.shape[1], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[0])),
-            block=[parts.WG_THREADS, 1, 1], smem=PostStorage.size_in_bytes(), stream=stream,
+            block=[parts.WG_THREADS, 1, 1], smem=PostStorage.size_in_bytes(), stream=stream, use_pdl=pdl.supported(),
         )  # fmt: skip
 
         @cute.struct
@@ -397,7 +397,10 @@ class Kernel:
         dq_mma1: cute.TiledMma,
         Storage: cutlass.Constexpr,
     ):
-        pdl.wait_primary()  # launched as the previous kernel's dependent: its writes first
+        # Launched as the preprocess's (or dkv_zero's) dependent: the roles that read what those
+        # write (LSE2 and D, dq_accum, dkv_accum) wait for them at their top (pdl.wait_primary); the
+        # load warp does not: it reads q, k, v and dO only, written before the preprocess, which is
+        # launched in stream order (so its K/V and first Q/dO loads overlap the preprocess's tail).
         pdl.launch_dependents()  # the next kernel may start its CTAs (it waits for this grid)
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
@@ -485,6 +488,7 @@ class Kernel:
                         )
         else:
             cute.arch.warpgroup_reg_alloc(CONSUMER_REGS)
+            pdl.wait_primary()  # LSE2 and D (the preprocess's), dq_accum and dkv_accum (zeroed before)
             m_blocks = cute.ceil_div(seqlen_q, TILE_M)
             my_blocks = cute.ceil_div(cute.ceil_div(seqlen_k, TILE_N) - bx, grid_x)
             c = wg - 1  # this consumer's 64 keys of the CTA's block
