@@ -82,6 +82,7 @@ from bench_grid import (
     QUICK_HEADS,
     QUICK_SEQLENS,
     SEQLENS,
+    TOKENS,
     grid,
     parse_hdim,
     parse_heads,
@@ -203,6 +204,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--seqlen", type=_int_list, default=None, help="seqlens (default 1024..16384)")
     p.add_argument(
+        "--batch", type=_int_list, default=None,
+        help=f"batch sizes, each with every seqlen (default: {TOKENS} tokens per cell, batch = {TOKENS} // seqlen); "
+        "small grids: e.g. --batch 1,2 --heads 8/8,16/16",
+    )  # fmt: skip
+    p.add_argument(
+        "--graphs", action="store_true",
+        help="time every backend replayed from a CUDA graph (captured once after its check, a replay checked "
+        "too): the host's cost of a call drops out, as in a captured training or serving step",
+    )  # fmt: skip
+    p.add_argument(
         "--heads", type=_heads_list, default=None,
         help=f"head layouts: mha, mqa or HQ/HKV (default {','.join(HEADS)}; --quick {','.join(QUICK_HEADS)})",
     )  # fmt: skip
@@ -278,6 +289,7 @@ def run_grid(args: argparse.Namespace) -> int:
         (cutefa_backend,) = load_backends(["cutefa"])
     timer_name, time_ms = make_timer(args.warmup, args.rep)
     meta = environment() | {"timer": timer_name, "rounds": args.rounds, "slices": args.slices}
+    meta |= {"graphs": args.graphs, "batches": args.batch}
     meta["argv"] = sys.argv[1:]
     notes: list[str] = []
     try:
@@ -302,6 +314,7 @@ def run_grid(args: argparse.Namespace) -> int:
             slices=args.slices,
             variants=variants,
             describe=describe,
+            graphs=args.graphs,
         )
         for name, res in [*row.results.items(), *row.bwd_variants.items()]:
             if res.status in ("FAIL", "err"):

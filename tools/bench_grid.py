@@ -118,7 +118,8 @@ class Cell:
     def label(self) -> str:
         heads = f" h={self.heads_label}" if self.gqa else ""
         dims = f"hd{self.hdim}" + (f"v{self.v_dim}" if self.v_dim != self.hdim else "")
-        return f"{self.pass_} {self.dtype} {dims}{heads} causal={int(self.causal)} s={self.seqlen}"
+        batch = f" b={self.batch_}" if self.batch_ is not None else ""
+        return f"{self.pass_} {self.dtype} {dims}{heads} causal={int(self.causal)} s={self.seqlen}{batch}"
 
 
 def cell_heads(entry: str, hdim: int) -> tuple[int, int]:
@@ -140,13 +141,15 @@ def head_dim_pairs(hdims) -> list[tuple[int, int]]:
 def grid(args: argparse.Namespace) -> list[Cell]:
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
     heads = getattr(args, "heads", ["mha"])
+    batches = getattr(args, "batch", None) or [None]  # None: TOKENS // seqlen
     cells = [
-        Cell(dt, hd, c, s, p, *cell_heads(h, hd), hdim_v=hv)
+        Cell(dt, hd, c, s, p, *cell_heads(h, hd), batch_=b, hdim_v=hv)
         for p in args.passes
         for dt in args.dtype
         for hd, hv in head_dim_pairs(args.hdim)
         for h in heads
         for c in causals
+        for b in batches
         for s in args.seqlen
     ]
     return list(dict.fromkeys(cells))  # "mqa" and "HQ/1" may name one cell

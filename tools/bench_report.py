@@ -99,7 +99,13 @@ def report_markdown(meta: dict, rows: list[Row], backends: list[str], notes: lis
     mm = meta.get("matmul_tflops")
     out.append(f"Dense bf16 matmul 8192^3 (cuBLAS, median): {mm:.0f} TFLOP/s" if mm else "Dense matmul: n/a")
     out.append(
-        f"Layout (batch, seqlen, heads, hdim), batch x seqlen = {TOKENS}, heads = {MODEL_DIM} // hdim "
+        "Layout (batch, seqlen, heads, hdim), "
+        + (
+            f"batch {', '.join(map(str, meta['batches']))} (as asked)"
+            if meta.get("batches")
+            else f"batch x seqlen = {TOKENS}"
+        )
+        + f", heads = {MODEL_DIM} // hdim "
         "(of q and k, rounded down); hdim QK:V: q and k of head dim QK, v and the output of V; "
         "TFLOP/s = 2*b*h*s^2*(d_qk + d_v) / time for the forward (4*b*h*s^2*d with one head dim; "
         "2.5x that for the backward), halved when causal; median of "
@@ -109,6 +115,8 @@ def report_markdown(meta: dict, rows: list[Row], backends: list[str], notes: lis
             if meta.get("rounds", 1) > 1
             else ""
         )
+        + (", every backend replayed from a CUDA graph captured after its check (a replay checked too)"
+           if meta.get("graphs") else "")
         + ". Every backend's outputs (forward O and log-sum-exp; backward dQ, dK, dV) were checked "
         f"before timing against a float32 reference on {meta.get('slices', 'a few')} (batch, head) slices "
         "per cell, outputs NaN-poisoned, each within 3x the error of the same reference computed in the "
@@ -165,6 +173,8 @@ def plot_panels(rows: list[Row]) -> dict[tuple, list[Row]]:
     for row in rows:
         c = row.cell
         heads = c.heads_label if c.gqa else ""
+        if c.batch_ is not None:  # --batch: one panel per batch and head layout
+            heads = f"{c.heads_label} b={c.batch_}"
         panels.setdefault((c.pass_, c.dtype, c.hdim_text, c.causal, heads), []).append(row)
     return panels
 

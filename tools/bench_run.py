@@ -121,11 +121,61 @@ def host_timer(iters: int, warmup: int, totals: dict) -> Callable[[Callable], fl
     return host_us
 
 
+class Captured:
+    """A timed call captured once in a CUDA graph: calling it replays the graph and returns the
+    captured call's outputs (rewritten by each replay, :meth:`poison` fills them with NaN). ``make``
+    builds the call on the capturing stream (after a synchronize with the current one) and runs it
+    twice there before the capture: a backward's forward then runs on that stream too, so that
+    autograd puts the backward's kernels on it (they run on their forward's stream)."""
+
+    def __init__(self, make: Callable[[], Callable[[], object]]):
+        import torch
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn = make()
+            fn()
+            fn()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=side):
+            self.outputs = fn()
+        torch.cuda.current_stream().wait_stream(side)
+
+    def __call__(self):
+        self.graph.replay()
+        return self.outputs
+
+    def poison(self) -> None:
+        for t in _tensors(self.outputs):
+            if t.is_floating_point():
+                t.fill_(math.nan)
+
+
+def _tensors(value) -> list:
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return [] if value is None or not hasattr(value, "fill_") else [value]
+
+
+def _graph_checked(entry: Entry, device) -> tuple[Callable, "bench_check.Verdict"]:
+    """The entry's call captured in a CUDA graph (:class:`Captured`), and the verdict on a replay's
+    outputs, poisoned before it."""
+    with entry.context():
+        replay = Captured(entry.make)
+        replay.poison()
+        outputs = replay()
+        _sync(device)
+        return replay, entry.judge(outputs)
+
+
 def run_entries(
-    entries: list[Entry], time_ms: Callable, rounds: int = ROUNDS, device="cuda"
+    entries: list[Entry], time_ms: Callable, rounds: int = ROUNDS, device="cuda", graphs: bool = False
 ) -> dict[str, Result]:
     """Check every entry, then time those that passed in turns (module docstring). Returns name ->
-    :class:`Result` (status ok | FAIL | err | missing; ms the median of the rounds)."""
+    :class:`Result` (status ok | FAIL | err | missing; ms the median of the rounds). ``graphs``: an
+    entry that passed is captured in a CUDA graph (:class:`Captured`), a replay checked the same way,
+    and the replays timed (the host's cost of a call drops out)."""
     results: dict[str, Result] = {}
     ready: list[tuple[Entry, Callable]] = []
     for entry in entries:
@@ -150,6 +200,16 @@ def run_entries(
         if not verdict.ok:
             results[entry.name] = Result("FAIL", error=verdict.message, checks=verdict.errors)
             continue
+        if graphs:
+            del fn  # its autograd graph and outputs: the captured call builds its own
+            try:
+                fn, verdict = _graph_checked(entry, device)
+            except Exception as exc:  # noqa: BLE001 - a backend that cannot be captured is reported
+                results[entry.name] = Result("err", error=f"CUDA graph: {first_line(exc)}")
+                continue
+            if not verdict.ok:
+                results[entry.name] = Result("FAIL", error=f"graph replay: {verdict.message}", checks=verdict.errors)
+                continue
         results[entry.name] = Result("ok", checks=verdict.errors)
         ready.append((entry, fn))
     for r in range(rounds):
@@ -252,11 +312,13 @@ def refusals(backends, inputs, causal: bool, pass_: str) -> dict[str, str]:
 
 
 def run_cell(cell: Cell, backends, time_ms: Callable, *, rounds: int = ROUNDS, device="cuda",
-             slices: int = bench_check.SLICES, variants=(), describe: Callable | None = None) -> Row:  # fmt: skip
+             slices: int = bench_check.SLICES, variants=(), describe: Callable | None = None,
+             graphs: bool = False) -> Row:  # fmt: skip
     """Every backend (and each ``variants`` backend: --bwd-variants) on one cell: inputs, the
     expectation (tools/bench_check.py), check and time in turns; a backend that refuses the cell
     (:func:`refusals`) is "n/a" with its reason. ``describe(q, k, v[, dout])`` labels the row
-    (:attr:`Row.variant`). Returns the cell's :class:`Row`."""
+    (:attr:`Row.variant`); ``graphs``: each timed from a CUDA graph (:func:`run_entries`). Returns
+    the cell's :class:`Row`."""
     inputs = cell_inputs(cell, device)
     q, k, v, *rest = inputs
     everyone = list(backends) + list(variants)
@@ -268,7 +330,7 @@ def run_cell(cell: Cell, backends, time_ms: Callable, *, rounds: int = ROUNDS, d
             q, k, v, causal=cell.causal, scale=1.0 / math.sqrt(cell.hdim), dout=rest[0] if rest else None,
             slices=slices, seed=zlib.crc32(cell.label.encode()),
         )  # fmt: skip
-        results |= run_entries(entries_for(cell, taking, inputs, expect), time_ms, rounds, device)
+        results |= run_entries(entries_for(cell, taking, inputs, expect), time_ms, rounds, device, graphs)
     row = Row(cell, variant=describe(*inputs) if describe is not None else None)
     variant_names = {b.name for b in variants}
     for b in everyone:
