@@ -325,7 +325,8 @@ def run_grid(args: argparse.Namespace) -> int:
             print(f"    {name}: {res.text() or '-'}", file=sys.stderr, flush=True)
         rows.append(row)
         shown = ", ".join(f"{n} {row.results[n].text() or '-'}" for n in names)
-        print(f"[{len(rows)}] {cell.label} b={cell.batch}: {shown}", file=sys.stderr, flush=True)
+        batch = f" b={cell.batch}" if cell.batch_ is None else ""  # (a --batch cell's label has it)
+        print(f"[{len(rows)}] {cell.label}{batch}: {shown}", file=sys.stderr, flush=True)
 
     notes += [
         f"{name} returned no log-sum-exp on {n} forward cell(s): O checked alone there"
