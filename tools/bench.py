@@ -211,7 +211,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--graphs", action="store_true",
         help="time every backend replayed from a CUDA graph (captured once after its check, a replay checked "
-        "too): the host's cost of a call drops out, as in a captured training or serving step",
+        "too): the host's cost of a call drops out, as in a captured training or serving step. Known problem: "
+        "backward cells with cutefa and FA4 (and cuDNN) in one run have hit an illegal memory access at the "
+        "next cell (cause not found; docs/log/perf-notes.md); one backend per run has not",
     )  # fmt: skip
     p.add_argument(
         "--heads", type=_heads_list, default=None,
