@@ -55,6 +55,10 @@ import torch
 
 if str(Path(__file__).resolve().parent.parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if str(Path(__file__).resolve().parent) not in sys.path:  # the bench_* siblings
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from bench_run import Captured
 
 from cutefa.api import kvcache
 
@@ -349,26 +353,6 @@ def rel_l2(x, ref):
     ).item()
 
 
-def captured(fn):
-    """``fn`` captured in a CUDA graph (after two warm-up calls on a side stream): a callable that
-    replays it and returns the captured call's outputs (rewritten by each replay)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-
-    return replay
-
-
 def run_cell(cell, time_ms, gen, graphs: bool = False):
     """{backend: (status, ms)} for one cell: built, checked against the reference, then timed
     (``graphs``: captured in a CUDA graph first, the replay's output checked too)."""
@@ -390,7 +374,7 @@ def run_cell(cell, time_ms, gen, graphs: bool = False):
                 results[name] = (f"FAIL {max(errors):.1e}", None)
                 continue
             if graphs:
-                fn = captured(fn)
+                fn = Captured(lambda fn=fn: fn)
                 out = fn()
                 torch.cuda.synchronize()
                 errors = [rel_l2(out[b], ref) for b, ref in refs.items()]
